@@ -1,0 +1,70 @@
+# Every target sets itself up: a fresh clone needs only `make dev` or `make test`.
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROTOS := $(shell find protos -name '*.proto' | sort)
+GENERATED := gpuscaler/generated
+
+.PHONY: help venv dev test unit e2e e2e-full lint typecheck proto proto-check bench chart-test image clean
+
+help: ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+venv: $(STAMP) ## Create .venv with the pinned dependencies
+
+dev: $(STAMP) ## Run the dev stack with fake GPUs as local processes (Ctrl-C stops it)
+	$(BIN)/python dev/stack.py up
+
+test: $(STAMP) proto-check lint typecheck ## Every check CI runs: generated code, lint, types, unit, e2e, chart
+	$(BIN)/pytest tests e2e
+
+unit: $(STAMP) ## Unit and in-process tests only
+	$(BIN)/pytest tests
+
+e2e: $(STAMP) ## End-to-end tests against real processes
+	$(BIN)/pytest e2e
+
+e2e-full: $(STAMP) ## End-to-end tests at full size (10,000 streams, long fuzzing)
+	GPUSCALER_E2E_FULL=1 $(BIN)/pytest e2e
+
+lint: $(STAMP) ## ruff check and format check
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP) ## mypy --strict
+	$(BIN)/mypy gpuscaler tests e2e bench dev
+
+proto: $(STAMP) ## Regenerate gpuscaler/generated from protos/
+	rm -rf $(GENERATED)
+	mkdir -p $(GENERATED)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m grpc_tools.protoc -I protos \
+	  --python_betterproto2_out=$(GENERATED) \
+	  --python_betterproto2_opt=client_generation=async,server_generation=async \
+	  $(PROTOS)
+
+proto-check: proto ## Fail when the committed generated code is not what `make proto` makes
+	@git diff --exit-code --stat -- $(GENERATED) || { echo "generated code is stale: run 'make proto' and commit it"; exit 1; }
+	@test -z "$$(git ls-files --others --exclude-standard -- $(GENERATED))" || { echo "untracked generated files: run 'make proto' and commit them"; exit 1; }
+
+bench: $(STAMP) ## Measurements; writes bench/results/*.json
+	$(BIN)/python -m bench
+
+chart-test: $(STAMP) ## Helm chart checks with the real helm
+	$(BIN)/pytest tests/chart
+
+image: ## Build the container image (needs docker or podman)
+	$${ENGINE:-$$(command -v podman || command -v docker)} build -f Containerfile -t gpuscaler:$$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml) .
+
+clean: ## Remove the virtual environment and caches
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

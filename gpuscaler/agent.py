@@ -1,0 +1,168 @@
+"""The node agent process: collector -> poll loop -> history -> engine -> gRPC, and an orderly stop.
+
+On SIGTERM or SIGINT: health turns NOT_SERVING, every push stream ends with status OK (KEDA then
+reconnects after 2 s instead of backing off towards 60 s), calls in flight finish, then the server
+closes, all within ``--drain-timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from dataclasses import dataclass, field
+
+import structlog
+from grpclib.health.check import ServiceStatus
+from grpclib.health.service import OVERALL, Health
+
+from gpuscaler import __version__
+from gpuscaler.collectors.base import Collector
+from gpuscaler.collectors.fake import FakeCollector
+from gpuscaler.collectors.nvml import NvmlCollector
+from gpuscaler.collectors.scenario import load_scenario
+from gpuscaler.engine import Engine
+from gpuscaler.history import History
+from gpuscaler.poller import Poller
+from gpuscaler.server.agent_api import AgentService
+from gpuscaler.server.external_scaler import ExternalScalerService
+from gpuscaler.server.fake_control import FakeControlService
+from gpuscaler.server.grpc_server import ManyStreamsServer
+from gpuscaler.server.rpc_tracking import RpcTracker
+from gpuscaler.settings import ServeSettings
+from gpuscaler.tls import server_context
+
+log = structlog.get_logger(__name__)
+
+
+def build_collector(settings: ServeSettings) -> Collector:
+    if settings.collector == "fake":
+        scenario = (
+            load_scenario(settings.fake_scenario, gpu_count=settings.fake_gpus) if settings.fake_scenario else None
+        )
+        return FakeCollector(node=settings.node_name, gpu_count=settings.fake_gpus, scenario=scenario)
+    return NvmlCollector(node=settings.node_name)
+
+
+@dataclass
+class Agent:
+    """A started agent; ``stop()`` drains it. Tests run it in-process, ``serve`` runs it as the process."""
+
+    settings: ServeSettings
+    collector: Collector
+    engine: Engine
+    poller: Poller
+    server: ManyStreamsServer
+    scaler: ExternalScalerService
+    tracker: RpcTracker
+    health: ServiceStatus
+    port: int
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @classmethod
+    async def start(cls, settings: ServeSettings, collector: Collector) -> Agent:
+        """Open the collector, take the first sample, and listen. Raises CollectorUnavailable or ConfigError."""
+        ssl_context = (
+            server_context(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+            if settings.tls_cert and settings.tls_key
+            else None
+        )
+        await asyncio.to_thread(collector.open)
+        history = History(
+            history_seconds=settings.history_seconds, poll_interval_seconds=settings.poll_interval_seconds
+        )
+        engine = Engine(history)
+        poller = Poller(
+            collector,
+            history,
+            poll_interval_seconds=settings.poll_interval_seconds,
+            listeners=[engine.on_snapshot],
+        )
+        await poller.start()
+
+        scaler = ExternalScalerService(engine)
+        health = ServiceStatus()
+        services: list[object] = [scaler, AgentService(engine)]
+        if isinstance(collector, FakeCollector):
+            services.append(FakeControlService(collector))
+        services.append(Health({scaler: [health], OVERALL: [health]}))
+        server = ManyStreamsServer(services)
+        tracker = RpcTracker()
+        tracker.attach(server)
+        await server.start(settings.listen.host, settings.listen.port, ssl=ssl_context, reuse_address=True)
+        port = _bound_port(server)
+
+        agent = cls(settings, collector, engine, poller, server, scaler, tracker, health, port)
+        await poller.tick()  # serve from a real sample from the first call on
+        health.set(engine.healthy())
+        agent._tasks = [
+            asyncio.create_task(poller.run(), name="poll-loop"),
+            asyncio.create_task(agent._watch_health(), name="health"),
+        ]
+        log.info(
+            "agent_started",
+            version=__version__,
+            listen=str(settings.listen),
+            port=port,
+            collector=settings.collector,
+            gpus=len(poller.devices),
+            poll_interval_seconds=settings.poll_interval_seconds,
+            tls=ssl_context is not None,
+            mtls=settings.tls_client_ca is not None,
+        )
+        return agent
+
+    async def _watch_health(self) -> None:
+        """Health follows freshness even when the poll loop itself is stuck."""
+        previous: bool | None = self.health.__status__()
+        while True:
+            await asyncio.sleep(self.settings.poll_interval_seconds)
+            healthy = self.engine.healthy()
+            if healthy != previous:
+                log.warning("health_changed", serving=healthy) if not healthy else log.info(
+                    "health_changed", serving=healthy
+                )
+                previous = healthy
+            self.health.set(healthy)
+
+    async def stop(self) -> None:
+        """Drain and close; returns once everything is closed or the drain timeout has passed."""
+        drain = self.settings.drain_timeout_seconds
+        log.info("agent_stopping", open_streams=self.scaler.open_streams, in_flight=self.tracker.in_flight)
+        for task in self._tasks:
+            if task.get_name() == "health":
+                task.cancel()
+        self.health.set(False)
+        self.engine.close_streams()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(drain * 0.8):
+                await self.tracker.wait_idle()
+        if self.tracker.in_flight:
+            log.warning("drain_incomplete", in_flight=self.tracker.in_flight)
+        self.server.close()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(drain * 0.2, 0.1)):
+                await self.server.wait_closed()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.to_thread(self.collector.close)
+        log.info("agent_stopped", calls=sum(self.tracker.finished.values()))
+
+
+def _bound_port(server: ManyStreamsServer) -> int:
+    listener = server._server  # grpclib keeps the asyncio server private
+    sockets = listener.sockets if isinstance(listener, asyncio.Server) else ()
+    return int(sockets[0].getsockname()[1]) if sockets else 0
+
+
+async def serve(settings: ServeSettings) -> int:
+    """Run until SIGTERM or SIGINT; the process's exit code."""
+    agent = await Agent.start(settings, build_collector(settings))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    await agent.stop()
+    return 0

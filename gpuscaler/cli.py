@@ -1,0 +1,193 @@
+"""The ``gpuscaler`` command: ``serve``, ``fake set|fail|heal``, ``query``, ``version``.
+
+Bad flags exit 2 with a message naming the flag; a collector that cannot start exits 1 with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from grpclib.exceptions import GRPCError
+from rich.console import Console
+
+from gpuscaler import __version__, logs
+from gpuscaler.client import ClientOptions, client_address, open_channel
+from gpuscaler.collectors.base import CollectorUnavailable
+from gpuscaler.errors import ConfigError
+from gpuscaler.generated.gpuscaler import v1 as pb
+from gpuscaler.report import collect, render_table
+from gpuscaler.settings import add_serve_flags, settings_from_args
+
+CLIENT_TIMEOUT_SECONDS = 5.0
+FAILURES = {
+    "lost": pb.FakeFailure.LOST,
+    "not_supported": pb.FakeFailure.NOT_SUPPORTED,
+    "timeout": pb.FakeFailure.TIMEOUT,
+}
+
+
+def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpuscaler", description="NVIDIA GPU telemetry as autoscaling signals for KEDA."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="run the node agent", description="Run the node agent.")
+    add_serve_flags(serve, environ)
+
+    fake = commands.add_parser("fake", help="drive an agent's fake GPUs", description="Drive fake GPUs.")
+    fake_commands = fake.add_subparsers(dest="fake_command", required=True, metavar="ACTION")
+    fake_set = fake_commands.add_parser("set", help="set metric values", description="Set fake GPU values.")
+    _add_client_flags(fake_set)
+    fake_set.add_argument("--gpu", required=True, help="GPU index, or all")
+    fake_set.add_argument("values", nargs="+", metavar="METRIC=VALUE", help="e.g. gpu_utilization=90")
+    fake_fail = fake_commands.add_parser("fail", help="make a GPU fail", description="Make reads of a GPU fail.")
+    _add_client_flags(fake_fail)
+    fake_fail.add_argument("--gpu", required=True, help="GPU index")
+    fake_fail.add_argument("--error", required=True, choices=sorted(FAILURES), help="how NVML fails")
+    fake_heal = fake_commands.add_parser("heal", help="end a failure", description="End fake GPU failures.")
+    _add_client_flags(fake_heal)
+    fake_heal.add_argument("--gpu", required=True, help="GPU index, or all")
+
+    query = commands.add_parser(
+        "query",
+        help="show what KEDA would get for trigger metadata",
+        description="Call the four ExternalScaler RPCs (and Explain) with the given trigger metadata.",
+    )
+    _add_client_flags(query)
+    query.add_argument("metadata", nargs="*", metavar="KEY=VALUE", help="trigger metadata, e.g. profile=training")
+    query.add_argument("--output", choices=("table", "json"), default="table", help="output format")
+    query.add_argument("--replicas", type=int, default=1, help="current replicas, for the HPA's arithmetic")
+    query.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+
+    commands.add_parser("version", help="print the version", description="Print the version.")
+    return parser
+
+
+def _add_client_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default="127.0.0.1:6000", help="agent HOST:PORT (default 127.0.0.1:6000)")
+    parser.add_argument("--tls-ca", type=Path, help="PEM CA bundle to verify the agent; turns TLS on")
+    parser.add_argument("--tls-cert", type=Path, help="PEM client certificate, for mTLS")
+    parser.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-server-name", help="name to verify in the agent's certificate")
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    environ = os.environ if environ is None else environ
+    parser = build_parser(environ)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve(args, environ)
+        if args.command == "version":
+            print(f"gpuscaler {__version__}")
+            return 0
+        return asyncio.run(_client_command(args))
+    except ConfigError as error:
+        parser.exit(2, f"gpuscaler {args.command}: error: {error}\n")
+    except CollectorUnavailable as error:
+        print(f"gpuscaler: {error}", file=sys.stderr)
+        return 1
+    except GRPCError as error:
+        print(f"gpuscaler {args.command}: {error.status.name}: {error.message}", file=sys.stderr)
+        return 1
+    except (OSError, TimeoutError) as error:
+        print(f"gpuscaler {args.command}: cannot reach {args.address}: {error!r}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    from gpuscaler.agent import serve
+
+    settings = settings_from_args(args, environ)
+    logs.configure(log_format=settings.log_format, level=settings.log_level, node=settings.node_name)
+    return asyncio.run(serve(settings))
+
+
+def _client_options(args: argparse.Namespace) -> ClientOptions:
+    return ClientOptions(
+        address=client_address(args.address),
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        server_name=args.tls_server_name,
+    )
+
+
+async def _client_command(args: argparse.Namespace) -> int:
+    options = _client_options(args)
+    async with open_channel(options) as channel:
+        if args.command == "query":
+            return await _query(args, channel)
+        return await _fake(args, channel)
+
+
+async def _query(args: argparse.Namespace, channel: object) -> int:
+    metadata = dict(_pairs(args.metadata, "KEY=VALUE"))
+    console = Console()
+    while True:
+        report = await collect(channel, metadata, current_replicas=args.replicas)  # type: ignore[arg-type]
+        if args.output == "json":
+            print(report.to_json())
+        else:
+            if args.watch:
+                console.clear()
+            render_table(report, console)
+        if not args.watch:
+            return 0 if report.get_metrics.ok else 1
+        await asyncio.sleep(args.watch)
+
+
+async def _fake(args: argparse.Namespace, channel: object) -> int:
+    control = pb.FakeControlStub(channel)  # type: ignore[arg-type]
+    if args.fake_command == "set":
+        updates = {name: _float(name, text) for name, text in _pairs(args.values, "METRIC=VALUE")}
+        state = await control.set(
+            pb.SetRequest(gpu=_selector(args.gpu), values=updates), timeout=CLIENT_TIMEOUT_SECONDS
+        )
+    elif args.fake_command == "fail":
+        state = await control.fail(
+            pb.FailRequest(index=_index(args.gpu), failure=FAILURES[args.error]),
+            timeout=CLIENT_TIMEOUT_SECONDS,
+        )
+    else:
+        state = await control.heal(pb.HealRequest(gpu=_selector(args.gpu)), timeout=CLIENT_TIMEOUT_SECONDS)
+    for gpu in state.gpus:
+        failure = "" if gpu.failure == pb.FakeFailure.UNSPECIFIED else f" failing={gpu.failure.name.lower()}"
+        values = " ".join(f"{name}={value:g}" for name, value in sorted(gpu.values.items()))
+        print(f"gpu {gpu.index} {gpu.uuid}{failure} {values}")
+    return 0
+
+
+def _pairs(items: Sequence[str], form: str) -> list[tuple[str, str]]:
+    pairs = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{item!r} is not {form}")
+        pairs.append((key, value))
+    return pairs
+
+
+def _float(name: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r}: the value must be a number") from None
+
+
+def _index(text: str) -> int:
+    if not text.isdigit():
+        raise ConfigError(f"--gpu {text!r}: use a GPU index (0, 1, ...)")
+    return int(text)
+
+
+def _selector(text: str) -> pb.GpuSelector:
+    return pb.GpuSelector(all=True) if text == "all" else pb.GpuSelector(index=_index(text))

@@ -1,0 +1,43 @@
+"""Our own grpclib client: channels (plain, TLS, mTLS) for the CLI and the tests."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpclib.client import Channel
+from grpclib.config import Configuration
+
+from gpuscaler.errors import ConfigError
+from gpuscaler.settings import Address, parse_address
+from gpuscaler.tls import client_context
+
+
+@dataclass(frozen=True, slots=True)
+class ClientOptions:
+    address: Address
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    server_name: str | None = None
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_ca is not None or self.tls_cert is not None
+
+
+def client_address(text: str) -> Address:
+    return parse_address(text, lambda allowed: ConfigError(f"--address {text!r}: {allowed}"))
+
+
+@contextlib.asynccontextmanager
+async def open_channel(options: ClientOptions) -> AsyncIterator[Channel]:
+    ssl = client_context(options.tls_ca, options.tls_cert, options.tls_key) if options.tls else None
+    config = Configuration(ssl_target_name_override=options.server_name) if options.server_name else None
+    channel = Channel(options.address.host, options.address.port, ssl=ssl, config=config)
+    try:
+        yield channel
+    finally:
+        channel.close()

@@ -1,0 +1,182 @@
+"""Fake GPUs that behave like NVML ones: values from a scenario or set live, and NVML's failures on demand.
+
+A ``timeout`` failure blocks the read the way a hung NVML call blocks its thread, so the poll loop's
+timeout path is the one under test, not a shortcut.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gpuscaler.collectors.scenario import (
+    DEFAULT_MEMORY_TOTAL_BYTES,
+    DEFAULT_POWER_LIMIT_WATTS,
+    FAKE_GPU_NAME,
+    IDLE_VALUES,
+    Constant,
+    Scenario,
+    Shape,
+)
+from gpuscaler.samples import DEVICE_FIELD, GpuIdentity, GpuSample, Metric, ReadError, ReadErrorKind
+
+# A hung read gives up after this long even if nobody heals it, so no thread is stuck forever.
+HUNG_READ_LIMIT_SECONDS = 60.0
+
+_FIELDS = (
+    "gpu_utilization_percent",
+    "memory_utilization_percent",
+    "memory_used_bytes",
+    "memory_total_bytes",
+    "temperature_celsius",
+    "power_draw_watts",
+    "power_limit_watts",
+)
+
+
+class Failure(enum.Enum):
+    LOST = "lost"
+    NOT_SUPPORTED = "not_supported"
+    TIMEOUT = "timeout"
+
+
+@dataclass(slots=True)
+class FakeGpu:
+    identity: GpuIdentity
+    memory_total_bytes: int
+    power_limit_watts: float
+    shapes: dict[Metric, Shape]
+    failure: Failure | None = None
+    healed: threading.Event = field(default_factory=threading.Event)
+
+
+class FakeCollector:
+    """``gpu_count`` fake GPUs on ``node``, shaped by ``scenario``; safe to set from another thread."""
+
+    def __init__(self, *, node: str, gpu_count: int, scenario: Scenario | None = None) -> None:
+        self._node = node
+        self._started = time.monotonic()
+        self._lock = threading.Lock()
+        scenario = scenario or Scenario()
+        self._gpus = [self._build(index, scenario) for index in range(gpu_count)]
+
+    def _build(self, index: int, scenario: Scenario) -> FakeGpu:
+        own = scenario.gpus.get(index)
+        defaults = scenario.defaults
+        shapes: dict[Metric, Shape] = {metric: Constant(value) for metric, value in IDLE_VALUES.items()}
+        for source in (defaults, own):
+            if source is None:
+                continue
+            if Metric.POWER_PERCENT in source.values:
+                shapes.pop(Metric.POWER_DRAW, None)
+            if Metric.POWER_DRAW in source.values:
+                shapes.pop(Metric.POWER_PERCENT, None)
+            shapes.update(source.values)
+        uuid = (own.uuid if own else None) or f"GPU-fake-{self._node}-{index}"
+        name = (own.name if own else None) or FAKE_GPU_NAME
+        return FakeGpu(
+            identity=GpuIdentity(index=index, uuid=uuid, name=name),
+            memory_total_bytes=(own and own.memory_total_bytes)
+            or defaults.memory_total_bytes
+            or DEFAULT_MEMORY_TOTAL_BYTES,
+            power_limit_watts=(own and own.power_limit_watts)
+            or defaults.power_limit_watts
+            or DEFAULT_POWER_LIMIT_WATTS,
+            shapes=shapes,
+        )
+
+    @property
+    def node(self) -> str:
+        return self._node
+
+    def open(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.heal(None)  # release any read blocked in a simulated hang
+
+    def discover(self) -> Sequence[GpuIdentity]:
+        return [gpu.identity for gpu in self._gpus]
+
+    def read(self, gpu: GpuIdentity) -> GpuSample:
+        fake = self._gpus[gpu.index]
+        with self._lock:
+            failure = fake.failure
+            healed = fake.healed
+            values = self._values_locked(fake)
+        if failure is Failure.TIMEOUT:
+            healed.wait(HUNG_READ_LIMIT_SECONDS)
+            return GpuSample(
+                gpu=gpu,
+                node=self._node,
+                errors=(ReadError(DEVICE_FIELD, ReadErrorKind.TIMEOUT, "fake NVML call hung"),),
+            )
+        if failure is Failure.LOST:
+            detail = f"nvmlDeviceGetUtilizationRates(gpu {gpu.index}): GPU is lost (fake)"
+            return GpuSample(
+                gpu=gpu, node=self._node, errors=(ReadError(DEVICE_FIELD, ReadErrorKind.GPU_LOST, detail),)
+            )
+        if failure is Failure.NOT_SUPPORTED:
+            errors = tuple(
+                ReadError(name, ReadErrorKind.NOT_SUPPORTED, f"gpu {gpu.index}: Not Supported (fake)")
+                for name in _FIELDS
+            )
+            return GpuSample(gpu=gpu, node=self._node, errors=errors)
+        used_percent = values[Metric.MEMORY_USED_PERCENT]
+        if Metric.POWER_PERCENT in values:
+            power = values[Metric.POWER_PERCENT] / 100.0 * fake.power_limit_watts
+        else:
+            power = values[Metric.POWER_DRAW]
+        return GpuSample(
+            gpu=gpu,
+            node=self._node,
+            gpu_utilization_percent=values[Metric.GPU_UTILIZATION],
+            memory_utilization_percent=values[Metric.MEMORY_UTILIZATION],
+            memory_used_bytes=round(used_percent / 100.0 * fake.memory_total_bytes),
+            memory_total_bytes=fake.memory_total_bytes,
+            temperature_celsius=values[Metric.TEMPERATURE],
+            power_draw_watts=power,
+            power_limit_watts=fake.power_limit_watts,
+        )
+
+    def _values_locked(self, fake: FakeGpu) -> dict[Metric, float]:
+        elapsed = time.monotonic() - self._started
+        return {metric: shape.at(elapsed) for metric, shape in fake.shapes.items()}
+
+    # Live control (the FakeControl gRPC service calls these).
+
+    def set_values(self, index: int | None, values: Mapping[Metric, float]) -> None:
+        """Replace the shapes of ``values``' metrics with constants, on one GPU or all (index None)."""
+        with self._lock:
+            for fake in self._select(index):
+                if Metric.POWER_PERCENT in values:
+                    fake.shapes.pop(Metric.POWER_DRAW, None)
+                if Metric.POWER_DRAW in values:
+                    fake.shapes.pop(Metric.POWER_PERCENT, None)
+                fake.shapes.update({metric: Constant(value) for metric, value in values.items()})
+
+    def fail(self, index: int, failure: Failure) -> None:
+        with self._lock:
+            fake = self._select(index)[0]
+            fake.failure = failure
+            fake.healed = threading.Event()
+
+    def heal(self, index: int | None) -> None:
+        with self._lock:
+            for fake in self._select(index):
+                fake.failure = None
+                fake.healed.set()
+
+    def state(self) -> list[tuple[GpuIdentity, dict[Metric, float], Failure | None]]:
+        with self._lock:
+            return [(fake.identity, self._values_locked(fake), fake.failure) for fake in self._gpus]
+
+    def _select(self, index: int | None) -> list[FakeGpu]:
+        if index is None:
+            return list(self._gpus)
+        if not 0 <= index < len(self._gpus):
+            raise IndexError(f"gpu {index} is out of range; this agent has GPUs 0-{len(self._gpus) - 1}")
+        return [self._gpus[index]]

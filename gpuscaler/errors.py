@@ -1,0 +1,35 @@
+"""The errors a user can cause or meet, each of which becomes one gRPC status (see ``server/status.py``).
+
+Every message names the field, the value and what is allowed, so that KEDA's event on the
+ScaledObject tells the operator what to fix.
+"""
+
+from __future__ import annotations
+
+
+class GpuscalerError(Exception):
+    """Base of every error that reaches a client as a gRPC status with our own message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidMetadata(GpuscalerError):
+    """Trigger metadata is wrong: a key we do not know, or a value out of range (INVALID_ARGUMENT)."""
+
+
+class UnknownMetricName(GpuscalerError):
+    """GetMetrics asked for a metric name that the metadata does not produce (NOT_FOUND)."""
+
+
+class Unsupported(GpuscalerError):
+    """The metric cannot be read on the selected GPUs, and waiting will not help (FAILED_PRECONDITION)."""
+
+
+class Unavailable(GpuscalerError):
+    """There is no fresh sample to answer from right now (UNAVAILABLE: KEDA retries, then falls back)."""
+
+
+class ConfigError(Exception):
+    """A flag, environment variable or scenario file is wrong; the CLI exits 2 with this message."""

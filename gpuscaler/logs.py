@@ -1,0 +1,50 @@
+"""structlog set-up: one key/value event per line, JSON in containers, console on a terminal."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Literal
+
+import structlog
+
+LogFormat = Literal["json", "console"]
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def default_format() -> LogFormat:
+    return "console" if sys.stderr.isatty() else "json"
+
+
+def configure(*, log_format: LogFormat, level: str, node: str | None = None) -> None:
+    """Route structlog (and the stdlib loggers of grpclib and friends) to stderr."""
+    numeric = logging.getLevelNamesMapping()[level.upper()]
+    shared: list[structlog.typing.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    renderer: structlog.typing.Processor = (
+        structlog.processors.JSONRenderer()
+        if log_format == "json"
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    structlog.configure(
+        processors=[*shared, structlog.processors.format_exc_info, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    if node is not None:
+        structlog.contextvars.bind_contextvars(node=node)
+    # grpclib logs "Request was cancelled" at INFO for every stream KEDA drops; that is our stream_closed.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+            foreign_pre_chain=shared,
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(max(numeric, logging.WARNING))

@@ -1,0 +1,284 @@
+"""Trigger metadata (``ScaledObjectRef.scalerMetadata``) to a ``Query``, or an error that names the key.
+
+Precedence, lowest first: the metric's defaults, the profile, then each key the trigger sets. A profile's
+target and thresholds belong to its metric: when the trigger picks another metric, that metric's
+defaults apply instead, so ``profile: training`` with ``metric: power_draw`` does not mean "90 watts".
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+from gpuscaler.durations import format_duration, parse_duration
+from gpuscaler.errors import InvalidMetadata
+from gpuscaler.profiles import DEFAULT_METRIC, METRIC_DEFAULTS, PROFILES
+from gpuscaler.query import (
+    ActivationRule,
+    Aggregation,
+    GpuSelection,
+    Query,
+    ValueQuery,
+    WindowFunction,
+    default_metric_name,
+)
+from gpuscaler.samples import Metric
+
+# KEDA passes its own trigger keys through to the scaler; they configure KEDA's client, not the query.
+KEDA_KEYS = frozenset(
+    {"scalerAddress", "enableTLS", "unsafeSsl", "caCert", "tlsClientCert", "tlsClientKey", "tlsCertFile"}
+)
+
+QUERY_KEYS = (
+    "profile",
+    "metric",
+    "metricType",
+    "targetValue",
+    "targetGpuUtilization",
+    "targetMemoryUtilization",
+    "activationThreshold",
+    "deactivationThreshold",
+    "aggregation",
+    "gpuIndex",
+    "gpuUUID",
+    "window",
+    "windowFunction",
+    "metricName",
+    "pollIntervalSeconds",
+)
+KNOWN_KEYS = frozenset(QUERY_KEYS) | KEDA_KEYS
+
+FROM_ENV_SUFFIX = "FromEnv"
+MIN_TARGET = 0.001  # KEDA keeps milli precision; a smaller target rounds to 0 and is refused there
+_E = TypeVar("_E", Metric, Aggregation, WindowFunction)
+_T = TypeVar("_T")
+_METRIC_NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,98}[a-z0-9])?$")
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the running agent allows, so that errors can say so (a window longer than the history)."""
+
+    history_seconds: float
+
+
+def parse_metadata(metadata: Mapping[str, str], limits: Limits) -> Query:
+    """The query the metadata asks for. Raises InvalidMetadata naming the key, the value and what is allowed."""
+    raw = _resolve_keys(metadata)
+
+    profile = None
+    if "profile" in raw:
+        profile = PROFILES.get(raw["profile"].strip())
+        if profile is None:
+            raise _not_one_of("profile", raw["profile"], list(PROFILES))
+
+    metric = _parse_metric(raw, DEFAULT_METRIC if profile is None else profile.metric)
+    target_from_shorthand = _shorthand_target(raw, metric)
+    if target_from_shorthand is not None:
+        metric = target_from_shorthand[0]
+
+    if profile is not None and profile.metric == metric:
+        aggregation, target = profile.aggregation, profile.target
+        activation, deactivation = profile.activation_threshold, profile.deactivation_threshold
+    else:
+        defaults = METRIC_DEFAULTS[metric]
+        aggregation, target = defaults.aggregation, defaults.target
+        activation = deactivation = defaults.activation_threshold
+    window_seconds = profile.window_seconds if profile else None
+    window_function = profile.window_function if profile else WindowFunction.AVG
+
+    if target_from_shorthand is not None:
+        target = target_from_shorthand[1]
+    if "targetValue" in raw:
+        target = _parse_float("targetValue", raw["targetValue"], minimum=MIN_TARGET, exclusive=False)
+    if "aggregation" in raw:
+        aggregation = _parse_enum("aggregation", raw["aggregation"], Aggregation)
+    if "activationThreshold" in raw:
+        activation = _parse_float("activationThreshold", raw["activationThreshold"], minimum=0.0)
+        # Without its own deactivationThreshold, hysteresis is off: both thresholds are the same.
+        deactivation = activation
+    if "deactivationThreshold" in raw:
+        deactivation = _parse_float("deactivationThreshold", raw["deactivationThreshold"], minimum=0.0)
+    if deactivation > activation:
+        raise InvalidMetadata(
+            f"deactivationThreshold {_fmt(deactivation)} is above activationThreshold {_fmt(activation)}; "
+            "it must be <= activationThreshold (the value falls below it to deactivate)"
+        )
+    if "window" in raw:
+        window_seconds = _parse_window(raw["window"], limits)
+    if "windowFunction" in raw:
+        window_function = _parse_enum("windowFunction", raw["windowFunction"], WindowFunction)
+    if "pollIntervalSeconds" in raw:
+        # Accepted for ScaledObjects written for the prior art; the agent's own loop sets the pace.
+        _parse_float("pollIntervalSeconds", raw["pollIntervalSeconds"], minimum=0.0)
+
+    value = ValueQuery(
+        metric=metric,
+        aggregation=aggregation,
+        selection=_parse_selection(raw),
+        window_seconds=window_seconds,
+        window_function=window_function,
+    )
+    metric_name = _parse_metric_name(raw["metricName"]) if "metricName" in raw else default_metric_name(value)
+    return Query(
+        value=value,
+        activation=ActivationRule(activation, deactivation),
+        target=target,
+        metric_name=metric_name,
+        profile=profile.name if profile else None,
+    )
+
+
+def _resolve_keys(metadata: Mapping[str, str]) -> dict[str, str]:
+    """Known query keys with their values; `<key>FromEnv` counts as `<key>`, KEDA's keys are dropped."""
+    resolved: dict[str, str] = {}
+    for key, value in metadata.items():
+        name = key
+        if key.endswith(FROM_ENV_SUFFIX) and key[: -len(FROM_ENV_SUFFIX)] in KNOWN_KEYS:
+            name = key[: -len(FROM_ENV_SUFFIX)]
+        if name in KEDA_KEYS:
+            continue
+        if name not in KNOWN_KEYS:
+            raise InvalidMetadata(_unknown_key_message(key))
+        if name in resolved:
+            raise InvalidMetadata(f"keys {name!r} and {name + FROM_ENV_SUFFIX!r} are both set; set one of them")
+        resolved[name] = value
+    if "metric" in resolved and "metricType" in resolved:
+        raise InvalidMetadata("keys 'metric' and 'metricType' are both set; 'metricType' is an alias: set one")
+    if "gpuIndex" in resolved and "gpuUUID" in resolved:
+        raise InvalidMetadata("keys 'gpuIndex' and 'gpuUUID' are both set; select GPUs by one of them")
+    if "targetGpuUtilization" in resolved and "targetMemoryUtilization" in resolved:
+        raise InvalidMetadata(
+            "keys 'targetGpuUtilization' and 'targetMemoryUtilization' are both set; each picks the metric: "
+            "set one, or use 'metric' with 'targetValue'"
+        )
+    return resolved
+
+
+def _unknown_key_message(key: str) -> str:
+    candidates = {known.lower(): known for known in QUERY_KEYS}
+    close = difflib.get_close_matches(key.lower(), list(candidates), n=1, cutoff=0.6)
+    hint = f"did you mean {candidates[close[0]]!r}?" if close else "known keys: " + ", ".join(QUERY_KEYS)
+    return f"unknown key {key!r}; {hint}"
+
+
+def _parse_metric(raw: Mapping[str, str], default: Metric) -> Metric:
+    for key in ("metric", "metricType"):
+        if key in raw:
+            return _parse_enum(key, raw[key], Metric)
+    return default
+
+
+_SHORTHANDS = {
+    "targetGpuUtilization": Metric.GPU_UTILIZATION,
+    "targetMemoryUtilization": Metric.MEMORY_UTILIZATION,
+}
+
+
+def _shorthand_target(raw: Mapping[str, str], chosen: Metric) -> tuple[Metric, float] | None:
+    for key, metric in _SHORTHANDS.items():
+        if key not in raw:
+            continue
+        named = "metric" in raw or "metricType" in raw
+        if named and chosen != metric:
+            raise InvalidMetadata(
+                f"{key} sets the metric to {metric.value!r}, but metric is {chosen.value!r}; "
+                f"drop one, or use targetValue"
+            )
+        if "targetValue" in raw:
+            raise InvalidMetadata(f"keys {key!r} and 'targetValue' are both set; set one target")
+        return metric, _parse_float(key, raw[key], minimum=MIN_TARGET, exclusive=False)
+    return None
+
+
+def _parse_float(key: str, text: str, *, minimum: float, exclusive: bool = False) -> float:
+    try:
+        number = float(text.strip())
+    except ValueError:
+        raise InvalidMetadata(f"{key} {text!r} is not a number; use a decimal like '70' or '0.5'") from None
+    if not math.isfinite(number):
+        raise InvalidMetadata(f"{key} {text!r} is not finite; use a finite decimal")
+    if number < minimum or (exclusive and number == minimum):
+        bound = f"> {_fmt(minimum)}" if exclusive else f">= {_fmt(minimum)}"
+        raise InvalidMetadata(f"{key} {text!r} is out of range; it must be {bound}")
+    return number
+
+
+def _parse_enum(key: str, text: str, kind: type[_E]) -> _E:
+    try:
+        return kind(text.strip())
+    except ValueError:
+        raise _not_one_of(key, text, [member.value for member in kind]) from None
+
+
+def _not_one_of(key: str, text: str, allowed: list[str]) -> InvalidMetadata:
+    return InvalidMetadata(f"{key} {text!r} is not allowed; use one of: {', '.join(allowed)}")
+
+
+def _parse_window(text: str, limits: Limits) -> float:
+    try:
+        seconds = parse_duration(text)
+    except ValueError as error:
+        raise InvalidMetadata(f"window {error}") from None
+    if seconds <= 0:
+        raise InvalidMetadata(f"window {text!r} must be longer than 0; leave it out to use the latest sample")
+    if seconds > limits.history_seconds:
+        raise InvalidMetadata(
+            f"window {text!r} is longer than the agent's history of {format_duration(limits.history_seconds)}; "
+            "use a shorter window or raise --history"
+        )
+    return seconds
+
+
+def _parse_selection(raw: Mapping[str, str]) -> GpuSelection:
+    if "gpuIndex" in raw:
+        return GpuSelection(indices=_parse_indices(raw["gpuIndex"]))
+    if "gpuUUID" in raw:
+        return GpuSelection(uuids=_parse_list("gpuUUID", raw["gpuUUID"], _non_empty))
+    return GpuSelection()
+
+
+def _parse_indices(text: str) -> tuple[int, ...] | None:
+    indices = _parse_list("gpuIndex", text, _index)
+    if -1 in indices:
+        if len(indices) > 1:
+            raise InvalidMetadata(f"gpuIndex {text!r} mixes -1 (all GPUs) with indices; use -1 alone")
+        return None
+    return tuple(sorted(set(indices)))
+
+
+def _index(item: str) -> int:
+    if not re.fullmatch(r"-?\d{1,6}", item) or int(item) < -1:
+        raise ValueError("an index is an integer >= 0, or -1 for all GPUs")
+    return int(item)
+
+
+def _non_empty(item: str) -> str:
+    return item
+
+
+def _parse_list(key: str, text: str, parse: Callable[[str], _T]) -> tuple[_T, ...]:
+    items = [item.strip() for item in text.split(",")]
+    if not text.strip() or any(not item for item in items):
+        raise InvalidMetadata(f"{key} {text!r} has an empty entry; use a comma-separated list like '0,2'")
+    try:
+        return tuple(parse(item) for item in items)
+    except ValueError as error:
+        raise InvalidMetadata(f"{key} {text!r}: {error}") from None
+
+
+def _parse_metric_name(text: str) -> str:
+    if not _METRIC_NAME.match(text):
+        raise InvalidMetadata(
+            f"metricName {text!r} is not allowed; use 1-100 lowercase letters, digits, '-', '_' or '.', "
+            "starting and ending with a letter or digit (KEDA puts it in a URL path)"
+        )
+    return text
+
+
+def _fmt(number: float) -> str:
+    return f"{number:g}"

@@ -1,0 +1,197 @@
+"""What KEDA would see for one trigger: the four ExternalScaler answers, the explanation, the HPA's math.
+
+``gpuscaler query`` collects a Report over the network and prints it as a table or JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from grpclib.client import Channel
+from grpclib.exceptions import GRPCError
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from gpuscaler.generated import externalscaler as keda
+from gpuscaler.generated.gpuscaler import v1 as pb
+from gpuscaler.hpa import MetricType, desired_replicas
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """One RPC's outcome: its fields, or the gRPC status KEDA would get."""
+
+    ok: bool
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    code: str = ""
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    metadata: Mapping[str, str]
+    get_metric_spec: Answer
+    get_metrics: Answer
+    is_active: Answer
+    stream_is_active: Answer
+    explanation: Mapping[str, Any] | None
+    replicas: Mapping[str, int] | None
+    current_replicas: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=False)
+
+
+async def _answer(call: Any) -> Answer:
+    try:
+        response = await call
+    except GRPCError as error:
+        return Answer(ok=False, code=error.status.name, message=error.message or "")
+    return Answer(ok=True, fields=response.to_dict(include_default_values=True))
+
+
+async def collect(
+    channel: Channel,
+    metadata: Mapping[str, str],
+    *,
+    current_replicas: int = 1,
+    stream_wait_seconds: float = 2.0,
+    call_timeout: float = 5.0,
+) -> Report:
+    scaler = keda.ExternalScalerStub(channel)
+    ref = keda.ScaledObjectRef(name="gpuscaler-query", namespace="default", scaler_metadata=dict(metadata))
+    spec = await _answer(scaler.get_metric_spec(ref, timeout=call_timeout))
+    name = spec.fields["metricSpecs"][0]["metricName"] if spec.ok else ""
+    metrics = await _answer(
+        scaler.get_metrics(keda.GetMetricsRequest(scaled_object_ref=ref, metric_name=name), timeout=call_timeout)
+    )
+    active = await _answer(scaler.is_active(ref, timeout=call_timeout))
+    stream = await _first_stream_message(scaler, ref, stream_wait_seconds)
+    explanation = await _answer(
+        pb.AgentStub(channel).explain(pb.ExplainRequest(scaler_metadata=dict(metadata)), timeout=call_timeout)
+    )
+
+    replicas = None
+    if spec.ok and metrics.ok:
+        target = float(spec.fields["metricSpecs"][0]["targetSizeFloat"])
+        value = float(metrics.fields["metricValues"][0].get("metricValueFloat", 0.0))
+        replicas = {
+            kind.value: desired_replicas(kind, value=value, target=target, current=current_replicas)
+            for kind in MetricType
+        }
+    return Report(
+        metadata=dict(metadata),
+        get_metric_spec=spec,
+        get_metrics=metrics,
+        is_active=active,
+        stream_is_active=stream,
+        explanation=explanation.fields if explanation.ok else None,
+        replicas=replicas,
+        current_replicas=current_replicas,
+    )
+
+
+async def _first_stream_message(
+    scaler: keda.ExternalScalerStub, ref: keda.ScaledObjectRef, wait_seconds: float
+) -> Answer:
+    stream = scaler.stream_is_active(ref)
+    try:
+        async with asyncio.timeout(wait_seconds):
+            message = await anext(aiter(stream))
+    except TimeoutError:
+        return Answer(ok=False, code="NO_MESSAGE", message=f"no message within {wait_seconds:g}s")
+    except GRPCError as error:
+        return Answer(ok=False, code=error.status.name, message=error.message or "")
+    except StopAsyncIteration:
+        return Answer(ok=False, code="OK", message="stream ended without a message")
+    finally:
+        with contextlib.suppress(Exception):
+            await stream.aclose()  # type: ignore[attr-defined]
+    return Answer(ok=True, fields=message.to_dict(include_default_values=True))
+
+
+def render_table(report: Report, console: Console) -> None:
+    """The report for a person: the four answers, then the GPUs that went in, then the HPA's math."""
+    console.print(Group(_answers_table(report), _gpus_table(report), _replicas_text(report)))
+
+
+def _answers_table(report: Report) -> Table:
+    table = Table(title="What KEDA gets", title_justify="left", show_lines=False)
+    table.add_column("RPC")
+    table.add_column("answer")
+    spec = report.get_metric_spec
+    if spec.ok:
+        item = spec.fields["metricSpecs"][0]
+        spec_text = (
+            f"metricName={item['metricName']} "
+            f"targetSizeFloat={item['targetSizeFloat']:g} targetSize={item['targetSize']}"
+        )
+    else:
+        spec_text = None
+    metrics = report.get_metrics
+    if metrics.ok:
+        item = metrics.fields["metricValues"][0]
+        metrics_text = (
+            f"metricValueFloat={float(item.get('metricValueFloat', 0.0)):.3f} metricValue={item.get('metricValue', 0)}"
+        )
+    else:
+        metrics_text = None
+    rows = [
+        ("GetMetricSpec", spec, spec_text),
+        ("GetMetrics", metrics, metrics_text),
+        (
+            "IsActive",
+            report.is_active,
+            f"result={report.is_active.fields.get('result')}" if report.is_active.ok else None,
+        ),
+        (
+            "StreamIsActive",
+            report.stream_is_active,
+            f"first message result={report.stream_is_active.fields.get('result')}"
+            if report.stream_is_active.ok
+            else None,
+        ),
+    ]
+    for name, answer, text in rows:
+        table.add_row(name, text if answer.ok and text else Text(f"{answer.code}: {answer.message}", style="red"))
+    return table
+
+
+def _gpus_table(report: Report) -> Table:
+    explanation = report.explanation or {}
+    window = float(explanation.get("windowSeconds", 0.0))
+    how = f"{explanation.get('windowFunction')} over {window:g}s" if window else "latest sample"
+    title = (
+        f"GPUs: {explanation.get('metric', '?')} ({how}), then {explanation.get('aggregation', '?')} across GPUs; "
+        f"activation > {explanation.get('activationThreshold', 0):g}, deactivation <= "
+        f"{explanation.get('deactivationThreshold', 0):g}"
+    )
+    table = Table(title=title, title_justify="left")
+    for column in ("node", "index", "uuid", "value", "samples", "left out because"):
+        table.add_column(column)
+    for gpu in explanation.get("gpus", []):
+        value = gpu.get("value")
+        table.add_row(
+            gpu.get("node", ""),
+            str(gpu.get("index", 0)),
+            gpu.get("uuid", ""),
+            "" if value is None else f"{float(value):.3f}",
+            str(gpu.get("samples", 0)),
+            gpu.get("reason", ""),
+        )
+    return table
+
+
+def _replicas_text(report: Report) -> Text:
+    if report.replicas is None:
+        return Text("HPA: no value, so KEDA keeps the current replicas or applies its fallback", style="yellow")
+    return Text(
+        f"HPA at {report.current_replicas} current replica(s): AverageValue -> {report.replicas['AverageValue']}, "
+        f"Value -> {report.replicas['Value']}"
+    )

@@ -1,0 +1,146 @@
+"""What one poll tick read from the GPUs: frozen samples with units in their names.
+
+A value that could not be read is None and its reason is in ``errors``; it is never 0.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+class Metric(enum.StrEnum):
+    """The metric names that trigger metadata, the fake collector and the docs share."""
+
+    GPU_UTILIZATION = "gpu_utilization"
+    MEMORY_UTILIZATION = "memory_utilization"
+    MEMORY_USED_PERCENT = "memory_used_percent"
+    TEMPERATURE = "temperature"
+    POWER_DRAW = "power_draw"
+    POWER_PERCENT = "power_percent"
+
+
+METRIC_UNITS: Mapping[Metric, str] = {
+    Metric.GPU_UTILIZATION: "%",
+    Metric.MEMORY_UTILIZATION: "%",
+    Metric.MEMORY_USED_PERCENT: "%",
+    Metric.TEMPERATURE: "°C",
+    Metric.POWER_DRAW: "W",
+    Metric.POWER_PERCENT: "%",
+}
+
+# The sample field every metric is computed from; an error on any of them makes the metric absent.
+METRIC_SOURCES: Mapping[Metric, tuple[str, ...]] = {
+    Metric.GPU_UTILIZATION: ("gpu_utilization_percent",),
+    Metric.MEMORY_UTILIZATION: ("memory_utilization_percent",),
+    Metric.MEMORY_USED_PERCENT: ("memory_used_bytes", "memory_total_bytes"),
+    Metric.TEMPERATURE: ("temperature_celsius",),
+    Metric.POWER_DRAW: ("power_draw_watts",),
+    Metric.POWER_PERCENT: ("power_draw_watts", "power_limit_watts"),
+}
+
+# `ReadError.field` for a failure of the whole device rather than of one field.
+DEVICE_FIELD = "device"
+
+
+class ReadErrorKind(enum.Enum):
+    """Why a value is absent; decides the gRPC status a query over it gets."""
+
+    NOT_SUPPORTED = "not_supported"
+    GPU_LOST = "gpu_lost"
+    TIMEOUT = "timeout"
+    OTHER = "other"
+
+
+@dataclass(frozen=True, slots=True)
+class ReadError:
+    """One field (or the whole device) that could not be read, with the reader's own words."""
+
+    field: str
+    kind: ReadErrorKind
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class PodRef:
+    """A container the kubelet assigned a GPU to."""
+
+    namespace: str
+    pod: str
+    container: str
+
+
+@dataclass(frozen=True, slots=True)
+class GpuIdentity:
+    """A device as the collector enumerates it: a whole GPU, or one MIG instance of it."""
+
+    index: int
+    uuid: str
+    name: str
+    mig_parent_uuid: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSample:
+    """One device's readings at one tick. Percentages are 0-100, memory in bytes, power in watts."""
+
+    gpu: GpuIdentity
+    node: str
+    gpu_utilization_percent: float | None = None
+    memory_utilization_percent: float | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    temperature_celsius: float | None = None
+    power_draw_watts: float | None = None
+    power_limit_watts: float | None = None
+    errors: tuple[ReadError, ...] = ()
+    pods: tuple[PodRef, ...] = ()
+
+    def value(self, metric: Metric) -> float | None:
+        """The metric in its documented unit, or None when a field it needs was not read."""
+        match metric:
+            case Metric.GPU_UTILIZATION:
+                return self.gpu_utilization_percent
+            case Metric.MEMORY_UTILIZATION:
+                return self.memory_utilization_percent
+            case Metric.MEMORY_USED_PERCENT:
+                return _percent(self.memory_used_bytes, self.memory_total_bytes)
+            case Metric.TEMPERATURE:
+                return self.temperature_celsius
+            case Metric.POWER_DRAW:
+                return self.power_draw_watts
+            case Metric.POWER_PERCENT:
+                return _percent(self.power_draw_watts, self.power_limit_watts)
+
+    def error_for(self, metric: Metric) -> ReadError | None:
+        """The reason ``value(metric)`` is None: a device-wide error first, then the field's own."""
+        sources = METRIC_SOURCES[metric]
+        for error in self.errors:
+            if error.field == DEVICE_FIELD:
+                return error
+        for error in self.errors:
+            if error.field in sources or error.field == metric.value:
+                return error
+        return None
+
+
+def _percent(part: float | None, whole: float | None) -> float | None:
+    if part is None or whole is None or whole <= 0:
+        return None
+    return 100.0 * part / whole
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Every device's sample from one poll tick.
+
+    ``taken_at`` is wall-clock seconds since the epoch (for people and the wire);
+    ``monotonic`` is the loop's clock (for ages and windows, immune to clock steps).
+    """
+
+    sequence: int
+    taken_at: float
+    monotonic: float
+    node: str
+    samples: tuple[GpuSample, ...] = field(default_factory=tuple)

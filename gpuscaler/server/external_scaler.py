@@ -1,0 +1,94 @@
+"""KEDA's ExternalScaler service (``protos/externalscaler.proto``), answered from the engine.
+
+betterproto2 names handlers in snake_case (``get_metrics`` serves ``GetMetrics``); the wire names are KEDA's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+
+import structlog
+
+from gpuscaler.engine import Engine
+from gpuscaler.errors import InvalidMetadata, UnknownMetricName
+from gpuscaler.generated.externalscaler import (
+    ExternalScalerBase,
+    GetMetricSpecResponse,
+    GetMetricsRequest,
+    GetMetricsResponse,
+    IsActiveResponse,
+    MetricSpec,
+    MetricValue,
+    ScaledObjectRef,
+)
+from gpuscaler.query import Query
+from gpuscaler.server.status import grpc_errors
+
+log = structlog.get_logger(__name__)
+
+
+def round_half_up(value: float) -> int:
+    """The int field older KEDA reads: 2.5 -> 3, not Python's banker's 2."""
+    return math.floor(value + 0.5)
+
+
+class ExternalScalerService(ExternalScalerBase):
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self.open_streams = 0
+
+    def _query(self, ref: ScaledObjectRef | None) -> Query:
+        if ref is None:
+            raise InvalidMetadata("scaledObjectRef is missing; KEDA always sends it, so is this client KEDA?")
+        return self._engine.parse(ref.scaler_metadata)
+
+    async def is_active(self, message: ScaledObjectRef) -> IsActiveResponse:
+        async with grpc_errors("IsActive"):
+            return IsActiveResponse(result=self._engine.is_active(self._query(message)))
+
+    async def get_metric_spec(self, message: ScaledObjectRef) -> GetMetricSpecResponse:
+        async with grpc_errors("GetMetricSpec"):
+            query = self._query(message)
+        spec = MetricSpec(
+            metric_name=query.metric_name,
+            target_size=max(1, round_half_up(query.target)),
+            target_size_float=query.target,
+        )
+        return GetMetricSpecResponse(metric_specs=[spec])
+
+    async def get_metrics(self, message: GetMetricsRequest) -> GetMetricsResponse:
+        async with grpc_errors("GetMetrics"):
+            query = self._query(message.scaled_object_ref)
+            if message.metric_name.lower() != query.metric_name.lower():
+                raise UnknownMetricName(
+                    f"metricName {message.metric_name!r} is not this trigger's metric; "
+                    f"GetMetricSpec named it {query.metric_name!r}"
+                )
+            value = self._engine.value(query)
+        metric = MetricValue(metric_name=query.metric_name, metric_value=round_half_up(value), metric_value_float=value)
+        return GetMetricsResponse(metric_values=[metric])
+
+    async def stream_is_active(self, message: ScaledObjectRef) -> AsyncIterator[IsActiveResponse]:
+        async with grpc_errors("StreamIsActive"):
+            query = self._query(message)
+        scaled_object = f"{message.namespace}/{message.name}"
+        self.open_streams += 1
+        log.info("stream_opened", scaled_object=scaled_object, metric_name=query.metric_name)
+        reason = "client_gone"
+        try:
+            with self._engine.subscribe(query) as subscription:
+                sent: bool | None = None
+                while True:
+                    if self._engine.closing:
+                        reason = "shutdown"
+                        return
+                    active = subscription.active
+                    if active is not None and active != sent:
+                        yield IsActiveResponse(result=active)
+                        sent = active
+                    await subscription.changed.wait()
+                    subscription.changed.clear()
+        finally:
+            self.open_streams -= 1
+            log.info("stream_closed", scaled_object=scaled_object, metric_name=query.metric_name, reason=reason)

@@ -1,0 +1,74 @@
+"""``gpuscaler.v1.FakeControl``: set values and inject NVML failures on the fake collector, live."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+
+from gpuscaler.collectors.fake import Failure, FakeCollector
+from gpuscaler.collectors.scenario import parse_value
+from gpuscaler.errors import ConfigError
+from gpuscaler.generated.gpuscaler import v1 as pb
+
+_FAILURES = {
+    pb.FakeFailure.LOST: Failure.LOST,
+    pb.FakeFailure.NOT_SUPPORTED: Failure.NOT_SUPPORTED,
+    pb.FakeFailure.TIMEOUT: Failure.TIMEOUT,
+}
+_FAILURES_TO_WIRE = {failure: wire for wire, failure in _FAILURES.items()}
+
+
+class FakeControlService(pb.FakeControlBase):
+    def __init__(self, collector: FakeCollector) -> None:
+        self._collector = collector
+
+    def _state(self) -> pb.FakeGpus:
+        return pb.FakeGpus(
+            gpus=[
+                pb.FakeGpuState(
+                    index=gpu.index,
+                    uuid=gpu.uuid,
+                    values={metric.value: value for metric, value in values.items()},
+                    failure=_FAILURES_TO_WIRE[failure] if failure else pb.FakeFailure.UNSPECIFIED,
+                )
+                for gpu, values, failure in self._collector.state()
+            ]
+        )
+
+    def _index(self, selector: pb.GpuSelector | None) -> int | None:
+        if selector is None or (selector.index is None and not selector.all):
+            raise GRPCError(Status.INVALID_ARGUMENT, "gpu is missing; give an index or all")
+        return None if selector.all else selector.index
+
+    async def set(self, message: pb.SetRequest) -> pb.FakeGpus:
+        index = self._index(message.gpu)
+        try:
+            values = dict(parse_value(name, str(value)) for name, value in message.values.items())
+        except ConfigError as error:
+            raise GRPCError(Status.INVALID_ARGUMENT, str(error)) from None
+        if not values:
+            raise GRPCError(Status.INVALID_ARGUMENT, "values is empty; give METRIC=VALUE pairs")
+        self._apply(lambda: self._collector.set_values(index, values))
+        return self._state()
+
+    async def fail(self, message: pb.FailRequest) -> pb.FakeGpus:
+        failure = _FAILURES.get(message.failure)
+        if failure is None:
+            allowed = ", ".join(f.value for f in Failure)
+            raise GRPCError(Status.INVALID_ARGUMENT, f"failure is missing; use one of: {allowed}")
+        self._apply(lambda: self._collector.fail(message.index, failure))
+        return self._state()
+
+    async def heal(self, message: pb.HealRequest) -> pb.FakeGpus:
+        index = self._index(message.gpu)
+        self._apply(lambda: self._collector.heal(index))
+        return self._state()
+
+    @staticmethod
+    def _apply(change: Callable[[], None]) -> None:
+        try:
+            change()
+        except IndexError as error:
+            raise GRPCError(Status.INVALID_ARGUMENT, str(error)) from None

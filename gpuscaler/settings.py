@@ -1,0 +1,196 @@
+"""The agent's settings: one frozen object from flags and ``GPUSCALER_*`` variables, checked once at start.
+
+Each error names the flag (and the variable, when the value came from one) and what is allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from gpuscaler.durations import parse_duration
+from gpuscaler.errors import ConfigError
+from gpuscaler.logs import LOG_LEVELS, LogFormat, default_format
+from gpuscaler.poller import (
+    DEFAULT_POLL_INTERVAL_SECONDS,
+    MAX_POLL_INTERVAL_SECONDS,
+    MIN_POLL_INTERVAL_SECONDS,
+)
+
+ENV_PREFIX = "GPUSCALER_"
+DEFAULT_LISTEN = "0.0.0.0:6000"
+DEFAULT_HISTORY = "10m"
+DEFAULT_FAKE_GPUS = 4
+DEFAULT_DRAIN_TIMEOUT_SECONDS = 5.0
+DEFAULT_NODE_NAME = "fake-node"
+MAX_FAKE_GPUS = 1024
+
+Collector = Literal["nvml", "fake"]
+Refusal = Callable[[str], ConfigError]  # builds the error for a bad value, given what is allowed
+
+
+@dataclass(frozen=True, slots=True)
+class Address:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class ServeSettings:
+    collector: Collector
+    listen: Address
+    poll_interval_seconds: float
+    history_seconds: float
+    fake_gpus: int
+    fake_scenario: Path | None
+    tls_cert: Path | None
+    tls_key: Path | None
+    tls_client_ca: Path | None
+    log_format: LogFormat
+    log_level: str
+    drain_timeout_seconds: float
+    node_name: str
+
+
+# flag -> (environment variable, default, help)
+SERVE_FLAGS: Mapping[str, tuple[str, str | None, str]] = {
+    "--collector": ("COLLECTOR", "nvml", "where samples come from: nvml (the GPUs) or fake"),
+    "--listen": ("LISTEN", DEFAULT_LISTEN, "HOST:PORT for gRPC (ExternalScaler, Agent, Health)"),
+    "--poll-interval": (
+        "POLL_INTERVAL",
+        str(DEFAULT_POLL_INTERVAL_SECONDS),
+        f"seconds between samples, {MIN_POLL_INTERVAL_SECONDS:g} to {MAX_POLL_INTERVAL_SECONDS:g}",
+    ),
+    "--history": ("HISTORY", DEFAULT_HISTORY, "how much history to keep for windows, e.g. 10m"),
+    "--fake-gpus": ("FAKE_GPUS", str(DEFAULT_FAKE_GPUS), "number of fake GPUs (with --collector fake)"),
+    "--fake-scenario": ("FAKE_SCENARIO", None, "YAML or JSON file of fake GPU values (see docs)"),
+    "--tls-cert": ("TLS_CERT", None, "PEM server certificate; turns TLS on"),
+    "--tls-key": ("TLS_KEY", None, "PEM private key of --tls-cert"),
+    "--tls-client-ca": ("TLS_CLIENT_CA", None, "PEM CA bundle; clients must present a certificate it signed"),
+    "--log-format": ("LOG_FORMAT", None, "json or console (default: console on a terminal, else json)"),
+    "--log-level": ("LOG_LEVEL", "info", "one of " + ", ".join(LOG_LEVELS)),
+    "--drain-timeout": (
+        "DRAIN_TIMEOUT",
+        str(DEFAULT_DRAIN_TIMEOUT_SECONDS),
+        "seconds to end streams and finish calls on SIGTERM before exiting",
+    ),
+}
+
+
+def env_name(flag: str) -> str:
+    return ENV_PREFIX + SERVE_FLAGS[flag][0]
+
+
+def add_serve_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    for flag, (env, default, help_text) in SERVE_FLAGS.items():
+        variable = ENV_PREFIX + env
+        parser.add_argument(
+            flag,
+            dest=flag[2:].replace("-", "_"),
+            default=environ.get(variable, default),
+            metavar=flag[2:].replace("-", "_").upper(),
+            help=f"{help_text} [env {variable}]" + (f" (default {default})" if default else ""),
+        )
+
+
+def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeSettings:
+    """Check every value; ConfigError names the first bad one."""
+
+    def fail(flag: str, value: object, allowed: str) -> ConfigError:
+        variable = env_name(flag)
+        source = f" (from {variable})" if environ.get(variable) == value else ""
+        return ConfigError(f"{flag}{source} {value!r}: {allowed}")
+
+    collector = args.collector
+    if collector not in ("nvml", "fake"):
+        raise fail("--collector", collector, "use nvml or fake")
+
+    listen = parse_address(args.listen, lambda allowed: fail("--listen", args.listen, allowed))
+
+    poll = _number(args.poll_interval, lambda allowed: fail("--poll-interval", args.poll_interval, allowed))
+    if not MIN_POLL_INTERVAL_SECONDS <= poll <= MAX_POLL_INTERVAL_SECONDS:
+        raise fail(
+            "--poll-interval",
+            args.poll_interval,
+            f"must be between {MIN_POLL_INTERVAL_SECONDS:g} and {MAX_POLL_INTERVAL_SECONDS:g} seconds",
+        )
+
+    try:
+        history = parse_duration(args.history)
+    except ValueError as error:
+        raise fail("--history", args.history, str(error)) from None
+    if history < poll or history > 24 * 3600:
+        raise fail("--history", args.history, f"must be between one poll interval ({poll:g}s) and 24h")
+
+    try:
+        fake_gpus = int(args.fake_gpus)
+    except ValueError:
+        raise fail("--fake-gpus", args.fake_gpus, "must be a whole number") from None
+    if not 0 <= fake_gpus <= MAX_FAKE_GPUS:
+        raise fail("--fake-gpus", args.fake_gpus, f"must be between 0 and {MAX_FAKE_GPUS}")
+    if args.fake_scenario and collector != "fake":
+        raise fail("--fake-scenario", args.fake_scenario, "needs --collector fake")
+
+    cert, key, client_ca = (_path(args.tls_cert), _path(args.tls_key), _path(args.tls_client_ca))
+    if (cert is None) != (key is None):
+        raise ConfigError("--tls-cert and --tls-key go together; give both or neither")
+    if client_ca is not None and cert is None:
+        raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key (mTLS is TLS plus client certificates)")
+
+    log_format = args.log_format or default_format()
+    if log_format not in ("json", "console"):
+        raise fail("--log-format", log_format, "use json or console")
+    if args.log_level not in LOG_LEVELS:
+        raise fail("--log-level", args.log_level, "use one of " + ", ".join(LOG_LEVELS))
+
+    drain = _number(args.drain_timeout, lambda allowed: fail("--drain-timeout", args.drain_timeout, allowed))
+    if not 0 < drain <= 300:
+        raise fail("--drain-timeout", args.drain_timeout, "must be between 0 and 300 seconds")
+
+    return ServeSettings(
+        collector=collector,
+        listen=listen,
+        poll_interval_seconds=poll,
+        history_seconds=history,
+        fake_gpus=fake_gpus,
+        fake_scenario=_path(args.fake_scenario),
+        tls_cert=cert,
+        tls_key=key,
+        tls_client_ca=client_ca,
+        log_format=log_format,
+        log_level=args.log_level,
+        drain_timeout_seconds=drain,
+        node_name=environ.get("NODE_NAME") or DEFAULT_NODE_NAME,
+    )
+
+
+def parse_address(text: str, error: Refusal) -> Address:
+    """``HOST:PORT`` or ``[IPv6]:PORT``; ``error(allowed)`` builds the exception to raise."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise error("use HOST:PORT, e.g. 0.0.0.0:6000 or [::]:6000")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise error("the port must be a number from 0 to 65535")
+    return Address(host, int(port_text))
+
+
+def _number(text: str, error: Refusal) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise error("must be a number of seconds") from None
+    if not math.isfinite(value):
+        raise error("must be a finite number of seconds")
+    return value
+
+
+def _path(text: str | None) -> Path | None:
+    return Path(text) if text else None

@@ -1,0 +1,119 @@
+"""Conversions between the domain types and the ``gpuscaler.v1`` messages, both ways.
+
+The gateway rebuilds samples from the agents' snapshot streams with ``snapshot_from_wire``, so the two
+directions must stay each other's inverse (a test checks the round trip).
+"""
+
+from __future__ import annotations
+
+from gpuscaler.evaluation import Evaluation
+from gpuscaler.generated.gpuscaler import v1 as pb
+from gpuscaler.query import Query
+from gpuscaler.samples import GpuIdentity, GpuSample, PodRef, ReadError, ReadErrorKind, Snapshot
+from gpuscaler.server.status import status_for
+
+_KIND_TO_WIRE = {
+    ReadErrorKind.NOT_SUPPORTED: pb.ReadErrorKind.NOT_SUPPORTED,
+    ReadErrorKind.GPU_LOST: pb.ReadErrorKind.GPU_LOST,
+    ReadErrorKind.TIMEOUT: pb.ReadErrorKind.TIMEOUT,
+    ReadErrorKind.OTHER: pb.ReadErrorKind.OTHER,
+}
+_KIND_FROM_WIRE = {wire: kind for kind, wire in _KIND_TO_WIRE.items()}
+
+
+def sample_to_wire(sample: GpuSample) -> pb.GpuSample:
+    return pb.GpuSample(
+        index=sample.gpu.index,
+        uuid=sample.gpu.uuid,
+        name=sample.gpu.name,
+        mig_parent_uuid=sample.gpu.mig_parent_uuid or "",
+        node=sample.node,
+        gpu_utilization_percent=sample.gpu_utilization_percent,
+        memory_utilization_percent=sample.memory_utilization_percent,
+        memory_used_bytes=sample.memory_used_bytes,
+        memory_total_bytes=sample.memory_total_bytes,
+        temperature_celsius=sample.temperature_celsius,
+        power_draw_watts=sample.power_draw_watts,
+        power_limit_watts=sample.power_limit_watts,
+        errors=[pb.ReadError(field=e.field, kind=_KIND_TO_WIRE[e.kind], detail=e.detail) for e in sample.errors],
+        pods=[pb.PodRef(namespace=p.namespace, pod=p.pod, container=p.container) for p in sample.pods],
+    )
+
+
+def sample_from_wire(message: pb.GpuSample) -> GpuSample:
+    return GpuSample(
+        gpu=GpuIdentity(
+            index=message.index,
+            uuid=message.uuid,
+            name=message.name,
+            mig_parent_uuid=message.mig_parent_uuid or None,
+        ),
+        node=message.node,
+        gpu_utilization_percent=message.gpu_utilization_percent,
+        memory_utilization_percent=message.memory_utilization_percent,
+        memory_used_bytes=message.memory_used_bytes,
+        memory_total_bytes=message.memory_total_bytes,
+        temperature_celsius=message.temperature_celsius,
+        power_draw_watts=message.power_draw_watts,
+        power_limit_watts=message.power_limit_watts,
+        errors=tuple(
+            ReadError(e.field, _KIND_FROM_WIRE.get(e.kind, ReadErrorKind.OTHER), e.detail) for e in message.errors
+        ),
+        pods=tuple(PodRef(p.namespace, p.pod, p.container) for p in message.pods),
+    )
+
+
+def snapshot_to_wire(snapshot: Snapshot, *, poll_interval_seconds: float) -> pb.Snapshot:
+    return pb.Snapshot(
+        node=snapshot.node,
+        sequence=snapshot.sequence,
+        taken_at_unix_seconds=snapshot.taken_at,
+        poll_interval_seconds=poll_interval_seconds,
+        gpus=[sample_to_wire(sample) for sample in snapshot.samples],
+    )
+
+
+def snapshot_from_wire(message: pb.Snapshot, *, monotonic: float) -> Snapshot:
+    """The domain snapshot; ``monotonic`` is the receiver's clock at arrival (clocks differ between hosts)."""
+    return Snapshot(
+        sequence=message.sequence,
+        taken_at=message.taken_at_unix_seconds,
+        monotonic=monotonic,
+        node=message.node,
+        samples=tuple(sample_from_wire(sample) for sample in message.gpus),
+    )
+
+
+def explanation_to_wire(query: Query, evaluation: Evaluation, *, active: bool, now: float) -> pb.Explanation:
+    snapshot = evaluation.snapshot
+    value = query.value
+    return pb.Explanation(
+        metric_name=query.metric_name,
+        metric=value.metric.value,
+        profile=query.profile or "",
+        aggregation=value.aggregation.value,
+        window_seconds=value.window_seconds or 0.0,
+        window_function=value.window_function.value,
+        target=query.target,
+        activation_threshold=query.activation.activation_threshold,
+        deactivation_threshold=query.activation.deactivation_threshold,
+        gpus=[
+            pb.GpuContribution(
+                index=c.sample.gpu.index,
+                uuid=c.sample.gpu.uuid,
+                node=c.sample.node,
+                included=c.value is not None,
+                value=c.value,
+                samples=c.samples,
+                reason=c.reason or "",
+            )
+            for c in evaluation.contributions
+        ],
+        value=evaluation.value,
+        active=active,
+        error_code=status_for(evaluation.error).name if evaluation.error else "",
+        error_message=evaluation.error.message if evaluation.error else "",
+        snapshot_age_seconds=max(0.0, now - snapshot.monotonic) if snapshot else 0.0,
+        snapshot_sequence=snapshot.sequence if snapshot else 0,
+        nodes=len({c.sample.node for c in evaluation.contributions}),
+    )
