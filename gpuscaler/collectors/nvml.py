@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Sequence
-from types import ModuleType
 from typing import Any
 
 from gpuscaler.collectors.base import CollectorUnavailable
@@ -40,7 +39,7 @@ START_HINT = (
 class NvmlCollector:
     """Samples every GPU (and every MIG instance) that NVML enumerates."""
 
-    def __init__(self, *, node: str, nvml: ModuleType | None = None) -> None:
+    def __init__(self, *, node: str, nvml: object | None = None) -> None:
         if nvml is None:
             import pynvml
 
