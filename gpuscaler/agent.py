@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import signal
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 from grpclib.health.check import ServiceStatus
@@ -22,6 +23,8 @@ from gpuscaler.collectors.fake import FakeCollector
 from gpuscaler.collectors.nvml import NvmlCollector
 from gpuscaler.collectors.scenario import load_scenario
 from gpuscaler.engine import Engine
+from gpuscaler.errors import ConfigError, StartupError
+from gpuscaler.exposition import MetricsServer
 from gpuscaler.history import History
 from gpuscaler.poller import Poller
 from gpuscaler.server.agent_api import AgentService
@@ -30,12 +33,14 @@ from gpuscaler.server.fake_control import FakeControlService
 from gpuscaler.server.grpc_server import ManyStreamsServer
 from gpuscaler.server.rpc_tracking import RpcTracker
 from gpuscaler.settings import ServeSettings
-from gpuscaler.tls import server_context
+from gpuscaler.telemetry import Telemetry
+from gpuscaler.tls import ReloadingServerTLS
 
 log = structlog.get_logger(__name__)
 
 
 def build_collector(settings: ServeSettings) -> Collector:
+    """The collector ``--collector`` names."""
     if settings.collector == "fake":
         scenario = (
             load_scenario(settings.fake_scenario, gpu_count=settings.fake_gpus) if settings.fake_scenario else None
@@ -56,58 +61,100 @@ class Agent:
     scaler: ExternalScalerService
     tracker: RpcTracker
     health: ServiceStatus
+    telemetry: Telemetry
+    metrics: MetricsServer | None
+    tls: ReloadingServerTLS | None
     port: int
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     @classmethod
     async def start(cls, settings: ServeSettings, collector: Collector) -> Agent:
-        """Open the collector, take the first sample, and listen. Raises CollectorUnavailable or ConfigError."""
-        ssl_context = (
-            server_context(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+        """Open the collector, take the first sample, and listen.
+
+        Raises CollectorUnavailable (no NVML), ConfigError (bad TLS files) or StartupError (a port in use).
+        """
+        tls = (
+            ReloadingServerTLS(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
             if settings.tls_cert and settings.tls_key
             else None
         )
-        await asyncio.to_thread(collector.open)
         history = History(
             history_seconds=settings.history_seconds, poll_interval_seconds=settings.poll_interval_seconds
         )
+        telemetry = Telemetry(history, clock=asyncio.get_running_loop().time)
+        if isinstance(collector, NvmlCollector):
+            collector.on_call = telemetry.observe_nvml_call
+        await asyncio.to_thread(collector.open)
+
         engine = Engine(history)
+        engine.on_transition.append(telemetry.observe_transition)
+        telemetry.distinct_queries.set_function(lambda: engine.distinct_stream_queries)
         poller = Poller(
             collector,
             history,
             poll_interval_seconds=settings.poll_interval_seconds,
             listeners=[engine.on_snapshot],
+            on_tick=telemetry.observe_tick,
         )
         await poller.start()
 
         scaler = ExternalScalerService(engine)
         health = ServiceStatus()
-        services: list[object] = [scaler, AgentService(engine)]
+        services: list[Any] = [scaler, AgentService(engine)]
         if isinstance(collector, FakeCollector):
             services.append(FakeControlService(collector))
         services.append(Health({scaler: [health], OVERALL: [health]}))
         server = ManyStreamsServer(services)
         tracker = RpcTracker()
-        tracker.attach(server)
-        await server.start(settings.listen.host, settings.listen.port, ssl=ssl_context, reuse_address=True)
-        port = _bound_port(server)
+        tracker.attach(server, services)
+        tracker.add_observers(telemetry.observe_rpc_started, telemetry.observe_rpc)
+        try:
+            await server.start(
+                settings.listen.host, settings.listen.port, ssl=tls.listener if tls else None, reuse_address=True
+            )
+        except OSError as error:
+            raise StartupError(f"--listen {settings.listen}: cannot listen: {error.strerror}") from None
+        metrics = MetricsServer(telemetry.registry, settings.metrics_listen) if settings.metrics_listen else None
+        if metrics is not None:
+            try:
+                await metrics.start()
+            except StartupError:
+                server.close()
+                await server.wait_closed()
+                raise
 
-        agent = cls(settings, collector, engine, poller, server, scaler, tracker, health, port)
+        agent = cls(
+            settings=settings,
+            collector=collector,
+            engine=engine,
+            poller=poller,
+            server=server,
+            scaler=scaler,
+            tracker=tracker,
+            health=health,
+            telemetry=telemetry,
+            metrics=metrics,
+            tls=tls,
+            port=_bound_port(server),
+        )
         await poller.tick()  # serve from a real sample from the first call on
         health.set(engine.healthy())
         agent._tasks = [
             asyncio.create_task(poller.run(), name="poll-loop"),
             asyncio.create_task(agent._watch_health(), name="health"),
         ]
+        if tls is not None:
+            agent._tasks.append(asyncio.create_task(agent._watch_tls(tls), name="tls-reload"))
         log.info(
             "agent_started",
             version=__version__,
             listen=str(settings.listen),
-            port=port,
+            port=agent.port,
+            metrics_port=metrics.port if metrics else None,
             collector=settings.collector,
             gpus=len(poller.devices),
             poll_interval_seconds=settings.poll_interval_seconds,
-            tls=ssl_context is not None,
+            tls=tls is not None,
             mtls=settings.tls_client_ca is not None,
         )
         return agent
@@ -119,11 +166,19 @@ class Agent:
             await asyncio.sleep(self.settings.poll_interval_seconds)
             healthy = self.engine.healthy()
             if healthy != previous:
-                log.warning("health_changed", serving=healthy) if not healthy else log.info(
-                    "health_changed", serving=healthy
-                )
+                (log.info if healthy else log.warning)("health_changed", serving=healthy)
                 previous = healthy
             self.health.set(healthy)
+
+    async def _watch_tls(self, tls: ReloadingServerTLS) -> None:
+        while True:
+            await asyncio.sleep(self.settings.tls_reload_interval_seconds)
+            try:
+                if tls.reload_if_changed():
+                    log.info("tls_reloaded", cert=str(self.settings.tls_cert))
+            except ConfigError as error:
+                # Mid-rotation files can be a mismatched pair for a moment; keep serving the old ones.
+                log.error("tls_reload_failed", error=str(error))
 
     async def stop(self) -> None:
         """Drain and close; returns once everything is closed or the drain timeout has passed."""
@@ -146,6 +201,8 @@ class Agent:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.metrics is not None:
+            await self.metrics.stop()
         await asyncio.to_thread(self.collector.close)
         log.info("agent_stopped", calls=sum(self.tracker.finished.values()))
 

@@ -61,6 +61,7 @@ class Engine:
         self._cache_sequence = -1
         self._cache: dict[ValueQuery, Evaluation] = {}
         self.closing = False
+        self.on_transition: list[Callable[[bool], None]] = []
 
     def now(self) -> float:
         return self._clock()
@@ -92,6 +93,8 @@ class Engine:
     def _observe(self, query: Query, value: float) -> bool:
         transition = self._states.observe(query.activation_key, value, query.activation, now=self._clock())
         if transition.changed:
+            for observer in self.on_transition:
+                observer(transition.active)
             log.info(
                 "activation_changed",
                 metric_name=query.metric_name,

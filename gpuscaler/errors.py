@@ -31,5 +31,9 @@ class Unavailable(GpuscalerError):
     """There is no fresh sample to answer from right now (UNAVAILABLE: KEDA retries, then falls back)."""
 
 
+class StartupError(Exception):
+    """The agent cannot start (a port in use, say); the CLI exits 1 with this one line."""
+
+
 class ConfigError(Exception):
     """A flag, environment variable or scenario file is wrong; the CLI exits 2 with this message."""

@@ -32,6 +32,7 @@ def read_timeout_for(poll_interval_seconds: float) -> float:
 
 
 SnapshotListener = Callable[[Snapshot], None]
+TickObserver = Callable[[float, float], None]  # seconds the reads took, seconds the tick started late
 
 
 class Poller:
@@ -44,12 +45,15 @@ class Poller:
         *,
         poll_interval_seconds: float,
         listeners: Sequence[SnapshotListener] = (),
+        on_tick: TickObserver | None = None,
     ) -> None:
         self._collector = collector
         self._history = history
         self._interval = poll_interval_seconds
         self._read_timeout = read_timeout_for(poll_interval_seconds)
         self._listeners = list(listeners)
+        self._on_tick = on_tick
+        self._lag = 0.0
         self._devices: list[GpuIdentity] = []
         self._in_flight: dict[str, tuple[float, concurrent.futures.Future[GpuSample]]] = {}
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -79,6 +83,7 @@ class Poller:
         next_tick = loop.time()
         try:
             while True:
+                self._lag = max(0.0, loop.time() - next_tick)
                 await self.tick()
                 next_tick += self._interval
                 now = loop.time()
@@ -98,8 +103,10 @@ class Poller:
         started = loop.time()
         taken_at = time.time()
         if started - self._last_discovery >= REDISCOVER_EVERY_SECONDS:
-            await self._rediscover()
+            await self.rediscover()
         samples = await self._read_all(started)
+        if self._on_tick is not None:
+            self._on_tick(loop.time() - started, self._lag)
         self._sequence += 1
         snapshot = Snapshot(
             sequence=self._sequence,
@@ -153,7 +160,8 @@ class Poller:
                 samples[gpu] = future.result()
         return [samples[gpu] for gpu in self._devices]
 
-    async def _rediscover(self) -> None:
+    async def rediscover(self) -> None:
+        """Enumerate the devices again (every REDISCOVER_EVERY_SECONDS by itself); keeps the old list on failure."""
         loop = asyncio.get_running_loop()
         self._last_discovery = loop.time()
         try:

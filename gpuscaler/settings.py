@@ -26,6 +26,8 @@ DEFAULT_LISTEN = "0.0.0.0:6000"
 DEFAULT_HISTORY = "10m"
 DEFAULT_FAKE_GPUS = 4
 DEFAULT_DRAIN_TIMEOUT_SECONDS = 5.0
+DEFAULT_METRICS_LISTEN = "0.0.0.0:9402"
+DEFAULT_TLS_RELOAD_INTERVAL_SECONDS = 10.0
 DEFAULT_NODE_NAME = "fake-node"
 MAX_FAKE_GPUS = 1024
 
@@ -57,6 +59,8 @@ class ServeSettings:
     log_level: str
     drain_timeout_seconds: float
     node_name: str
+    metrics_listen: Address | None = None
+    tls_reload_interval_seconds: float = DEFAULT_TLS_RELOAD_INTERVAL_SECONDS
 
 
 # flag -> (environment variable, default, help)
@@ -76,6 +80,16 @@ SERVE_FLAGS: Mapping[str, tuple[str, str | None, str]] = {
     "--tls-client-ca": ("TLS_CLIENT_CA", None, "PEM CA bundle; clients must present a certificate it signed"),
     "--log-format": ("LOG_FORMAT", None, "json or console (default: console on a terminal, else json)"),
     "--log-level": ("LOG_LEVEL", "info", "one of " + ", ".join(LOG_LEVELS)),
+    "--metrics-listen": (
+        "METRICS_LISTEN",
+        DEFAULT_METRICS_LISTEN,
+        "HOST:PORT for Prometheus /metrics; empty turns it off",
+    ),
+    "--tls-reload-interval": (
+        "TLS_RELOAD_INTERVAL",
+        str(DEFAULT_TLS_RELOAD_INTERVAL_SECONDS),
+        "seconds between checks of the TLS files for a rotated certificate",
+    ),
     "--drain-timeout": (
         "DRAIN_TIMEOUT",
         str(DEFAULT_DRAIN_TIMEOUT_SECONDS),
@@ -154,6 +168,17 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
     if not 0 < drain <= 300:
         raise fail("--drain-timeout", args.drain_timeout, "must be between 0 and 300 seconds")
 
+    metrics_listen = None
+    if args.metrics_listen and args.metrics_listen != "0":
+        metrics_listen = parse_address(
+            args.metrics_listen, lambda allowed: fail("--metrics-listen", args.metrics_listen, allowed)
+        )
+    reload_interval = _number(
+        args.tls_reload_interval, lambda allowed: fail("--tls-reload-interval", args.tls_reload_interval, allowed)
+    )
+    if not 0.1 <= reload_interval <= 3600:
+        raise fail("--tls-reload-interval", args.tls_reload_interval, "must be between 0.1 and 3600 seconds")
+
     return ServeSettings(
         collector=collector,
         listen=listen,
@@ -168,6 +193,8 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         log_level=args.log_level,
         drain_timeout_seconds=drain,
         node_name=environ.get("NODE_NAME") or DEFAULT_NODE_NAME,
+        metrics_listen=metrics_listen,
+        tls_reload_interval_seconds=reload_interval,
     )
 
 

@@ -52,3 +52,54 @@ def _load_ca(context: ssl.SSLContext, ca: Path, flag: str) -> None:
         raise ConfigError(f"{flag} {str(ca)!r}: no such file") from None
     except (ssl.SSLError, OSError) as error:
         raise ConfigError(f"{flag} {str(ca)!r}: not a PEM CA bundle: {error}") from None
+
+
+FileStamp = tuple[int, int, int] | None  # (mtime ns, size, inode) of the file a path resolves to
+
+
+class ReloadingServerTLS:
+    """A server TLS context whose certificate, key and client CA follow their files.
+
+    cert-manager rotates a mounted Secret by swapping a symlink; ``reload_if_changed`` notices the new
+    files and builds a fresh context, and every later handshake uses it (the SNI callback hands it to
+    the connection). Connections already open keep the session they negotiated, so streams survive.
+    A bad new file is logged by the caller and the old context stays in use.
+    """
+
+    def __init__(self, cert: Path, key: Path, client_ca: Path | None) -> None:
+        self._files = (cert, key, client_ca)
+        self._stamps = self._stamp_all()
+        self.current = server_context(cert, key, client_ca)
+        # The context asyncio holds: it only dispatches each handshake to the current one.
+        self.listener = server_context(cert, key, client_ca)
+        self.listener.sni_callback = self._select
+
+    def _select(self, connection: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
+        connection.context = self.current
+
+    def _stamp_all(self) -> tuple[FileStamp, ...]:
+        stamps: list[FileStamp] = []
+        for path in self._files:
+            if path is None:
+                stamps.append(None)
+                continue
+            try:
+                info = path.stat()
+            except OSError:
+                stamps.append(None)
+            else:
+                stamps.append((info.st_mtime_ns, info.st_size, info.st_ino))
+        return tuple(stamps)
+
+    def reload_if_changed(self) -> bool:
+        """Swap in a context built from the files if any changed; raises ConfigError if they are bad."""
+        stamps = self._stamp_all()
+        if stamps == self._stamps:
+            return False
+        cert, key, client_ca = self._files
+        assert cert is not None
+        assert key is not None
+        context = server_context(cert, key, client_ca)
+        self._stamps = stamps
+        self.current = context
+        return True

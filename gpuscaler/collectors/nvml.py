@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,6 +31,8 @@ _DEVICE_GONE = {GPU_IS_LOST, RESET_REQUIRED, GPU_NOT_FOUND}
 _TEMPERATURE_GPU = 0  # NVML_TEMPERATURE_GPU
 _MEMORY_V2 = 0x02000028  # nvmlMemory_v2: `used` matches nvidia-smi (excludes reserved memory)
 
+CallObserver = Callable[[str, float, "int | None"], None]  # NVML function, seconds, error code or None
+
 START_HINT = (
     "run the agent with the NVIDIA container runtime (runtimeClassName: nvidia), or mount the driver "
     "with the chart's nvmlHostMounts.enabled=true, or use --collector fake for development"
@@ -39,7 +42,7 @@ START_HINT = (
 class NvmlCollector:
     """Samples every GPU (and every MIG instance) that NVML enumerates."""
 
-    def __init__(self, *, node: str, nvml: object | None = None) -> None:
+    def __init__(self, *, node: str, nvml: object | None = None, on_call: CallObserver | None = None) -> None:
         if nvml is None:
             import pynvml
 
@@ -49,6 +52,7 @@ class NvmlCollector:
         self._handles: dict[str, Any] = {}
         self._parents: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self.on_call = on_call
 
     @property
     def node(self) -> str:
@@ -114,7 +118,7 @@ class NvmlCollector:
         handle = self._handle(gpu)
         if isinstance(handle, ReadError):
             return GpuSample(gpu=gpu, node=self._node, errors=(handle,))
-        reader = _FieldReader(nvml, gpu)
+        reader = _FieldReader(nvml, gpu, self.on_call)
         is_mig = gpu.mig_parent_uuid is not None
         physical = self._parents.get(gpu.uuid, handle) if is_mig else handle
 
@@ -185,21 +189,30 @@ class NvmlCollector:
 class _FieldReader:
     """Calls NVML for some fields of one device and keeps one ReadError per field that failed."""
 
-    def __init__(self, nvml: Any, gpu: GpuIdentity) -> None:
+    def __init__(self, nvml: Any, gpu: GpuIdentity, on_call: CallObserver | None) -> None:
         self._nvml = nvml
         self._gpu = gpu
+        self._on_call = on_call
         self.errors: list[ReadError] = []
         self.device_gone = False
 
     def call(self, fields: Sequence[str], name: str, function: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
         try:
-            return function()
+            result = function()
         except self._nvml.NVMLError as error:
+            self._observe(name, started, getattr(error, "value", -1))
             if error.value in _DEVICE_GONE:
                 self.device_gone = True
             where = f"mig {self._gpu.uuid}" if self._gpu.mig_parent_uuid else f"gpu {self._gpu.index}"
             self.absent(fields, _kind(error), f"{name}({where}): {_describe(error)}")
             return None
+        self._observe(name, started, None)
+        return result
+
+    def _observe(self, name: str, started: float, error_code: int | None) -> None:
+        if self._on_call is not None:
+            self._on_call(name, time.perf_counter() - started, error_code)
 
     def absent(self, fields: Sequence[str], kind: ReadErrorKind, detail: str) -> None:
         self.errors.extend(ReadError(field, kind, detail) for field in fields)

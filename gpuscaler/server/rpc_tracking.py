@@ -9,14 +9,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from grpclib._typing import IServable
 from grpclib.events import RecvRequest, listen
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.server import Server, Stream
 
-Observer = Callable[[str, str, float], None]  # method, status code name, seconds
+StartObserver = Callable[[str], None]  # method
+FinishObserver = Callable[[str, str, float, bool], None]  # method, status code name, seconds, streaming
 
 
 class RpcTracker:
@@ -27,12 +29,22 @@ class RpcTracker:
         self.finished: Counter[tuple[str, str]] = Counter()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._observers: list[Observer] = []
+        self._streaming: frozenset[str] = frozenset()
+        self._on_start: list[StartObserver] = []
+        self._on_finish: list[FinishObserver] = []
 
-    def add_observer(self, observer: Observer) -> None:
-        self._observers.append(observer)
+    def add_observers(self, on_start: StartObserver, on_finish: FinishObserver) -> None:
+        self._on_start.append(on_start)
+        self._on_finish.append(on_finish)
 
-    def attach(self, server: Server) -> None:
+    def attach(self, server: Server, services: Iterable[IServable]) -> None:
+        """Track every call ``server`` receives; ``services`` tell which methods are server streams."""
+        self._streaming = frozenset(
+            name
+            for service in services
+            for name, handler in service.__mapping__().items()
+            if handler.cardinality.server_streaming
+        )
         listen(server, RecvRequest, self._on_request)
 
     async def _on_request(self, event: RecvRequest) -> None:
@@ -40,7 +52,7 @@ class RpcTracker:
         handler = event.method_func
 
         async def tracked(stream: Stream[Any, Any]) -> None:
-            self._started()
+            self._started(method)
             started = time.perf_counter()
             code = "UNKNOWN"
             try:
@@ -60,17 +72,20 @@ class RpcTracker:
 
         event.method_func = tracked
 
-    def _started(self) -> None:
+    def _started(self, method: str) -> None:
         self.in_flight += 1
         self._idle.clear()
+        for observer in self._on_start:
+            observer(method)
 
     def _finished(self, method: str, code: str, seconds: float) -> None:
         self.in_flight -= 1
         self.finished[(method, code)] += 1
         if self.in_flight == 0:
             self._idle.set()
-        for observer in self._observers:
-            observer(method, code, seconds)
+        streaming = method in self._streaming
+        for observer in self._on_finish:
+            observer(method, code, seconds, streaming)
 
     async def wait_idle(self) -> None:
         await self._idle.wait()

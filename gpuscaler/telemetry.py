@@ -1,0 +1,158 @@
+"""Prometheus metrics: every GPU value the agent reads, and the agent's own health and work.
+
+GPU series are built from the newest snapshot at scrape time (a custom collector), so the series of a
+GPU that vanished disappear with it, and a value that could not be read is no series, never a 0.
+Names follow Prometheus conventions: base units, ``_ratio`` for 0-1, ``_total`` for counters.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gpuscaler import __version__
+from gpuscaler.history import History
+from gpuscaler.samples import DEVICE_FIELD, GpuSample
+
+UNARY_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+NVML_LATENCY_BUCKETS = (0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
+
+_GPU_LABELS = ("node", "gpu", "uuid", "model_name", "mig_parent_uuid")
+# (metric name, help, how to read it from a sample)
+_GPU_SERIES: tuple[tuple[str, str, Callable[[GpuSample], float | None]], ...] = (
+    (
+        "gpuscaler_gpu_utilization_ratio",
+        "Share of the last sample period the GPU's SMs were busy (NVML utilization.gpu / 100).",
+        lambda s: None if s.gpu_utilization_percent is None else s.gpu_utilization_percent / 100.0,
+    ),
+    (
+        "gpuscaler_gpu_memory_utilization_ratio",
+        "Share of the last sample period the memory controller was busy (NVML utilization.memory / 100).",
+        lambda s: None if s.memory_utilization_percent is None else s.memory_utilization_percent / 100.0,
+    ),
+    ("gpuscaler_gpu_memory_used_bytes", "VRAM in use (NVML memory info v2 used).", lambda s: s.memory_used_bytes),
+    ("gpuscaler_gpu_memory_total_bytes", "VRAM size (NVML memory info total).", lambda s: s.memory_total_bytes),
+    ("gpuscaler_gpu_temperature_celsius", "GPU die temperature.", lambda s: s.temperature_celsius),
+    ("gpuscaler_gpu_power_draw_watts", "Board power draw.", lambda s: s.power_draw_watts),
+    ("gpuscaler_gpu_power_limit_watts", "Enforced power limit.", lambda s: s.power_limit_watts),
+)
+
+
+class _GpuCollector(Collector):
+    def __init__(self, history: History, clock: Callable[[], float]) -> None:
+        self._history = history
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        latest = self._history.latest
+        families = {name: GaugeMetricFamily(name, text, labels=_GPU_LABELS) for name, text, _ in _GPU_SERIES}
+        up = GaugeMetricFamily(
+            "gpuscaler_gpu_up",
+            "1 when the GPU's last read succeeded, 0 when the whole device failed.",
+            labels=_GPU_LABELS,
+        )
+        age = GaugeMetricFamily("gpuscaler_sample_age_seconds", "Age of the newest snapshot.")
+        if latest is not None:
+            age.add_metric([], max(0.0, self._clock() - latest.monotonic))
+            for sample in latest.samples:
+                labels = [
+                    sample.node,
+                    str(sample.gpu.index),
+                    sample.gpu.uuid,
+                    sample.gpu.name,
+                    sample.gpu.mig_parent_uuid or "",
+                ]
+                up.add_metric(labels, 0.0 if any(e.field == DEVICE_FIELD for e in sample.errors) else 1.0)
+                for name, _, read in _GPU_SERIES:
+                    value = read(sample)
+                    if value is not None:
+                        families[name].add_metric(labels, float(value))
+        yield up
+        yield from families.values()
+        yield age
+
+
+class Telemetry:
+    """The agent's registry and the instruments the other modules report to."""
+
+    def __init__(self, history: History, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_GpuCollector(history, clock))
+        registry = self.registry
+        Gauge("gpuscaler_build_info", "The running version.", ["version"], registry=registry).labels(__version__).set(1)
+        self.nvml_call_seconds = Histogram(
+            "gpuscaler_nvml_call_duration_seconds",
+            "Duration of NVML calls, by call.",
+            ["call"],
+            buckets=NVML_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.nvml_errors = Counter(
+            "gpuscaler_nvml_errors_total",
+            "NVML calls that failed, by call and NVML return code.",
+            ["call", "code"],
+            registry=registry,
+        )
+        self.poll_seconds = Histogram(
+            "gpuscaler_poll_duration_seconds", "Time one poll tick took to read every GPU.", registry=registry
+        )
+        self.poll_lag = Gauge(
+            "gpuscaler_poll_lag_seconds", "How late the last poll tick started against its schedule.", registry=registry
+        )
+        self.rpc_handled = Counter(
+            "gpuscaler_rpc_handled_total",
+            "Finished RPCs by method and gRPC status; a client that hangs up counts as CANCELLED.",
+            ["method", "code"],
+            registry=registry,
+        )
+        self.rpc_seconds = Histogram(
+            "gpuscaler_rpc_duration_seconds",
+            "Latency of unary RPCs by method.",
+            ["method"],
+            buckets=UNARY_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.rpc_in_flight = Gauge(
+            "gpuscaler_rpc_in_flight",
+            "RPCs in progress by method; for streams, the open streams.",
+            ["method"],
+            registry=registry,
+        )
+        self.distinct_queries = Gauge(
+            "gpuscaler_stream_distinct_queries",
+            "Distinct queries among open push streams (one evaluation each per tick).",
+            registry=registry,
+        )
+        self.transitions = Counter(
+            "gpuscaler_activation_transitions_total",
+            "Activation changes of any query, by direction.",
+            ["direction"],
+            registry=registry,
+        )
+        for direction in ("activate", "deactivate"):
+            self.transitions.labels(direction)
+
+    def observe_nvml_call(self, call: str, seconds: float, error_code: int | None) -> None:
+        self.nvml_call_seconds.labels(call).observe(seconds)
+        if error_code is not None:
+            self.nvml_errors.labels(call, str(error_code)).inc()
+
+    def observe_rpc_started(self, method: str) -> None:
+        self.rpc_in_flight.labels(method).inc()
+
+    def observe_rpc(self, method: str, code: str, seconds: float, streaming: bool) -> None:
+        self.rpc_in_flight.labels(method).dec()
+        self.rpc_handled.labels(method, code).inc()
+        if not streaming:
+            self.rpc_seconds.labels(method).observe(seconds)
+
+    def observe_transition(self, active: bool) -> None:
+        self.transitions.labels("activate" if active else "deactivate").inc()
+
+    def observe_tick(self, seconds: float, lag: float) -> None:
+        self.poll_seconds.observe(seconds)
+        self.poll_lag.set(lag)

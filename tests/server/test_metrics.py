@@ -1,0 +1,142 @@
+"""Prometheus /metrics, scraped over HTTP and parsed with the Prometheus client's own parser."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from grpclib.client import Channel
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from gpuscaler.agent import Agent
+from gpuscaler.collectors.fake import Failure, FakeCollector
+from gpuscaler.collectors.nvml import NvmlCollector
+from gpuscaler.generated.externalscaler import ExternalScalerStub, GetMetricsRequest, ScaledObjectRef
+from gpuscaler.samples import Metric
+from tests.conftest import StartAgent, serve_settings
+from tests.fakes.fake_nvml import NOT_SUPPORTED, FakeDevice, FakeNvml
+from tests.server.test_external_scaler import next_tick
+from tests.waiting import until
+
+
+async def scrape(agent: Agent) -> dict[str, list[Sample]]:
+    assert agent.metrics is not None
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://127.0.0.1:{agent.metrics.port}/metrics") as response,
+    ):
+        assert response.status == 200
+        text = await response.text()
+    series: dict[str, list[Sample]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            series.setdefault(sample.name, []).append(sample)
+    return series
+
+
+@pytest.fixture
+async def nvml_agent() -> AsyncIterator[tuple[Agent, FakeNvml]]:
+    """An agent whose NVML collector reads two fake NVML GPUs, one without power readings."""
+    nvml = FakeNvml(
+        [
+            FakeDevice("GPU-one", power_mw=123_456),
+            FakeDevice("GPU-two", errors={"nvmlDeviceGetPowerUsage": NOT_SUPPORTED}),
+        ]
+    )
+    agent = await Agent.start(serve_settings("--poll-interval", "0.1"), NvmlCollector(node="node-a", nvml=nvml))
+    yield agent, nvml
+    await agent.stop()
+
+
+async def test_gpu_series_have_labels_and_base_units(nvml_agent: tuple[Agent, FakeNvml]) -> None:
+    """Each GPU value is a series in base units with node, gpu, uuid and model labels; absent stays absent."""
+    agent, _ = nvml_agent
+    series = await scrape(agent)
+
+    [utilisation] = [s for s in series["gpuscaler_gpu_utilization_ratio"] if s.labels["uuid"] == "GPU-one"]
+    assert utilisation.labels == {
+        "node": "node-a",
+        "gpu": "0",
+        "uuid": "GPU-one",
+        "model_name": "NVIDIA H100 80GB HBM3",
+        "mig_parent_uuid": "",
+    }
+    assert utilisation.value == pytest.approx(0.40)
+    assert {s.labels["uuid"]: s.value for s in series["gpuscaler_gpu_power_draw_watts"]} == {"GPU-one": 123.456}
+    assert {s.labels["uuid"] for s in series["gpuscaler_gpu_memory_used_bytes"]} == {"GPU-one", "GPU-two"}
+    assert series["gpuscaler_gpu_memory_used_bytes"][0].value == 40 * 1024**3
+    assert {s.value for s in series["gpuscaler_gpu_temperature_celsius"]} == {55.0}
+    assert {s.value for s in series["gpuscaler_gpu_up"]} == {1.0}
+    assert 0 <= series["gpuscaler_sample_age_seconds"][0].value < 2
+
+
+async def test_nvml_calls_are_timed_and_errors_counted(nvml_agent: tuple[Agent, FakeNvml]) -> None:
+    """NVML call durations are a histogram by call; failures count by call and NVML return code."""
+    agent, _ = nvml_agent
+    series = await scrape(agent)
+    counts = {s.labels["call"]: s.value for s in series["gpuscaler_nvml_call_duration_seconds_count"]}
+    assert counts["nvmlDeviceGetUtilizationRates"] >= 2
+    errors = {(s.labels["call"], s.labels["code"]): s.value for s in series["gpuscaler_nvml_errors_total"]}
+    assert errors[("nvmlDeviceGetPowerUsage", "3")] >= 1
+    assert ("nvmlDeviceGetUtilizationRates", "3") not in errors
+
+
+async def test_vanished_gpu_series_disappear(nvml_agent: tuple[Agent, FakeNvml]) -> None:
+    """A GPU NVML no longer lists loses every series once the agent enumerates again."""
+    agent, nvml = nvml_agent
+    nvml.devices.pop(1)
+    await agent.poller.rediscover()
+    await next_tick(agent)
+    series = await scrape(agent)
+    for name in ("gpuscaler_gpu_up", "gpuscaler_gpu_memory_used_bytes", "gpuscaler_gpu_utilization_ratio"):
+        assert {s.labels["uuid"] for s in series[name]} == {"GPU-one"}, name
+
+
+async def test_agent_series_count_rpcs_streams_and_transitions(start_agent: StartAgent) -> None:
+    """RPCs count by method and code, open streams and distinct queries are gauges, transitions count."""
+    agent = await start_agent("--poll-interval", "0.1")
+    collector = agent.collector
+    assert isinstance(collector, FakeCollector)
+    channel = Channel("127.0.0.1", agent.port)
+    stub = ExternalScalerStub(channel)
+    ref = ScaledObjectRef(name="a", namespace="b", scaler_metadata={"gpuIndex": "0"})
+    await stub.get_metrics(GetMetricsRequest(scaled_object_ref=ref, metric_name="gpuscaler-gpu_utilization-sum-gpu0"))
+    stream = stub.stream_is_active(ref)
+    first = await anext(aiter(stream))
+    assert first.result is False
+    collector.set_values(0, {Metric.GPU_UTILIZATION: 90.0})
+    second = await anext(aiter(stream))
+    assert second.result is True
+
+    series = await scrape(agent)
+    handled = {(s.labels["method"], s.labels["code"]): s.value for s in series["gpuscaler_rpc_handled_total"]}
+    assert handled[("/externalscaler.ExternalScaler/GetMetrics", "OK")] == 1
+    in_flight = {s.labels["method"]: s.value for s in series["gpuscaler_rpc_in_flight"]}
+    assert in_flight["/externalscaler.ExternalScaler/StreamIsActive"] == 1
+    assert series["gpuscaler_stream_distinct_queries"][0].value == 1
+    transitions = {s.labels["direction"]: s.value for s in series["gpuscaler_activation_transitions_total"]}
+    assert transitions["activate"] >= 1
+    assert series["gpuscaler_rpc_duration_seconds_count"][0].value >= 1
+    assert series["gpuscaler_poll_duration_seconds_count"][0].value >= 1
+    assert "gpuscaler_poll_lag_seconds" in series
+
+    await stream.aclose()  # type: ignore[attr-defined]
+    channel.close()
+    await until(lambda: agent.tracker.in_flight == 0)
+    series = await scrape(agent)
+    codes = {s.labels["code"] for s in series["gpuscaler_rpc_handled_total"] if "StreamIsActive" in s.labels["method"]}
+    assert codes == {"CANCELLED"}  # KEDA hanging up is not an error
+
+
+async def test_lost_fake_gpu_reads_down(start_agent: StartAgent) -> None:
+    """A GPU whose reads fail is gpuscaler_gpu_up 0 and has no value series, instead of zeros."""
+    agent = await start_agent("--poll-interval", "0.1")
+    assert isinstance(agent.collector, FakeCollector)
+    agent.collector.fail(1, Failure.LOST)
+    await next_tick(agent)
+    series = await scrape(agent)
+    up = {s.labels["gpu"]: s.value for s in series["gpuscaler_gpu_up"]}
+    assert up == {"0": 1.0, "1": 0.0, "2": 1.0, "3": 1.0}
+    assert "GPU-fake-test-node-1" not in {s.labels["uuid"] for s in series["gpuscaler_gpu_temperature_celsius"]}
