@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(shell find protos -name '*.proto' | sort)
 GENERATED := gpuscaler/generated
 
-.PHONY: help venv dev test unit e2e e2e-full lint typecheck proto proto-check bench chart-test image clean
+.PHONY: help venv dev test unit e2e e2e-full lint typecheck proto proto-check bench chart-test image docs clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -65,6 +65,16 @@ chart-test: $(STAMP) ## Helm chart checks with the real helm
 
 image: ## Build the container image (needs docker or podman)
 	$${ENGINE:-$$(command -v podman || command -v docker)} build -f Containerfile -t gpuscaler:$$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml) .
+
+TOOLS := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/gpuscaler-tools
+D2_VERSION := v0.7.2
+D2 := $(TOOLS)/d2-$(D2_VERSION)/d2
+
+$(D2):
+	GOBIN=$(dir $(D2)) GOFLAGS=-mod=mod go install -trimpath -ldflags='-s -w' oss.terrastruct.com/d2@$(D2_VERSION)
+
+docs: $(D2) ## Render docs/data-path.svg from docs/data-path.d2 (builds d2 with Go once)
+	$(D2) --layout dagre docs/data-path.d2 docs/data-path.svg
 
 clean: ## Remove the virtual environment and caches
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
