@@ -17,10 +17,14 @@ StartAgent = Callable[..., Coroutine[Any, Any, Agent]]
 
 
 def serve_settings(*flags: str) -> ServeSettings:
-    """Settings as `gpuscaler serve --collector fake --listen 127.0.0.1:0 FLAGS...` would build them."""
+    """Settings as `gpuscaler serve --collector fake` on ephemeral loopback ports, plus FLAGS, would build them."""
     environ: dict[str, str] = {}
     args = build_parser(environ).parse_args(
-        ["serve", "--collector", "fake", "--listen", "127.0.0.1:0", "--log-format", "json", *flags]
+        [
+            *("serve", "--collector", "fake", "--log-format", "json"),
+            *("--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"),
+            *flags,
+        ]
     )
     return settings_from_args(args, environ)
 
