@@ -12,15 +12,17 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from grpclib.client import Channel
 from grpclib.exceptions import GRPCError
 from rich.console import Console
+from rich.live import Live
 
 from gpuscaler import __version__, logs
 from gpuscaler.client import ClientOptions, client_address, open_channel
 from gpuscaler.collectors.base import CollectorUnavailable
 from gpuscaler.errors import ConfigError
 from gpuscaler.generated.gpuscaler import v1 as pb
-from gpuscaler.report import collect, render_table
+from gpuscaler.report import collect, render_table, report_renderable
 from gpuscaler.settings import add_serve_flags, settings_from_args
 
 CLIENT_TIMEOUT_SECONDS = 5.0
@@ -129,24 +131,34 @@ async def _client_command(args: argparse.Namespace) -> int:
         return await _fake(args, channel)
 
 
-async def _query(args: argparse.Namespace, channel: object) -> int:
+async def _query(args: argparse.Namespace, channel: Channel) -> int:
     metadata = dict(_pairs(args.metadata, "KEY=VALUE"))
+    if args.replicas < 1:
+        raise ConfigError(f"--replicas {args.replicas}: the HPA's arithmetic needs at least 1 current replica")
+    if args.watch is not None and not 0.1 <= args.watch <= 3600:
+        raise ConfigError(f"--watch {args.watch:g}: refresh between 0.1 and 3600 seconds")
     console = Console()
-    while True:
-        report = await collect(channel, metadata, current_replicas=args.replicas)  # type: ignore[arg-type]
+    if args.watch is None:
+        report = await collect(channel, metadata, current_replicas=args.replicas)
         if args.output == "json":
             print(report.to_json())
         else:
-            if args.watch:
-                console.clear()
             render_table(report, console)
-        if not args.watch:
-            return 0 if report.get_metrics.ok else 1
-        await asyncio.sleep(args.watch)
+        return 0 if report.get_metrics.ok else 1
+    if args.output == "json":  # one JSON document per line, for jq and logs
+        while True:
+            report = await collect(channel, metadata, current_replicas=args.replicas)
+            print(report.to_json(indent=None), flush=True)
+            await asyncio.sleep(args.watch)
+    with Live(console=console, auto_refresh=False) as live:
+        while True:
+            report = await collect(channel, metadata, current_replicas=args.replicas)
+            live.update(report_renderable(report), refresh=True)
+            await asyncio.sleep(args.watch)
 
 
-async def _fake(args: argparse.Namespace, channel: object) -> int:
-    control = pb.FakeControlStub(channel)  # type: ignore[arg-type]
+async def _fake(args: argparse.Namespace, channel: Channel) -> int:
+    control = pb.FakeControlStub(channel)
     if args.fake_command == "set":
         updates = {name: _float(name, text) for name, text in _pairs(args.values, "METRIC=VALUE")}
         state = await control.set(

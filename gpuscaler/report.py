@@ -44,8 +44,8 @@ class Report:
     replicas: Mapping[str, int] | None
     current_replicas: int
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=False)
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(asdict(self), indent=indent)
 
 
 async def _answer(call: Any) -> Answer:
@@ -116,9 +116,13 @@ async def _first_stream_message(
     return Answer(ok=True, fields=message.to_dict(include_default_values=True))
 
 
-def render_table(report: Report, console: Console) -> None:
+def report_renderable(report: Report) -> Group:
     """The report for a person: the four answers, then the GPUs that went in, then the HPA's math."""
-    console.print(Group(_answers_table(report), _gpus_table(report), _replicas_text(report)))
+    return Group(_answers_table(report), _gpus_table(report), _replicas_text(report))
+
+
+def render_table(report: Report, console: Console) -> None:
+    console.print(report_renderable(report))
 
 
 def _answers_table(report: Report) -> Table:

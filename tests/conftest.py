@@ -8,12 +8,18 @@ from typing import Any
 import pytest
 from grpclib.client import Channel
 
+from gpuscaler import logs
 from gpuscaler.agent import Agent
 from gpuscaler.cli import build_parser
 from gpuscaler.collectors.fake import FakeCollector
 from gpuscaler.settings import ServeSettings, settings_from_args
 
 StartAgent = Callable[..., Coroutine[Any, Any, Agent]]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In-process agents log to stderr as the real process does, so stdout stays the CLI's."""
+    logs.configure(log_format="console", level="debug")
 
 
 def serve_settings(*flags: str) -> ServeSettings:

@@ -1,0 +1,82 @@
+"""The `gpuscaler` command against an in-process agent: query as KEDA would, and drive fake GPUs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from gpuscaler.agent import Agent
+from gpuscaler.cli import main
+from tests.server.test_external_scaler import next_tick
+
+
+async def run_cli(*argv: str) -> int:
+    """Runs `gpuscaler ARGV...` in a thread (it runs its own event loop) and returns its exit code."""
+    return await asyncio.to_thread(main, list(argv), {})
+
+
+async def test_query_json_shows_what_keda_gets(agent: Agent, capsys: pytest.CaptureFixture[str]) -> None:
+    """`query --output json` has the four RPC answers, the per-GPU explanation and both HPA results."""
+    code = await run_cli("fake", "set", "--address", f"127.0.0.1:{agent.port}", "--gpu", "all", "gpu_utilization=80")
+    assert code == 0
+    capsys.readouterr()
+    await next_tick(agent)
+
+    code = await run_cli(
+        "query", "--address", f"127.0.0.1:{agent.port}", "--output", "json", "--replicas", "2", "targetValue=100"
+    )
+    report = json.loads(capsys.readouterr().out)
+
+    assert code == 0
+    assert report["get_metric_spec"]["fields"]["metricSpecs"][0]["metricName"] == "gpuscaler-gpu_utilization-sum"
+    assert report["get_metrics"]["fields"]["metricValues"][0]["metricValueFloat"] == 320.0
+    assert report["is_active"]["fields"]["result"] is True
+    assert report["stream_is_active"]["fields"]["result"] is True
+    assert [gpu["value"] for gpu in report["explanation"]["gpus"]] == [80.0] * 4
+    assert report["replicas"] == {"AverageValue": 4, "Value": 7}
+
+
+async def test_query_shows_errors_and_left_out_gpus(agent: Agent, capsys: pytest.CaptureFixture[str]) -> None:
+    """A failed GPU appears as left out with its reason; a query that needs it shows KEDA's error and exits 1."""
+    address = f"127.0.0.1:{agent.port}"
+    assert await run_cli("fake", "fail", "--address", address, "--gpu", "3", "--error", "lost") == 0
+    await next_tick(agent)
+    capsys.readouterr()
+
+    assert await run_cli("query", "--address", address, "--output", "json") == 0
+    gpus = json.loads(capsys.readouterr().out)["explanation"]["gpus"]
+    assert [gpu["included"] for gpu in gpus] == [True, True, True, False]
+    assert "gpu_lost" in gpus[3]["reason"]
+
+    assert await run_cli("query", "--address", address, "--output", "json", "gpuIndex=3") == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["get_metrics"]["code"] == "UNAVAILABLE"
+    assert "GPU 3" in report["get_metrics"]["message"]
+    assert report["replicas"] is None
+
+
+async def test_query_table_names_each_rpc(agent: Agent, capsys: pytest.CaptureFixture[str]) -> None:
+    """The table output names every RPC and the HPA line."""
+    assert await run_cli("query", "--address", f"127.0.0.1:{agent.port}", "profile=batch") == 0
+    out = capsys.readouterr().out
+    for text in ("GetMetricSpec", "GetMetrics", "IsActive", "StreamIsActive", "HPA at 1 current replica"):
+        assert text in out
+
+
+async def test_fake_commands_refuse_bad_input(agent: Agent, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bad fake values and GPUs fail with a message naming them, and change nothing."""
+    address = f"127.0.0.1:{agent.port}"
+    assert await run_cli("fake", "set", "--address", address, "--gpu", "9", "temperature=50") == 1
+    assert "gpu 9 is out of range" in capsys.readouterr().err
+    assert await run_cli("fake", "set", "--address", address, "--gpu", "0", "gpu_utilization=150") == 1
+    assert "between 0 and 100" in capsys.readouterr().err
+    assert await run_cli("fake", "set", "--address", address, "--gpu", "0", "speed=3") == 1
+    assert "'speed' is not a metric" in capsys.readouterr().err
+
+
+async def test_unreachable_agent_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """A client command against a closed port exits 1 saying which address it could not reach."""
+    assert await run_cli("query", "--address", "127.0.0.1:9", "profile=batch") == 1
+    assert "cannot reach 127.0.0.1:9" in capsys.readouterr().err
