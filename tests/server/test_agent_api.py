@@ -1,0 +1,81 @@
+"""The agent's own API (gpuscaler.v1.Agent): the snapshot the gateway builds on, and Explain for `query`."""
+
+from __future__ import annotations
+
+import asyncio
+
+from grpclib.client import Channel
+
+from gpuscaler.agent import Agent
+from gpuscaler.collectors.fake import Failure, FakeCollector
+from gpuscaler.generated.gpuscaler import v1 as pb
+from gpuscaler.samples import Metric
+from gpuscaler.wire import snapshot_from_wire
+from tests.server.test_external_scaler import next_tick
+
+
+def fake(agent: Agent) -> FakeCollector:
+    assert isinstance(agent.collector, FakeCollector)
+    return agent.collector
+
+
+async def test_snapshot_carries_every_gpu_in_units(agent: Agent, channel: Channel) -> None:
+    """GetSnapshot returns the newest snapshot: node, sequence, and each GPU's values in their units."""
+    fake(agent).set_values(2, {Metric.GPU_UTILIZATION: 42.0, Metric.MEMORY_USED_PERCENT: 50.0})
+    fake(agent).fail(3, Failure.NOT_SUPPORTED)
+    await next_tick(agent)
+    message = await pb.AgentStub(channel).get_snapshot(pb.GetSnapshotRequest())
+
+    assert message.node == "test-node"
+    assert message.poll_interval_seconds == 0.1
+    assert [gpu.uuid for gpu in message.gpus] == [f"GPU-fake-test-node-{i}" for i in range(4)]
+    gpu = message.gpus[2]
+    assert gpu.gpu_utilization_percent == 42.0
+    assert gpu.memory_used_bytes == 40 * 1024**3
+    assert gpu.memory_total_bytes == 80 * 1024**3
+    unsupported = message.gpus[3]
+    assert unsupported.gpu_utilization_percent is None  # absent on the wire, not 0
+    assert {error.kind for error in unsupported.errors} == {pb.ReadErrorKind.NOT_SUPPORTED}
+    snapshot = snapshot_from_wire(message, monotonic=0.0)
+    assert snapshot.samples[2].value(Metric.MEMORY_USED_PERCENT) == 50.0
+
+
+async def test_watch_sends_one_snapshot_per_tick(agent: Agent, channel: Channel) -> None:
+    """WatchSnapshots sends the newest snapshot at once, then each new one, with consecutive sequences."""
+    sequences: list[int] = []
+    async with asyncio.timeout(5):
+        async for message in pb.AgentStub(channel).watch_snapshots(pb.WatchSnapshotsRequest()):
+            sequences.append(message.sequence)
+            if len(sequences) == 4:
+                break
+    assert sequences == list(range(sequences[0], sequences[0] + 4))
+
+
+async def test_explain_shows_each_gpu_and_the_result(agent: Agent, channel: Channel) -> None:
+    """Explain gives the resolved query, each GPU's windowed value or reason, and the value and state."""
+    fake(agent).set_values(None, {Metric.POWER_DRAW: 200.0})
+    fake(agent).fail(1, Failure.LOST)
+    await next_tick(agent)
+    metadata = {"metric": "power_draw", "window": "1s", "windowFunction": "max", "activationThreshold": "100"}
+    request = pb.ExplainRequest(scaler_metadata=metadata)
+    explanation = await pb.AgentStub(channel).explain(request)
+
+    assert (explanation.metric, explanation.aggregation, explanation.window_function) == ("power_draw", "sum", "max")
+    assert explanation.window_seconds == 1.0
+    assert explanation.value == 600.0
+    assert explanation.active is True
+    assert explanation.error_code == ""
+    assert [gpu.included for gpu in explanation.gpus] == [True, False, True, True]
+    assert "gpu_lost" in explanation.gpus[1].reason
+    assert explanation.gpus[0].samples >= 1
+    assert explanation.nodes == 1
+
+
+async def test_explain_reports_the_error_keda_would_get(agent: Agent, channel: Channel) -> None:
+    """When the query cannot answer, Explain carries the gRPC code and message instead of a value."""
+    fake(agent).fail(0, Failure.NOT_SUPPORTED)
+    await next_tick(agent)
+    explanation = await pb.AgentStub(channel).explain(pb.ExplainRequest(scaler_metadata={"gpuIndex": "0"}))
+    assert explanation.value is None
+    assert explanation.error_code == "FAILED_PRECONDITION"
+    assert "GPU 0" in explanation.error_message
