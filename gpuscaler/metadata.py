@@ -114,7 +114,7 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits) -> Query:
         window_function = _parse_enum("windowFunction", raw["windowFunction"], WindowFunction)
     if "pollIntervalSeconds" in raw:
         # Accepted for ScaledObjects written for the prior art; the agent's own loop sets the pace.
-        _parse_float("pollIntervalSeconds", raw["pollIntervalSeconds"], minimum=0.0)
+        _parse_float("pollIntervalSeconds", raw["pollIntervalSeconds"], minimum=0.0, exclusive=True)
 
     value = ValueQuery(
         metric=metric,
@@ -238,7 +238,10 @@ def _parse_selection(raw: Mapping[str, str]) -> GpuSelection:
     if "gpuIndex" in raw:
         return GpuSelection(indices=_parse_indices(raw["gpuIndex"]))
     if "gpuUUID" in raw:
-        return GpuSelection(uuids=_parse_list("gpuUUID", raw["gpuUUID"], _non_empty))
+        uuids = _parse_list("gpuUUID", raw["gpuUUID"], _non_empty)
+        # Matching is case-insensitive and order-free (as gpuIndex is), so equal selections are one query.
+        first_spelling = {uuid.lower(): uuid for uuid in reversed(uuids)}
+        return GpuSelection(uuids=tuple(sorted(first_spelling.values(), key=str.lower)))
     return GpuSelection()
 
 
@@ -272,7 +275,7 @@ def _parse_list(key: str, text: str, parse: Callable[[str], _T]) -> tuple[_T, ..
 
 
 def _parse_metric_name(text: str) -> str:
-    if not _METRIC_NAME.match(text):
+    if not _METRIC_NAME.fullmatch(text):  # match() would let a trailing newline through "$"
         raise InvalidMetadata(
             f"metricName {text!r} is not allowed; use 1-100 lowercase letters, digits, '-', '_' or '.', "
             "starting and ending with a letter or digit (KEDA puts it in a URL path)"

@@ -92,7 +92,8 @@ def default_metric_name(value: ValueQuery) -> str:
     if value.selection.indices is not None:
         parts.append("gpu" + "-".join(map(str, value.selection.indices)))
     if value.selection.uuids is not None:
-        digest = hashlib.sha256(",".join(value.selection.uuids).encode()).hexdigest()[:10]
+        # UUIDs match case-insensitively, so the name must not depend on how they were spelled.
+        digest = hashlib.sha256(",".join(uuid.lower() for uuid in value.selection.uuids).encode()).hexdigest()[:10]
         parts.append("uuid" + digest)
     if value.window_seconds is not None:
         parts.append(f"{value.window_function.value}{format_duration(value.window_seconds)}")

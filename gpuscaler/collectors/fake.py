@@ -162,7 +162,9 @@ class FakeCollector:
         with self._lock:
             fake = self._select(index)[0]
             fake.failure = failure
-            fake.healed = threading.Event()
+            # A read still hung from an earlier failure waits on the current event: keep it until heal sets it.
+            if fake.healed.is_set():
+                fake.healed = threading.Event()
 
     def heal(self, index: int | None) -> None:
         with self._lock:

@@ -1,0 +1,117 @@
+"""wire: domain samples to gpuscaler.v1 messages and back, through real protobuf bytes."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuscaler.generated.gpuscaler import v1 as pb
+from gpuscaler.samples import DEVICE_FIELD, GpuSample, PodRef, ReadError, ReadErrorKind
+from gpuscaler.wire import sample_from_wire, sample_to_wire, snapshot_from_wire, snapshot_to_wire
+from tests.unit.builders import gpu_sample, snapshot
+
+SAMPLES = [
+    pytest.param(
+        gpu_sample(
+            3,
+            util=87.5,
+            mem_util=41.0,
+            used=12 * 1024**3,
+            total=80 * 1024**3,
+            temperature=66.0,
+            power=612.25,
+            limit=700.0,
+        ),
+        id="every-value",
+    ),
+    pytest.param(
+        gpu_sample(0, util=0.0, mem_util=0.0, used=0, total=1, temperature=0.0, power=0.0, limit=0.0),
+        id="zeros-stay-zeros",
+    ),
+    pytest.param(gpu_sample(1), id="nothing-read-stays-none"),
+    pytest.param(gpu_sample(1, util=50.0, power=None, limit=700.0), id="some-absent"),
+    pytest.param(
+        gpu_sample(
+            2, errors=(ReadError(DEVICE_FIELD, ReadErrorKind.GPU_LOST, "nvmlDeviceGetUUID(gpu 2): GPU is lost"),)
+        ),
+        id="lost",
+    ),
+    pytest.param(
+        gpu_sample(
+            0,
+            util=10.0,
+            errors=(
+                ReadError("power_draw_watts", ReadErrorKind.NOT_SUPPORTED, "Not Supported"),
+                ReadError("temperature", ReadErrorKind.TIMEOUT, "hung"),
+                ReadError("memory_used_bytes", ReadErrorKind.OTHER, "Unknown Error"),
+            ),
+        ),
+        id="every-error-kind",
+    ),
+    pytest.param(
+        gpu_sample(
+            0,
+            util=90.0,
+            pods=(PodRef("ml", "vllm-0", "server"), PodRef("ml", "vllm-1", "server")),
+        ),
+        id="pods",
+    ),
+    pytest.param(
+        gpu_sample(
+            4,
+            uuid="MIG-9f1c0d2e-aaaa-bbbb-cccc-0123456789ab",
+            mig_parent="GPU-5c1f0a2b-aaaa-bbbb-cccc-0123456789ab",
+            used=5 * 1024**3,
+            total=10 * 1024**3,
+            errors=(ReadError("gpu_utilization", ReadErrorKind.NOT_SUPPORTED, "MIG"),),
+        ),
+        id="mig-instance",
+    ),
+]
+
+
+@pytest.mark.parametrize("sample", SAMPLES)
+def test_sample_round_trips(sample: GpuSample) -> None:
+    """A sample survives to_wire, serialisation and from_wire unchanged: None stays None and 0 stays 0."""
+    message = pb.GpuSample.parse(bytes(sample_to_wire(sample)))
+    assert sample_from_wire(message) == sample
+
+
+def test_absent_value_is_absent_on_the_wire() -> None:
+    """An unread value is an unset optional field, not a 0, so a reader in another language sees it absent."""
+    message = sample_to_wire(gpu_sample(0, util=0.0))
+    assert message.gpu_utilization_percent == 0.0
+    assert message.temperature_celsius is None
+    assert message.is_set("gpu_utilization_percent")
+    assert not message.is_set("temperature_celsius")
+
+
+def test_whole_gpu_has_no_mig_parent_on_either_side() -> None:
+    """A whole GPU has an empty mig_parent_uuid on the wire and None in the domain."""
+    message = sample_to_wire(gpu_sample(0))
+    assert message.mig_parent_uuid == ""
+    assert sample_from_wire(message).gpu.mig_parent_uuid is None
+
+
+def test_unspecified_error_kind_reads_as_other() -> None:
+    """An error kind the reader does not know (or unset) becomes OTHER rather than being dropped."""
+    message = pb.GpuSample(index=0, uuid="GPU-x", errors=[pb.ReadError(field="temperature", detail="?")])
+    assert sample_from_wire(message).errors == (ReadError("temperature", ReadErrorKind.OTHER, "?"),)
+
+
+def test_snapshot_round_trips() -> None:
+    """A snapshot's node, sequence, wall-clock time and samples survive; the receiver supplies its own clock."""
+    original = snapshot(
+        41,
+        12.5,
+        (gpu_sample(0, util=10.0), gpu_sample(1, errors=(ReadError(DEVICE_FIELD, ReadErrorKind.TIMEOUT, "hung"),))),
+    )
+    message = pb.Snapshot.parse(bytes(snapshot_to_wire(original, poll_interval_seconds=0.5)))
+    assert message.poll_interval_seconds == 0.5
+    received = snapshot_from_wire(message, monotonic=999.0)
+    assert received.monotonic == 999.0
+    assert (received.node, received.sequence, received.taken_at) == (
+        original.node,
+        original.sequence,
+        original.taken_at,
+    )
+    assert received.samples == original.samples
