@@ -18,6 +18,7 @@ from grpclib.health.check import ServiceStatus
 from grpclib.health.service import OVERALL, Health
 
 from gpuscaler import __version__
+from gpuscaler.attribution.podresources import PodResourcesWatcher
 from gpuscaler.collectors.base import Collector
 from gpuscaler.collectors.fake import FakeCollector
 from gpuscaler.collectors.nvml import NvmlCollector
@@ -65,6 +66,7 @@ class Agent:
     metrics: MetricsServer | None
     tls: ReloadingServerTLS | None
     port: int
+    pod_resources: PodResourcesWatcher | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     @classmethod
@@ -89,14 +91,22 @@ class Agent:
         engine = Engine(history)
         engine.on_transition.append(telemetry.observe_transition)
         telemetry.distinct_queries.set_function(lambda: engine.distinct_stream_queries)
+        pod_resources = (
+            PodResourcesWatcher(settings.pod_resources_socket, interval_seconds=settings.pod_resources_interval_seconds)
+            if settings.pod_resources_socket is not None
+            else None
+        )
         poller = Poller(
             collector,
             history,
             poll_interval_seconds=settings.poll_interval_seconds,
             listeners=[engine.on_snapshot],
             on_tick=telemetry.observe_tick,
+            attributor=pod_resources,
         )
         await poller.start()
+        if pod_resources is not None:
+            await pod_resources.refresh()  # the first snapshot already says which pods hold the GPUs
 
         scaler = ExternalScalerService(engine)
         health = ServiceStatus()
@@ -136,6 +146,7 @@ class Agent:
             metrics=metrics,
             tls=tls,
             port=_bound_port(server),
+            pod_resources=pod_resources,
         )
         await poller.tick()  # serve from a real sample from the first call on
         health.set(engine.healthy())
@@ -145,6 +156,8 @@ class Agent:
         ]
         if tls is not None:
             agent._tasks.append(asyncio.create_task(agent._watch_tls(tls), name="tls-reload"))
+        if pod_resources is not None:
+            agent._tasks.append(asyncio.create_task(pod_resources.run(), name="pod-resources"))
         log.info(
             "agent_started",
             version=__version__,
@@ -156,6 +169,7 @@ class Agent:
             poll_interval_seconds=settings.poll_interval_seconds,
             tls=tls is not None,
             mtls=settings.tls_client_ca is not None,
+            attribution=pod_resources.state.state.value if pod_resources else "off",
         )
         return agent
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from gpuscaler.activation import ActivationStates
+from gpuscaler.attribution.directory import PodDirectory
 from gpuscaler.evaluation import Evaluation, evaluate
 from gpuscaler.history import History
 from gpuscaler.metadata import Limits, parse_metadata
@@ -51,9 +52,17 @@ class _Group:
 class Engine:
     """Everything the gRPC handlers need, over one ``History``."""
 
-    def __init__(self, history: History, *, clock: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self,
+        history: History,
+        *,
+        clock: Callable[[], float] | None = None,
+        directory: PodDirectory | None = None,
+        cluster: bool = False,
+    ) -> None:
         self.history = history
-        self.limits = Limits(history_seconds=history.history_seconds)
+        self.directory = directory
+        self.limits = Limits(history_seconds=history.history_seconds, cluster=cluster)
         self.stale_after = stale_after_for(history.poll_interval_seconds)
         self._clock = clock or asyncio.get_running_loop().time
         self._states = ActivationStates(idle_seconds=ACTIVATION_IDLE_SECONDS)
@@ -66,20 +75,23 @@ class Engine:
     def now(self) -> float:
         return self._clock()
 
-    def parse(self, metadata: Mapping[str, str]) -> Query:
-        return parse_metadata(metadata, self.limits)
+    def parse(self, metadata: Mapping[str, str], namespace: str = "") -> Query:
+        """``namespace`` is the ScaledObject's: the default namespace of a pod selection."""
+        return parse_metadata(metadata, self.limits, namespace=namespace)
 
     def evaluate(self, query: ValueQuery) -> Evaluation:
         latest = self.history.latest
         fresh = latest is not None and self._clock() - latest.monotonic <= self.stale_after
         if not fresh or latest is None:
-            return evaluate(query, self.history, now=self._clock(), stale_after=self.stale_after)
+            return evaluate(
+                query, self.history, now=self._clock(), stale_after=self.stale_after, directory=self.directory
+            )
         if latest.sequence != self._cache_sequence:
             self._cache_sequence, self._cache = latest.sequence, {}
         cached = self._cache.get(query)
         if cached is None:
             cached = self._cache[query] = evaluate(
-                query, self.history, now=latest.monotonic, stale_after=self.stale_after
+                query, self.history, now=latest.monotonic, stale_after=self.stale_after, directory=self.directory
             )
         return cached
 

@@ -2,30 +2,54 @@
 
 Selecting all GPUs leaves out those whose value cannot be read (and says why); naming GPUs by index or
 UUID requires every one of them. No readable GPU at all is an error, never a 0, because a 0 scales in.
+
+A query that selects pods groups the GPUs by the pods that hold them (the kubelet's assignment):
+each pod reduces its GPUs with the pod aggregation, then the pods combine with the aggregation. A
+selection that no pod matches is a true 0 (the workload holds no GPU: scaled to zero), but only when
+every node's attribution is working; otherwise the query fails and says which node and why.
 """
 
 from __future__ import annotations
 
 import datetime
+import fnmatch
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from gpuscaler.aggregation import aggregate, reduce_window
+from gpuscaler.attribution.directory import PodDirectory
 from gpuscaler.errors import GpuscalerError, InvalidMetadata, Unavailable, Unsupported
 from gpuscaler.history import History
-from gpuscaler.query import GpuSelection, ValueQuery
-from gpuscaler.samples import GpuSample, Metric, ReadError, ReadErrorKind, Snapshot
+from gpuscaler.query import GpuSelection, PodSelection, ValueQuery
+from gpuscaler.samples import AttributionState, GpuSample, Metric, ReadError, ReadErrorKind, Snapshot
 
 
 @dataclass(frozen=True, slots=True)
 class Contribution:
-    """One GPU's part in an evaluation: its windowed value, or why it was left out."""
+    """One GPU's part in an evaluation: its windowed value, or why it was left out.
+
+    In a query that selects pods, a GPU counts once for each selected pod that holds it (``pod``).
+    """
 
     sample: GpuSample
     value: float | None
     samples: int
     reason: str | None = None
     error: ReadError | None = None
+    pod: tuple[str, str] | None = None  # (namespace, pod)
+
+
+@dataclass(frozen=True, slots=True)
+class PodValue:
+    """One selected pod (replica): its GPUs reduced by the pod aggregation, or why it was left out."""
+
+    namespace: str
+    pod: str
+    node: str
+    workload: str | None
+    value: float | None
+    gpus: int
+    reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +61,7 @@ class Evaluation:
     value: float | None
     error: GpuscalerError | None
     snapshot: Snapshot | None
+    pods: tuple[PodValue, ...] = ()
 
     def value_or_raise(self) -> float:
         if self.error is not None:
@@ -44,8 +69,20 @@ class Evaluation:
         assert self.value is not None
         return self.value
 
+    @property
+    def nodes(self) -> int:
+        """Nodes whose GPUs went into the value."""
+        return len({c.sample.node for c in self.contributions if c.value is not None})
 
-def evaluate(query: ValueQuery, history: History, *, now: float, stale_after: float) -> Evaluation:
+
+def evaluate(
+    query: ValueQuery,
+    history: History,
+    *,
+    now: float,
+    stale_after: float,
+    directory: PodDirectory | None = None,
+) -> Evaluation:
     """Evaluate ``query`` over ``history`` as of the monotonic time ``now``."""
     snapshot = history.latest
     if snapshot is None:
@@ -60,19 +97,24 @@ def evaluate(query: ValueQuery, history: History, *, now: float, stale_after: fl
                 f"older than {stale_after:g}s; the poll loop is stalled"
             ),
         )
+    short = _too_few_nodes(query, snapshot)
+    if short is not None:
+        return _failed(query, snapshot, short)
+    if query.pods is not None:
+        return _evaluate_pods(query, query.pods, snapshot, history, directory)
     try:
         selected = select(query.selection, snapshot)
     except InvalidMetadata as error:
         return _failed(query, snapshot, error)
 
-    window = history.window(query.window_seconds) if query.window_seconds is not None else [snapshot]
-    contributions = tuple(_contribution(query, sample, window, history) for sample in selected)
+    windows = _Windows(history, query.window_seconds)
+    contributions = tuple(_contribution(query, sample, windows, history) for sample in selected)
     included = [c.value for c in contributions if c.value is not None]
     left_out = [c for c in contributions if c.value is None]
 
     failure: GpuscalerError | None = None
     if not selected:
-        failure = Unavailable(f"node {snapshot.node!r} reports no GPUs")
+        failure = Unavailable(_no_gpus(snapshot))
     elif left_out and (not included or not query.selection.everything):
         failure = _unreadable(query.metric, left_out)
     value = None if failure is not None else aggregate(query.aggregation, included)
@@ -87,7 +129,7 @@ def select(selection: GpuSelection, snapshot: Snapshot) -> list[GpuSample]:
         missing = [index for index in selection.indices if index not in present]
         if missing:
             raise InvalidMetadata(
-                f"gpuIndex {','.join(map(str, missing))} is not on node {snapshot.node!r}; "
+                f"gpuIndex {','.join(map(str, missing))} is not on {_where(snapshot)}; "
                 f"it has {_listing(map(str, present))}"
             )
         return [sample for sample in samples if sample.gpu.index in selection.indices]
@@ -97,27 +139,167 @@ def select(selection: GpuSelection, snapshot: Snapshot) -> list[GpuSample]:
         missing_uuids = [uuid for uuid in selection.uuids if uuid.lower() not in present_uuids]
         if missing_uuids:
             raise InvalidMetadata(
-                f"gpuUUID {','.join(missing_uuids)} is not on node {snapshot.node!r}; "
+                f"gpuUUID {','.join(missing_uuids)} is not on {_where(snapshot)}; "
                 f"it has {_listing(sample.gpu.uuid for sample in samples)}"
             )
         return [sample for sample in samples if sample.gpu.uuid.lower() in wanted]
     return samples
 
 
-def _contribution(query: ValueQuery, sample: GpuSample, window: Sequence[Snapshot], history: History) -> Contribution:
-    if sample.value(query.metric) is None:
+def _too_few_nodes(query: ValueQuery, snapshot: Snapshot) -> GpuscalerError | None:
+    """UNAVAILABLE when fewer nodes sent fresh samples than ``minNodes`` asks (so KEDA's fallback applies)."""
+    if query.min_nodes is None:
+        return None
+    fresh = len(snapshot.nodes)
+    known = max(snapshot.expected_nodes, fresh)
+    required = query.min_nodes.required(known)
+    if fresh >= required:
+        return None
+    return Unavailable(
+        f"only {fresh} of {known} known nodes sent fresh samples, and minNodes {query.min_nodes.describe()} "
+        f"needs {required}; answering from too little data could scale the workload in"
+    )
+
+
+def _evaluate_pods(
+    query: ValueQuery,
+    pods: PodSelection,
+    snapshot: Snapshot,
+    history: History,
+    directory: PodDirectory | None,
+) -> Evaluation:
+    failure = _attribution_failure(pods, snapshot, directory)
+    if failure is not None:
+        return _failed(query, snapshot, failure)
+
+    groups: dict[tuple[str, str], list[GpuSample]] = {}
+    matched: dict[tuple[str, str], bool] = {}
+    for sample in snapshot.samples:
+        seen: set[tuple[str, str]] = set()
+        for ref in sample.pods:
+            key = (ref.namespace, ref.pod)
+            if key in seen:
+                continue  # two containers of one pod on one GPU: the GPU counts once for the pod
+            seen.add(key)
+            if key not in matched:
+                matched[key] = _pod_matches(pods, key, directory)
+            if matched[key]:
+                groups.setdefault(key, []).append(sample)
+
+    windows = _Windows(history, query.window_seconds)
+    contributions: list[Contribution] = []
+    values: list[PodValue] = []
+    for key, samples in sorted(groups.items()):
+        own = [_contribution(query, sample, windows, history, pod=key) for sample in samples]
+        contributions.extend(own)
+        readable = [c.value for c in own if c.value is not None]
+        info = directory.lookup(*key) if directory is not None else None
+        nodes = sorted({sample.node for sample in samples})
+        values.append(
+            PodValue(
+                namespace=key[0],
+                pod=key[1],
+                node=",".join(nodes),
+                workload=info.workload if info is not None else None,
+                value=aggregate(pods.pod_aggregation, readable) if readable else None,
+                gpus=len(samples),
+                reason=None if readable else f"none of its {len(samples)} GPU(s) could be read",
+            )
+        )
+
+    included = [p.value for p in values if p.value is not None]
+    error: GpuscalerError | None = None
+    value: float | None
+    if not values:
+        value = 0.0  # no selected pod holds a GPU: the workload is at zero (or not GPU-bound)
+    elif not included:
+        value, error = None, _unreadable(query.metric, [c for c in contributions if c.value is None])
+    else:
+        value = aggregate(query.aggregation, included)
+    return Evaluation(query, tuple(contributions), value, error, snapshot, tuple(values))
+
+
+def _attribution_failure(
+    pods: PodSelection, snapshot: Snapshot, directory: PodDirectory | None
+) -> GpuscalerError | None:
+    for part in snapshot.nodes:
+        if part.attribution.state is AttributionState.OFF:
+            return Unsupported(
+                f"{pods.describe()} needs to know which pods hold which GPUs, and node {part.node!r} "
+                f"does not: {part.attribution.detail}"
+            )
+        if part.attribution.state is AttributionState.UNAVAILABLE:
+            return Unavailable(
+                f"{pods.describe()} needs to know which pods hold which GPUs, and node {part.node!r} "
+                f"cannot tell now: {part.attribution.detail}"
+            )
+    if pods.needs_directory:
+        if directory is None:
+            return Unsupported(
+                f"{pods.describe()} needs pod labels and owners, and this server has no pod directory; "
+                "ask the gateway (started with --pod-directory), or select by pod name"
+            )
+        problem = directory.problem()
+        if problem is not None:
+            return Unavailable(f"{pods.describe()} needs pod labels and owners: {problem}")
+    return None
+
+
+def _pod_matches(pods: PodSelection, key: tuple[str, str], directory: PodDirectory | None) -> bool:
+    namespace, name = key
+    if namespace != pods.namespace:
+        return False
+    if pods.pod is not None and not fnmatch.fnmatchcase(name, pods.pod):
+        return False
+    if not pods.needs_directory:
+        return True
+    info = directory.lookup(namespace, name) if directory is not None else None
+    if info is None:
+        return False  # a pod the directory has not seen yet: it joins at the next evaluation
+    if pods.workload is not None and info.workload != pods.workload:
+        return False
+    return pods.labels is None or pods.labels.matches(info.labels)
+
+
+class _Windows:
+    """Each node's window of snapshots, looked up once per evaluation."""
+
+    def __init__(self, history: History, seconds: float | None) -> None:
+        self.history = history
+        self.seconds = seconds
+        self._by_node: dict[str, list[Snapshot]] = {}
+
+    def of(self, node: str) -> list[Snapshot]:
+        assert self.seconds is not None
+        window = self._by_node.get(node)
+        if window is None:
+            window = self._by_node[node] = self.history.window_for(node, self.seconds)
+        return window
+
+
+def _contribution(
+    query: ValueQuery,
+    sample: GpuSample,
+    windows: _Windows,
+    history: History,
+    pod: tuple[str, str] | None = None,
+) -> Contribution:
+    latest = sample.value(query.metric)
+    if latest is None:
         error = sample.error_for(query.metric)
         reason = _reason(query.metric, error)
         if error is not None and error.kind is not ReadErrorKind.NOT_SUPPORTED:
-            reason += f"; last read {_last_read(history, sample.gpu.uuid, query.metric)}"
-        return Contribution(sample, None, 0, reason, error)
+            reason += f"; last read {_last_read(history, sample, query.metric)}"
+        return Contribution(sample, None, 0, reason, error, pod)
+    if query.window_seconds is None:
+        return Contribution(sample, latest, 1, pod=pod)
     values = [
         value
-        for snapshot in window
+        for snapshot in windows.of(sample.node)
         for other in snapshot.samples
         if other.gpu.uuid == sample.gpu.uuid and (value := other.value(query.metric)) is not None
     ]
-    return Contribution(sample, reduce_window(query.window_function, values), len(values))
+    return Contribution(sample, reduce_window(query.window_function, values), len(values), pod=pod)
 
 
 def _reason(metric: Metric, error: ReadError | None) -> str:
@@ -134,12 +316,27 @@ def _unreadable(metric: Metric, left_out: Sequence[Contribution]) -> GpuscalerEr
     return Unavailable(message)
 
 
-def _last_read(history: History, uuid: str, metric: Metric) -> str:
-    for snapshot in history.newest_first():
-        for sample in snapshot.samples:
-            if sample.gpu.uuid == uuid and sample.value(metric) is not None:
+def _last_read(history: History, sample: GpuSample, metric: Metric) -> str:
+    for snapshot in history.newest_first_for(sample.node):
+        for other in snapshot.samples:
+            if other.gpu.uuid == sample.gpu.uuid and other.value(metric) is not None:
                 return _clock(snapshot.taken_at)
     return "never, within the history"
+
+
+def _no_gpus(snapshot: Snapshot) -> str:
+    if not snapshot.parts and snapshot.expected_nodes == 0:
+        return f"node {snapshot.node!r} reports no GPUs"
+    return (
+        f"no GPUs to read: {len(snapshot.parts)} of {snapshot.expected_nodes} known agents sent a fresh snapshot "
+        "with GPUs in it"
+    )
+
+
+def _where(snapshot: Snapshot) -> str:
+    if not snapshot.parts and snapshot.expected_nodes == 0:
+        return f"node {snapshot.node!r}"
+    return f"any of the {len(snapshot.parts)} fresh nodes"
 
 
 def _failed(query: ValueQuery, snapshot: Snapshot | None, error: GpuscalerError) -> Evaluation:

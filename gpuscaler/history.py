@@ -52,6 +52,14 @@ class History:
     def newest_first(self) -> Iterator[Snapshot]:
         return reversed(self._snapshots)
 
+    def window_for(self, node: str, seconds: float) -> list[Snapshot]:
+        """``node``'s snapshots in the window. An agent's history is its own node's; a gateway's overrides this."""
+        return self.window(seconds)
+
+    def newest_first_for(self, node: str) -> Iterator[Snapshot]:
+        """``node``'s snapshots, newest first (see ``window_for``)."""
+        return self.newest_first()
+
     async def wait_newer(self, sequence: int) -> Snapshot:
         """The latest snapshot once its sequence is above ``sequence``."""
         while True:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
+from gpuscaler.attribution.selectors import parse_label_selector
 from gpuscaler.durations import format_duration, parse_duration
 from gpuscaler.errors import InvalidMetadata
 from gpuscaler.profiles import DEFAULT_METRIC, METRIC_DEFAULTS, PROFILES
@@ -21,6 +22,8 @@ from gpuscaler.query import (
     ActivationRule,
     Aggregation,
     GpuSelection,
+    NodeQuorum,
+    PodSelection,
     Query,
     ValueQuery,
     WindowFunction,
@@ -49,7 +52,14 @@ QUERY_KEYS = (
     "windowFunction",
     "metricName",
     "pollIntervalSeconds",
+    "namespace",
+    "pod",
+    "workload",
+    "podSelector",
+    "podAggregation",
+    "minNodes",
 )
+POD_KEYS = ("namespace", "pod", "workload", "podSelector")
 KNOWN_KEYS = frozenset(QUERY_KEYS) | KEDA_KEYS
 
 FROM_ENV_SUFFIX = "FromEnv"
@@ -57,6 +67,10 @@ MIN_TARGET = 0.001  # KEDA keeps milli precision; a smaller target rounds to 0 a
 _E = TypeVar("_E", Metric, Aggregation, WindowFunction)
 _T = TypeVar("_T")
 _METRIC_NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,98}[a-z0-9])?$")
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_OBJECT_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_POD_GLOB = re.compile(r"^[-a-z0-9.*?\[\]!]{1,253}$")
+MAX_MIN_NODES = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +78,15 @@ class Limits:
     """What the running agent allows, so that errors can say so (a window longer than the history)."""
 
     history_seconds: float
+    # A gateway answers for every node, where a GPU index names one GPU on each of them.
+    cluster: bool = False
 
 
-def parse_metadata(metadata: Mapping[str, str], limits: Limits) -> Query:
-    """The query the metadata asks for. Raises InvalidMetadata naming the key, the value and what is allowed."""
+def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: str = "") -> Query:
+    """The query the metadata asks for. Raises InvalidMetadata naming the key, the value and what is allowed.
+
+    ``namespace`` is the ScaledObject's: the default namespace of a pod selection.
+    """
     raw = _resolve_keys(metadata)
 
     profile = None
@@ -116,12 +135,20 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits) -> Query:
         # Accepted for ScaledObjects written for the prior art; the agent's own loop sets the pace.
         _parse_float("pollIntervalSeconds", raw["pollIntervalSeconds"], minimum=0.0, exclusive=True)
 
+    selection = _parse_selection(raw)
+    if limits.cluster and selection.indices is not None:
+        raise InvalidMetadata(
+            f"gpuIndex {raw['gpuIndex']!r} names a GPU by its index on one node, and the gateway answers for "
+            "every node, where indices repeat; select by gpuUUID, or by pod, workload or podSelector"
+        )
     value = ValueQuery(
         metric=metric,
         aggregation=aggregation,
-        selection=_parse_selection(raw),
+        selection=selection,
         window_seconds=window_seconds,
         window_function=window_function,
+        pods=_parse_pods(raw, namespace),
+        min_nodes=_parse_min_nodes(raw["minNodes"]) if "minNodes" in raw else None,
     )
     metric_name = _parse_metric_name(raw["metricName"]) if "metricName" in raw else default_metric_name(value)
     return Query(
@@ -151,6 +178,18 @@ def _resolve_keys(metadata: Mapping[str, str]) -> dict[str, str]:
         raise InvalidMetadata("keys 'metric' and 'metricType' are both set; 'metricType' is an alias: set one")
     if "gpuIndex" in resolved and "gpuUUID" in resolved:
         raise InvalidMetadata("keys 'gpuIndex' and 'gpuUUID' are both set; select GPUs by one of them")
+    pod_keys = [key for key in POD_KEYS if key in resolved]
+    gpu_keys = [key for key in ("gpuIndex", "gpuUUID") if key in resolved]
+    if pod_keys and gpu_keys:
+        raise InvalidMetadata(
+            f"keys {gpu_keys[0]!r} and {pod_keys[0]!r} are both set; select GPUs either by GPU or by the pods "
+            "that hold them"
+        )
+    if "podAggregation" in resolved and not pod_keys:
+        raise InvalidMetadata(
+            "podAggregation is set, but no pods are selected; it says how one pod's GPUs reduce, so it needs "
+            "pod, workload, podSelector or namespace"
+        )
     if "targetGpuUtilization" in resolved and "targetMemoryUtilization" in resolved:
         raise InvalidMetadata(
             "keys 'targetGpuUtilization' and 'targetMemoryUtilization' are both set; each picks the metric: "
@@ -243,6 +282,59 @@ def _parse_selection(raw: Mapping[str, str]) -> GpuSelection:
         first_spelling = {uuid.lower(): uuid for uuid in reversed(uuids)}
         return GpuSelection(uuids=tuple(sorted(first_spelling.values(), key=str.lower)))
     return GpuSelection()
+
+
+def _parse_pods(raw: Mapping[str, str], scaled_object_namespace: str) -> PodSelection | None:
+    if not any(key in raw for key in POD_KEYS):
+        return None
+    if "namespace" in raw:
+        namespace = _parse_name("namespace", raw["namespace"], _NAMESPACE, "a namespace name like 'ml'")
+    elif scaled_object_namespace:
+        namespace = scaled_object_namespace
+    else:
+        raise InvalidMetadata(
+            "namespace is not set and the ScaledObject's namespace is unknown; set namespace to the pods' namespace"
+        )
+    pod = workload = labels = None
+    if "pod" in raw:
+        pod = _parse_name("pod", raw["pod"], _POD_GLOB, "a pod name or glob like 'trainer-*'")
+    if "workload" in raw:
+        workload = _parse_name("workload", raw["workload"], _OBJECT_NAME, "a Deployment or StatefulSet name")
+    if "podSelector" in raw:
+        try:
+            labels = parse_label_selector(raw["podSelector"])
+        except ValueError as error:
+            raise InvalidMetadata(f"podSelector {raw['podSelector']!r} {error}") from None
+    pod_aggregation = Aggregation.AVG
+    if "podAggregation" in raw:
+        pod_aggregation = _parse_enum("podAggregation", raw["podAggregation"], Aggregation)
+    return PodSelection(namespace=namespace, pod=pod, workload=workload, labels=labels, pod_aggregation=pod_aggregation)
+
+
+def _parse_name(key: str, text: str, pattern: re.Pattern[str], allowed: str) -> str:
+    name = text.strip()
+    if not pattern.fullmatch(name):
+        raise InvalidMetadata(f"{key} {text!r} is not allowed; use {allowed} (lowercase letters, digits, '-')")
+    return name
+
+
+def _parse_min_nodes(text: str) -> NodeQuorum:
+    item = text.strip()
+    allowed = "use a node count like '3', or a share of the known nodes like '75%'"
+    if item.endswith("%"):
+        try:
+            percent = float(item[:-1])
+        except ValueError:
+            raise InvalidMetadata(f"minNodes {text!r} is not a number; {allowed}") from None
+        if not 0 < percent <= 100:
+            raise InvalidMetadata(f"minNodes {text!r} is out of range; a share must be above 0% and at most 100%")
+        return NodeQuorum(fraction=percent / 100.0)
+    if not re.fullmatch(r"\d{1,6}", item):
+        raise InvalidMetadata(f"minNodes {text!r} is not allowed; {allowed}")
+    count = int(item)
+    if not 1 <= count <= MAX_MIN_NODES:
+        raise InvalidMetadata(f"minNodes {text!r} is out of range; it must be between 1 and {MAX_MIN_NODES}")
+    return NodeQuorum(count=count)
 
 
 def _parse_indices(text: str) -> tuple[int, ...] | None:

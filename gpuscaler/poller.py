@@ -11,12 +11,22 @@ import asyncio
 import concurrent.futures
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import structlog
 
 from gpuscaler.collectors.base import Collector
 from gpuscaler.history import History
-from gpuscaler.samples import DEVICE_FIELD, GpuIdentity, GpuSample, ReadError, ReadErrorKind, Snapshot
+from gpuscaler.samples import (
+    ATTRIBUTION_OFF,
+    DEVICE_FIELD,
+    Attribution,
+    GpuIdentity,
+    GpuSample,
+    ReadError,
+    ReadErrorKind,
+    Snapshot,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -32,6 +42,14 @@ def read_timeout_for(poll_interval_seconds: float) -> float:
 
 
 SnapshotListener = Callable[[Snapshot], None]
+
+
+class Attributor(Protocol):
+    """Adds to each tick's samples the pods that hold each GPU (``attribution.PodResourcesWatcher``)."""
+
+    def attribute(self, samples: Sequence[GpuSample]) -> tuple[tuple[GpuSample, ...], Attribution]: ...
+
+
 TickObserver = Callable[[float, float], None]  # seconds the reads took, seconds the tick started late
 
 
@@ -46,7 +64,9 @@ class Poller:
         poll_interval_seconds: float,
         listeners: Sequence[SnapshotListener] = (),
         on_tick: TickObserver | None = None,
+        attributor: Attributor | None = None,
     ) -> None:
+        self._attributor = attributor
         self._collector = collector
         self._history = history
         self._interval = poll_interval_seconds
@@ -107,13 +127,17 @@ class Poller:
         samples = await self._read_all(started)
         if self._on_tick is not None:
             self._on_tick(loop.time() - started, self._lag)
+        attributed, attribution = (
+            self._attributor.attribute(samples) if self._attributor is not None else (tuple(samples), ATTRIBUTION_OFF)
+        )
         self._sequence += 1
         snapshot = Snapshot(
             sequence=self._sequence,
             taken_at=taken_at,
             monotonic=started,
             node=self._collector.node,
-            samples=tuple(samples),
+            samples=attributed,
+            attribution=attribution,
         )
         self._history.append(snapshot)
         for listener in self._listeners:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import math
 from dataclasses import dataclass
 
+from gpuscaler.attribution.selectors import LabelSelector
 from gpuscaler.durations import format_duration
 from gpuscaler.samples import Metric
 
@@ -52,6 +54,53 @@ class GpuSelection:
 
 
 @dataclass(frozen=True, slots=True)
+class PodSelection:
+    """Which pods' GPUs a query reads: the pods in ``namespace`` that meet every criterion given.
+
+    Each pod reduces its own GPUs with ``pod_aggregation``; the query's ``aggregation`` then combines
+    the pods (one value per replica, summed by default, which is what KEDA's AverageValue divides).
+    """
+
+    namespace: str
+    pod: str | None = None  # a glob on the pod name (fnmatch: *, ?, [...])
+    workload: str | None = None  # the owning Deployment / StatefulSet / ... name
+    labels: LabelSelector | None = None
+    pod_aggregation: Aggregation = Aggregation.AVG
+
+    @property
+    def needs_directory(self) -> bool:
+        """Whether matching needs pod labels or owners, which only a pod directory knows."""
+        return self.workload is not None or self.labels is not None
+
+    def describe(self) -> str:
+        parts = [f"namespace {self.namespace}"]
+        if self.pod is not None:
+            parts.append(f"pod {self.pod}")
+        if self.workload is not None:
+            parts.append(f"workload {self.workload}")
+        if self.labels is not None:
+            parts.append(f"podSelector {self.labels.text}")
+        return "pods in " + ", ".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeQuorum:
+    """How many nodes must contribute fresh samples: a count, or a fraction of the nodes known."""
+
+    count: int | None = None
+    fraction: float | None = None
+
+    def required(self, known: int) -> int:
+        if self.count is not None:
+            return self.count
+        assert self.fraction is not None
+        return max(1, math.ceil(self.fraction * known - 1e-9))
+
+    def describe(self) -> str:
+        return str(self.count) if self.count is not None else f"{100 * (self.fraction or 0):g}%"
+
+
+@dataclass(frozen=True, slots=True)
 class ValueQuery:
     """The part of a query that decides its value; queries equal here share one evaluation."""
 
@@ -60,6 +109,11 @@ class ValueQuery:
     selection: GpuSelection
     window_seconds: float | None
     window_function: WindowFunction
+    pods: PodSelection | None = None
+    min_nodes: NodeQuorum | None = None
+
+    def describe_selection(self) -> str:
+        return self.pods.describe() if self.pods is not None else self.selection.describe()
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +149,13 @@ def default_metric_name(value: ValueQuery) -> str:
         # UUIDs match case-insensitively, so the name must not depend on how they were spelled.
         digest = hashlib.sha256(",".join(uuid.lower() for uuid in value.selection.uuids).encode()).hexdigest()[:10]
         parts.append("uuid" + digest)
+    if value.pods is not None:
+        # The pod aggregation is spelled out; the selection, free text, goes in as a digest.
+        pods = value.pods
+        selection = "\x00".join(
+            [pods.namespace, pods.pod or "", pods.workload or "", pods.labels.text if pods.labels else ""]
+        )
+        parts.append(f"pods{pods.pod_aggregation.value}{hashlib.sha256(selection.encode()).hexdigest()[:10]}")
     if value.window_seconds is not None:
         parts.append(f"{value.window_function.value}{format_duration(value.window_seconds)}")
     return "-".join(parts).replace(".", "_")

@@ -71,6 +71,27 @@ class PodRef:
     container: str
 
 
+class AttributionState(enum.Enum):
+    """Whether a node's samples say which pods hold each GPU (the kubelet's PodResources API)."""
+
+    OFF = "off"  # --pod-resources-socket is empty, or there is no socket at that path: FAILED_PRECONDITION
+    UNAVAILABLE = "unavailable"  # the socket is there but List fails: UNAVAILABLE, KEDA retries
+    OK = "ok"
+
+
+@dataclass(frozen=True, slots=True)
+class Attribution:
+    """A node's attribution state at one tick; ``detail`` says why when it is not OK."""
+
+    state: AttributionState
+    detail: str = ""
+
+
+ATTRIBUTION_OFF = Attribution(
+    AttributionState.OFF, "pod attribution is off (the agent's --pod-resources-socket is empty)"
+)
+
+
 @dataclass(frozen=True, slots=True)
 class GpuIdentity:
     """A device as the collector enumerates it: a whole GPU, or one MIG instance of it."""
@@ -137,6 +158,9 @@ class Snapshot:
 
     ``taken_at`` is wall-clock seconds since the epoch (for people and the wire);
     ``monotonic`` is the loop's clock (for ages and windows, immune to clock steps).
+
+    A gateway composes one snapshot of the whole cluster: ``samples`` is then every fresh node's samples,
+    ``parts`` the node snapshots they came from and ``expected_nodes`` the number of agents it knows of.
     """
 
     sequence: int
@@ -144,3 +168,11 @@ class Snapshot:
     monotonic: float
     node: str
     samples: tuple[GpuSample, ...] = field(default_factory=tuple)
+    attribution: Attribution = ATTRIBUTION_OFF
+    parts: tuple[Snapshot, ...] = ()
+    expected_nodes: int = 0
+
+    @property
+    def nodes(self) -> tuple[Snapshot, ...]:
+        """The node snapshots this one is made of: ``parts`` for a cluster, itself for a node."""
+        return self.parts or (self,)

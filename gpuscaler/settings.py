@@ -29,6 +29,8 @@ DEFAULT_DRAIN_TIMEOUT_SECONDS = 5.0
 DEFAULT_METRICS_LISTEN = "0.0.0.0:9402"
 DEFAULT_TLS_RELOAD_INTERVAL_SECONDS = 10.0
 DEFAULT_NODE_NAME = "fake-node"
+DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+DEFAULT_POD_RESOURCES_INTERVAL_SECONDS = 1.0
 MAX_FAKE_GPUS = 1024
 
 Collector = Literal["nvml", "fake"]
@@ -61,6 +63,9 @@ class ServeSettings:
     node_name: str
     metrics_listen: Address | None = None
     tls_reload_interval_seconds: float = DEFAULT_TLS_RELOAD_INTERVAL_SECONDS
+    pod_resources_socket: Path | None = None
+    # Not a flag: a kubelet List is cheap, and one second is "within one refresh" for every use we know.
+    pod_resources_interval_seconds: float = DEFAULT_POD_RESOURCES_INTERVAL_SECONDS
 
 
 # flag -> (environment variable, default, help)
@@ -89,6 +94,11 @@ SERVE_FLAGS: Mapping[str, tuple[str, str | None, str]] = {
         "TLS_RELOAD_INTERVAL",
         str(DEFAULT_TLS_RELOAD_INTERVAL_SECONDS),
         "seconds between checks of the TLS files for a rotated certificate",
+    ),
+    "--pod-resources-socket": (
+        "POD_RESOURCES_SOCKET",
+        DEFAULT_POD_RESOURCES_SOCKET,
+        "the kubelet's PodResources socket, for which pods hold which GPUs; empty turns attribution off",
     ),
     "--drain-timeout": (
         "DRAIN_TIMEOUT",
@@ -195,6 +205,7 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         node_name=environ.get("NODE_NAME") or DEFAULT_NODE_NAME,
         metrics_listen=metrics_listen,
         tls_reload_interval_seconds=reload_interval,
+        pod_resources_socket=_path(args.pod_resources_socket),
     )
 
 

@@ -9,7 +9,16 @@ from __future__ import annotations
 from gpuscaler.evaluation import Evaluation
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.query import Query
-from gpuscaler.samples import GpuIdentity, GpuSample, PodRef, ReadError, ReadErrorKind, Snapshot
+from gpuscaler.samples import (
+    Attribution,
+    AttributionState,
+    GpuIdentity,
+    GpuSample,
+    PodRef,
+    ReadError,
+    ReadErrorKind,
+    Snapshot,
+)
 from gpuscaler.server.status import status_for
 
 _KIND_TO_WIRE = {
@@ -19,6 +28,24 @@ _KIND_TO_WIRE = {
     ReadErrorKind.OTHER: pb.ReadErrorKind.OTHER,
 }
 _KIND_FROM_WIRE = {wire: kind for kind, wire in _KIND_TO_WIRE.items()}
+_ATTRIBUTION_TO_WIRE = {
+    AttributionState.OFF: pb.AttributionState.OFF,
+    AttributionState.UNAVAILABLE: pb.AttributionState.UNAVAILABLE,
+    AttributionState.OK: pb.AttributionState.OK,
+}
+_ATTRIBUTION_FROM_WIRE = {wire: state for state, wire in _ATTRIBUTION_TO_WIRE.items()}
+
+
+def attribution_to_wire(attribution: Attribution) -> pb.Attribution:
+    return pb.Attribution(state=_ATTRIBUTION_TO_WIRE[attribution.state], detail=attribution.detail)
+
+
+def attribution_from_wire(message: pb.Attribution | None, node: str) -> Attribution:
+    """An agent that sends no attribution (older than it) has none: OFF, saying so."""
+    state = _ATTRIBUTION_FROM_WIRE.get(message.state) if message is not None else None
+    if message is None or state is None:
+        return Attribution(AttributionState.OFF, f"the agent on {node!r} sends no pod attribution (upgrade it)")
+    return Attribution(state, message.detail)
 
 
 def sample_to_wire(sample: GpuSample) -> pb.GpuSample:
@@ -70,6 +97,7 @@ def snapshot_to_wire(snapshot: Snapshot, *, poll_interval_seconds: float) -> pb.
         taken_at_unix_seconds=snapshot.taken_at,
         poll_interval_seconds=poll_interval_seconds,
         gpus=[sample_to_wire(sample) for sample in snapshot.samples],
+        attribution=attribution_to_wire(snapshot.attribution),
     )
 
 
@@ -81,6 +109,7 @@ def snapshot_from_wire(message: pb.Snapshot, *, monotonic: float) -> Snapshot:
         monotonic=monotonic,
         node=message.node,
         samples=tuple(sample_from_wire(sample) for sample in message.gpus),
+        attribution=attribution_from_wire(message.attribution, message.node),
     )
 
 
@@ -106,14 +135,32 @@ def explanation_to_wire(query: Query, evaluation: Evaluation, *, active: bool, n
                 value=c.value,
                 samples=c.samples,
                 reason=c.reason or "",
+                namespace=c.pod[0] if c.pod else "",
+                pod=c.pod[1] if c.pod else "",
             )
             for c in evaluation.contributions
         ],
+        pods=[
+            pb.PodContribution(
+                namespace=p.namespace,
+                pod=p.pod,
+                workload=p.workload or "",
+                node=p.node,
+                included=p.value is not None,
+                value=p.value,
+                gpus=p.gpus,
+                reason=p.reason or "",
+            )
+            for p in evaluation.pods
+        ],
+        pod_aggregation=value.pods.pod_aggregation.value if value.pods else "",
+        selection=value.describe_selection(),
         value=evaluation.value,
         active=active,
         error_code=status_for(evaluation.error).name if evaluation.error else "",
         error_message=evaluation.error.message if evaluation.error else "",
         snapshot_age_seconds=max(0.0, now - snapshot.monotonic) if snapshot else 0.0,
         snapshot_sequence=snapshot.sequence if snapshot else 0,
-        nodes=len({c.sample.node for c in evaluation.contributions}),
+        nodes=evaluation.nodes,
+        nodes_expected=(max(snapshot.expected_nodes, len(snapshot.nodes)) if snapshot else 0),
     )

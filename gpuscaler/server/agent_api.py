@@ -37,7 +37,7 @@ class AgentService(pb.AgentBase):
 
     async def explain(self, message: pb.ExplainRequest) -> pb.Explanation:
         async with grpc_errors("Explain"):
-            query = self._engine.parse(message.scaler_metadata)
+            query = self._engine.parse(message.scaler_metadata, message.namespace)
         evaluation = self._engine.evaluate(query.value)
         active = evaluation.value is not None and self._engine.is_active(query)
         return explanation_to_wire(query, evaluation, active=active, now=self._engine.now())

@@ -44,9 +44,7 @@ default_message_pool.register_message("externalscaler", "GetMetricSpecResponse",
 
 @dataclass(eq=False, repr=False)
 class GetMetricsRequest(betterproto2.Message):
-    scaled_object_ref: "ScaledObjectRef | None" = betterproto2.field(
-        1, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    scaled_object_ref: "ScaledObjectRef | None" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, optional=True)
 
     metric_name: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
 
@@ -107,9 +105,7 @@ class ScaledObjectRef(betterproto2.Message):
     namespace: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
 
     scaler_metadata: "dict[str, str]" = betterproto2.field(
-        3,
-        betterproto2.TYPE_MAP,
-        map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_STRING),
+        3, betterproto2.TYPE_MAP, map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_STRING)
     )
 
 
@@ -209,17 +205,13 @@ class ExternalScalerBase(betterproto2_grpclib.ServiceBase):
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
-    async def __rpc_is_active(
-        self, stream: "grpclib.server.Stream[ScaledObjectRef, IsActiveResponse]"
-    ) -> None:
+    async def __rpc_is_active(self, stream: "grpclib.server.Stream[ScaledObjectRef, IsActiveResponse]") -> None:
         request = await stream.recv_message()
         assert request is not None
         response = await self.is_active(request)
         await stream.send_message(response)
 
-    async def __rpc_stream_is_active(
-        self, stream: "grpclib.server.Stream[ScaledObjectRef, IsActiveResponse]"
-    ) -> None:
+    async def __rpc_stream_is_active(self, stream: "grpclib.server.Stream[ScaledObjectRef, IsActiveResponse]") -> None:
         request = await stream.recv_message()
         assert request is not None
         await self._call_rpc_handler_server_stream(
@@ -236,9 +228,7 @@ class ExternalScalerBase(betterproto2_grpclib.ServiceBase):
         response = await self.get_metric_spec(request)
         await stream.send_message(response)
 
-    async def __rpc_get_metrics(
-        self, stream: "grpclib.server.Stream[GetMetricsRequest, GetMetricsResponse]"
-    ) -> None:
+    async def __rpc_get_metrics(self, stream: "grpclib.server.Stream[GetMetricsRequest, GetMetricsResponse]") -> None:
         request = await stream.recv_message()
         assert request is not None
         response = await self.get_metrics(request)

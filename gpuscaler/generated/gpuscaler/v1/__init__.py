@@ -6,6 +6,8 @@
 __all__ = (
     "AgentBase",
     "AgentStub",
+    "Attribution",
+    "AttributionState",
     "ExplainRequest",
     "Explanation",
     "FailRequest",
@@ -19,6 +21,7 @@ __all__ = (
     "GpuSample",
     "GpuSelector",
     "HealRequest",
+    "PodContribution",
     "PodRef",
     "ReadError",
     "ReadErrorKind",
@@ -44,6 +47,47 @@ if TYPE_CHECKING:
 
 _COMPILER_VERSION = "0.10.1"
 betterproto2.check_compiler_version(_COMPILER_VERSION)
+
+
+class AttributionState(betterproto2.Enum):
+    """
+    Whether a node's samples say which pods hold each GPU (from the kubelet's PodResources API).
+    """
+
+    UNSPECIFIED = 0
+    """
+    An agent without attribution support: read as OFF.
+    """
+
+    OFF = 1
+    """
+    --pod-resources-socket is empty, or there is no socket at that path.
+    """
+
+    UNAVAILABLE = 2
+    """
+    The socket is there, but the kubelet does not answer List.
+    """
+
+    OK = 3
+
+    @classmethod
+    def betterproto_value_to_renamed_proto_names(cls) -> dict[int, str]:
+        return {
+            0: "ATTRIBUTION_STATE_UNSPECIFIED",
+            1: "ATTRIBUTION_STATE_OFF",
+            2: "ATTRIBUTION_STATE_UNAVAILABLE",
+            3: "ATTRIBUTION_STATE_OK",
+        }
+
+    @classmethod
+    def betterproto_renamed_proto_names_to_value(cls) -> dict[str, int]:
+        return {
+            "ATTRIBUTION_STATE_UNSPECIFIED": 0,
+            "ATTRIBUTION_STATE_OFF": 1,
+            "ATTRIBUTION_STATE_UNAVAILABLE": 2,
+            "ATTRIBUTION_STATE_OK": 3,
+        }
 
 
 class FakeFailure(betterproto2.Enum):
@@ -123,11 +167,24 @@ class ReadErrorKind(betterproto2.Enum):
 
 
 @dataclass(eq=False, repr=False)
+class Attribution(betterproto2.Message):
+    state: "AttributionState" = betterproto2.field(
+        1, betterproto2.TYPE_ENUM, default_factory=lambda: AttributionState(0)
+    )
+
+    detail: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    Why, when the state is not OK.
+    """
+
+
+default_message_pool.register_message("gpuscaler.v1", "Attribution", Attribution)
+
+
+@dataclass(eq=False, repr=False)
 class ExplainRequest(betterproto2.Message):
     scaler_metadata: "dict[str, str]" = betterproto2.field(
-        1,
-        betterproto2.TYPE_MAP,
-        map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_STRING),
+        1, betterproto2.TYPE_MAP, map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_STRING)
     )
     """
     The trigger's metadata, as KEDA would send it in ScaledObjectRef.scalerMetadata.
@@ -185,6 +242,23 @@ class Explanation(betterproto2.Message):
     snapshot_sequence: "int" = betterproto2.field(16, betterproto2.TYPE_UINT64)
 
     nodes: "int" = betterproto2.field(17, betterproto2.TYPE_UINT32)
+    """
+    Nodes whose GPUs went into the answer, and the nodes the server knows of (1 on an agent).
+    """
+
+    pods: "list[PodContribution]" = betterproto2.field(18, betterproto2.TYPE_MESSAGE, repeated=True)
+
+    nodes_expected: "int" = betterproto2.field(19, betterproto2.TYPE_UINT32)
+
+    pod_aggregation: "str" = betterproto2.field(20, betterproto2.TYPE_STRING)
+    """
+    How one pod's GPUs reduce; empty when the query selects no pods.
+    """
+
+    selection: "str" = betterproto2.field(21, betterproto2.TYPE_STRING)
+    """
+    Which GPUs or pods the query reads, in words.
+    """
 
 
 default_message_pool.register_message("gpuscaler.v1", "Explanation", Explanation)
@@ -194,9 +268,7 @@ default_message_pool.register_message("gpuscaler.v1", "Explanation", Explanation
 class FailRequest(betterproto2.Message):
     index: "int" = betterproto2.field(1, betterproto2.TYPE_UINT32)
 
-    failure: "FakeFailure" = betterproto2.field(
-        2, betterproto2.TYPE_ENUM, default_factory=lambda: FakeFailure(0)
-    )
+    failure: "FakeFailure" = betterproto2.field(2, betterproto2.TYPE_ENUM, default_factory=lambda: FakeFailure(0))
 
 
 default_message_pool.register_message("gpuscaler.v1", "FailRequest", FailRequest)
@@ -217,14 +289,10 @@ class FakeGpuState(betterproto2.Message):
     uuid: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
 
     values: "dict[str, float]" = betterproto2.field(
-        3,
-        betterproto2.TYPE_MAP,
-        map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_DOUBLE),
+        3, betterproto2.TYPE_MAP, map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_DOUBLE)
     )
 
-    failure: "FakeFailure" = betterproto2.field(
-        4, betterproto2.TYPE_ENUM, default_factory=lambda: FakeFailure(0)
-    )
+    failure: "FakeFailure" = betterproto2.field(4, betterproto2.TYPE_ENUM, default_factory=lambda: FakeFailure(0))
 
 
 default_message_pool.register_message("gpuscaler.v1", "FakeGpuState", FakeGpuState)
@@ -266,6 +334,13 @@ class GpuContribution(betterproto2.Message):
     Why the GPU was left out; empty when included.
     """
 
+    namespace: "str" = betterproto2.field(8, betterproto2.TYPE_STRING)
+    """
+    The pod this GPU counted for, in a query that selects pods; empty otherwise.
+    """
+
+    pod: "str" = betterproto2.field(9, betterproto2.TYPE_STRING)
+
 
 default_message_pool.register_message("gpuscaler.v1", "GpuContribution", GpuContribution)
 
@@ -293,9 +368,7 @@ class GpuSample(betterproto2.Message):
     Absent means not read: see `errors`.
     """
 
-    memory_utilization_percent: "float | None" = betterproto2.field(
-        7, betterproto2.TYPE_DOUBLE, optional=True
-    )
+    memory_utilization_percent: "float | None" = betterproto2.field(7, betterproto2.TYPE_DOUBLE, optional=True)
 
     memory_used_bytes: "int | None" = betterproto2.field(8, betterproto2.TYPE_UINT64, optional=True)
 
@@ -344,6 +417,38 @@ default_message_pool.register_message("gpuscaler.v1", "HealRequest", HealRequest
 
 
 @dataclass(eq=False, repr=False)
+class PodContribution(betterproto2.Message):
+    """
+    One replica's part in a query that selects pods: its GPUs reduced by the pod aggregation.
+    """
+
+    namespace: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    pod: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+
+    workload: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    The owning Deployment/StatefulSet/... name, where the pod directory knows it.
+    """
+
+    node: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+
+    included: "bool" = betterproto2.field(5, betterproto2.TYPE_BOOL)
+
+    value: "float | None" = betterproto2.field(6, betterproto2.TYPE_DOUBLE, optional=True)
+
+    gpus: "int" = betterproto2.field(7, betterproto2.TYPE_UINT32)
+
+    reason: "str" = betterproto2.field(8, betterproto2.TYPE_STRING)
+    """
+    Why the pod was left out; empty when included.
+    """
+
+
+default_message_pool.register_message("gpuscaler.v1", "PodContribution", PodContribution)
+
+
+@dataclass(eq=False, repr=False)
 class PodRef(betterproto2.Message):
     namespace: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
 
@@ -362,9 +467,7 @@ class ReadError(betterproto2.Message):
     The field that could not be read, as a metric name (`gpu_utilization`, ...) or `device` for the whole GPU.
     """
 
-    kind: "ReadErrorKind" = betterproto2.field(
-        2, betterproto2.TYPE_ENUM, default_factory=lambda: ReadErrorKind(0)
-    )
+    kind: "ReadErrorKind" = betterproto2.field(2, betterproto2.TYPE_ENUM, default_factory=lambda: ReadErrorKind(0))
 
     detail: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
 
@@ -377,9 +480,7 @@ class SetRequest(betterproto2.Message):
     gpu: "GpuSelector | None" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, optional=True)
 
     values: "dict[str, float]" = betterproto2.field(
-        2,
-        betterproto2.TYPE_MAP,
-        map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_DOUBLE),
+        2, betterproto2.TYPE_MAP, map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_DOUBLE)
     )
     """
     Metric name (`gpu_utilization`, `power_draw`, ...) to value in the metric's unit.
@@ -406,6 +507,11 @@ class Snapshot(betterproto2.Message):
     poll_interval_seconds: "float" = betterproto2.field(4, betterproto2.TYPE_DOUBLE)
 
     gpus: "list[GpuSample]" = betterproto2.field(5, betterproto2.TYPE_MESSAGE, repeated=True)
+
+    attribution: "Attribution | None" = betterproto2.field(6, betterproto2.TYPE_MESSAGE, optional=True)
+    """
+    Absent from agents older than attribution: read as OFF.
+    """
 
 
 default_message_pool.register_message("gpuscaler.v1", "Snapshot", Snapshot)
@@ -585,9 +691,7 @@ class AgentBase(betterproto2_grpclib.ServiceBase):
         response = await self.get_snapshot(request)
         await stream.send_message(response)
 
-    async def __rpc_watch_snapshots(
-        self, stream: "grpclib.server.Stream[WatchSnapshotsRequest, Snapshot]"
-    ) -> None:
+    async def __rpc_watch_snapshots(self, stream: "grpclib.server.Stream[WatchSnapshotsRequest, Snapshot]") -> None:
         request = await stream.recv_message()
         assert request is not None
         await self._call_rpc_handler_server_stream(

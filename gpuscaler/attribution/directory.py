@@ -1,0 +1,176 @@
+"""Who a pod is: its labels and the workload that owns it, for ``workload`` and ``podSelector`` queries.
+
+Two sources share one interface: the Kubernetes API (``kubernetes.py``, a pod watch) in a cluster, and a
+static YAML file where there is no API (compose, tests). The file is re-read when it changes::
+
+    pods:
+      - namespace: ml
+        pod: trainer-7c9d8-x2x4p
+        labels: {app: trainer, team: vision}
+        workload: trainer          # the Deployment / StatefulSet / ... name
+        workloadKind: Deployment   # optional, for people
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+import yaml
+
+from gpuscaler.errors import ConfigError
+
+log = structlog.get_logger(__name__)
+
+STATIC_RELOAD_CHECK_SECONDS = 1.0
+POD_TEMPLATE_HASH = "pod-template-hash"
+
+
+@dataclass(frozen=True, slots=True)
+class PodInfo:
+    namespace: str
+    pod: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    workload: str | None = None
+    workload_kind: str | None = None
+
+
+class PodDirectory(Protocol):
+    """Pods by (namespace, name)."""
+
+    def lookup(self, namespace: str, pod: str) -> PodInfo | None:
+        """The pod, or None when the directory does not know it (yet)."""
+
+    def problem(self) -> str | None:
+        """Why the directory cannot answer now (not synced, API unreachable), or None when it can."""
+
+
+def owner_workload(
+    owner_kind: str | None, owner_name: str | None, labels: Mapping[str, str]
+) -> tuple[str | None, str | None]:
+    """The (kind, name) of the workload that owns a pod, from its controller reference and labels.
+
+    A Deployment owns its pods through a ReplicaSet named ``<deployment>-<pod-template-hash>``, and the
+    pod carries that hash as a label: stripping it gives the Deployment's name without reading the
+    ReplicaSet (so the gateway needs no RBAC beyond pods). A ReplicaSet without that label is its own
+    workload. StatefulSets, DaemonSets and Jobs own their pods directly.
+    """
+    if owner_kind is None or owner_name is None:
+        return None, None
+    if owner_kind == "ReplicaSet":
+        template_hash = labels.get(POD_TEMPLATE_HASH)
+        if template_hash and owner_name.endswith("-" + template_hash):
+            return "Deployment", owner_name[: -len(template_hash) - 1]
+    return owner_kind, owner_name
+
+
+class StaticPodDirectory:
+    """Pods from a YAML file (see the module docstring), re-read when its modification time changes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._pods: dict[tuple[str, str], PodInfo] = {}
+        self._mtime: float | None = None
+        self._checked = 0.0
+        self._problem: str | None = None
+        self._load()  # a bad file at start is a ConfigError, named by the flag
+
+    def lookup(self, namespace: str, pod: str) -> PodInfo | None:
+        self._maybe_reload()
+        return self._pods.get((namespace, pod))
+
+    def problem(self) -> str | None:
+        self._maybe_reload()
+        return self._problem
+
+    def __len__(self) -> int:
+        return len(self._pods)
+
+    def _maybe_reload(self) -> None:
+        now = time.monotonic()
+        if now - self._checked < STATIC_RELOAD_CHECK_SECONDS:
+            return
+        self._checked = now
+        try:
+            mtime = os.stat(self.path).st_mtime
+        except OSError as error:
+            self._problem = f"pod directory file {str(self.path)!r} cannot be read: {error.strerror}"
+            return
+        if mtime == self._mtime:
+            return
+        try:
+            self._load()
+        except ConfigError as error:
+            # Keep the pods we had: a half-written file must not make every workload read as empty.
+            self._mtime = mtime
+            log.error("pod_directory_reload_failed", path=str(self.path), error=str(error))
+
+    def reload_now(self) -> None:
+        """Re-read the file at the next lookup, whatever the time since the last check."""
+        self._checked = 0.0
+        self._mtime = None
+
+    def _load(self) -> None:
+        try:
+            mtime = os.stat(self.path).st_mtime
+            text = self.path.read_text(encoding="utf-8")
+        except OSError as error:
+            raise ConfigError(f"pod directory {str(self.path)!r}: {error.strerror}") from None
+        self._pods = parse_static_pods(text, source=str(self.path))
+        self._mtime = mtime
+        self._problem = None
+        log.info("pod_directory_loaded", path=str(self.path), pods=len(self._pods))
+
+
+def parse_static_pods(text: str, *, source: str) -> dict[tuple[str, str], PodInfo]:
+    """The pods of a static directory file; ConfigError names the entry and the field."""
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"pod directory {source}: not YAML: {error}") from None
+    if document is None:
+        return {}
+    if not isinstance(document, dict) or not isinstance(document.get("pods", []), list):
+        raise ConfigError(f"pod directory {source}: expected a mapping with a 'pods' list")
+    unknown = set(document) - {"pods"}
+    if unknown:
+        raise ConfigError(f"pod directory {source}: unknown top-level keys {sorted(unknown)}; only 'pods'")
+    pods: dict[tuple[str, str], PodInfo] = {}
+    for number, entry in enumerate(document.get("pods") or [], start=1):
+        info = _static_entry(entry, f"pod directory {source}: pods[{number}]")
+        pods[(info.namespace, info.pod)] = info
+    return pods
+
+
+_ENTRY_KEYS = {"namespace", "pod", "labels", "workload", "workloadKind"}
+
+
+def _static_entry(entry: Any, where: str) -> PodInfo:
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where}: expected a mapping with namespace and pod")
+    unknown = set(entry) - _ENTRY_KEYS
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; known: {', '.join(sorted(_ENTRY_KEYS))}")
+    for key in ("namespace", "pod"):
+        if not isinstance(entry.get(key), str) or not entry[key]:
+            raise ConfigError(f"{where}: {key} is missing or not a string")
+    labels = entry.get("labels") or {}
+    if not isinstance(labels, dict) or not all(isinstance(k, str) for k in labels):
+        raise ConfigError(f"{where}: labels must be a mapping of strings")
+    workload = entry.get("workload")
+    kind = entry.get("workloadKind")
+    for key, value in (("workload", workload), ("workloadKind", kind)):
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{where}: {key} must be a string")
+    return PodInfo(
+        namespace=entry["namespace"],
+        pod=entry["pod"],
+        labels={str(k): str(v) for k, v in labels.items()},
+        workload=workload,
+        workload_kind=kind,
+    )
