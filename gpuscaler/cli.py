@@ -1,6 +1,7 @@
 """The ``gpuscaler`` command: ``serve``, ``fake set|fail|heal``, ``query``, ``version``.
 
-Bad flags exit 2 with a message naming the flag; a collector that cannot start exits 1 with one line.
+Bad flags exit 2 with a message naming the flag; an agent that cannot start, or an agent a client
+command cannot reach, exits 1 with one line that says what to check.
 """
 
 from __future__ import annotations
@@ -8,19 +9,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import ssl
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from grpclib.client import Channel
-from grpclib.exceptions import GRPCError
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 from rich.console import Console
 from rich.live import Live
 
 from gpuscaler import __version__, logs
 from gpuscaler.client import ClientOptions, client_address, open_channel
 from gpuscaler.collectors.base import CollectorUnavailable
-from gpuscaler.errors import ConfigError
+from gpuscaler.errors import ConfigError, StartupError
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.report import collect, render_table, report_renderable
 from gpuscaler.settings import add_serve_flags, settings_from_args
@@ -92,17 +95,55 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         return asyncio.run(_client_command(args))
     except ConfigError as error:
         parser.exit(2, f"gpuscaler {args.command}: error: {error}\n")
-    except CollectorUnavailable as error:
-        print(f"gpuscaler: {error}", file=sys.stderr)
+    except (CollectorUnavailable, StartupError) as error:
+        print(f"gpuscaler serve: {error}", file=sys.stderr)
         return 1
     except GRPCError as error:
-        print(f"gpuscaler {args.command}: {error.status.name}: {error.message}", file=sys.stderr)
+        print(f"{_prog(args)}: {error.status.name}: {error.message}", file=sys.stderr)
         return 1
-    except (OSError, TimeoutError) as error:
-        print(f"gpuscaler {args.command}: cannot reach {args.address}: {error!r}", file=sys.stderr)
+    except (OSError, TimeoutError, StreamTerminatedError, ProtocolError) as error:
+        if args.command == "serve":
+            raise  # not a connection of ours: keep the traceback
+        reason = _unreachable(error, tls=_client_options(args).tls)
+        print(f"{_prog(args)}: cannot reach {args.address}: {reason}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _prog(args: argparse.Namespace) -> str:
+    """The command as typed, for error lines: ``gpuscaler fake set``."""
+    return " ".join(["gpuscaler", args.command, *([args.fake_command] if args.command == "fake" else [])])
+
+
+def _unreachable(error: BaseException, *, tls: bool) -> str:
+    """Why a client command got no answer, and what to check; never a bare exception repr."""
+    if isinstance(error, ssl.SSLCertVerificationError):
+        return (
+            f"the agent's certificate does not verify ({error.verify_message}); give the CA that signed it "
+            "with --tls-ca, and --tls-server-name when the address is not a name in the certificate"
+        )
+    if isinstance(error, ssl.SSLError):
+        if error.reason == "WRONG_VERSION_NUMBER":
+            return "the agent there does not speak TLS; drop --tls-ca, --tls-cert and --tls-key"
+        return f"TLS handshake failed ({error.reason or error}); check --tls-ca, --tls-cert and --tls-key"
+    if isinstance(error, ConnectionRefusedError):
+        return "connection refused; is `gpuscaler serve` running, and is this its --listen port?"
+    if isinstance(error, TimeoutError):
+        return f"no answer within {CLIENT_TIMEOUT_SECONDS:g}s"
+    if isinstance(error, StreamTerminatedError | ProtocolError):
+        if tls:
+            return (
+                "the agent closed the connection; if it requires client certificates, give --tls-cert and "
+                "--tls-key signed by its --tls-client-ca"
+            )
+        return (
+            "the connection closed before an answer; if the agent serves TLS, give --tls-ca (and --tls-cert, "
+            "--tls-key for mTLS); check that this is its gRPC port, not /metrics"
+        )
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return str(error) or type(error).__name__
 
 
 def _serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
@@ -158,6 +199,21 @@ async def _query(args: argparse.Namespace, channel: Channel) -> int:
 
 
 async def _fake(args: argparse.Namespace, channel: Channel) -> int:
+    try:
+        return await _drive_fake(args, channel)
+    except GRPCError as error:
+        # An agent without fake GPUs does not serve FakeControl. grpclib's server answers an unknown
+        # method without a content-type, which grpclib's own client reports as UNKNOWN.
+        unknown_method = error.status is Status.UNIMPLEMENTED or (
+            error.status is Status.UNKNOWN and "content-type" in (error.message or "")
+        )
+        if not unknown_method:
+            raise
+        message = "this agent has no fake GPUs; `gpuscaler fake` drives `gpuscaler serve --collector fake`"
+        raise GRPCError(Status.UNIMPLEMENTED, message) from None
+
+
+async def _drive_fake(args: argparse.Namespace, channel: Channel) -> int:
     control = pb.FakeControlStub(channel)
     if args.fake_command == "set":
         updates = {name: _float(name, text) for name, text in _pairs(args.values, "METRIC=VALUE")}

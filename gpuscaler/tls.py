@@ -36,9 +36,10 @@ def client_context(ca: Path | None, cert: Path | None, key: Path | None) -> ssl.
 def _load_chain(context: ssl.SSLContext, cert: Path, key: Path, cert_flag: str, key_flag: str) -> None:
     try:
         context.load_cert_chain(cert, key)
-    except FileNotFoundError as error:
-        flag = cert_flag if Path(str(error.filename)) == cert else key_flag
-        raise ConfigError(f"{flag} {str(error.filename)!r}: no such file") from None
+    except FileNotFoundError:
+        # ssl leaves error.filename None, so find the missing one ourselves.
+        flag, missing = (cert_flag, cert) if not cert.exists() else (key_flag, key)
+        raise ConfigError(f"{flag} {str(missing)!r}: no such file") from None
     except (ssl.SSLError, OSError) as error:
         raise ConfigError(
             f"{cert_flag} {str(cert)!r} / {key_flag} {str(key)!r}: not a matching PEM pair: {error}"

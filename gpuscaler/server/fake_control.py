@@ -45,7 +45,8 @@ class FakeControlService(pb.FakeControlBase):
     async def set(self, message: pb.SetRequest) -> pb.FakeGpus:
         index = self._index(message.gpu)
         try:
-            values = dict(parse_value(name, str(value)) for name, value in message.values.items())
+            # The wire carries doubles: say '150', as the user typed it, not '150.0'.
+            values = dict(parse_value(name, str(value).removesuffix(".0")) for name, value in message.values.items())
         except ConfigError as error:
             raise GRPCError(Status.INVALID_ARGUMENT, str(error)) from None
         if not values:
