@@ -1,0 +1,116 @@
+"""What people read: values.yaml comments, NOTES.txt, the README, and the ScaledObject examples."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from gpuscaler.metadata import Limits, parse_metadata
+from gpuscaler.profiles import PROFILES
+from tests.chart.rendering import (
+    CHART,
+    CI_VALUES,
+    EXAMPLES,
+    NAMESPACE,
+    RELEASE,
+    TOOL_BUILD_TIMEOUT_SECONDS,
+    Helm,
+    find,
+    of_kind,
+    yaml_documents,
+)
+
+pytestmark = pytest.mark.timeout(TOOL_BUILD_TIMEOUT_SECONDS)
+
+KEY = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z0-9_.\"/-]+):(?: |$)")
+
+
+def uncommented_keys(text: str) -> list[str]:
+    """Mapping keys of values.yaml with no comment line right above them (keys inside list items are data)."""
+    missing: list[str] = []
+    previous = ""
+    list_indent: int | None = None
+    for line in text.splitlines():
+        stripped = line.strip()
+        indent = len(line) - len(line.lstrip())
+        if list_indent is not None and stripped and indent <= list_indent and not stripped.startswith("-"):
+            list_indent = None
+        if stripped.startswith("- ") and list_indent is None:
+            list_indent = indent
+        match = KEY.match(line)
+        if match and list_indent is None and not previous.startswith("#"):
+            missing.append(f"{match.group('key')} (line: {line.strip()})")
+        if stripped:
+            previous = stripped
+    return missing
+
+
+def test_every_key_in_values_yaml_has_a_comment_above_it() -> None:
+    """A reader of values.yaml finds what every key does right above it."""
+    assert uncommented_keys((CHART / "values.yaml").read_text()) == []
+
+
+def test_the_comment_check_notices_a_missing_comment() -> None:
+    """The check above fails for a key without a comment, nested or not, but not for list items."""
+    text = "# a\nimage:\n  # b\n  tag: x\n  pullPolicy: y\nlist:\n  - key: v\n    other: w\nlast: 1\n"
+    assert uncommented_keys(text) == ["pullPolicy (line: pullPolicy: y)", "list (line: list:)", "last (line: last: 1)"]
+
+
+def test_notes_give_the_keda_address_and_the_one_node_warning(helm: Helm) -> None:
+    """NOTES.txt names the Service KEDA should use and says a ClusterIP reaches ONE node."""
+    result = helm.run("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client")
+    assert result.returncode == 0, result.stderr
+    notes = result.stdout.split("NOTES:", 1)[1]
+    service = find(helm.template(CI_VALUES[0]), "Service", RELEASE)["metadata"]["name"]
+    assert f"{service}.{NAMESPACE}.svc.cluster.local:6000" in notes
+    assert "ONE NODE ONLY" in notes
+    assert "PRIVILEGED" not in notes
+
+
+def test_notes_warn_when_host_mounts_make_the_agent_privileged(helm: Helm) -> None:
+    """With nvmlHostMounts the install output says it runs privileged."""
+    host_mounts = CHART / "ci" / "host-mounts-values.yaml"
+    result = helm.run("install", RELEASE, str(CHART), "-n", NAMESPACE, "--dry-run=client", "-f", str(host_mounts))
+    assert result.returncode == 0, result.stderr
+    assert "PRIVILEGED" in result.stdout.split("NOTES:", 1)[1]
+
+
+def test_readme_explains_the_one_node_limit() -> None:
+    """The README says that KEDA reads one node until the gateway exists."""
+    readme = (CHART / "README.md").read_text()
+    assert "KEDA reads ONE node" in readme
+    assert "headless" in readme
+
+
+@pytest.mark.parametrize("trigger", ["external", "external-push"])
+def test_there_is_one_example_per_profile_and_trigger(trigger: str) -> None:
+    """examples/<trigger>/ has a ScaledObject for each profile the agent knows, using that trigger."""
+    files = sorted((CHART / "examples" / trigger).glob("*.yaml"))
+    profiles = set()
+    for path in files:
+        (scaled_object,) = yaml_documents(path)
+        (trigger_spec,) = scaled_object["spec"]["triggers"]
+        assert trigger_spec["type"] == trigger
+        profiles.add(trigger_spec["metadata"]["profile"])
+        assert path.stem == trigger_spec["metadata"]["profile"]
+    assert profiles == set(PROFILES)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[f"{p.parent.name}/{p.name}" for p in EXAMPLES])
+def test_examples_use_metadata_the_agent_accepts_and_the_chart_service(helm: Helm, example: Path) -> None:
+    """Each example's trigger metadata parses with the agent's own parser, and its address is the chart's Service."""
+    (scaled_object,) = yaml_documents(example)
+    (trigger,) = scaled_object["spec"]["triggers"]
+    parse_metadata(trigger["metadata"], Limits(history_seconds=600))
+    service = find(helm.template(CI_VALUES[0]), "Service", RELEASE)
+    port = service["spec"]["ports"][0]["port"]
+    assert trigger["metadata"]["scalerAddress"] == f"{RELEASE}.{NAMESPACE}.svc.cluster.local:{port}"
+
+
+def test_examples_are_not_rendered_by_the_chart(helm: Helm) -> None:
+    """No scenario renders a ScaledObject: examples/ is outside templates/."""
+    for values in CI_VALUES:
+        assert of_kind(helm.template(values), "ScaledObject") == []
+    assert not list((CHART / "templates").rglob("*scaledobject*"))

@@ -1,0 +1,404 @@
+"""What `helm template` renders for each scenario: the things a cluster operator and a security review look at."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from argparse import Namespace
+
+import pytest
+import yaml
+
+from gpuscaler.cli import build_parser
+from gpuscaler.collectors.scenario import parse_scenario
+from gpuscaler.settings import SERVE_FLAGS, env_name, settings_from_args
+from tests.chart.rendering import (
+    CHART,
+    CI_VALUES,
+    NAMESPACE,
+    RELEASE,
+    TOOL_BUILD_TIMEOUT_SECONDS,
+    Helm,
+    Manifest,
+    agent_container,
+    env_field_refs,
+    env_values,
+    find,
+    kinds,
+    of_kind,
+    pod_spec,
+    restricted_violations,
+    selects,
+)
+
+pytestmark = pytest.mark.timeout(TOOL_BUILD_TIMEOUT_SECONDS)
+
+CI = {path.name.removesuffix("-values.yaml"): path for path in CI_VALUES}
+FULLNAME = RELEASE  # the release name contains the chart name, so it is the prefix as it is
+# Announced by the CLI contract and set by the chart ahead of the agent reading them.
+ANNOUNCED_SETTINGS = {"GPUSCALER_METRICS_LISTEN", "GPUSCALER_POD_RESOURCES_SOCKET"}
+
+
+def daemonset(helm: Helm, scenario: str = "defaults", sets: tuple[str, ...] = ()) -> Manifest:
+    return find(helm.template(CI[scenario], sets=sets), "DaemonSet")
+
+
+def test_every_scenario_lints_clean(helm: Helm) -> None:
+    """`helm lint --strict` reports no warning or error for any ci/*-values.yaml."""
+    for values in CI_VALUES:
+        result = helm.run("lint", "--strict", str(CHART), "--values", str(values))
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "[WARNING]" not in result.stdout, result.stdout
+        assert "[ERROR]" not in result.stdout, result.stdout
+
+
+def test_defaults_render_the_agent_its_services_and_nothing_optional(helm: Helm) -> None:
+    """By default: a DaemonSet, the KEDA Service, the headless Service and a token-less ServiceAccount."""
+    manifests = helm.template(CI["defaults"])
+    assert kinds(manifests) == ["DaemonSet", "Service", "Service", "ServiceAccount"]
+    assert {m["metadata"]["namespace"] for m in manifests} == {NAMESPACE}
+    assert find(manifests, "ServiceAccount")["automountServiceAccountToken"] is False
+
+
+def test_agents_run_on_gpu_nodes_only_and_tolerate_the_gpu_taint(helm: Helm) -> None:
+    """The DaemonSet selects GPU-feature-discovery's label and tolerates nvidia.com/gpu:NoSchedule."""
+    spec = pod_spec(daemonset(helm))
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    assert spec["runtimeClassName"] == "nvidia"
+    assert spec["priorityClassName"] == "system-node-critical"
+
+
+def test_upgrades_roll_one_node_at_a_time(helm: Helm) -> None:
+    """RollingUpdate with maxUnavailable 1 by default; a percentage passes through."""
+    assert daemonset(helm)["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 1},
+    }
+    tls = daemonset(helm, "tls")["spec"]["updateStrategy"]
+    assert tls["rollingUpdate"] == {"maxUnavailable": "10%"}
+
+
+def test_defaults_pass_pod_security_restricted(helm: Helm) -> None:
+    """Non-root, read-only root, no capabilities, no escalation, RuntimeDefault seccomp, no host paths."""
+    ds = daemonset(helm)
+    spec = pod_spec(ds)
+    assert restricted_violations(spec) == []
+    context = agent_container(ds)["securityContext"]
+    assert context["readOnlyRootFilesystem"] is True
+    assert context["capabilities"] == {"drop": ["ALL"]}
+    assert spec["securityContext"]["runAsUser"] == 65532
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["enableServiceLinks"] is False, "service links would inject GPUSCALER_* look-alike variables"
+
+
+@pytest.mark.parametrize("scenario", ["fake", "no-runtime-class", "tls", "servicemonitor", "networkpolicy"])
+def test_other_scenarios_stay_restricted_except_where_documented(helm: Helm, scenario: str) -> None:
+    """Only nvmlHostMounts and podResources leave Pod Security "restricted", and each only by its hostPath."""
+    problems = restricted_violations(pod_spec(daemonset(helm, scenario)))
+    if scenario == "tls":  # podResources.enabled mounts the kubelet's socket folder
+        assert problems == ["volume pod-resources: ['hostPath']"]
+    else:
+        assert problems == []
+
+
+def test_host_mounts_grant_privileged_only_in_that_mode(helm: Helm) -> None:
+    """With nvmlHostMounts the container is privileged (so escalation is unset) and still non-root."""
+    manifests = helm.template(CI["host-mounts"])
+    for ds in of_kind(manifests, "DaemonSet"):
+        context = agent_container(ds)["securityContext"]
+        assert context["privileged"] is True
+        assert "allowPrivilegeEscalation" not in context, "the API rejects it as false beside privileged"
+        assert context["readOnlyRootFilesystem"] is True
+        assert pod_spec(ds)["securityContext"]["runAsNonRoot"] is True
+        assert "privileged" in " ".join(restricted_violations(pod_spec(ds)))
+
+
+def test_host_mounts_render_one_daemonset_per_architecture_with_its_library(helm: Helm) -> None:
+    """amd64 and arm64 each get a DaemonSet pinned by kubernetes.io/arch, mounting that arch's libnvidia-ml."""
+    manifests = helm.template(CI["host-mounts"])
+    by_arch = {pod_spec(ds)["nodeSelector"]["kubernetes.io/arch"]: ds for ds in of_kind(manifests, "DaemonSet")}
+    assert sorted(by_arch) == ["amd64", "arm64"]
+    expected = {
+        "amd64": "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1",
+        "arm64": "/usr/lib/aarch64-linux-gnu/libnvidia-ml.so.1",
+    }
+    for arch, ds in by_arch.items():
+        volumes = {v["name"]: v for v in pod_spec(ds)["volumes"]}
+        assert volumes["libnvidia-ml"]["hostPath"] == {"path": expected[arch], "type": "File"}
+        assert pod_spec(ds)["nodeSelector"]["nvidia.com/gpu.present"] == "true"
+        container = agent_container(ds)
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "libnvidia-ml")
+        assert mount["readOnly"] is True
+        assert mount["mountPath"].rsplit("/", 1) == [env_values(container)["LD_LIBRARY_PATH"], "libnvidia-ml.so.1"]
+    # The two DaemonSets must not adopt each other's pods.
+    amd64, arm64 = (by_arch[a]["spec"]["selector"]["matchLabels"] for a in ("amd64", "arm64"))
+    assert not selects(amd64, by_arch["arm64"]["spec"]["template"]["metadata"]["labels"])
+    assert not selects(arm64, by_arch["amd64"]["spec"]["template"]["metadata"]["labels"])
+
+
+def test_host_mounts_mount_each_device_file_as_a_typed_char_device(helm: Helm) -> None:
+    """`files` mode mounts /dev/nvidiactl, /dev/nvidia0..N-1 and the extras, read-only, as CharDevice."""
+    ds = of_kind(helm.template(CI["host-mounts"]), "DaemonSet")[0]
+    devices = {v["hostPath"]["path"]: v["hostPath"]["type"] for v in pod_spec(ds)["volumes"] if "/dev/" in str(v)}
+    assert devices == {
+        "/dev/nvidiactl": "CharDevice",
+        "/dev/nvidia0": "CharDevice",
+        "/dev/nvidia1": "CharDevice",
+        "/dev/nvidia-uvm": "CharDevice",
+    }
+    mounts = {m["mountPath"]: m.get("readOnly", False) for m in agent_container(ds)["volumeMounts"]}
+    assert all(mounts[path] for path in devices)
+
+
+def test_host_mounts_dev_mode_mounts_the_whole_dev_for_one_architecture(helm: Helm) -> None:
+    """`dev` mode mounts the host's /dev as a Directory; only the listed architecture gets a DaemonSet."""
+    (ds,) = of_kind(helm.template(CI["host-mounts-dev"]), "DaemonSet")
+    assert pod_spec(ds)["nodeSelector"]["kubernetes.io/arch"] == "amd64"
+    host_paths = {v["hostPath"]["path"]: v["hostPath"]["type"] for v in pod_spec(ds)["volumes"] if "hostPath" in v}
+    assert host_paths == {"/usr/lib64/libnvidia-ml.so.1": "File", "/dev": "Directory"}
+
+
+def test_runtime_class_can_be_emptied(helm: Helm) -> None:
+    """runtimeClassName "" leaves the field out, so the node's default runtime runs the agent."""
+    assert "runtimeClassName" not in pod_spec(daemonset(helm, "no-runtime-class"))
+
+
+def test_probes_are_native_grpc_on_the_health_service(helm: Helm) -> None:
+    """Startup, readiness (ExternalScaler's health) and liveness (overall health) are gRPC probes on port 6000."""
+    container = agent_container(daemonset(helm))
+    assert container["startupProbe"]["grpc"] == {"port": 6000}
+    assert container["readinessProbe"]["grpc"] == {"port": 6000, "service": "externalscaler.ExternalScaler"}
+    assert container["livenessProbe"]["grpc"] == {"port": 6000}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": 6000, "metrics": 9402}
+
+
+def test_with_tls_the_probes_fall_back_to_tcp(helm: Helm) -> None:
+    """The kubelet's gRPC probe cannot speak TLS, so with TLS on the probes connect over TCP to port grpc."""
+    container = agent_container(daemonset(helm, "tls"))
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe] == container[probe] | {"tcpSocket": {"port": "grpc"}}
+        assert "grpc" not in container[probe]
+
+
+def test_grace_period_outlasts_the_drain(helm: Helm) -> None:
+    """terminationGracePeriodSeconds is longer than GPUSCALER_DRAIN_TIMEOUT, and a shorter one is refused."""
+    for scenario, values in CI.items():
+        for ds in of_kind(helm.template(values), "DaemonSet"):
+            drain = float(env_values(agent_container(ds))["GPUSCALER_DRAIN_TIMEOUT"])
+            assert pod_spec(ds)["terminationGracePeriodSeconds"] > drain, scenario
+    error = helm.template_error(CI["defaults"], sets=["agent.drainTimeout=20"])
+    assert "terminationGracePeriodSeconds (15) must be longer than agent.drainTimeout (20)" in error
+
+
+def test_the_downward_api_names_the_node_and_pod(helm: Helm) -> None:
+    """NODE_NAME, POD_NAME and POD_NAMESPACE come from the pod's own fields."""
+    assert env_field_refs(agent_container(daemonset(helm))) == {
+        "NODE_NAME": "spec.nodeName",
+        "POD_NAME": "metadata.name",
+        "POD_NAMESPACE": "metadata.namespace",
+    }
+
+
+def test_default_settings_are_the_documented_ones(helm: Helm) -> None:
+    """The defaults as environment variables: nvml, both listeners, JSON logs, PodResources off."""
+    assert env_values(agent_container(daemonset(helm))) == {
+        "GPUSCALER_COLLECTOR": "nvml",
+        "GPUSCALER_LISTEN": "0.0.0.0:6000",
+        "GPUSCALER_POLL_INTERVAL": "0.5",
+        "GPUSCALER_HISTORY": "10m",
+        "GPUSCALER_LOG_FORMAT": "json",
+        "GPUSCALER_LOG_LEVEL": "info",
+        "GPUSCALER_DRAIN_TIMEOUT": "5",
+        "GPUSCALER_METRICS_LISTEN": "0.0.0.0:9402",
+        "GPUSCALER_POD_RESOURCES_SOCKET": "",
+    }
+
+
+SETTABLE = [
+    ("agent.collector=fake", "GPUSCALER_COLLECTOR", "fake"),
+    ("agent.listen.port=7000", "GPUSCALER_LISTEN", "0.0.0.0:7000"),
+    ("agent.listen.host=::", "GPUSCALER_LISTEN", "[::]:6000"),
+    ("agent.pollInterval=2", "GPUSCALER_POLL_INTERVAL", "2"),
+    ("agent.history=30m", "GPUSCALER_HISTORY", "30m"),
+    ("agent.log.format=console", "GPUSCALER_LOG_FORMAT", "console"),
+    ("agent.log.level=debug", "GPUSCALER_LOG_LEVEL", "debug"),
+    ("agent.drainTimeout=2.5", "GPUSCALER_DRAIN_TIMEOUT", "2.5"),
+    ("agent.metrics.port=9500", "GPUSCALER_METRICS_LISTEN", "0.0.0.0:9500"),
+    ("agent.metrics.enabled=false", "GPUSCALER_METRICS_LISTEN", ""),
+    (
+        "agent.podResources.enabled=true",
+        "GPUSCALER_POD_RESOURCES_SOCKET",
+        "/var/lib/kubelet/pod-resources/kubelet.sock",
+    ),
+    ("agent.collector=fake,agent.fake.gpus=16", "GPUSCALER_FAKE_GPUS", "16"),
+    ("agent.tls.secretName=t", "GPUSCALER_TLS_CERT", "/etc/gpuscaler/tls/tls.crt"),
+    ("agent.tls.secretName=t", "GPUSCALER_TLS_KEY", "/etc/gpuscaler/tls/tls.key"),
+    ("agent.tls.secretName=t,agent.tls.reloadInterval=30", "GPUSCALER_TLS_RELOAD_INTERVAL", "30"),
+    ("agent.tls.secretName=t,agent.tls.requireClientCert=true", "GPUSCALER_TLS_CLIENT_CA", "/etc/gpuscaler/tls/ca.crt"),
+]
+
+
+@pytest.mark.parametrize(("assignment", "variable", "expected"), SETTABLE)
+def test_each_serve_setting_is_settable_from_values(helm: Helm, assignment: str, variable: str, expected: str) -> None:
+    """Each `gpuscaler serve` flag has a value that sets its GPUSCALER_* variable."""
+    assert env_values(agent_container(daemonset(helm, sets=(assignment,))))[variable] == expected
+
+
+def test_the_chart_covers_every_flag_the_agent_has(helm: Helm) -> None:
+    """Every flag in gpuscaler.settings.SERVE_FLAGS can be set from values, and the chart sets no unknown one."""
+    settable = {variable for _, variable, _ in SETTABLE} | {"GPUSCALER_FAKE_SCENARIO"}
+    assert {env_name(flag) for flag in SERVE_FLAGS} <= settable
+    rendered: set[str] = set()
+    for scenario in CI:
+        for ds in of_kind(helm.template(CI[scenario]), "DaemonSet"):
+            rendered |= {name for name in env_values(agent_container(ds)) if name.startswith("GPUSCALER_")}
+    assert rendered <= {env_name(flag) for flag in SERVE_FLAGS} | ANNOUNCED_SETTINGS
+
+
+@pytest.mark.parametrize("scenario", sorted(CI))
+def test_the_agent_accepts_the_rendered_settings(helm: Helm, scenario: str) -> None:
+    """The agent's own settings check passes for the environment the chart gives it."""
+    for ds in of_kind(helm.template(CI[scenario]), "DaemonSet"):
+        container = agent_container(ds)
+        environ = env_values(container) | {"NODE_NAME": "gpu-node-1"}
+        args: Namespace = build_parser(environ).parse_args(container["args"])
+        settings = settings_from_args(args, environ)
+        assert settings.node_name == "gpu-node-1"
+
+
+def test_the_fake_scenario_reaches_the_agent_as_a_file_it_accepts(helm: Helm) -> None:
+    """agent.fake.scenario becomes a ConfigMap file the agent's parser accepts, mounted where the env points."""
+    manifests = helm.template(CI["fake"])
+    config = find(manifests, "ConfigMap", f"{FULLNAME}-scenario")
+    ds = find(manifests, "DaemonSet")
+    container = agent_container(ds)
+    environment = env_values(container)
+    scenario = parse_scenario(
+        yaml.safe_load(config["data"]["scenario.yaml"]), gpu_count=int(environment["GPUSCALER_FAKE_GPUS"])
+    )
+    assert list(scenario.gpus) == [0]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "scenario")
+    assert environment["GPUSCALER_FAKE_SCENARIO"] == mount["mountPath"] + "/scenario.yaml"
+    annotation = ds["spec"]["template"]["metadata"]["annotations"]["checksum/scenario"]
+    changed = find(
+        helm.template(CI["fake"], sets=("agent.fake.gpus=3", "agent.fake.scenario.gpus.2.name=x")), "DaemonSet"
+    )
+    assert changed["spec"]["template"]["metadata"]["annotations"]["checksum/scenario"] != annotation
+
+
+def test_tls_mounts_the_secret_read_only_with_a_group_readable_key(helm: Helm) -> None:
+    """The TLS Secret is mounted read-only, mode 0440, readable through fsGroup by the non-root user."""
+    ds = daemonset(helm, "tls")
+    volume = next(v for v in pod_spec(ds)["volumes"] if v["name"] == "tls")
+    assert volume["secret"] == {"secretName": "gpuscaler-tls", "defaultMode": 0o440}
+    assert pod_spec(ds)["securityContext"]["fsGroup"] == 65532
+    assert {"name": "tls", "mountPath": "/etc/gpuscaler/tls", "readOnly": True} in agent_container(ds)["volumeMounts"]
+
+
+def test_keda_service_is_a_clusterip_on_port_6000_named_grpc(helm: Helm) -> None:
+    """KEDA's Service: ClusterIP, port 6000 named grpc, selecting the agent pods."""
+    manifests = helm.template(CI["defaults"])
+    service = find(manifests, "Service", FULLNAME)
+    assert service["spec"]["type"] == "ClusterIP"
+    assert service["spec"]["ports"] == [{"name": "grpc", "port": 6000, "targetPort": "grpc", "protocol": "TCP"}]
+    pod_labels = find(manifests, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    assert selects(service["spec"]["selector"], pod_labels)
+
+
+def test_headless_service_lists_every_agent_with_both_ports(helm: Helm) -> None:
+    """The headless Service (clusterIP None) has grpc and metrics; without metrics, only grpc."""
+    manifests = helm.template(CI["defaults"])
+    headless = find(manifests, "Service", f"{FULLNAME}-agents")
+    assert headless["spec"]["clusterIP"] == "None"
+    assert [(p["name"], p["port"]) for p in headless["spec"]["ports"]] == [("grpc", 6000), ("metrics", 9402)]
+    assert selects(headless["spec"]["selector"], find(manifests, "DaemonSet")["spec"]["template"]["metadata"]["labels"])
+    without = find(helm.template(CI["tls"]), "Service", f"{FULLNAME}-agents")
+    assert [(p["name"], p["port"]) for p in without["spec"]["ports"]] == [("grpc", 7000)]
+
+
+def test_services_select_pods_of_every_architecture(helm: Helm) -> None:
+    """With one DaemonSet per architecture, both Services still reach all of them."""
+    manifests = helm.template(CI["host-mounts"])
+    for service in of_kind(manifests, "Service"):
+        for ds in of_kind(manifests, "DaemonSet"):
+            assert selects(service["spec"]["selector"], ds["spec"]["template"]["metadata"]["labels"])
+
+
+def test_servicemonitor_scrapes_the_headless_service_only(helm: Helm) -> None:
+    """The ServiceMonitor's selector matches the headless Service (one target per node), not KEDA's Service."""
+    manifests = helm.template(CI["servicemonitor"])
+    monitor = find(manifests, "ServiceMonitor")
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selects(selector, find(manifests, "Service", f"{FULLNAME}-agents")["metadata"]["labels"])
+    assert not selects(selector, find(manifests, "Service", FULLNAME)["metadata"]["labels"])
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("metrics", "/metrics", "30s")
+    assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"} in endpoint["relabelings"]
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+
+
+def test_servicemonitor_without_metrics_is_refused(helm: Helm) -> None:
+    """A ServiceMonitor with the metrics listener off would scrape nothing, so rendering fails and says why."""
+    error = helm.template_error(CI["servicemonitor"], sets=["agent.metrics.enabled=false"])
+    assert "serviceMonitor.enabled needs agent.metrics.enabled" in error
+
+
+def test_networkpolicy_admits_grpc_from_keda_only(helm: Helm) -> None:
+    """The NetworkPolicy lets KEDA's namespace (and pods) reach port 6000 and the monitoring namespace 9402."""
+    manifests = helm.template(CI["networkpolicy"])
+    policy = find(manifests, "NetworkPolicy")["spec"]
+    assert selects(
+        policy["podSelector"]["matchLabels"], find(manifests, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    )
+    assert policy["policyTypes"] == ["Ingress"]
+    grpc, metrics = policy["ingress"]
+    assert grpc["ports"] == [{"protocol": "TCP", "port": 6000}]
+    assert grpc["from"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "keda-system"}},
+            "podSelector": {"matchLabels": {"app": "keda-operator"}},
+        }
+    ]
+    assert metrics["ports"] == [{"protocol": "TCP", "port": 9402}]
+    assert metrics["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+
+
+def test_optional_resources_are_off_by_default(helm: Helm) -> None:
+    """No ServiceMonitor (needs a CRD) and no NetworkPolicy unless asked for."""
+    assert not {"ServiceMonitor", "NetworkPolicy"} & set(kinds(helm.template(CI["defaults"])))
+
+
+def test_default_image_is_the_published_tag_of_this_release(helm: Helm) -> None:
+    """The image tag defaults to appVersion, which is the bare project version that `make image` tags."""
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    project = tomllib.loads((CHART.parents[1] / "pyproject.toml").read_text())["project"]
+    assert chart["appVersion"] == project["version"]
+    assert agent_container(daemonset(helm))["image"] == f"gpuscaler/gpuscaler:{project['version']}"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", chart["appVersion"]), "published tags carry no v prefix"
+    pinned = agent_container(daemonset(helm, "tls"))["image"]
+    assert pinned == f"registry.example/gpuscaler/gpuscaler:{project['version']}@sha256:" + "0123456789abcdef" * 4
+
+
+def test_resources_request_little_and_cap_memory(helm: Helm) -> None:
+    """Small requests so the agent fits beside GPU jobs; a memory limit so a leak cannot hurt the node."""
+    assert agent_container(daemonset(helm))["resources"] == {
+        "requests": {"cpu": "20m", "memory": "64Mi"},
+        "limits": {"memory": "256Mi"},
+    }
+
+
+def test_root_filesystem_stays_read_only_with_a_scratch_tmp(helm: Helm) -> None:
+    """The only writable path is /tmp, a size-limited emptyDir."""
+    ds = daemonset(helm)
+    assert {"name": "tmp", "emptyDir": {"sizeLimit": "16Mi"}} in pod_spec(ds)["volumes"]
+    assert agent_container(ds)["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+
+
+def test_old_clusters_without_grpc_probes_are_refused(helm: Helm) -> None:
+    """Kubernetes before 1.27 lacks GA gRPC probes; the chart's kubeVersion refuses it."""
+    error = helm.template_error(CI["defaults"], extra=["--kube-version", "1.26.0"])
+    assert "chart requires kubeVersion: >=1.27.0-0" in error
+    assert helm.template(CI["defaults"], extra=["--kube-version", "1.27.0"])
