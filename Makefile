@@ -9,6 +9,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(shell find protos -name '*.proto' | sort)
 GENERATED := gpuscaler/generated
+# Checked and tested folders that exist in this checkout.
+PY_DIRS := $(wildcard gpuscaler tests e2e bench dev)
+TEST_DIRS := $(wildcard tests e2e)
 
 .PHONY: help venv dev test unit e2e e2e-full lint typecheck proto proto-check bench chart-test image docs clean
 
@@ -27,7 +30,7 @@ dev: $(STAMP) ## Run the dev stack with fake GPUs as local processes (Ctrl-C sto
 	$(BIN)/python dev/stack.py up
 
 test: $(STAMP) proto-check lint typecheck ## Every check CI runs: generated code, lint, types, unit, e2e, chart
-	$(BIN)/pytest tests e2e
+	$(BIN)/pytest $(TEST_DIRS)
 
 unit: $(STAMP) ## Unit and in-process tests only
 	$(BIN)/pytest tests
@@ -43,7 +46,7 @@ lint: $(STAMP) ## ruff check and format check
 	$(BIN)/ruff format --check .
 
 typecheck: $(STAMP) ## mypy --strict
-	$(BIN)/mypy gpuscaler tests e2e bench dev
+	$(BIN)/mypy $(PY_DIRS)
 
 proto: $(STAMP) ## Regenerate gpuscaler/generated from protos/
 	rm -rf $(GENERATED)
