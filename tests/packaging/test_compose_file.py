@@ -1,0 +1,107 @@
+"""compose.yaml: valid by the Compose specification's schema, and a dev stack that shows what it promises."""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]  # no stubs in the dev dependencies
+import pytest
+import yaml
+
+from gpuscaler.collectors.scenario import load_scenario
+
+ROOT = Path(__file__).resolve().parents[2]
+# schema/compose-spec.json of the compose-spec project's Go module github.com/compose-spec/compose-go/v2 v2.16.2.
+COMPOSE_SPEC = json.loads((Path(__file__).with_name("compose-spec.json")).read_text())
+COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())
+SERVICES: dict[str, Any] = COMPOSE["services"]
+AGENTS = {name: spec for name, spec in SERVICES.items() if spec.get("entrypoint") == ["gpuscaler"]}
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+def test_compose_file_is_valid_by_the_compose_specification() -> None:
+    """compose.yaml validates against the Compose specification's JSON schema (draft 2020-12)."""
+    jsonschema.Draft202012Validator(COMPOSE_SPEC).validate(COMPOSE)
+
+
+def test_the_schema_check_catches_a_misspelt_service_key() -> None:
+    """The vendored schema refuses an unknown service attribute, so passing it means something."""
+    broken = {"services": {"a": {"image": "x", "portz": ["1:1"]}}}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft202012Validator(COMPOSE_SPEC).validate(broken)
+
+
+def test_agents_are_nodes_with_different_gpu_counts_and_scenarios() -> None:
+    """At least two agents, each its own node name, with distinct GPU counts and scenarios."""
+    assert len(AGENTS) >= 2
+    nodes = {spec["environment"]["NODE_NAME"] for spec in AGENTS.values()}
+    counts = {flag(spec["command"], "--fake-gpus") for spec in AGENTS.values()}
+    scenarios = {flag(spec["command"], "--fake-scenario") for spec in AGENTS.values()}
+    assert len(nodes) == len(counts) == len(scenarios) == len(AGENTS)
+    assert all(spec["environment"]["GPUSCALER_COLLECTOR"] == "fake" for spec in AGENTS.values())
+
+
+def test_each_agent_scenario_loads_for_its_gpu_count() -> None:
+    """Every --fake-scenario file (through its bind mount) passes the agent's own scenario check."""
+    for name, spec in AGENTS.items():
+        (mount,) = spec["volumes"]
+        source, target = mount.split(":")[:2]
+        container_path = flag(spec["command"], "--fake-scenario")
+        host_path = ROOT / source / Path(container_path).relative_to(target)
+        load_scenario(host_path, gpu_count=int(flag(spec["command"], "--fake-gpus")))
+        assert host_path.parent == ROOT / "dev" / "scenarios", name
+
+
+def test_scenarios_cover_busy_idle_and_rising_and_falling() -> None:
+    """There is a busy node, an idle one, and one whose load rises and falls."""
+    texts = {Path(flag(spec["command"], "--fake-scenario")).stem: spec for spec in AGENTS.values()}
+    assert {"busy", "idle", "wave"} <= set(texts)
+    wave = (ROOT / "dev" / "scenarios" / "wave.yaml").read_text()
+    assert re.search(r"shape: (triangle|sine)", wave)
+
+
+def test_ports_are_published_on_localhost_only_and_the_keda_endpoint_is_6000() -> None:
+    """Every published port binds 127.0.0.1; the service marked as KEDA's endpoint publishes gRPC on 6000."""
+    published = [port for spec in SERVICES.values() for port in spec.get("ports", [])]
+    assert published
+    assert {port["host_ip"] for port in published} == {"127.0.0.1"}
+    assert len({port["published"] for port in published}) == len(published), "host ports must not collide"
+    (endpoint,) = [spec for spec in SERVICES.values() if spec.get("labels", {}).get("gpuscaler.dev/keda-endpoint")]
+    grpc = next(port for port in endpoint["ports"] if port["name"] == "grpc")
+    assert (grpc["published"], grpc["target"]) == ("6000", 6000)
+
+
+def test_a_client_shows_what_keda_sees_from_every_agent() -> None:
+    """A non-agent service runs `gpuscaler query` against each agent's address."""
+    clients = {name: spec for name, spec in SERVICES.items() if name not in AGENTS}
+    (client,) = clients.values()
+    script = " ".join(client["command"])
+    assert "gpuscaler query" in script
+    for name in AGENTS:
+        assert f"{name}:6000" in script
+    assert set(client["depends_on"]) == set(AGENTS)
+
+
+def test_containers_run_like_the_chart_runs_the_agent() -> None:
+    """Read-only root, non-root numeric user, no capabilities, no new privileges, the image `make image` tags."""
+    for name, spec in SERVICES.items():
+        assert spec["read_only"] is True, name
+        assert spec["cap_drop"] == ["ALL"], name
+        assert spec["security_opt"] == ["no-new-privileges:true"], name
+        assert spec["image"] == f"gpuscaler:{VERSION}", name
+        assert spec["build"] == {"context": ".", "dockerfile": "Containerfile"}, name
+
+
+def test_agent_entrypoint_is_the_images() -> None:
+    """The entrypoint spelled out for dev/stack.py is the Containerfile's ENTRYPOINT."""
+    (entrypoint,) = re.findall(r"^ENTRYPOINT (.+)$", (ROOT / "Containerfile").read_text(), flags=re.MULTILINE)
+    for spec in AGENTS.values():
+        assert spec["entrypoint"] == json.loads(entrypoint)
