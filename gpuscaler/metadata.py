@@ -129,6 +129,11 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: st
         )
     if "window" in raw:
         window_seconds = _parse_window(raw["window"], limits)
+    elif profile is not None and window_seconds is not None and window_seconds > limits.history_seconds:
+        raise InvalidMetadata(
+            f"profile {profile.name!r} averages over {format_duration(window_seconds)}, longer than the agent's "
+            f"history of {format_duration(limits.history_seconds)}; set a shorter window or raise --history"
+        )
     if "windowFunction" in raw:
         window_function = _parse_enum("windowFunction", raw["windowFunction"], WindowFunction)
     if "pollIntervalSeconds" in raw:

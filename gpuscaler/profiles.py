@@ -51,7 +51,7 @@ DEFAULT_METRIC = Metric.GPU_UTILIZATION
 
 @dataclass(frozen=True, slots=True)
 class Profile:
-    """A workload's defaults. Any metadata key overrides the one value it names."""
+    """A workload's defaults. Any metadata key overrides them (activationThreshold alone sets both thresholds)."""
 
     name: str
     metric: Metric

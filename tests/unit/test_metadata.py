@@ -556,3 +556,11 @@ def test_default_metric_names_match_when_the_value_does(left: dict[str, str], ri
 def test_equal_selections_are_one_query() -> None:
     """UUIDs in another order or case select the same GPUs, so they share one evaluation."""
     assert parse({"gpuUUID": "GPU-a,GPU-b"}).value == parse({"gpuUUID": "GPU-b,GPU-a"}).value
+
+
+def test_profile_window_longer_than_history_is_refused() -> None:
+    """A profile whose window the agent's history cannot hold is refused, naming the profile and --history."""
+    with pytest.raises(InvalidMetadata) as raised:
+        parse_metadata({"profile": "training"}, Limits(history_seconds=60))
+    assert "profile 'training'" in raised.value.message
+    assert "--history" in raised.value.message
