@@ -1,4 +1,4 @@
-"""The ``gpuscaler`` command: ``serve``, ``fake set|fail|heal``, ``query``, ``version``.
+"""The ``gpuscaler`` command: ``serve``, ``gateway``, ``fake set|fail|heal``, ``query``, ``version``.
 
 Bad flags exit 2 with a message naming the flag; an agent that cannot start, or an agent a client
 command cannot reach, exits 1 with one line that says what to check.
@@ -24,6 +24,7 @@ from gpuscaler import __version__, logs
 from gpuscaler.client import ClientOptions, client_address, open_channel
 from gpuscaler.collectors.base import CollectorUnavailable
 from gpuscaler.errors import ConfigError, StartupError
+from gpuscaler.gateway.settings import add_gateway_flags, gateway_settings_from_args
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.report import collect, render_table, report_renderable
 from gpuscaler.settings import add_serve_flags, settings_from_args
@@ -44,6 +45,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the node agent", description="Run the node agent.")
     add_serve_flags(serve, environ)
+
+    gateway = commands.add_parser(
+        "gateway",
+        help="run the cluster gateway",
+        description="Subscribe to every agent and answer KEDA for the whole cluster.",
+    )
+    add_gateway_flags(gateway, environ)
 
     fake = commands.add_parser("fake", help="drive an agent's fake GPUs", description="Drive fake GPUs.")
     fake_commands = fake.add_subparsers(dest="fake_command", required=True, metavar="ACTION")
@@ -89,6 +97,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     try:
         if args.command == "serve":
             return _serve(args, environ)
+        if args.command == "gateway":
+            return _gateway(args, environ)
         if args.command == "version":
             print(f"gpuscaler {__version__}")
             return 0
@@ -96,19 +106,27 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     except ConfigError as error:
         parser.exit(2, f"gpuscaler {args.command}: error: {error}\n")
     except (CollectorUnavailable, StartupError) as error:
-        print(f"gpuscaler serve: {error}", file=sys.stderr)
+        print(f"gpuscaler {args.command}: {error}", file=sys.stderr)
         return 1
     except GRPCError as error:
         print(f"{_prog(args)}: {error.status.name}: {error.message}", file=sys.stderr)
         return 1
     except (OSError, TimeoutError, StreamTerminatedError, ProtocolError) as error:
-        if args.command == "serve":
+        if args.command in ("serve", "gateway"):
             raise  # not a connection of ours: keep the traceback
         reason = _unreachable(error, tls=_client_options(args).tls)
         print(f"{_prog(args)}: cannot reach {args.address}: {reason}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _gateway(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    from gpuscaler.gateway.process import run_gateway
+
+    settings = gateway_settings_from_args(args, environ)
+    logs.configure(log_format=settings.log_format, level=settings.log_level)
+    return asyncio.run(run_gateway(settings))
 
 
 def _prog(args: argparse.Namespace) -> str:

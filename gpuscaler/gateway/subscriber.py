@@ -1,0 +1,135 @@
+"""One task per agent: hold its WatchSnapshots stream open and feed the cluster view, reconnecting for ever.
+
+Reconnects wait 0.1 s, doubling to at most 5 s, with jitter so that a restarted gateway does not dial
+every agent in lockstep; any snapshot received resets the wait. This is a dozen lines by hand, on
+purpose: retry libraries (tenacity, stamina, backoff) retry a call until it succeeds, while this stream
+never "succeeds", it runs until it breaks, and the wait must reset whenever it delivered data.
+A stream that stays silent for longer than the agent's staleness bound (twice over) is dropped and
+dialled again, so a half-open connection does not hold a node out of the view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import ssl
+from dataclasses import dataclass
+
+import structlog
+from grpclib.client import Channel
+from grpclib.config import Configuration
+from grpclib.const import Cardinality
+from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
+
+from gpuscaler.engine import stale_after_for
+from gpuscaler.gateway.view import ClusterHistory
+from gpuscaler.generated.gpuscaler import v1 as pb
+from gpuscaler.settings import Address
+from gpuscaler.wire import snapshot_from_wire
+
+log = structlog.get_logger(__name__)
+
+WATCH_METHOD = "/gpuscaler.v1.Agent/WatchSnapshots"
+INITIAL_BACKOFF_SECONDS = 0.1
+MAX_BACKOFF_SECONDS = 5.0
+FIRST_MESSAGE_TIMEOUT_SECONDS = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class AgentTLS:
+    """How the gateway dials agents that serve TLS: a client context, and the name their certificate has."""
+
+    context: ssl.SSLContext
+    server_name: str | None = None
+
+
+class AgentSubscriber:
+    """Streams one agent's snapshots into ``view`` until cancelled."""
+
+    def __init__(self, endpoint: Address, view: ClusterHistory, *, tls: AgentTLS | None = None) -> None:
+        self.endpoint = endpoint
+        self._view = view
+        self._tls = tls
+        self.node: str | None = None
+        self.connected = False
+        self.received = 0
+        self.connects = 0
+        self.failures = 0
+        self.last_error: str | None = None
+
+    async def run(self) -> None:
+        backoff = INITIAL_BACKOFF_SECONDS
+        while True:
+            before = self.received
+            try:
+                await self._stream_once()
+                outcome, detail = "ended", "the agent ended the stream (it is draining)"
+            except (OSError, GRPCError, StreamTerminatedError, ProtocolError, TimeoutError) as error:
+                outcome, detail = "failed", _describe(error)
+            finally:
+                self.connected = False
+            self.last_error = detail
+            progressed = self.received > before
+            if progressed:
+                backoff = INITIAL_BACKOFF_SECONDS
+            # One warning per outage, not one per retry.
+            quiet = outcome == "failed" and not progressed and self.failures > 0
+            self.failures = 0 if progressed else self.failures + 1
+            (log.debug if quiet else log.info if outcome == "ended" else log.warning)(
+                "agent_stream_" + outcome, agent=str(self.endpoint), node=self.node, detail=detail, retry_in=backoff
+            )
+            await asyncio.sleep(backoff * random.uniform(0.8, 1.2))  # noqa: S311 - jitter, not a secret
+            backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
+
+    async def _stream_once(self) -> None:
+        config = Configuration(ssl_target_name_override=self._tls.server_name) if self._tls else None
+        channel = Channel(
+            self.endpoint.host,
+            self.endpoint.port,
+            ssl=self._tls.context if self._tls else None,
+            config=config,
+        )
+        self.connects += 1
+        try:
+            async with channel.request(
+                WATCH_METHOD, Cardinality.UNARY_STREAM, pb.WatchSnapshotsRequest, pb.Snapshot
+            ) as stream:
+                await stream.send_message(pb.WatchSnapshotsRequest(), end=True)
+                silence = FIRST_MESSAGE_TIMEOUT_SECONDS
+                while True:
+                    async with asyncio.timeout(silence):
+                        message = await stream.recv_message()
+                    if message is None:
+                        return
+                    self._receive(message)
+                    silence = 2 * stale_after_for(message.poll_interval_seconds or 1.0)
+        finally:
+            channel.close()
+
+    def _receive(self, message: pb.Snapshot) -> None:
+        loop = asyncio.get_running_loop()
+        snapshot = snapshot_from_wire(message, monotonic=loop.time())
+        if not self.connected:
+            self.connected = True
+            log.info(
+                "agent_stream_opened",
+                agent=str(self.endpoint),
+                node=snapshot.node,
+                gpus=len(snapshot.samples),
+                attribution=snapshot.attribution.state.value,
+            )
+        if self.node is not None and snapshot.node != self.node:
+            log.warning("agent_node_changed", agent=str(self.endpoint), before=self.node, after=snapshot.node)
+        self.node = snapshot.node
+        self.received += 1
+        self._view.update(snapshot, poll_interval_seconds=message.poll_interval_seconds or 1.0)
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, GRPCError):
+        return f"{error.status.name}: {error.message}"
+    if isinstance(error, TimeoutError):
+        return "no snapshot within the expected time; the connection may be half-open"
+    if isinstance(error, ConnectionRefusedError):
+        return "connection refused"
+    return repr(error)
