@@ -8,6 +8,11 @@ from argparse import Namespace
 
 import pytest
 import yaml
+from grpclib.client import Channel
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+from grpclib.health.v1.health_grpc import HealthStub
+from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
 from gpuscaler.cli import build_parser
 from gpuscaler.collectors.scenario import parse_scenario
@@ -402,3 +407,16 @@ def test_old_clusters_without_grpc_probes_are_refused(helm: Helm) -> None:
     error = helm.template_error(CI["defaults"], extra=["--kube-version", "1.26.0"])
     assert "chart requires kubeVersion: >=1.27.0-0" in error
     assert helm.template(CI["defaults"], extra=["--kube-version", "1.27.0"])
+
+
+async def test_probe_services_are_ones_the_agent_reports_serving(helm: Helm, channel: Channel) -> None:
+    """Each gRPC probe's service name is one the agent's health service answers SERVING for (a typo would not)."""
+    container = agent_container(daemonset(helm))
+    health = HealthStub(channel)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        name = container[probe]["grpc"].get("service", "")
+        response = await health.Check(HealthCheckRequest(service=name))
+        assert response.status == HealthCheckResponse.SERVING, probe
+    with pytest.raises(GRPCError) as unknown:
+        await health.Check(HealthCheckRequest(service="externalscaler.ExternalScalar"))
+    assert unknown.value.status is Status.NOT_FOUND
