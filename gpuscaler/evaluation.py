@@ -262,19 +262,27 @@ def _pod_matches(pods: PodSelection, key: tuple[str, str], directory: PodDirecto
 
 
 class _Windows:
-    """Each node's window of snapshots, looked up once per evaluation."""
+    """Each node's window, split into one series of samples per GPU, built once per evaluation.
+
+    Splitting once makes a windowed evaluation one pass over the window (snapshots x GPUs) instead of
+    one pass per GPU.
+    """
 
     def __init__(self, history: History, seconds: float | None) -> None:
         self.history = history
         self.seconds = seconds
-        self._by_node: dict[str, list[Snapshot]] = {}
+        self._by_node: dict[str, dict[str, list[GpuSample]]] = {}
 
-    def of(self, node: str) -> list[Snapshot]:
+    def series(self, sample: GpuSample) -> list[GpuSample]:
+        """``sample``'s GPU in every snapshot of its node's window, oldest first."""
         assert self.seconds is not None
-        window = self._by_node.get(node)
-        if window is None:
-            window = self._by_node[node] = self.history.window_for(node, self.seconds)
-        return window
+        by_gpu = self._by_node.get(sample.node)
+        if by_gpu is None:
+            by_gpu = self._by_node[sample.node] = {}
+            for snapshot in self.history.window_for(sample.node, self.seconds):
+                for other in snapshot.samples:
+                    by_gpu.setdefault(other.gpu.uuid, []).append(other)
+        return by_gpu.get(sample.gpu.uuid, [])
 
 
 def _contribution(
@@ -293,12 +301,7 @@ def _contribution(
         return Contribution(sample, None, 0, reason, error, pod)
     if query.window_seconds is None:
         return Contribution(sample, latest, 1, pod=pod)
-    values = [
-        value
-        for snapshot in windows.of(sample.node)
-        for other in snapshot.samples
-        if other.gpu.uuid == sample.gpu.uuid and (value := other.value(query.metric)) is not None
-    ]
+    values = [value for other in windows.series(sample) if (value := other.value(query.metric)) is not None]
     return Contribution(sample, reduce_window(query.window_function, values), len(values), pod=pod)
 
 
