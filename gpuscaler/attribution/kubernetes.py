@@ -127,6 +127,8 @@ class KubernetesPodDirectory:
                 self._failed(f"HTTP {error.status} {error.reason}", backoff)
             except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as error:
                 self._failed(repr(error), backoff)
+            except Exception as error:  # noqa: BLE001 - a malformed answer must not end the watch for good
+                self._failed(f"unexpected answer: {error!r}", backoff)
             else:
                 continue
             await asyncio.sleep(backoff)

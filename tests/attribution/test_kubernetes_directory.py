@@ -1,0 +1,130 @@
+"""The pod watch against a fake Kubernetes API server (aiohttp on loopback): list, watch events, 410 relist."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+from kubernetes_asyncio import client
+
+from gpuscaler.attribution.kubernetes import KubernetesPodDirectory
+from tests.waiting import until
+
+
+def pod(namespace: str, name: str, labels: dict[str, str], owner: tuple[str, str] | None = None) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"namespace": namespace, "name": name, "labels": labels, "resourceVersion": "1"}
+    if owner is not None:
+        metadata["ownerReferences"] = [{"kind": owner[0], "name": owner[1], "controller": True}]
+    return {"metadata": metadata}
+
+
+class FakeApiServer:
+    """Serves GET /api/v1/pods as a list, and with watch=true as a stream of the events put in ``events``."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self.events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self.lists = 0
+        self.watches: list[str] = []
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/api/v1/pods", self.pods)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def stop(self) -> None:
+        self.events.put_nowait(None)
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def pods(self, request: web.Request) -> web.StreamResponse:
+        if request.query.get("watch", "").lower() != "true":
+            self.lists += 1
+            return web.json_response(
+                {"kind": "PodList", "metadata": {"resourceVersion": str(10 * self.lists)}, "items": self.items}
+            )
+        self.watches.append(request.query.get("resourceVersion", ""))
+        response = web.StreamResponse()
+        await response.prepare(request)
+        while (event := await self.events.get()) is not None:
+            await response.write((json.dumps(event) + "\n").encode())
+        await response.write_eof()
+        return response
+
+
+def _labels(directory: KubernetesPodDirectory, namespace: str, name: str) -> dict[str, str]:
+    info = directory.lookup(namespace, name)
+    return dict(info.labels) if info is not None else {}
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[FakeApiServer]:
+    """A fake API server on a loopback port."""
+    server = FakeApiServer()
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+async def directory(api: FakeApiServer) -> AsyncIterator[KubernetesPodDirectory]:
+    """A pod directory watching the fake API server."""
+    configuration = client.Configuration(host=f"http://127.0.0.1:{api.port}")
+    watched = KubernetesPodDirectory(lambda: client.ApiClient(configuration))
+    yield watched
+    await watched.stop()
+
+
+async def test_list_then_watch_keeps_pods_and_owners(api: FakeApiServer, directory: KubernetesPodDirectory) -> None:
+    """Listed pods answer at once; ADDED, MODIFIED and DELETED events follow; Deployments come from ReplicaSets."""
+    api.items = [
+        pod("ml", "trainer-7c9d-a", {"app": "trainer", "pod-template-hash": "7c9d"}, ("ReplicaSet", "trainer-7c9d"))
+    ]
+    assert directory.problem() is not None  # not listed yet: workload queries must not read "no pods"
+    await directory.start()
+    await until(lambda: directory.problem() is None)
+    info = directory.lookup("ml", "trainer-7c9d-a")
+    assert info is not None
+    assert (info.workload_kind, info.workload) == ("Deployment", "trainer")
+
+    api.events.put_nowait({"type": "ADDED", "object": pod("ml", "db-0", {"app": "db"}, ("StatefulSet", "db"))})
+    await until(lambda: directory.lookup("ml", "db-0") is not None)
+    api.events.put_nowait({"type": "MODIFIED", "object": pod("ml", "db-0", {"app": "db", "tier": "x"})})
+    await until(lambda: _labels(directory, "ml", "db-0").get("tier") == "x")
+    api.events.put_nowait({"type": "DELETED", "object": pod("ml", "trainer-7c9d-a", {})})
+    await until(lambda: directory.lookup("ml", "trainer-7c9d-a") is None)
+    assert api.watches[0] == "10"  # the watch resumed from the list's resourceVersion
+
+
+async def test_a_410_relists(api: FakeApiServer, directory: KubernetesPodDirectory) -> None:
+    """An expired resourceVersion (410 Gone) makes the directory list again, picking up what it missed."""
+    await directory.start()
+    await until(lambda: api.lists == 1 and len(api.watches) == 1)
+    api.items = [pod("ml", "late", {})]
+    api.events.put_nowait(
+        {"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old"}}
+    )
+    api.events.put_nowait(None)
+    await until(lambda: directory.lookup("ml", "late") is not None)
+    assert api.lists >= 2
+
+
+async def test_an_unreachable_api_is_a_problem_until_it_answers() -> None:
+    """Before the first list arrives, the problem names the failure; workload queries then fail UNAVAILABLE."""
+    configuration = client.Configuration(host="http://127.0.0.1:9")  # discard port: nothing listens
+    directory = KubernetesPodDirectory(lambda: client.ApiClient(configuration))
+    await directory.start()
+    try:
+        await until(lambda: "has not listed" in (directory.problem() or "") and "Error" in (directory.problem() or ""))
+    finally:
+        await directory.stop()

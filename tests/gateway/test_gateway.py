@@ -1,0 +1,209 @@
+"""The gateway in-process over real sockets: agents with fake GPUs and fake kubelets, KEDA's calls to the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from grpclib.client import Channel
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+
+from gpuscaler.gateway.discovery import EndpointsListener
+from gpuscaler.gateway.process import Gateway
+from gpuscaler.generated import externalscaler as keda
+from gpuscaler.generated.gpuscaler import v1 as pb
+from gpuscaler.settings import Address
+from tests.fakes.fake_kubelet import Assignment
+from tests.gateway.conftest import StartGateway, StartNode, gateway_settings
+from tests.waiting import until, until_result
+
+
+def ref(namespace: str = "ml", **metadata: str) -> keda.ScaledObjectRef:
+    return keda.ScaledObjectRef(name="so", namespace=namespace, scaler_metadata=metadata)
+
+
+async def value(gateway: Gateway, **metadata: str) -> float:
+    channel = Channel("127.0.0.1", gateway.port)
+    try:
+        stub = keda.ExternalScalerStub(channel)
+        scaled = ref(**metadata)
+        spec = await stub.get_metric_spec(scaled)
+        answer = await stub.get_metrics(
+            keda.GetMetricsRequest(scaled_object_ref=scaled, metric_name=spec.metric_specs[0].metric_name)
+        )
+        return answer.metric_values[0].metric_value_float
+    finally:
+        channel.close()
+
+
+async def explain(gateway: Gateway, **metadata: str) -> pb.Explanation:
+    channel = Channel("127.0.0.1", gateway.port)
+    try:
+        return await pb.AgentStub(channel).explain(pb.ExplainRequest(scaler_metadata=metadata, namespace="ml"))
+    finally:
+        channel.close()
+
+
+async def view_has(gateway: Gateway, nodes: int) -> None:
+    await until(lambda: gateway.view.latest is not None and len(gateway.view.latest.nodes) == nodes, timeout=10)
+
+
+async def test_a_node_wide_query_reads_every_node(start_node: StartNode, start_gateway: StartGateway) -> None:
+    """Without a selector, the gateway sums every node's GPUs and the explanation counts the nodes."""
+    a, b = await start_node("node-a"), await start_node("node-b")
+    a.set(10, 20)
+    b.set(30, 40)
+    gateway = await start_gateway(a, b)
+    await view_has(gateway, 2)
+    assert await until_result(lambda: value(gateway), lambda v: v == pytest.approx(100.0)) == pytest.approx(100.0)
+    explanation = await explain(gateway)
+    assert (explanation.nodes, explanation.nodes_expected, len(explanation.gpus)) == (2, 2, 4)
+
+
+async def test_workload_values_across_nodes(start_node: StartNode, start_gateway: StartGateway, tmp_path: Path) -> None:
+    """A Deployment's replicas on two nodes: avg per pod, summed; another tenant's pod is left out."""
+    a, b = await start_node("node-a"), await start_node("node-b")
+    a.kubelet.assign([Assignment("ml", "trainer-x-1", (a.uuid(0), a.uuid(1)))])
+    b.kubelet.assign([Assignment("ml", "trainer-x-2", (b.uuid(0),)), Assignment("other", "miner", (b.uuid(1),))])
+    a.set(90, 50)
+    b.set(40, 100)
+    directory = tmp_path / "pods.yaml"
+    directory.write_text(
+        "pods:\n"
+        "  - {namespace: ml, pod: trainer-x-1, labels: {app: trainer}, workload: trainer}\n"
+        "  - {namespace: ml, pod: trainer-x-2, labels: {app: trainer}, workload: trainer}\n"
+        "  - {namespace: other, pod: miner, labels: {app: trainer}, workload: trainer}\n"
+    )
+    gateway = await start_gateway(a, b, pod_directory=directory)
+    await view_has(gateway, 2)
+    # trainer-x-1: avg(90, 50) = 70; trainer-x-2: 40; sum 110. "miner" is the same name in another namespace.
+    for metadata in ({"workload": "trainer"}, {"podSelector": "app=trainer"}, {"pod": "trainer-x-*"}):
+
+        async def answer(metadata: dict[str, str] = metadata) -> float:
+            return await value(gateway, **metadata)
+
+        assert await until_result(answer, lambda v: v == pytest.approx(110.0)) == pytest.approx(110.0)
+    explanation = await explain(gateway, workload="trainer")
+    assert sorted((p.pod, p.node, p.gpus) for p in explanation.pods) == [
+        ("trainer-x-1", "node-a", 2),
+        ("trainer-x-2", "node-b", 1),
+    ]
+
+
+async def test_a_lost_agent_leaves_the_view_and_comes_back(start_node: StartNode, start_gateway: StartGateway) -> None:
+    """A stopped agent's GPUs leave within its staleness bound; restarted on its port, it is back without a restart."""
+    a, b = await start_node("node-a"), await start_node("node-b")
+    a.set(10, 10)
+    b.set(20, 20)
+    gateway = await start_gateway(a, b)
+    await view_has(gateway, 2)
+    port = b.port
+    await b.stop()
+    await view_has(gateway, 1)  # the bound is max(3 x 0.1 s, 2 s): within the 10 s wait
+    assert await value(gateway) == pytest.approx(20.0)
+    with pytest.raises(GRPCError) as raised:
+        await value(gateway, minNodes="2")
+    assert raised.value.status is Status.UNAVAILABLE
+    assert "only 1 of 2 known nodes" in (raised.value.message or "")
+
+    again = await start_node("node-b", port=port, kubelet=b.kubelet)
+    again.set(20, 20)
+    await view_has(gateway, 2)
+    assert await until_result(lambda: value(gateway), lambda v: v == pytest.approx(60.0)) == pytest.approx(60.0)
+
+
+async def test_push_through_the_gateway(start_node: StartNode, start_gateway: StartGateway) -> None:
+    """StreamIsActive at the gateway sends the state at once, then each transition an agent reports."""
+    a = await start_node("node-a")
+    gateway = await start_gateway(a)
+    await view_has(gateway, 1)
+    channel = Channel("127.0.0.1", gateway.port)
+    seen: list[bool] = []
+    stream = keda.ExternalScalerStub(channel).stream_is_active(ref(activationThreshold="50"))
+
+    async def read() -> None:
+        async for message in stream:
+            seen.append(message.result)
+
+    reader = asyncio.create_task(read())
+    try:
+        await until(lambda: seen == [False])
+        a.set(80, 0)
+        await until(lambda: seen == [False, True])
+        a.set(0, 0)
+        await until(lambda: seen == [False, True, False])
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        channel.close()
+
+
+async def test_gpu_index_is_invalid_at_the_gateway(start_node: StartNode, start_gateway: StartGateway) -> None:
+    """gpuIndex is INVALID_ARGUMENT at the gateway; gpuUUID selects one GPU of the cluster."""
+    a, b = await start_node("node-a"), await start_node("node-b")
+    b.set(0, 33)
+    gateway = await start_gateway(a, b)
+    await view_has(gateway, 2)
+    with pytest.raises(GRPCError) as raised:
+        await value(gateway, gpuIndex="0")
+    assert raised.value.status is Status.INVALID_ARGUMENT
+    got = await until_result(lambda: value(gateway, gpuUUID=b.uuid(1)), lambda v: v == pytest.approx(33.0))
+    assert got == pytest.approx(33.0)
+
+
+async def test_a_workload_scaling_out_changes_the_answer(start_node: StartNode, start_gateway: StartGateway) -> None:
+    """When the kubelet assigns GPUs to new replicas, the workload's value follows within one refresh."""
+    a = await start_node("node-a", gpus=3)
+    a.set(50, 50, 50)
+    a.kubelet.assign([Assignment("ml", "web-1", (a.uuid(0),))])
+    gateway = await start_gateway(a)
+    await view_has(gateway, 1)
+    assert await until_result(lambda: value(gateway, pod="web-*"), lambda v: v == 50.0) == 50.0
+    a.kubelet.assign([Assignment("ml", f"web-{i}", (a.uuid(i),)) for i in range(3)])
+    assert await until_result(lambda: value(gateway, pod="web-*"), lambda v: v == 150.0) == 150.0
+
+
+async def test_health_follows_the_view(start_node: StartNode, start_gateway: StartGateway) -> None:
+    """The gateway is NOT_SERVING until an agent's GPUs are in the view, and again once none are."""
+    a = await start_node("node-a")
+    gateway = await start_gateway(a)
+    await until(lambda: gateway.health.__status__() is True, timeout=10)
+    await a.stop()
+    await until(lambda: gateway.health.__status__() is False, timeout=10)
+
+
+class ListedAgents:
+    """A discovery whose answer the test changes, as DNS records change."""
+
+    def __init__(self) -> None:
+        self.changes: asyncio.Queue[frozenset[Address]] = asyncio.Queue()
+
+    async def run(self, listener: EndpointsListener) -> None:
+        while True:
+            listener(await self.changes.get())
+
+
+async def test_agents_that_discovery_drops_or_adds_are_unsubscribed_or_subscribed(start_node: StartNode) -> None:
+    """A new record starts a subscriber; a removed one stops it, and the known-node count follows."""
+    a, b = await start_node("node-a"), await start_node("node-b")
+    discovery = ListedAgents()
+    gateway = await Gateway.start(gateway_settings("--agents", "127.0.0.1:1"), discovery=discovery)
+    try:
+        both = frozenset({Address("127.0.0.1", a.port), Address("127.0.0.1", b.port)})
+        discovery.changes.put_nowait(both)
+        await view_has(gateway, 2)
+        discovery.changes.put_nowait(frozenset({Address("127.0.0.1", a.port)}))
+        await until(lambda: set(gateway.subscribers) == {Address("127.0.0.1", a.port)})
+        assert gateway.view.expected_nodes == 1
+    finally:
+        await gateway.stop()
+
+
+async def test_dns_discovery_resolves_a_name() -> None:
+    """--agents-dns resolves the name with the loop's resolver, on the given port."""
+    from gpuscaler.gateway.discovery import DnsAgents
+
+    found = await DnsAgents("127.0.0.1", 6000).resolve()
+    assert found == frozenset({Address("127.0.0.1", 6000)})

@@ -1,0 +1,77 @@
+"""Gateway flags and GPUSCALER_* variables: checked once, each error naming the flag."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpuscaler.cli import build_parser, main
+from gpuscaler.errors import ConfigError
+from gpuscaler.gateway.settings import GATEWAY_FLAGS, GatewaySettings, gateway_settings_from_args
+from gpuscaler.settings import ENV_PREFIX, Address
+
+
+def settings(*flags: str, environ: dict[str, str] | None = None) -> GatewaySettings:
+    environ = environ or {}
+    args = build_parser(environ).parse_args(["gateway", *flags])
+    return gateway_settings_from_args(args, environ)
+
+
+def test_a_static_list_and_defaults() -> None:
+    """--agents gives the agents in order without repeats; the rest are the documented defaults."""
+    got = settings("--agents", "127.0.0.1:6001, 127.0.0.1:6002,127.0.0.1:6001")
+    assert got.agents == (Address("127.0.0.1", 6001), Address("127.0.0.1", 6002))
+    assert got.listen == Address("0.0.0.0", 6000)
+    assert got.history_seconds == 120
+    assert got.pod_directory is None
+
+
+def test_every_flag_has_a_variable() -> None:
+    """Each flag can come from GPUSCALER_<NAME>, and the error then names the variable too."""
+    environ = {ENV_PREFIX + "AGENTS_DNS": "gpuscaler-agents:6000", ENV_PREFIX + "RESOLVE_INTERVAL": "0"}
+    with pytest.raises(ConfigError, match="--resolve-interval \\(from GPUSCALER_RESOLVE_INTERVAL\\) '0'"):
+        settings(environ=environ)
+    assert all(env.isupper() for env, _, _ in GATEWAY_FLAGS.values())
+
+
+@pytest.mark.parametrize(
+    ("flags", "complaint"),
+    [
+        ([], "no agents"),
+        (["--agents", "a:1", "--agents-dns", "b:2"], "--agents and --agents-dns are both set"),
+        (["--agents", "a:1,,b:2"], "--agents 'a:1,,b:2': has an empty entry"),
+        (["--agents", "a"], "--agents 'a': use HOST:PORT"),
+        (["--agents", "a:0"], "every agent needs its port"),
+        (["--agents-dns", "svc:0"], "--agents-dns 'svc:0'"),
+        (["--agents", "a:1", "--resolve-interval", "x"], "--resolve-interval 'x': must be a number"),
+        (["--agents", "a:1", "--history", "0s"], "--history '0s'"),
+        (["--agents", "a:1", "--pod-directory", "/nonexistent/pods.yaml"], "--pod-directory"),
+        (["--agents", "a:1", "--agent-tls-cert", "c.pem"], "--agent-tls-cert and --agent-tls-key go together"),
+        (["--agents", "a:1", "--tls-key", "k.pem"], "--tls-cert and --tls-key go together"),
+        (["--agents", "a:1", "--log-level", "loud"], "--log-level 'loud'"),
+        (["--agents", "a:1", "--drain-timeout", "0"], "--drain-timeout '0'"),
+        (["--agents", "a:1", "--listen", "nope"], "--listen 'nope'"),
+    ],
+)
+def test_bad_flags_are_named(flags: list[str], complaint: str) -> None:
+    """A bad value raises ConfigError whose message names the flag."""
+    with pytest.raises(ConfigError) as raised:
+        settings(*flags)
+    assert complaint in str(raised.value)
+
+
+def test_the_cli_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """`gpuscaler gateway` with a bad flag exits 2 and says which flag."""
+    with pytest.raises(SystemExit) as raised:
+        main(["gateway", "--agents", "a:1", "--resolve-interval", "-1"], environ={})
+    assert raised.value.code == 2
+    assert "--resolve-interval '-1'" in capsys.readouterr().err
+
+
+def test_a_static_pod_directory_must_exist(tmp_path: Path) -> None:
+    """--pod-directory accepts 'kubernetes' or an existing file."""
+    path = tmp_path / "pods.yaml"
+    path.write_text("pods: []\n")
+    assert settings("--agents", "a:1", "--pod-directory", str(path)).pod_directory == str(path)
+    assert settings("--agents", "a:1", "--pod-directory", "kubernetes").pod_directory == "kubernetes"
