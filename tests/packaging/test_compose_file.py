@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_SPEC = json.loads((Path(__file__).with_name("compose-spec.json")).read_text())
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())
 SERVICES: dict[str, Any] = COMPOSE["services"]
-AGENTS = {name: spec for name, spec in SERVICES.items() if spec.get("entrypoint") == ["gpuscaler"]}
+AGENTS = {name: spec for name, spec in SERVICES.items() if spec.get("command", [None])[0] == "serve"}
+(KEDA_ENDPOINT,) = [name for name, spec in SERVICES.items() if spec["labels"].get("gpuscaler.dev/keda-endpoint")]
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 
@@ -62,32 +63,37 @@ def test_each_agent_scenario_loads_for_its_gpu_count() -> None:
 
 def test_scenarios_cover_busy_idle_and_rising_and_falling() -> None:
     """There is a busy node, an idle one, and one whose load rises and falls."""
-    texts = {Path(flag(spec["command"], "--fake-scenario")).stem: spec for spec in AGENTS.values()}
-    assert {"busy", "idle", "wave"} <= set(texts)
+    stems = {Path(flag(spec["command"], "--fake-scenario")).stem for spec in AGENTS.values()}
+    assert {"busy", "idle", "wave"} <= stems
     wave = (ROOT / "dev" / "scenarios" / "wave.yaml").read_text()
     assert re.search(r"shape: (triangle|sine)", wave)
 
 
 def test_ports_are_published_on_localhost_only_and_the_keda_endpoint_is_6000() -> None:
-    """Every published port binds 127.0.0.1; the service marked as KEDA's endpoint publishes gRPC on 6000."""
+    """Every published port binds 127.0.0.1; the gateway, KEDA's endpoint, publishes gRPC on 6000."""
     published = [port for spec in SERVICES.values() for port in spec.get("ports", [])]
     assert published
     assert {port["host_ip"] for port in published} == {"127.0.0.1"}
     assert len({port["published"] for port in published}) == len(published), "host ports must not collide"
-    (endpoint,) = [spec for spec in SERVICES.values() if spec.get("labels", {}).get("gpuscaler.dev/keda-endpoint")]
-    grpc = next(port for port in endpoint["ports"] if port["name"] == "grpc")
+    assert SERVICES[KEDA_ENDPOINT]["command"][0] == "gateway"
+    grpc = next(port for port in SERVICES[KEDA_ENDPOINT]["ports"] if port["name"] == "grpc")
     assert (grpc["published"], grpc["target"]) == ("6000", 6000)
 
 
-def test_a_client_shows_what_keda_sees_from_every_agent() -> None:
-    """A non-agent service runs `gpuscaler query` against each agent's address."""
-    clients = {name: spec for name, spec in SERVICES.items() if name not in AGENTS}
-    (client,) = clients.values()
+def test_the_gateway_subscribes_to_every_agent() -> None:
+    """The gateway's --agents names each agent service at its gRPC port, and starts after them."""
+    gateway = SERVICES[KEDA_ENDPOINT]
+    assert sorted(flag(gateway["command"], "--agents").split(",")) == sorted(f"{name}:6000" for name in AGENTS)
+    assert set(gateway["depends_on"]) == set(AGENTS)
+
+
+def test_a_client_shows_what_keda_sees() -> None:
+    """The one other service runs `gpuscaler query` in a loop against KEDA's endpoint."""
+    (client,) = [spec for name, spec in SERVICES.items() if name not in AGENTS and name != KEDA_ENDPOINT]
     script = " ".join(client["command"])
-    assert "gpuscaler query" in script
-    for name in AGENTS:
-        assert f"{name}:6000" in script
-    assert set(client["depends_on"]) == set(AGENTS)
+    assert f"gpuscaler query --address {KEDA_ENDPOINT}:6000" in script
+    assert "while :" in script
+    assert client["depends_on"] == [KEDA_ENDPOINT]
 
 
 def test_containers_run_like_the_chart_runs_the_agent() -> None:
@@ -100,8 +106,8 @@ def test_containers_run_like_the_chart_runs_the_agent() -> None:
         assert spec["build"] == {"context": ".", "dockerfile": "Containerfile"}, name
 
 
-def test_agent_entrypoint_is_the_images() -> None:
+def test_agent_and_gateway_entrypoint_is_the_images() -> None:
     """The entrypoint spelled out for dev/stack.py is the Containerfile's ENTRYPOINT."""
     (entrypoint,) = re.findall(r"^ENTRYPOINT (.+)$", (ROOT / "Containerfile").read_text(), flags=re.MULTILINE)
-    for spec in AGENTS.values():
-        assert spec["entrypoint"] == json.loads(entrypoint)
+    for name in [*AGENTS, KEDA_ENDPOINT]:
+        assert SERVICES[name]["entrypoint"] == json.loads(entrypoint)

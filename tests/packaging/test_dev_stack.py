@@ -76,27 +76,28 @@ def test_ports_without_one_fixed_host_port_are_refused(item: str) -> None:
 def test_compose_yaml_maps_to_distinct_local_listeners_and_host_files() -> None:
     """Each agent of compose.yaml listens on its published ports and reads its scenario from dev/scenarios."""
     services = stack.load_services(ROOT / "compose.yaml", environ={})
-    assert [service.name for service in services] == ["node-a", "node-b", "node-c", "keda-view"]
+    assert [service.name for service in services] == ["node-a", "node-b", "node-c", "gateway", "keda-view"]
     processes = {service.name: stack.localize(service, services) for service in services}
     node_b = processes["node-b"]
-    assert node_b.environment["GPUSCALER_LISTEN"] == "127.0.0.1:6001"
+    assert node_b.environment["GPUSCALER_LISTEN"] == "127.0.0.1:6002"
     assert node_b.environment["GPUSCALER_METRICS_LISTEN"] == "127.0.0.1:9403"
     assert node_b.argv[:2] == ("gpuscaler", "serve")
     scenario = Path(node_b.argv[node_b.argv.index("--fake-scenario") + 1])
     assert scenario == ROOT / "dev" / "scenarios" / "idle.yaml"
     assert scenario.is_file()
     listeners = [p.environment["GPUSCALER_LISTEN"] for p in processes.values() if "GPUSCALER_LISTEN" in p.environment]
-    assert listeners == ["127.0.0.1:6000", "127.0.0.1:6001", "127.0.0.1:6002"]
+    assert listeners == ["127.0.0.1:6001", "127.0.0.1:6002", "127.0.0.1:6003", "127.0.0.1:6000"]
 
 
-def test_the_client_reaches_each_agent_at_its_published_port() -> None:
-    """`node-b:6000` in the client's script becomes 127.0.0.1:6001, and `$$node` a shell variable."""
+def test_the_gateway_and_the_client_reach_services_at_their_published_ports() -> None:
+    """`node-b:6000` in the gateway's agent list becomes 127.0.0.1:6002, `gateway:6000` in the client's script
+    127.0.0.1:6000."""
     services = stack.load_services(ROOT / "compose.yaml", environ={})
-    client = stack.localize(next(s for s in services if s.name == "keda-view"), services)
-    script = client.argv[-1]
+    local = {service.name: stack.localize(service, services) for service in services}
+    assert local["gateway"].argv == ("gpuscaler", "gateway", "--agents", "127.0.0.1:6001,127.0.0.1:6002,127.0.0.1:6003")
+    client = local["keda-view"]
     assert client.argv[:2] == ("/bin/sh", "-c")
-    assert "for node in 127.0.0.1:6000 127.0.0.1:6001 127.0.0.1:6002; do" in script
-    assert 'gpuscaler query --address "$node" profile=training' in script
+    assert "gpuscaler query --address 127.0.0.1:6000 profile=training" in client.argv[-1]
 
 
 def test_listening_on_an_unpublished_port_is_an_error(tmp_path: Path) -> None:
@@ -149,13 +150,13 @@ def test_what_a_local_process_cannot_do_is_refused(tmp_path: Path, services: str
 
 
 def test_startup_lines_list_every_address_and_the_keda_endpoint() -> None:
-    """`up` prints each service's addresses and that KEDA-like clients use 127.0.0.1:6000 (node-a)."""
+    """`up` prints each service's addresses and that KEDA-like clients use 127.0.0.1:6000 (the gateway)."""
     services = stack.load_services(ROOT / "compose.yaml", environ={})
     lines = stack.describe([stack.localize(service, services) for service in services])
     text = "\n".join(lines)
-    for address in ("6000", "6001", "6002", "9402", "9403", "9404"):
+    for address in ("6000", "6001", "6002", "6003", "9402", "9403", "9404"):
         assert f"127.0.0.1:{address}" in text
-    assert "KEDA-like clients connect to 127.0.0.1:6000 (node-a)" in lines
+    assert "KEDA-like clients connect to 127.0.0.1:6000 (gateway)" in lines
 
 
 def test_local_environment_drops_the_developers_agent_settings(tmp_path: Path) -> None:
@@ -172,7 +173,7 @@ def test_plan_prints_each_local_command(capsys: pytest.CaptureFixture[str]) -> N
     """`stack.py plan` shows what `up` would run, without starting anything."""
     assert stack.main(["plan"]) == 0
     out = capsys.readouterr().out
-    assert "node-a: GPUSCALER_COLLECTOR=fake GPUSCALER_LISTEN=127.0.0.1:6000" in out
+    assert "node-a: GPUSCALER_COLLECTOR=fake GPUSCALER_LISTEN=127.0.0.1:6001" in out
     assert f"--fake-scenario {ROOT}/dev/scenarios/busy.yaml" in out
 
 
@@ -245,8 +246,8 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
-async def _query(address: str, deadline: float) -> dict[str, Any]:
-    """`gpuscaler query --output json` against an agent, retried until it has started."""
+async def _query(address: str, deadline: float, gpus: int) -> dict[str, Any]:
+    """`gpuscaler query --output json`, retried until the agent or gateway answers for that many GPUs."""
     gpuscaler = str(Path(sys.executable).parent / "gpuscaler")
     while True:
         child = await asyncio.create_subprocess_exec(
@@ -256,15 +257,16 @@ async def _query(address: str, deadline: float) -> dict[str, Any]:
         out, _ = await child.communicate()
         if child.returncode == 0:
             report: dict[str, Any] = json.loads(out)
-            return report
-        assert time.monotonic() < deadline, f"no agent answered on {address}"
+            if len(report["explanation"]["gpus"]) == gpus:
+                return report
+        assert time.monotonic() < deadline, f"nothing answered on {address} for {gpus} GPUs"
         await asyncio.sleep(0.2)
 
 
 @pytest.mark.timeout(90)
 async def test_the_compose_stack_runs_as_agents_that_answer_like_separate_nodes() -> None:
     """compose.yaml as local processes (moved to spare ports): each agent is its own node with its own GPUs,
-    the busy node reads higher than the idle one, and the client prints what KEDA gets."""
+    the busy node reads higher than the idle one, the gateway sees all three, and the client prints it."""
     services = stack.load_services(ROOT / "compose.yaml", environ={})
     spare = iter(_free_ports(sum(len(service.ports) for service in services)))
     services = [
@@ -279,7 +281,8 @@ async def test_the_compose_stack_runs_as_agents_that_answer_like_separate_nodes(
     )
     deadline = time.monotonic() + 45
     try:
-        reports = {s.name: await _query(s.ports[0].address, deadline) for s in services if s.ports}
+        expected = {"node-a": 8, "node-b": 2, "node-c": 4, "gateway": 14}
+        reports = {s.name: await _query(s.ports[0].address, deadline, expected[s.name]) for s in services if s.ports}
         while not any(line.startswith("keda-view | What KEDA gets") for line in lines):
             assert time.monotonic() < deadline, "\n".join(lines[-20:])
             await asyncio.sleep(0.2)
@@ -292,7 +295,7 @@ async def test_the_compose_stack_runs_as_agents_that_answer_like_separate_nodes(
         "node-a": {"gpu-node-a"},
         "node-b": {"gpu-node-b"},
         "node-c": {"gpu-node-c"},
+        "gateway": {"gpu-node-a", "gpu-node-b", "gpu-node-c"},
     }
-    assert {name: len(gpu_list) for name, gpu_list in gpus.items()} == {"node-a": 8, "node-b": 2, "node-c": 4}
     value = {name: r["get_metrics"]["fields"]["metricValues"][0]["metricValueFloat"] for name, r in reports.items()}
     assert value["node-a"] > 8 * 50 > value["node-b"]
