@@ -333,16 +333,21 @@ async def run(processes: Sequence[LocalProcess], *, bin_dir: Path, write: Callab
     pumps: list[asyncio.Task[None]] = []
     try:
         for process in processes:
-            child = await asyncio.create_subprocess_exec(
-                *process.argv,
-                env=process_environment(process, os.environ, bin_dir),
-                cwd=ROOT,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                # Its own process group: Ctrl-C reaches only us, and we stop each group (a shell and its children).
-                start_new_session=True,
-            )
+            try:
+                child = await asyncio.create_subprocess_exec(
+                    *process.argv,
+                    env=process_environment(process, os.environ, bin_dir),
+                    cwd=ROOT,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.STDOUT,
+                    # Its own process group: Ctrl-C reaches only us, and we stop each group (a shell and its children).
+                    start_new_session=True,
+                )
+            except OSError as error:
+                raise StackError(
+                    f"service {process.service.name}: cannot run {process.argv[0]}: {error.strerror}"
+                ) from None
             children.append((process, child))
             pumps.append(asyncio.create_task(_pump(process.service.name, width, child, write)))
         for line in describe(processes):
@@ -392,7 +397,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             variables = " ".join(f"{key}={shlex.quote(value)}" for key, value in process.environment.items())
             print(f"{process.service.name}: {variables} {shlex.join(process.argv)}")
         return 0
-    return asyncio.run(run(processes, bin_dir=bin_dir))
+    try:
+        return asyncio.run(run(processes, bin_dir=bin_dir))
+    except StackError as error:  # the services started before it have been stopped
+        parser.exit(1, f"stack: {error}\n")
 
 
 if __name__ == "__main__":

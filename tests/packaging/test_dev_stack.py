@@ -235,6 +235,23 @@ async def test_up_runs_every_service_and_stops_them_all_on_sigterm(tmp_path: Pat
     assert await _gone(int((tmp_path / "grandchild.pid").read_text())), "the shell's child went with its group"
 
 
+async def test_a_command_that_cannot_start_stops_the_others_and_says_which(tmp_path: Path) -> None:
+    """A missing executable is an error naming the service; the service started before it is stopped."""
+    path = compose(
+        tmp_path,
+        f"""
+        services:
+          first: {{entrypoint: [{sys.executable}, -c, "import time; time.sleep(60)"]}}
+          second: {{entrypoint: [{tmp_path}/no-such-program]}}
+        """,
+    )
+    services = stack.load_services(path, environ={})
+    lines: list[str] = []
+    with pytest.raises(stack.StackError, match=r"service second: cannot run .*no-such-program: No such file"):
+        await stack.run([stack.localize(s, services) for s in services], bin_dir=tmp_path, write=lines.append)
+    assert lines == ["first  | exited with code -15"]
+
+
 def _free_ports(count: int) -> list[int]:
     """Loopback ports free right now, so the real stack can run beside a developer's own `make dev`."""
     sockets = [socket.socket() for _ in range(count)]
@@ -287,7 +304,8 @@ async def test_the_compose_stack_runs_as_agents_that_answer_like_separate_nodes(
             assert time.monotonic() < deadline, "\n".join(lines[-20:])
             await asyncio.sleep(0.2)
     finally:
-        os.kill(os.getpid(), signal.SIGTERM)  # what Ctrl-C does to `make dev`
+        if not runner.done():  # its handler takes the signal only while it runs
+            os.kill(os.getpid(), signal.SIGTERM)  # what Ctrl-C does to `make dev`
         code = await runner
     assert code == 0, "\n".join(lines[-20:])
     gpus = {name: report["explanation"]["gpus"] for name, report in reports.items()}
