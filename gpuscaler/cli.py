@@ -104,7 +104,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             return 0
         return asyncio.run(_client_command(args))
     except ConfigError as error:
-        parser.exit(2, f"gpuscaler {args.command}: error: {error}\n")
+        parser.exit(2, f"{_prog(args)}: error: {error}\n")
     except (CollectorUnavailable, StartupError) as error:
         print(f"gpuscaler {args.command}: {error}", file=sys.stderr)
         return 1

@@ -176,7 +176,7 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
 
     drain = _number(args.drain_timeout, lambda allowed: fail("--drain-timeout", args.drain_timeout, allowed))
     if not 0 < drain <= 300:
-        raise fail("--drain-timeout", args.drain_timeout, "must be between 0 and 300 seconds")
+        raise fail("--drain-timeout", args.drain_timeout, "must be above 0 and at most 300 seconds")
 
     metrics_listen = None
     if args.metrics_listen and args.metrics_listen != "0":

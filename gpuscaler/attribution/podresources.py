@@ -111,7 +111,8 @@ class PodResourcesWatcher:
                 Attribution(
                     AttributionState.OFF,
                     f"no kubelet socket at {str(self.socket_path)!r}: mount the kubelet's pod-resources folder "
-                    "into the agent (the chart does), or set --pod-resources-socket '' to turn attribution off",
+                    "into the agent (the chart's agent.podResources.enabled), or set --pod-resources-socket '' to turn "
+                    "attribution off",
                 ),
                 keep_pairs=False,
             )

@@ -1,0 +1,292 @@
+"""Docs that cannot drift from the code: examples parse, tables match the defaults, names and links exist."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gpuscaler.durations import parse_duration
+from gpuscaler.history import History
+from gpuscaler.metadata import FROM_ENV_SUFFIX, KEDA_KEYS, KNOWN_KEYS, QUERY_KEYS, Limits, parse_metadata
+from gpuscaler.profiles import METRIC_DEFAULTS, PROFILES
+from gpuscaler.samples import Metric
+from gpuscaler.telemetry import Telemetry
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+EXAMPLES = ROOT / "charts" / "gpuscaler" / "examples"
+MARKDOWN = sorted([ROOT / "README.md", *DOCS.rglob("*.md")])
+EXTERNAL_TRIGGERS = frozenset({"external", "external-push"})
+LIMITS = Limits(history_seconds=600)  # the agent's default --history of 10m
+
+PROFILE_COLUMNS = (
+    "profile",
+    "metric",
+    "aggregation",
+    "targetValue",
+    "activationThreshold",
+    "deactivationThreshold",
+    "window",
+    "windowFunction",
+    "why",
+)
+
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
+_SCALED_OBJECT = re.compile(r"^\s*kind:\s*ScaledObject\s*$", re.M)
+_LINK = re.compile(r"!?\[[^\]\n]*\]\(\s*<?(?P<target>[^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_INLINE_CODE = re.compile(r"`[^`\n]*`")
+_SERIES = re.compile(r"\bgpuscaler_[a-z0-9_]+")
+
+
+@dataclass(frozen=True, slots=True)
+class YamlSource:
+    """YAML that holds at least one ScaledObject: a fenced block of a markdown file, or an example file."""
+
+    path: Path
+    block: int | None  # the fenced block's number within the markdown file; None for a .yaml file
+    text: str
+
+    @property
+    def id(self) -> str:
+        where = str(self.path.relative_to(ROOT))
+        return where if self.block is None else f"{where}#{self.block}"
+
+
+def _fenced_blocks(text: str) -> Iterator[tuple[str, str]]:
+    """(info string, body) of each fenced code block, bodies dedented by their fence's indent."""
+    for match in _FENCE.finditer(text):
+        indent = len(match["indent"])
+        body = "".join(line[indent:] if line[:indent].isspace() else line for line in match["body"].splitlines(True))
+        yield match["info"].strip(), body
+
+
+def _yaml_sources() -> list[YamlSource]:
+    sources = []
+    for path in MARKDOWN:
+        blocks = _fenced_blocks(path.read_text(encoding="utf-8"))
+        for number, (info, body) in enumerate(blocks, start=1):
+            if info.split()[:1] == ["yaml"] and _SCALED_OBJECT.search(body):
+                sources.append(YamlSource(path, number, body))
+    for path in sorted(EXAMPLES.rglob("*.yaml")):
+        text = path.read_text(encoding="utf-8")
+        if _SCALED_OBJECT.search(text):
+            sources.append(YamlSource(path, None, text))
+    return sources
+
+
+YAML_SOURCES = _yaml_sources()
+
+
+def _scaled_objects(source: YamlSource) -> list[dict[str, Any]]:
+    documents = [document for document in yaml.safe_load_all(source.text) if isinstance(document, dict)]
+    return [document for document in documents if document.get("kind") == "ScaledObject"]
+
+
+def _external_triggers(scaled_object: dict[str, Any]) -> list[dict[str, Any]]:
+    triggers = scaled_object.get("spec", {}).get("triggers") or []
+    return [trigger for trigger in triggers if trigger.get("type") in EXTERNAL_TRIGGERS]
+
+
+def _markdown_table(text: str, *columns: str) -> list[dict[str, str]]:
+    """The rows, by column name, of the first pipe table whose header has all of ``columns``."""
+    lines = text.splitlines()
+    for start, line in enumerate(lines[:-1]):
+        header = _cells(line)
+        if header and set(columns) <= set(header) and set(lines[start + 1]) <= set("|-: "):
+            rows = []
+            for row in lines[start + 2 :]:
+                if not row.startswith("|"):
+                    break
+                rows.append(dict(zip(header, _cells(row), strict=True)))
+            return rows
+    raise AssertionError(f"no table with the columns {columns}")
+
+
+def _cells(line: str) -> list[str]:
+    if not line.startswith("|"):
+        return []
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+def _name(cell: str) -> str:
+    """A table cell's code name: `` `gpu_utilization` `` or gpu_utilization."""
+    return cell.strip().strip("`")
+
+
+def _number(cell: str) -> float:
+    return float(_name(cell))
+
+
+def _section(text: str, heading: str) -> str:
+    """The text under ``heading`` (a ``## `` line), up to the next heading of that level or higher."""
+    match = re.search(rf"^## {re.escape(heading)}\s*$(?P<body>.*?)(?=^#{{1,2}} |\Z)", text, re.M | re.S)
+    assert match is not None, f"no section '## {heading}'"
+    return match["body"]
+
+
+def _prose(text: str) -> str:
+    """Markdown without its fenced blocks and inline code, where links are links."""
+    text = _FENCE.sub("", text)
+    return _INLINE_CODE.sub("", text)
+
+
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's heading anchors: lowercase, punctuation dropped, spaces to hyphens, repeats numbered."""
+    anchors: set[str] = set()
+    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*#*\s*$", _FENCE.sub("", markdown), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        candidate, n = slug, 0
+        while candidate in anchors:
+            n += 1
+            candidate = f"{slug}-{n}"
+        anchors.add(candidate)
+    return anchors
+
+
+def _external_trigger_count(sources: list[YamlSource]) -> int:
+    return sum(len(_external_triggers(so)) for source in sources for so in _scaled_objects(source))
+
+
+def test_docs_have_external_triggers() -> None:
+    """The docs hold ScaledObjects with external triggers for the parser to check."""
+    assert _external_trigger_count([s for s in YAML_SOURCES if not s.path.is_relative_to(EXAMPLES)]) > 0
+
+
+def test_chart_examples_have_external_triggers() -> None:
+    """The chart's examples hold ScaledObjects with external triggers for the parser to check."""
+    if not EXAMPLES.parent.exists():
+        pytest.skip("the chart is not in this checkout")
+    assert _external_trigger_count([s for s in YAML_SOURCES if s.path.is_relative_to(EXAMPLES)]) > 0
+
+
+@pytest.mark.parametrize("source", YAML_SOURCES, ids=lambda source: source.id)
+def test_scaled_object_metadata_parses(source: YamlSource) -> None:
+    """Every external trigger's metadata is all strings (KEDA's rule) and the agent's parser accepts it."""
+    scaled_objects = _scaled_objects(source)
+    assert scaled_objects, "kind: ScaledObject appears, but no YAML document is one"
+    for scaled_object in scaled_objects:
+        for trigger in _external_triggers(scaled_object):
+            metadata = trigger.get("metadata")
+            assert isinstance(metadata, dict), f"trigger {trigger.get('type')} has no metadata mapping"
+            not_strings = {key: value for key, value in metadata.items() if not isinstance(value, str)}
+            assert not not_strings, f"KEDA requires string values; quote these: {not_strings}"
+            # KEDA replaces a <key>FromEnv value with the scale target's environment, which a doc cannot show.
+            from_env = [key for key in metadata if key.endswith(FROM_ENV_SUFFIX)]
+            assert all(key.removesuffix(FROM_ENV_SUFFIX) in KNOWN_KEYS for key in from_env), from_env
+            resolved = {key: value for key, value in metadata.items() if key not in from_env}
+            namespace = scaled_object.get("metadata", {}).get("namespace", "default")
+            parse_metadata(resolved, LIMITS, namespace=namespace)
+
+
+def test_metadata_doc_lists_every_key() -> None:
+    """docs/metadata.md's key table has exactly the query keys, and the text names every KEDA key."""
+    text = (DOCS / "metadata.md").read_text(encoding="utf-8")
+    documented = [_name(row["key"]) for row in _markdown_table(text, "key", "type", "default")]
+    missing, unknown = sorted(set(QUERY_KEYS) - set(documented)), sorted(set(documented) - set(QUERY_KEYS))
+    assert not missing, f"keys the agent accepts and the table lacks: {missing}"
+    assert not unknown, f"rows for keys the agent refuses: {unknown}"
+    assert len(documented) == len(set(documented)), "a key has two rows"
+    missing_keda = sorted(key for key in KEDA_KEYS if f"`{key}`" not in text)
+    assert not missing_keda
+
+
+def test_metadata_doc_defaults_match_the_code() -> None:
+    """docs/metadata.md's "Defaults per metric" table is METRIC_DEFAULTS: aggregation, target, threshold."""
+    text = _section((DOCS / "metadata.md").read_text(encoding="utf-8"), "Defaults per metric")
+    table = _markdown_table(text, "metric", "aggregation", "targetValue", "activationThreshold")
+    rows = {_name(row["metric"]): row for row in table}
+    assert sorted(rows) == sorted(metric.value for metric in METRIC_DEFAULTS)
+    for metric, defaults in METRIC_DEFAULTS.items():
+        row = rows[metric.value]
+        assert _name(row["aggregation"]) == defaults.aggregation.value, metric
+        assert math.isclose(_number(row["targetValue"]), defaults.target), metric
+        assert math.isclose(_number(row["activationThreshold"]), defaults.activation_threshold), metric
+
+
+def test_profiles_doc_matches_the_code() -> None:
+    """docs/profiles.md's profile table is PROFILES, column by column."""
+    text = (DOCS / "profiles.md").read_text(encoding="utf-8")
+    table = _markdown_table(text, *PROFILE_COLUMNS)
+    rows = {_name(row["profile"]): row for row in table}
+    assert sorted(rows) == sorted(PROFILES)
+    for name, profile in PROFILES.items():
+        row = rows[name]
+        assert _name(row["metric"]) == profile.metric.value, name
+        assert _name(row["aggregation"]) == profile.aggregation.value, name
+        assert math.isclose(_number(row["targetValue"]), profile.target), name
+        assert math.isclose(_number(row["activationThreshold"]), profile.activation_threshold), name
+        assert math.isclose(_number(row["deactivationThreshold"]), profile.deactivation_threshold), name
+        window = _name(row["window"])
+        if profile.window_seconds is None:
+            assert window in {"", "-", "—", "none"}, name
+        else:
+            assert math.isclose(parse_duration(window), profile.window_seconds), name
+        assert _name(row["windowFunction"]) == profile.window_function.value, name
+
+
+def test_migration_doc_profiles_match_the_code() -> None:
+    """docs/migration.md's profile table shows each profile's metric, aggregation, target and threshold."""
+    text = (DOCS / "migration.md").read_text(encoding="utf-8")
+    table = _markdown_table(text, "profile", "metric", "aggregation", "targetValue", "activationThreshold")
+    rows = {_name(row["profile"]): row for row in table}
+    assert sorted(rows) == sorted(PROFILES)
+    for name, profile in PROFILES.items():
+        row = rows[name]
+        assert _name(row["metric"]) == profile.metric.value, name
+        assert _name(row["aggregation"]) == profile.aggregation.value, name
+        assert math.isclose(_number(row["targetValue"]), profile.target), name
+        assert math.isclose(_number(row["activationThreshold"]), profile.activation_threshold), name
+
+
+def _series_names() -> set[str]:
+    """Every series name the agent exports, as Prometheus shows it (counters with ``_total``)."""
+    registry = Telemetry(History(history_seconds=60, poll_interval_seconds=0.5)).registry
+    return {family.name + ("_total" if family.type == "counter" else "") for family in registry.collect()}
+
+
+def test_metrics_doc_names_every_metric_and_series() -> None:
+    """docs/metrics.md names every trigger metric and every Prometheus series the agent exports."""
+    text = (DOCS / "metrics.md").read_text(encoding="utf-8")
+    missing_metrics = sorted(metric.value for metric in Metric if f"`{metric.value}`" not in text)
+    assert not missing_metrics
+    series = _series_names()
+    assert series, "the registry exported nothing"
+    missing_series = sorted(name for name in series if f"`{name}`" not in text)
+    assert not missing_series
+
+
+def test_metrics_doc_names_no_series_that_does_not_exist() -> None:
+    """Every ``gpuscaler_...`` series docs/metrics.md names is exported (a histogram's suffixes included)."""
+    text = (DOCS / "metrics.md").read_text(encoding="utf-8")
+    series = _series_names()
+    suffixed = {name + suffix for name in series for suffix in ("_bucket", "_sum", "_count", "_created")}
+    unknown = sorted(set(_SERIES.findall(text)) - series - suffixed)
+    assert not unknown
+
+
+@pytest.mark.parametrize("path", [p for p in MARKDOWN if p.parent in (ROOT, DOCS)], ids=lambda p: p.name)
+def test_relative_links_resolve(path: Path) -> None:
+    """Every relative link in README.md and docs/*.md names a file that exists, and an anchor it has."""
+    broken = []
+    for match in _LINK.finditer(_prose(path.read_text(encoding="utf-8"))):
+        target = match["target"]
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+            continue
+        file_part, _, anchor = target.partition("#")
+        linked = (path.parent / file_part).resolve() if file_part else path
+        missing_anchor = (
+            linked.is_file()
+            and linked.suffix == ".md"
+            and bool(anchor)
+            and anchor not in _anchors(linked.read_text(encoding="utf-8"))
+        )
+        if not linked.exists() or missing_anchor:
+            broken.append(target)
+    assert not broken
