@@ -131,8 +131,8 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: st
         window_seconds = _parse_window(raw["window"], limits)
     elif profile is not None and window_seconds is not None and window_seconds > limits.history_seconds:
         raise InvalidMetadata(
-            f"profile {profile.name!r} averages over {format_duration(window_seconds)}, longer than the agent's "
-            f"history of {format_duration(limits.history_seconds)}; set a shorter window or raise --history"
+            f"profile {profile.name!r} averages over {format_duration(window_seconds)}, longer than this server's "
+            f"--history of {format_duration(limits.history_seconds)}; set a shorter window or raise --history"
         )
     if "windowFunction" in raw:
         window_function = _parse_enum("windowFunction", raw["windowFunction"], WindowFunction)
@@ -272,7 +272,8 @@ def _parse_window(text: str, limits: Limits) -> float:
         raise InvalidMetadata(f"window {text!r} must be longer than 0; leave it out to use the latest sample")
     if seconds > limits.history_seconds:
         raise InvalidMetadata(
-            f"window {text!r} is longer than the agent's history of {format_duration(limits.history_seconds)}; "
+            # "this server": an agent or the gateway, each with its own --history.
+            f"window {text!r} is longer than this server's --history of {format_duration(limits.history_seconds)}; "
             "use a shorter window or raise --history"
         )
     return seconds
