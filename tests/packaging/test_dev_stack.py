@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import textwrap
 import time
@@ -18,6 +19,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "dev"))
 import stack  # dev/ holds scripts, not a package
+
+from tests.chart import chart_tools
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -317,3 +320,53 @@ async def test_the_compose_stack_runs_as_agents_that_answer_like_separate_nodes(
     }
     value = {name: r["get_metrics"]["fields"]["metricValues"][0]["metricValueFloat"] for name, r in reports.items()}
     assert value["node-a"] > 8 * 50 > value["node-b"]
+
+
+@pytest.fixture(scope="module")
+def composecheck() -> Path:
+    """tests/packaging/composecheck: compose-go, Docker Compose's own loader, printing a file's project as JSON."""
+    try:
+        return chart_tools.build_local("composecheck", Path(__file__).with_name("composecheck"))
+    except chart_tools.ToolUnavailable as missing:
+        pytest.skip(f"COMPOSE LOADER CHECK NOT RUN: it is built with Go, and there is none ({missing})")
+
+
+def _compose_go(composecheck: Path, path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(composecheck), str(path)], capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.fixture(scope="module")
+def compose_go_project(composecheck: Path) -> dict[str, Any]:
+    """compose.yaml as compose-go reads it."""
+    result = _compose_go(composecheck, ROOT / "compose.yaml")
+    assert result.returncode == 0, result.stderr
+    project: dict[str, Any] = json.loads(result.stdout)
+    return project
+
+
+@pytest.mark.timeout(300)
+def test_compose_go_refuses_a_broken_file(composecheck: Path, tmp_path: Path) -> None:
+    """The loader check is not vacuous: compose-go rejects a dependency on a service that does not exist."""
+    path = compose(tmp_path, "services:\n  a: {image: x, depends_on: [nobody]}\n")
+    result = _compose_go(composecheck, path)
+    assert result.returncode == 1
+    assert "nobody" in result.stderr
+
+
+@pytest.mark.timeout(300)
+def test_stack_reads_compose_yaml_as_docker_compose_does(compose_go_project: dict[str, Any]) -> None:
+    """Per service, dev/stack.py's command, environment, ports, binds, order and grace equal compose-go's."""
+    reference = compose_go_project["services"]
+    services = stack.load_services(ROOT / "compose.yaml", environ={})
+    assert sorted(s.name for s in services) == sorted(reference)
+    for service in services:
+        expected = reference[service.name]
+        assert service.argv == (*expected.get("entrypoint", []), *expected.get("command", [])), service.name
+        assert dict(service.environment) == expected.get("environment", {}), service.name
+        ports = [(p["host_ip"], int(p["published"]), p["target"], p.get("name")) for p in expected.get("ports", [])]
+        assert [(p.host_ip, p.published, p.target, p.name) for p in service.ports] == ports, service.name
+        binds = [(Path(v["source"]), v["target"]) for v in expected.get("volumes", []) if v["type"] == "bind"]
+        assert list(service.binds) == binds, service.name
+        assert set(service.depends_on) == set(expected.get("depends_on", {})), service.name
+        grace = expected.get("stop_grace_period")
+        assert service.stop_grace_seconds == (float(grace.removesuffix("s")) if grace else 10.0), service.name
