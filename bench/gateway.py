@@ -1,0 +1,294 @@
+"""The gateway under 100 simulated agents x 8 GPUs: push latency through it, and its CPU and memory.
+
+    .venv/bin/python -m bench.gateway [--agents 100] [--gpus 8] [--poll 0.5] [--seconds 60] [--tries 20]
+
+One child process simulates every agent: one grpclib server per agent on its own loopback port, each
+serving the real ``gpuscaler.v1.Agent`` service over its own ring buffer, fed by one shared ticker with
+synthetic samples (no collector threads, so the simulator's cost stays out of the gateway's numbers).
+The gateway is the real ``gpuscaler gateway`` process. CPU is read from /proc (utime + stime) over the
+measured span, memory is VmRSS at its end. Push latency: the bench asks the simulator to raise node 0's
+utilisation and times the StreamIsActive ``true`` at the gateway, both from the request (what a user
+sees: up to one agent poll of waiting) and from the start of the agent tick that carried the change.
+Writes bench/results/gateway.json and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from grpclib.client import Channel
+
+from gpuscaler.engine import Engine
+from gpuscaler.generated import externalscaler as keda
+from gpuscaler.history import History
+from gpuscaler.samples import GpuIdentity, GpuSample, Snapshot
+from gpuscaler.server.agent_api import AgentService
+from gpuscaler.server.grpc_server import ManyStreamsServer
+
+CONSOLE_SCRIPT = Path(sys.executable).with_name("gpuscaler")
+RESULTS = Path(__file__).with_name("results") / "gateway.json"
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+# The simulator (child process)
+
+
+async def simulate(agents: int, gpus: int, poll: float) -> None:
+    """Serve ``agents`` fake agents; print their ports, then 'tick <monotonic>' for each tick that carried a change."""
+    histories = [History(history_seconds=60, poll_interval_seconds=poll) for _ in range(agents)]
+    servers = []
+    for history in histories:
+        server = ManyStreamsServer([AgentService(Engine(history))])
+        await server.start("127.0.0.1", 0)
+        servers.append(server)
+    ports = [server._server.sockets[0].getsockname()[1] for server in servers]  # type: ignore[union-attr]
+    print("ports " + ",".join(map(str, ports)), flush=True)
+
+    node0 = {"util": 0.0}
+    pending: list[float] = []
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+
+    async def commands() -> None:
+        while line := await reader.readline():
+            node0["util"] = float(line.decode().strip())
+            pending.append(node0["util"])
+
+    command_task = asyncio.create_task(commands())  # runs until the bench kills this process
+    assert command_task is not None
+    identities = [[GpuIdentity(i, f"GPU-sim-{n}-{i}", "Simulated GPU") for i in range(gpus)] for n in range(agents)]
+    sequence = 0
+    next_tick = loop.time()
+    while True:
+        sequence += 1
+        started = loop.time()
+        carried = bool(pending)
+        pending.clear()
+        for n, history in enumerate(histories):
+            util = node0["util"] if n == 0 else 30.0 + (n % 7)
+            samples = tuple(
+                GpuSample(
+                    gpu=gpu,
+                    node=f"sim-{n:03d}",
+                    gpu_utilization_percent=util,
+                    memory_utilization_percent=10.0,
+                    memory_used_bytes=10 * 2**30,
+                    memory_total_bytes=80 * 2**30,
+                    temperature_celsius=50.0,
+                    power_draw_watts=300.0,
+                    power_limit_watts=700.0,
+                )
+                for gpu in identities[n]
+            )
+            history.append(Snapshot(sequence, time.time(), started, f"sim-{n:03d}", samples))
+        if carried:
+            print(f"tick {time.monotonic():.6f}", flush=True)
+        next_tick += poll
+        await asyncio.sleep(max(0.0, next_tick - loop.time()))
+
+
+# The bench (parent process)
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def read_line(stream: asyncio.StreamReader, prefix: str) -> str:
+    while True:
+        line = (await stream.readline()).decode()
+        if not line:
+            raise RuntimeError("the simulator ended")
+        if line.startswith(prefix):
+            return line[len(prefix) :].strip()
+
+
+async def run(args: argparse.Namespace) -> dict[str, object]:
+    simulator = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "bench.gateway",
+        "--simulate",
+        "--agents",
+        str(args.agents),
+        "--gpus",
+        str(args.gpus),
+        "--poll",
+        str(args.poll),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert simulator.stdout is not None
+    assert simulator.stdin is not None
+    ports = (await read_line(simulator.stdout, "ports ")).split(",")
+    log_path = RESULTS.with_name("gateway-bench.log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        gateway = subprocess.Popen(  # noqa: ASYNC220 - started once, before anything is measured
+            [
+                str(CONSOLE_SCRIPT),
+                "gateway",
+                "--listen",
+                "127.0.0.1:0",
+                "--agents",
+                ",".join(f"127.0.0.1:{port}" for port in ports),
+                "--log-format",
+                "json",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={k: v for k, v in os.environ.items() if not k.startswith("GPUSCALER_")},
+        )
+    try:
+        port = await gateway_port(log_path)
+        channel = Channel("127.0.0.1", port)
+        stub = keda.ExternalScalerStub(channel)
+        await wait_for_nodes(stub, args.agents * args.gpus)
+
+        # Some open push streams, as KEDA would hold them while we measure.
+        streams = [
+            asyncio.create_task(drain(stub.stream_is_active(ref(activationThreshold=str(10 + i))))) for i in range(10)
+        ]
+        await asyncio.sleep(3)  # let start-up settle
+        cpu_before, wall_before = cpu_seconds(gateway.pid), time.monotonic()
+        await asyncio.sleep(args.seconds)
+        cpu_used, wall = cpu_seconds(gateway.pid) - cpu_before, time.monotonic() - wall_before
+        rss = rss_mib(gateway.pid)
+
+        from_request, from_tick = await push_latency(stub, simulator.stdin, simulator.stdout, args.tries)
+        for task in streams:
+            task.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+        channel.close()
+    finally:
+        gateway.terminate()
+        gateway.wait(20)
+        simulator.kill()
+        await simulator.wait()
+    return {
+        "agents": args.agents,
+        "gpus_per_agent": args.gpus,
+        "agent_poll_seconds": args.poll,
+        "measured_seconds": round(wall, 1),
+        "gateway_cpu_seconds_per_minute": round(60 * cpu_used / wall, 2),
+        "gateway_cpu_percent_of_one_core": round(100 * cpu_used / wall, 1),
+        "gateway_rss_mib": round(rss, 1),
+        "push_tries": args.tries,
+        "push_from_request_ms": summary(from_request),
+        "push_from_agent_tick_ms": summary(from_tick),
+        "push_bound_ms": round(1000 * args.poll + 100),
+        "machine": f"{os.cpu_count()} cores",
+    }
+
+
+def ref(**metadata: str) -> keda.ScaledObjectRef:
+    return keda.ScaledObjectRef(name="bench", namespace="bench", scaler_metadata=metadata)
+
+
+async def drain(stream: object) -> None:
+    async for _ in stream:  # type: ignore[attr-defined]
+        pass
+
+
+async def gateway_port(log_path: Path) -> int:
+    async with asyncio.timeout(30):
+        while True:
+            for line in log_path.read_text().splitlines():  # noqa: ASYNC240 - a small local log
+                if '"gateway_started"' in line:
+                    return int(json.loads(line)["port"])
+            await asyncio.sleep(0.05)
+
+
+async def wait_for_nodes(stub: keda.ExternalScalerStub, gpus: int) -> None:
+    async with asyncio.timeout(60):
+        while True:
+            try:
+                spec = await stub.get_metric_spec(ref(aggregation="sum", metric="temperature"))
+                request = keda.GetMetricsRequest(scaled_object_ref=ref(aggregation="sum", metric="temperature"))
+                request.metric_name = spec.metric_specs[0].metric_name
+                value = (await stub.get_metrics(request)).metric_values[0].metric_value_float
+                if value >= 50.0 * gpus - 1e-6:
+                    return
+            except Exception:
+                pass
+            await asyncio.sleep(0.2)
+
+
+async def push_latency(
+    stub: keda.ExternalScalerStub, stdin: asyncio.StreamWriter, stdout: asyncio.StreamReader, tries: int
+) -> tuple[list[float], list[float]]:
+    """Node 0 alone crosses the threshold: time its true at the gateway from the request and from its tick."""
+    selector = {"gpuUUID": "GPU-sim-0-0", "activationThreshold": "50"}
+    queue: asyncio.Queue[tuple[float, bool]] = asyncio.Queue()
+
+    async def listen() -> None:
+        async for message in stub.stream_is_active(ref(**selector)):
+            queue.put_nowait((time.monotonic(), message.result))
+
+    listener = asyncio.create_task(listen())
+    from_request: list[float] = []
+    from_tick: list[float] = []
+    try:
+        await queue.get()  # the state at open
+        for _ in range(tries):
+            for value, expected in ((90.0, True), (0.0, False)):
+                requested = time.monotonic()
+                stdin.write(f"{value}\n".encode())
+                await stdin.drain()
+                tick = float(await read_line(stdout, "tick "))
+                while True:
+                    arrived, active = await asyncio.wait_for(queue.get(), 10)
+                    if active is expected:
+                        break
+                if expected:
+                    from_request.append(arrived - requested)
+                    from_tick.append(arrived - tick)
+            await asyncio.sleep(0.1)
+    finally:
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+    return from_request, from_tick
+
+
+def summary(seconds: list[float]) -> dict[str, float]:
+    ms = [1000 * s for s in seconds]
+    return {"median": round(statistics.median(ms), 1), "max": round(max(ms), 1), "min": round(min(ms), 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__.splitlines()[0])
+    parser.add_argument("--agents", type=int, default=100)
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--poll", type=float, default=0.5, help="the simulated agents' poll interval, seconds")
+    parser.add_argument("--seconds", type=float, default=60, help="how long to measure CPU")
+    parser.add_argument("--tries", type=int, default=20, help="push latency tries")
+    parser.add_argument("--simulate", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.simulate:
+        asyncio.run(simulate(args.agents, args.gpus, args.poll))
+        return
+    result = asyncio.run(run(args))
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
