@@ -158,6 +158,8 @@ class Agent:
             agent._tasks.append(asyncio.create_task(agent._watch_tls(tls), name="tls-reload"))
         if pod_resources is not None:
             agent._tasks.append(asyncio.create_task(pod_resources.run(), name="pod-resources"))
+        for task in agent._tasks:
+            task.add_done_callback(_report_crash)
         log.info(
             "agent_started",
             version=__version__,
@@ -219,6 +221,14 @@ class Agent:
             await self.metrics.stop()
         await asyncio.to_thread(self.collector.close)
         log.info("agent_stopped", calls=sum(self.tracker.finished.values()))
+
+
+def _report_crash(task: asyncio.Task[None]) -> None:
+    """A background task that ends by itself is a bug; say so, or health would turn NOT_SERVING unexplained."""
+    if task.cancelled():
+        return
+    error = task.exception()
+    log.critical("task_crashed", task=task.get_name(), error=repr(error), exc_info=error)
 
 
 def _bound_port(server: ManyStreamsServer) -> int:

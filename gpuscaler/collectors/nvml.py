@@ -69,6 +69,12 @@ class NvmlCollector:
             self._nvml.nvmlShutdown()
 
     def discover(self) -> Sequence[GpuIdentity]:
+        try:
+            return self._discover()
+        except self._nvml.NVMLError as error:
+            raise CollectorUnavailable(f"NVML could not list the GPUs ({_describe(error)}): {START_HINT}") from None
+
+    def _discover(self) -> Sequence[GpuIdentity]:
         nvml = self._nvml
         devices: list[GpuIdentity] = []
         handles: dict[str, Any] = {}

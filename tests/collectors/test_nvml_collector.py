@@ -175,3 +175,18 @@ _READS = (
     "nvmlDeviceGetPowerUsage",
     "nvmlDeviceGetEnforcedPowerLimit",
 )
+
+
+def test_enumeration_failure_is_collector_unavailable() -> None:
+    """An NVML error while listing GPUs after a good init is the same one-line advice, not a traceback."""
+    nvml = FakeNvml([FakeDevice("GPU-aaa")])
+    collector = started(nvml)
+
+    def broken_count() -> int:
+        raise nvml.NVMLError(9)  # driver not loaded
+
+    nvml.nvmlDeviceGetCount = broken_count  # type: ignore[method-assign]
+    with pytest.raises(CollectorUnavailable) as raised:
+        collector.discover()
+    assert "could not list the GPUs" in str(raised.value)
+    assert "--collector fake" in str(raised.value)
