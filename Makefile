@@ -13,15 +13,15 @@ GENERATED := gpuscaler/generated
 PY_DIRS := $(wildcard gpuscaler tests e2e bench dev)
 TEST_DIRS := $(wildcard tests e2e)
 
-.PHONY: help venv dev test unit e2e e2e-full lint typecheck proto proto-check bench chart-test image docs clean
+.PHONY: help venv dev test unit e2e e2e-full lint typecheck proto proto-check bench chart-test image docs lock clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --constraint constraints.txt -e '.[dev]'
 	touch $@
 
 venv: $(STAMP) ## Create .venv with the pinned dependencies
@@ -78,6 +78,14 @@ $(D2):
 
 docs: $(D2) ## Render docs/data-path.svg from docs/data-path.d2 (builds d2 with Go once)
 	$(D2) --layout dagre docs/data-path.d2 docs/data-path.svg
+
+lock: ## Re-pin constraints.txt from a fresh install of pyproject.toml's dependencies
+	rm -rf .lock-venv
+	$(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/pip install --quiet -e '.[dev]'
+	{ sed -n '1,2p' constraints.txt; .lock-venv/bin/pip freeze --exclude-editable | grep -v '^gpuscaler'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
+	rm -rf .lock-venv
 
 clean: ## Remove the virtual environment and caches
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
