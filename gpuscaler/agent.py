@@ -124,7 +124,11 @@ class Agent:
             )
         except OSError as error:
             raise StartupError(f"--listen {settings.listen}: cannot listen: {error.strerror}") from None
-        metrics = MetricsServer(telemetry.registry, settings.metrics_listen) if settings.metrics_listen else None
+        metrics = (
+            MetricsServer(telemetry.registry, settings.metrics_listen, healthy=lambda: health.__status__() is True)
+            if settings.metrics_listen
+            else None
+        )
         if metrics is not None:
             try:
                 await metrics.start()

@@ -1,4 +1,7 @@
-"""The Prometheus /metrics endpoint, served by aiohttp on the agent's own event loop.
+"""The Prometheus /metrics endpoint and /healthz, served by aiohttp on the agent's own event loop.
+
+/healthz answers 200 while samples are fresh and 503 otherwise, the same as the gRPC health service:
+the kubelet's native gRPC probe speaks plaintext only, so with TLS on the gRPC port the chart probes here.
 
 Bounded: requests have a 1 KiB body limit and idle keep-alive connections close after a few seconds.
 A scrape only formats the newest snapshot and the counters, so it runs on the loop without blocking it.
@@ -7,6 +10,7 @@ A scrape only formats the newest snapshot and the counters, so it runs on the lo
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -21,11 +25,16 @@ KEEPALIVE_TIMEOUT_SECONDS = 5.0
 class MetricsServer:
     """Serves ``registry`` at ``/metrics``; ``start`` binds, ``stop`` closes every connection."""
 
-    def __init__(self, registry: CollectorRegistry, address: Address) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, address: Address, *, healthy: Callable[[], bool] | None = None
+    ) -> None:
         self._registry = registry
         self._address = address
+        self._healthy = healthy
         app = web.Application(client_max_size=1024)
         app.router.add_get("/metrics", self._metrics)
+        if healthy is not None:
+            app.router.add_get("/healthz", self._health)
         app.router.add_get("/", self._index)
         self._runner = web.AppRunner(
             app,
@@ -54,6 +63,12 @@ class MetricsServer:
     async def _metrics(self, request: web.Request) -> web.Response:
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
         return web.Response(body=encoder(self._registry), headers={"Content-Type": content_type})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        assert self._healthy is not None
+        if self._healthy():
+            return web.Response(text="SERVING\n")
+        return web.Response(status=503, text="NOT_SERVING: no fresh sample of any GPU\n")
 
     async def _index(self, request: web.Request) -> web.Response:
         return web.Response(text="gpuscaler agent: metrics at /metrics\n")

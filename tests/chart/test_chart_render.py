@@ -179,12 +179,19 @@ def test_probes_are_native_grpc_on_the_health_service(helm: Helm) -> None:
     assert ports == {"grpc": 6000, "metrics": 9402}
 
 
-def test_with_tls_the_probes_fall_back_to_tcp(helm: Helm) -> None:
-    """The kubelet's gRPC probe cannot speak TLS, so with TLS on the probes connect over TCP to port grpc."""
-    container = agent_container(daemonset(helm, "tls"))
+def test_with_tls_the_probes_use_healthz_on_the_metrics_port(helm: Helm) -> None:
+    """The kubelet's gRPC probe cannot speak TLS, so with TLS on the probes GET /healthz on port metrics."""
+    container = agent_container(daemonset(helm, "tls", sets=("agent.metrics.enabled=true",)))
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe] == container[probe] | {"httpGet": {"path": "/healthz", "port": "metrics"}}
+        assert "grpc" not in container[probe]
+
+
+def test_with_tls_and_no_metrics_port_the_probes_fall_back_to_tcp(helm: Helm) -> None:
+    """With TLS on and the metrics listener off, nothing plaintext is left to ask, so the probes are TCP checks."""
+    container = agent_container(daemonset(helm, "tls"))  # this scenario turns metrics off
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe] == container[probe] | {"tcpSocket": {"port": "grpc"}}
-        assert "grpc" not in container[probe]
 
 
 def test_grace_period_outlasts_the_drain(helm: Helm) -> None:

@@ -18,7 +18,7 @@ from gpuscaler.samples import Metric
 from tests.conftest import StartAgent, serve_settings
 from tests.fakes.fake_nvml import NOT_SUPPORTED, FakeDevice, FakeNvml
 from tests.server.test_external_scaler import next_tick
-from tests.waiting import until
+from tests.waiting import until, until_result
 
 
 async def scrape(agent: Agent) -> dict[str, list[Sample]]:
@@ -140,3 +140,22 @@ async def test_lost_fake_gpu_reads_down(start_agent: StartAgent) -> None:
     up = {s.labels["gpu"]: s.value for s in series["gpuscaler_gpu_up"]}
     assert up == {"0": 1.0, "1": 0.0, "2": 1.0, "3": 1.0}
     assert "GPU-fake-test-node-1" not in {s.labels["uuid"] for s in series["gpuscaler_gpu_temperature_celsius"]}
+
+
+async def test_healthz_follows_the_grpc_health(start_agent: StartAgent) -> None:
+    """/healthz is 200 while samples are fresh and 503 once every GPU's reads hang, like gRPC health."""
+    agent = await start_agent("--poll-interval", "0.1")
+    assert agent.metrics is not None
+    assert isinstance(agent.collector, FakeCollector)
+    url = f"http://127.0.0.1:{agent.metrics.port}/healthz"
+
+    async def status() -> int:
+        async with aiohttp.ClientSession() as session, session.get(url) as response:
+            return response.status
+
+    assert await status() == 200
+    for index in range(4):
+        agent.collector.fail(index, Failure.TIMEOUT)
+    await until_result(status, lambda code: code == 503)
+    agent.collector.heal(None)
+    await until_result(status, lambda code: code == 200)

@@ -78,7 +78,11 @@ One probe: native gRPC health on the listen port, or a TCP connect when TLS is o
 speaks plaintext only). Takes a dict: port, tls, service, settings.
 */}}
 {{- define "gpuscaler.probe" -}}
-{{- if .tls }}
+{{- if and .tls .metrics }}
+httpGet:
+  path: /healthz
+  port: metrics
+{{- else if .tls }}
 tcpSocket:
   port: grpc
 {{- else }}
