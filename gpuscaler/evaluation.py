@@ -210,8 +210,18 @@ def _evaluate_pods(
     included = [p.value for p in values if p.value is not None]
     error: GpuscalerError | None = None
     value: float | None
-    if not values:
-        value = 0.0  # no selected pod holds a GPU: the workload is at zero (or not GPU-bound)
+    if not values and not snapshot.parts:
+        # One node's agent cannot tell a workload at zero from one whose pods run on other nodes;
+        # answering 0 would scale it in. Only the gateway's cluster view can say "zero".
+        value, error = (
+            None,
+            Unsupported(
+                f"no pod of {pods.describe()} holds a GPU on node {snapshot.node!r}, and a node agent sees only "
+                "its own node; point scalerAddress at the gateway for workload queries"
+            ),
+        )
+    elif not values:
+        value = 0.0  # no selected pod holds a GPU anywhere in the cluster: the workload is at zero
     elif not included:
         value, error = None, _unreadable(query.metric, [c for c in contributions if c.value is None])
     else:

@@ -83,22 +83,27 @@ async def test_a_pod_query_reads_only_that_namespaces_pods(start_agent: StartAge
             lambda: metric_value(channel, ref(pod="trainer-*")), lambda v: v == pytest.approx(110.0)
         )
         assert value == pytest.approx(110.0)
-        assert await metric_value(channel, ref(namespace="other-tenant", pod="trainer-*")) == 0.0
+        with pytest.raises(GRPCError) as raised:  # nothing of that tenant here; a node cannot say "zero"
+            await metric_value(channel, ref(namespace="other-tenant", pod="trainer-*"))
+        assert raised.value.status is Status.FAILED_PRECONDITION
     finally:
         channel.close()
 
 
-async def test_a_workload_with_no_pods_reads_zero_and_is_inactive(
+async def test_a_workload_with_no_pods_on_this_node_is_refused_not_zero(
     start_agent: StartAgent, kubelet: FakeKubelet
 ) -> None:
-    """A selection no pod matches is the true 0 of a workload scaled to zero: GetMetrics 0, IsActive false."""
+    """With no matching pod on its node, an agent refuses with FAILED_PRECONDITION: its pods may run elsewhere."""
     agent = await start_agent("--poll-interval", "0.1", "--pod-resources-socket", str(kubelet.socket_path))
     set_utilization(agent, [90, 90, 90, 90])
     channel = Channel("127.0.0.1", agent.port)
     try:
         scaled = ref(pod="overflow-*")
-        assert await metric_value(channel, scaled) == 0.0
-        assert (await keda.ExternalScalerStub(channel).is_active(scaled)).result is False
+        for call in (metric_value(channel, scaled), keda.ExternalScalerStub(channel).is_active(scaled)):
+            with pytest.raises(GRPCError) as raised:
+                await call
+            assert raised.value.status is Status.FAILED_PRECONDITION
+            assert "gateway" in (raised.value.message or "")
     finally:
         channel.close()
 
