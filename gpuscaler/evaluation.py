@@ -168,6 +168,9 @@ def _evaluate_pods(
     history: History,
     directory: PodDirectory | None,
 ) -> Evaluation:
+    if snapshot.expected_nodes and not snapshot.parts:
+        # A gateway that hears from no node knows nothing about the workload: not zero, not unsupported.
+        return _failed(query, snapshot, Unavailable(_no_gpus(snapshot)))
     failure = _attribution_failure(pods, snapshot, directory)
     if failure is not None:
         return _failed(query, snapshot, failure)

@@ -269,3 +269,11 @@ def test_equal_selections_share_a_metric_name_and_different_ones_do_not() -> Non
     assert parse(workload="a").metric_name != parse(workload="b").metric_name
     assert parse(workload="a").metric_name != parse().metric_name
     assert parse(minNodes="2").value.min_nodes == NodeQuorum(count=2)
+
+
+def test_a_gateway_hearing_from_no_node_is_unavailable_for_pod_queries() -> None:
+    """With every known node stale, a workload query is UNAVAILABLE (KEDA's fallback), not a zero."""
+    empty = cluster(expected=3)
+    evaluation = evaluate(parse(workload="trainer").value, history_of(empty), now=0.0, stale_after=5.0)
+    assert isinstance(evaluation.error, Unavailable)
+    assert "0 of 3 known agents" in evaluation.error.message
