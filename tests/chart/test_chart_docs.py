@@ -59,14 +59,19 @@ def test_the_comment_check_notices_a_missing_comment() -> None:
 
 
 def test_notes_give_the_keda_address_and_the_one_node_warning(helm: Helm) -> None:
-    """NOTES.txt names the Service KEDA should use and says a ClusterIP reaches ONE node."""
+    """NOTES.txt names the Service KEDA should use, and says a ClusterIP reaches ONE node when the gateway is off."""
     result = helm.run("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client")
     assert result.returncode == 0, result.stderr
     notes = result.stdout.split("NOTES:", 1)[1]
     service = find(helm.template(CI_VALUES[0]), "Service", RELEASE)["metadata"]["name"]
     assert f"{service}.{NAMESPACE}.svc.cluster.local:6000" in notes
-    assert "ONE NODE ONLY" in notes
+    assert "That is the gateway" in notes
+    assert "ONE NODE ONLY" not in notes
     assert "PRIVILEGED" not in notes
+    without = helm.run(
+        "install", RELEASE, str(CHART), "-n", NAMESPACE, "--dry-run=client", "--set", "gateway.enabled=false"
+    )
+    assert "ONE NODE ONLY" in without.stdout.split("NOTES:", 1)[1]
 
 
 def test_notes_warn_when_host_mounts_make_the_agent_privileged(helm: Helm) -> None:

@@ -58,11 +58,23 @@ def test_every_scenario_lints_clean(helm: Helm) -> None:
 
 
 def test_defaults_render_the_agent_its_services_and_nothing_optional(helm: Helm) -> None:
-    """By default: a DaemonSet, the KEDA Service, the headless Service and a token-less ServiceAccount."""
+    """By default: the agents' DaemonSet, the gateway (with its RBAC and PDB), both Services, two ServiceAccounts."""
     manifests = helm.template(CI["defaults"])
-    assert kinds(manifests) == ["DaemonSet", "Service", "Service", "ServiceAccount"]
-    assert {m["metadata"]["namespace"] for m in manifests} == {NAMESPACE}
-    assert find(manifests, "ServiceAccount")["automountServiceAccountToken"] is False
+    assert kinds(manifests) == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "DaemonSet",
+        "Deployment",
+        "PodDisruptionBudget",
+        "Service",
+        "Service",
+        "ServiceAccount",
+        "ServiceAccount",
+    ]
+    assert {m["metadata"].get("namespace", NAMESPACE) for m in manifests} == {NAMESPACE}
+    assert find(manifests, "ServiceAccount", FULLNAME)["automountServiceAccountToken"] is False
+    without = helm.template(CI["gateway-off"])
+    assert kinds(without) == ["DaemonSet", "Service", "Service", "ServiceAccount"]
 
 
 def test_agents_run_on_gpu_nodes_only_and_tolerate_the_gpu_taint(helm: Helm) -> None:
@@ -310,13 +322,18 @@ def test_tls_mounts_the_secret_read_only_with_a_group_readable_key(helm: Helm) -
 
 
 def test_keda_service_is_a_clusterip_on_port_6000_named_grpc(helm: Helm) -> None:
-    """KEDA's Service: ClusterIP, port 6000 named grpc, selecting the agent pods."""
+    """KEDA's Service: ClusterIP, port 6000 named grpc, selecting the gateway; the agents without the gateway."""
     manifests = helm.template(CI["defaults"])
     service = find(manifests, "Service", FULLNAME)
     assert service["spec"]["type"] == "ClusterIP"
     assert service["spec"]["ports"] == [{"name": "grpc", "port": 6000, "targetPort": "grpc", "protocol": "TCP"}]
-    pod_labels = find(manifests, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
-    assert selects(service["spec"]["selector"], pod_labels)
+    gateway_labels = find(manifests, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    agent_labels = find(manifests, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    assert selects(service["spec"]["selector"], gateway_labels)
+    assert not selects(service["spec"]["selector"], agent_labels), "a ClusterIP to the agents reads ONE node"
+    without = helm.template(CI["gateway-off"])
+    pod_labels = find(without, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    assert selects(find(without, "Service", FULLNAME)["spec"]["selector"], pod_labels)
 
 
 def test_headless_service_lists_every_agent_with_both_ports(helm: Helm) -> None:
@@ -331,8 +348,8 @@ def test_headless_service_lists_every_agent_with_both_ports(helm: Helm) -> None:
 
 
 def test_services_select_pods_of_every_architecture(helm: Helm) -> None:
-    """With one DaemonSet per architecture, both Services still reach all of them."""
-    manifests = helm.template(CI["host-mounts"])
+    """With one DaemonSet per architecture, the headless Service (and KEDA's, without the gateway) reaches all."""
+    manifests = helm.template(CI["host-mounts"], sets=("gateway.enabled=false",))
     for service in of_kind(manifests, "Service"):
         for ds in of_kind(manifests, "DaemonSet"):
             assert selects(service["spec"]["selector"], ds["spec"]["template"]["metadata"]["labels"])
@@ -361,19 +378,20 @@ def test_servicemonitor_without_metrics_is_refused(helm: Helm) -> None:
 def test_networkpolicy_admits_grpc_from_keda_only(helm: Helm) -> None:
     """The NetworkPolicy lets KEDA's namespace (and pods) reach port 6000 and the monitoring namespace 9402."""
     manifests = helm.template(CI["networkpolicy"])
-    policy = find(manifests, "NetworkPolicy")["spec"]
+    policy = find(manifests, "NetworkPolicy", FULLNAME)["spec"]
     assert selects(
         policy["podSelector"]["matchLabels"], find(manifests, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
     )
     assert policy["policyTypes"] == ["Ingress"]
     grpc, metrics = policy["ingress"]
     assert grpc["ports"] == [{"protocol": "TCP", "port": 6000}]
-    assert grpc["from"] == [
-        {
-            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "keda-system"}},
-            "podSelector": {"matchLabels": {"app": "keda-operator"}},
-        }
-    ]
+    gateway_labels = find(manifests, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    keda, gateway = grpc["from"]
+    assert keda == {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "keda-system"}},
+        "podSelector": {"matchLabels": {"app": "keda-operator"}},
+    }
+    assert selects(gateway["podSelector"]["matchLabels"], gateway_labels)
     assert metrics["ports"] == [{"protocol": "TCP", "port": 9402}]
     assert metrics["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
 

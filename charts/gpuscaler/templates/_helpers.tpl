@@ -113,3 +113,27 @@ grpc:
 {{- define "gpuscaler.volumeName" -}}
 {{- printf "host-%s" (. | trimPrefix "/" | replace "/" "-" | replace "_" "-" | replace "." "-" | lower) | trunc 63 | trimSuffix "-" }}
 {{- end }}
+
+{{/* Selects the gateway's pods: KEDA's Service (when the gateway is on) and the PodDisruptionBudget use it. */}}
+{{- define "gpuscaler.gatewaySelectorLabels" -}}
+app.kubernetes.io/name: {{ include "gpuscaler.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: gateway
+{{- end }}
+
+{{- define "gpuscaler.gatewayLabels" -}}
+helm.sh/chart: {{ include "gpuscaler.chart" . }}
+{{ include "gpuscaler.gatewaySelectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: gpuscaler
+{{- end }}
+
+{{- define "gpuscaler.gatewayName" -}}
+{{- printf "%s-gateway" (include "gpuscaler.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Whether the gateway watches pods through the API, and so needs its token and the RBAC for it. */}}
+{{- define "gpuscaler.gatewayWatchesPods" -}}
+{{- if and .Values.gateway.enabled (eq .Values.gateway.podDirectory "kubernetes") }}true{{ end }}
+{{- end }}

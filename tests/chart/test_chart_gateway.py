@@ -1,0 +1,201 @@
+"""The gateway as the chart renders it: KEDA's way in, its settings, its RBAC, its disruption budget."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gpuscaler.cli import build_parser
+from gpuscaler.gateway.settings import GATEWAY_FLAGS, gateway_settings_from_args
+from gpuscaler.settings import ENV_PREFIX, Address
+from tests.chart.rendering import (
+    CI_VALUES,
+    NAMESPACE,
+    RELEASE,
+    TOOL_BUILD_TIMEOUT_SECONDS,
+    Helm,
+    Manifest,
+    env_values,
+    find,
+    of_kind,
+    restricted_violations,
+    selects,
+)
+
+pytestmark = pytest.mark.timeout(TOOL_BUILD_TIMEOUT_SECONDS)
+
+CI = {path.name.removesuffix("-values.yaml"): path for path in CI_VALUES}
+GATEWAY = f"{RELEASE}-gateway"
+
+
+def deployment(helm: Helm, scenario: str = "defaults", sets: tuple[str, ...] = ()) -> Manifest:
+    return find(helm.template(CI[scenario], sets=sets), "Deployment", GATEWAY)
+
+
+def container(manifest: Manifest) -> dict[str, Any]:
+    (only,) = manifest["spec"]["template"]["spec"]["containers"]
+    assert only["name"] == "gateway"
+    result: dict[str, Any] = only
+    return result
+
+
+def test_two_replicas_spread_over_nodes_and_restricted(helm: Helm) -> None:
+    """A Deployment of 2, preferring different nodes, that Pod Security "restricted" admits."""
+    gateway = deployment(helm)
+    spec = gateway["spec"]["template"]["spec"]
+    assert gateway["spec"]["replicas"] == 2
+    assert restricted_violations(spec) == []
+    term = spec["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert selects(term["labelSelector"]["matchLabels"], gateway["spec"]["template"]["metadata"]["labels"])
+    assert container(gateway)["args"] == ["gateway"]
+
+
+@pytest.mark.parametrize("scenario", sorted(CI))
+def test_the_gateway_accepts_the_rendered_settings(helm: Helm, scenario: str) -> None:
+    """`gpuscaler gateway`'s own check passes for the chart's environment, and it finds the agents' headless Service."""
+    for gateway in of_kind(helm.template(CI[scenario]), "Deployment"):
+        environ = env_values(container(gateway))
+        settings = gateway_settings_from_args(build_parser(environ).parse_args(container(gateway)["args"]), environ)
+        agent_port = 7000 if scenario == "tls" else 6000
+        assert settings.agents_dns == Address(f"{RELEASE}-agents.{NAMESPACE}.svc", agent_port)
+        assert settings.pod_directory == "kubernetes"
+
+
+def test_defaults_are_the_documented_ones(helm: Helm) -> None:
+    """The gateway's default settings as environment variables."""
+    assert env_values(container(deployment(helm))) == {
+        "GPUSCALER_LISTEN": "0.0.0.0:6000",
+        "GPUSCALER_AGENTS_DNS": f"{RELEASE}-agents.{NAMESPACE}.svc:6000",
+        "GPUSCALER_RESOLVE_INTERVAL": "5",
+        "GPUSCALER_HISTORY": "2m",
+        "GPUSCALER_POD_DIRECTORY": "kubernetes",
+        "GPUSCALER_LOG_FORMAT": "json",
+        "GPUSCALER_LOG_LEVEL": "info",
+        "GPUSCALER_DRAIN_TIMEOUT": "5",
+    }
+
+
+SETTABLE = [
+    ("gateway.listen.port=7100", "GPUSCALER_LISTEN", "0.0.0.0:7100"),
+    ("gateway.resolveInterval=30", "GPUSCALER_RESOLVE_INTERVAL", "30"),
+    ("gateway.history=10m", "GPUSCALER_HISTORY", "10m"),
+    ("gateway.podDirectory=", "GPUSCALER_POD_DIRECTORY", ""),
+    ("gateway.log.format=console", "GPUSCALER_LOG_FORMAT", "console"),
+    ("gateway.log.level=debug", "GPUSCALER_LOG_LEVEL", "debug"),
+    ("gateway.drainTimeout=2", "GPUSCALER_DRAIN_TIMEOUT", "2"),
+    ("gateway.tls.secretName=g", "GPUSCALER_TLS_CERT", "/etc/gpuscaler/tls/tls.crt"),
+    ("gateway.tls.secretName=g", "GPUSCALER_TLS_KEY", "/etc/gpuscaler/tls/tls.key"),
+    ("gateway.tls.secretName=g,gateway.tls.reloadInterval=30", "GPUSCALER_TLS_RELOAD_INTERVAL", "30"),
+    (
+        "gateway.tls.secretName=g,gateway.tls.requireClientCert=true",
+        "GPUSCALER_TLS_CLIENT_CA",
+        "/etc/gpuscaler/tls/ca.crt",
+    ),
+    ("agent.tls.secretName=a", "GPUSCALER_AGENT_TLS_CA", "/etc/gpuscaler/agent-tls/ca.crt"),
+    ("agent.tls.secretName=a", "GPUSCALER_AGENT_TLS_SERVER_NAME", f"{RELEASE}-agents.{NAMESPACE}.svc"),
+    ("agent.tls.secretName=a,gateway.agentServerName=x.example", "GPUSCALER_AGENT_TLS_SERVER_NAME", "x.example"),
+    (
+        "agent.tls.secretName=a,agent.tls.requireClientCert=true",
+        "GPUSCALER_AGENT_TLS_CERT",
+        "/etc/gpuscaler/agent-tls/tls.crt",
+    ),
+    (
+        "agent.tls.secretName=a,agent.tls.requireClientCert=true",
+        "GPUSCALER_AGENT_TLS_KEY",
+        "/etc/gpuscaler/agent-tls/tls.key",
+    ),
+]
+NOT_FROM_THE_CHART = {
+    ENV_PREFIX + "AGENTS": "the chart always discovers agents through the headless Service",
+}
+
+
+@pytest.mark.parametrize(("assignment", "variable", "expected"), SETTABLE)
+def test_each_gateway_setting_is_settable_from_values(
+    helm: Helm, assignment: str, variable: str, expected: str
+) -> None:
+    """Each `gpuscaler gateway` flag the chart owns has a value that sets its GPUSCALER_* variable."""
+    assert env_values(container(deployment(helm, sets=(assignment,))))[variable] == expected
+
+
+def test_the_chart_covers_every_flag_the_gateway_has() -> None:
+    """Every flag in GATEWAY_FLAGS is settable from values, or named here with why the chart leaves it alone."""
+    settable = {variable for _, variable, _ in SETTABLE} | {ENV_PREFIX + "AGENTS_DNS"} | set(NOT_FROM_THE_CHART)
+    assert {ENV_PREFIX + env for env, _, _ in GATEWAY_FLAGS.values()} <= settable
+
+
+def test_agent_tls_mounts_the_agents_secret_read_only(helm: Helm) -> None:
+    """With agent TLS on, the gateway mounts that Secret read-only to verify (and, with mTLS, present to) agents."""
+    gateway = deployment(helm, "tls")
+    volume = next(v for v in gateway["spec"]["template"]["spec"]["volumes"] if v["name"] == "agent-tls")
+    assert volume["secret"] == {"secretName": "gpuscaler-tls", "defaultMode": 0o440}
+    mount = {"name": "agent-tls", "mountPath": "/etc/gpuscaler/agent-tls", "readOnly": True}
+    assert mount in container(gateway)["volumeMounts"]
+
+
+def test_rbac_is_pods_get_list_watch_only(helm: Helm) -> None:
+    """The ClusterRole allows get/list/watch on pods and nothing else, bound to the gateway's ServiceAccount."""
+    manifests = helm.template(CI["defaults"])
+    role = find(manifests, "ClusterRole", GATEWAY)
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    binding = find(manifests, "ClusterRoleBinding", GATEWAY)
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": GATEWAY}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": GATEWAY, "namespace": NAMESPACE}]
+    gateway = find(manifests, "Deployment", GATEWAY)["spec"]["template"]["spec"]
+    assert gateway["serviceAccountName"] == GATEWAY
+    assert gateway["automountServiceAccountToken"] is True
+
+
+def test_without_a_pod_watch_there_is_no_rbac_and_no_token(helm: Helm) -> None:
+    """podDirectory "" renders no ClusterRole and mounts no API token."""
+    manifests = helm.template(CI["defaults"], sets=("gateway.podDirectory=",))
+    assert not of_kind(manifests, "ClusterRole")
+    assert not of_kind(manifests, "ClusterRoleBinding")
+    assert find(manifests, "ServiceAccount", GATEWAY)["automountServiceAccountToken"] is False
+    assert find(manifests, "Deployment", GATEWAY)["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+def test_the_pdb_keeps_one_gateway(helm: Helm) -> None:
+    """The PodDisruptionBudget keeps minAvailable 1 of the gateway's pods; it can be turned off."""
+    manifests = helm.template(CI["defaults"])
+    pdb = find(manifests, "PodDisruptionBudget", GATEWAY)
+    assert pdb["spec"]["minAvailable"] == 1
+    labels = find(manifests, "Deployment", GATEWAY)["spec"]["template"]["metadata"]["labels"]
+    assert selects(pdb["spec"]["selector"]["matchLabels"], labels)
+    assert not of_kind(
+        helm.template(CI["defaults"], sets=("gateway.podDisruptionBudget.enabled=false",)), "PodDisruptionBudget"
+    )
+
+
+def test_probes_ready_on_the_scaler_live_on_tcp(helm: Helm) -> None:
+    """Readiness asks gRPC health of the ExternalScaler (TCP with TLS); liveness is a TCP check only."""
+    probes = container(deployment(helm))
+    assert probes["readinessProbe"]["grpc"] == {"port": 6000, "service": "externalscaler.ExternalScaler"}
+    assert probes["livenessProbe"]["tcpSocket"] == {"port": "grpc"}
+    with_tls = container(deployment(helm, sets=("gateway.tls.secretName=g",)))
+    assert with_tls["readinessProbe"]["tcpSocket"] == {"port": "grpc"}
+
+
+def test_the_headless_service_publishes_not_ready_agents(helm: Helm) -> None:
+    """A sick agent keeps its DNS record, so the gateway still counts it as a known node (minNodes)."""
+    headless = find(helm.template(CI["defaults"]), "Service", f"{RELEASE}-agents")
+    assert headless["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_networkpolicy_admits_keda_to_the_gateway(helm: Helm) -> None:
+    """With the policy on, the gateway's pods admit KEDA's namespace on the gateway's port."""
+    manifests = helm.template(CI["networkpolicy"])
+    policy = find(manifests, "NetworkPolicy", GATEWAY)["spec"]
+    labels = find(manifests, "Deployment", GATEWAY)["spec"]["template"]["metadata"]["labels"]
+    assert selects(policy["podSelector"]["matchLabels"], labels)
+    (rule,) = policy["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 6000}]
+    assert rule["from"][0]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "keda-system"}}
+
+
+def test_the_grace_period_must_outlast_the_drain(helm: Helm) -> None:
+    """A gateway drain as long as its grace period is refused at render time, naming both."""
+    error = helm.template_error(CI["defaults"], sets=("gateway.drainTimeout=20",))
+    assert "gateway.terminationGracePeriodSeconds" in error
