@@ -74,7 +74,10 @@ async def collect(
     active = await _answer(scaler.is_active(ref, timeout=call_timeout))
     stream = await _first_stream_message(scaler, ref, stream_wait_seconds)
     explanation = await _answer(
-        pb.AgentStub(channel).explain(pb.ExplainRequest(scaler_metadata=dict(metadata)), timeout=call_timeout)
+        pb.AgentStub(channel).explain(
+            pb.ExplainRequest(scaler_metadata=dict(metadata), name=ref.name, namespace=ref.namespace),
+            timeout=call_timeout,
+        )
     )
 
     replicas = None

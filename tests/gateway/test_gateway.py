@@ -207,3 +207,31 @@ async def test_dns_discovery_resolves_a_name() -> None:
 
     found = await DnsAgents("127.0.0.1", 6000).resolve()
     assert found == frozenset({Address("127.0.0.1", 6000)})
+
+
+async def test_gpuscaler_query_explains_a_pod_query_in_the_namespace_it_asks_for(
+    start_node: StartNode, start_gateway: StartGateway
+) -> None:
+    """`gpuscaler query pod=...` sends the same namespace to Explain as to KEDA's calls, so both agree."""
+    from gpuscaler.report import collect
+
+    a = await start_node("node-a")
+    a.kubelet.assign([Assignment("default", "web-1", (a.uuid(0),))])
+    a.set(40, 0)
+    gateway = await start_gateway(a)
+    await view_has(gateway, 1)
+    channel = Channel("127.0.0.1", gateway.port)
+    try:
+
+        async def report_value() -> float:
+            report = await collect(channel, {"pod": "web-*"}, stream_wait_seconds=0.5)
+            return (
+                float(report.get_metrics.fields["metricValues"][0]["metricValueFloat"]) if report.get_metrics.ok else -1
+            )
+
+        await until_result(report_value, lambda v: v == pytest.approx(40.0))
+        report = await collect(channel, {"pod": "web-*"}, stream_wait_seconds=0.5)
+        assert report.explanation is not None
+        assert [p["pod"] for p in report.explanation["pods"]] == ["web-1"]
+    finally:
+        channel.close()
