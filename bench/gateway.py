@@ -21,6 +21,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -138,8 +139,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     assert simulator.stdout is not None
     assert simulator.stdin is not None
     ports = (await read_line(simulator.stdout, "ports ")).split(",")
-    log_path = RESULTS.with_name("gateway-bench.log")
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path = Path(tempfile.mkdtemp(prefix="gpuscaler-bench-")) / "gateway.log"
     with log_path.open("wb") as log:
         gateway = subprocess.Popen(  # noqa: ASYNC220 - started once, before anything is measured
             [
