@@ -17,6 +17,11 @@ from gpuscaler.errors import GpuscalerError, InvalidMetadata, Unavailable, Unkno
 
 log = structlog.get_logger(__name__)
 
+# grpc-message travels percent-encoded in an HTTP/2 trailer: grpcio refuses trailers over 8 KiB, and
+# HPACK-encoding a megabyte blocks the event loop (and the poll loop with it). A message longer than this
+# once encoded (it echoes a huge metadata value) is cut in the middle.
+MAX_MESSAGE_BYTES = 6 * 1024
+
 STATUS_FOR_ERROR: Mapping[type[GpuscalerError], Status] = {
     InvalidMetadata: Status.INVALID_ARGUMENT,
     UnknownMetricName: Status.NOT_FOUND,
@@ -32,8 +37,31 @@ def status_for(error: GpuscalerError) -> Status:
     return Status.INTERNAL
 
 
+def shorten(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
+    """``message`` cut in the middle to about ``limit`` bytes on the wire, keeping its head (the key) and tail."""
+    if len(message) <= limit and _encoded_size(message) <= limit:
+        return message
+    head = _prefix_within(message[:limit], limit * 2 // 3)
+    tail = _prefix_within(message[-limit:][::-1], limit // 3 - 100)[::-1]
+    return f"{head}…({len(message) - len(head) - len(tail)} characters left out)…{tail}"
+
+
+def _encoded_size(text: str) -> int:
+    """Bytes of ``text`` as grpc-message: printable ASCII as is, anything else percent-encoded UTF-8."""
+    return sum(1 if " " <= char <= "~" and char != "%" else 3 * len(char.encode("utf-8", "replace")) for char in text)
+
+
+def _prefix_within(text: str, budget: int) -> str:
+    used = 0
+    for position, char in enumerate(text):
+        used += _encoded_size(char)
+        if used > budget:
+            return text[:position]
+    return text
+
+
 def to_grpc_error(error: GpuscalerError) -> GRPCError:
-    return GRPCError(status_for(error), error.message)
+    return GRPCError(status_for(error), shorten(error.message))
 
 
 @asynccontextmanager
@@ -42,5 +70,5 @@ async def grpc_errors(method: str) -> AsyncIterator[None]:
     try:
         yield
     except GpuscalerError as error:
-        log.debug("rpc_refused", method=method, code=status_for(error).name, message=error.message)
+        log.debug("rpc_refused", method=method, code=status_for(error).name, message=shorten(error.message))
         raise to_grpc_error(error) from None
