@@ -4,16 +4,22 @@ KEDA multiplexes every ScaledObject's calls and push streams over ONE HTTP/2 con
 address. h2 announces MAX_CONCURRENT_STREAMS = 100, so the 101st open StreamIsActive would make every
 later call from KEDA wait. grpclib has no setting for it; we raise it the way grpclib itself raises
 INITIAL_WINDOW_SIZE, with a SETTINGS update right after the connection preface.
+
+After ``close()`` grpclib still starts a handler for every request that arrives on an open connection,
+and as the process exits those handlers never run ("Task was destroyed but it is pending!"). Ours
+refuses such requests with RST_STREAM REFUSED_STREAM, which gRPC clients know was not processed.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
-from grpclib.protocol import H2Protocol
+from grpclib.protocol import H2Protocol, Stream
 from grpclib.server import Handler, Server
+from h2.errors import ErrorCodes
+from h2.events import UnknownFrameReceived
 from h2.settings import SettingCodes
 
 MAX_CONCURRENT_STREAMS = 16_384
@@ -25,6 +31,24 @@ class _ManyStreamsProtocol(H2Protocol):
         h2_connection = self.connection._connection  # grpclib keeps the H2Connection private
         h2_connection.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS})
         self.connection.flush()
+        # HTTP/2 peers must ignore frames of unknown types (RFC 9113 section 4.1); grpclib has no processor
+        # for h2's UnknownFrameReceived and kills the connection with NotImplementedError instead.
+        self.processor.processors[UnknownFrameReceived] = _ignore
+
+
+def _ignore(event: object) -> None:
+    pass
+
+
+class _RefusingHandler(Handler):
+    """grpclib's per-connection handler, refusing new requests once the server is closing."""
+
+    def accept(self, stream: Stream, headers: Any, release_stream: Callable[[], Any]) -> None:
+        if self.closing:
+            stream.reset_nowait(ErrorCodes.REFUSED_STREAM)
+            release_stream()
+            return
+        super().accept(stream, headers, release_stream)
 
 
 class ManyStreamsServer(Server):
@@ -34,8 +58,8 @@ class ManyStreamsServer(Server):
         super().__init__(handlers)
 
     def _protocol_factory(self) -> H2Protocol:
-        # grpclib 0.4.9's own factory (pinned), with our protocol class in place of H2Protocol.
+        # grpclib 0.4.9's own factory (pinned), with our protocol and handler classes in place of its own.
         self.__gc_step__()
-        handler = Handler(self._mapping, self._codec, self._status_details_codec, self.__dispatch__)
+        handler = _RefusingHandler(self._mapping, self._codec, self._status_details_codec, self.__dispatch__)
         self._handlers.add(handler)
         return _ManyStreamsProtocol(handler, self._config, self._h2_config)
