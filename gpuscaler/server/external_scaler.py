@@ -28,9 +28,12 @@ from gpuscaler.server.status import grpc_errors
 log = structlog.get_logger(__name__)
 
 
+INT64_MAX = 2**63 - 1
+
+
 def round_half_up(value: float) -> int:
-    """The int field older KEDA reads: 2.5 -> 3, not Python's banker's 2."""
-    return math.floor(value + 0.5)
+    """The int field older KEDA reads: 2.5 -> 3, not Python's banker's 2; capped to fit the int64 field."""
+    return min(math.floor(value + 0.5), INT64_MAX)
 
 
 class ExternalScalerService(ExternalScalerBase):
@@ -72,6 +75,9 @@ class ExternalScalerService(ExternalScalerBase):
     async def stream_is_active(self, message: ScaledObjectRef) -> AsyncIterator[IsActiveResponse]:
         async with grpc_errors("StreamIsActive"):
             query = self._query(message)
+            refusal = self._engine.evaluate(query.value).error
+            if isinstance(refusal, InvalidMetadata):
+                raise refusal  # a GPU the node lacks: refuse it as IsActive does, not with a silent stream
         scaled_object = f"{message.namespace}/{message.name}"
         self.open_streams += 1
         log.info("stream_opened", scaled_object=scaled_object, metric_name=query.metric_name)
