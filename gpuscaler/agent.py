@@ -8,8 +8,6 @@ closes, all within ``--drain-timeout``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import signal
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +22,7 @@ from gpuscaler.collectors.fake import FakeCollector
 from gpuscaler.collectors.nvml import NvmlCollector
 from gpuscaler.collectors.scenario import load_scenario
 from gpuscaler.engine import Engine
-from gpuscaler.errors import ConfigError, StartupError
+from gpuscaler.errors import StartupError
 from gpuscaler.exposition import MetricsServer
 from gpuscaler.history import History
 from gpuscaler.poller import Poller
@@ -32,6 +30,14 @@ from gpuscaler.server.agent_api import AgentService
 from gpuscaler.server.external_scaler import ExternalScalerService
 from gpuscaler.server.fake_control import FakeControlService
 from gpuscaler.server.grpc_server import ManyStreamsServer
+from gpuscaler.server.lifecycle import (
+    bound_port,
+    drain,
+    follow_health,
+    follow_tls_files,
+    report_crash,
+    run_until_signalled,
+)
 from gpuscaler.server.rpc_tracking import RpcTracker
 from gpuscaler.settings import ServeSettings
 from gpuscaler.telemetry import Telemetry
@@ -149,21 +155,30 @@ class Agent:
             telemetry=telemetry,
             metrics=metrics,
             tls=tls,
-            port=_bound_port(server),
+            port=bound_port(server),
             pod_resources=pod_resources,
         )
         await poller.tick()  # serve from a real sample from the first call on
         health.set(engine.healthy())
         agent._tasks = [
             asyncio.create_task(poller.run(), name="poll-loop"),
-            asyncio.create_task(agent._watch_health(), name="health"),
+            asyncio.create_task(
+                follow_health(engine, health, every_seconds=settings.poll_interval_seconds), name="health"
+            ),
         ]
         if tls is not None:
-            agent._tasks.append(asyncio.create_task(agent._watch_tls(tls), name="tls-reload"))
+            agent._tasks.append(
+                asyncio.create_task(
+                    follow_tls_files(
+                        tls, every_seconds=settings.tls_reload_interval_seconds, name=str(settings.tls_cert)
+                    ),
+                    name="tls-reload",
+                )
+            )
         if pod_resources is not None:
             agent._tasks.append(asyncio.create_task(pod_resources.run(), name="pod-resources"))
         for task in agent._tasks:
-            task.add_done_callback(_report_crash)
+            task.add_done_callback(report_crash)
         log.info(
             "agent_started",
             version=__version__,
@@ -179,45 +194,19 @@ class Agent:
         )
         return agent
 
-    async def _watch_health(self) -> None:
-        """Health follows freshness even when the poll loop itself is stuck."""
-        previous: bool | None = self.health.__status__()
-        while True:
-            await asyncio.sleep(self.settings.poll_interval_seconds)
-            healthy = self.engine.healthy()
-            if healthy != previous:
-                (log.info if healthy else log.warning)("health_changed", serving=healthy)
-                previous = healthy
-            self.health.set(healthy)
-
-    async def _watch_tls(self, tls: ReloadingServerTLS) -> None:
-        while True:
-            await asyncio.sleep(self.settings.tls_reload_interval_seconds)
-            try:
-                if tls.reload_if_changed():
-                    log.info("tls_reloaded", cert=str(self.settings.tls_cert))
-            except ConfigError as error:
-                # Mid-rotation files can be a mismatched pair for a moment; keep serving the old ones.
-                log.error("tls_reload_failed", error=str(error))
-
     async def stop(self) -> None:
         """Drain and close; returns once everything is closed or the drain timeout has passed."""
-        drain = self.settings.drain_timeout_seconds
         log.info("agent_stopping", open_streams=self.scaler.open_streams, in_flight=self.tracker.in_flight)
         for task in self._tasks:
             if task.get_name() == "health":
                 task.cancel()
-        self.health.set(False)
-        self.engine.close_streams()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(drain * 0.8):
-                await self.tracker.wait_idle()
-        if self.tracker.in_flight:
-            log.warning("drain_incomplete", in_flight=self.tracker.in_flight)
-        self.server.close()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(max(drain * 0.2, 0.1)):
-                await self.server.wait_closed()
+        await drain(
+            server=self.server,
+            engine=self.engine,
+            tracker=self.tracker,
+            health=self.health,
+            drain_seconds=self.settings.drain_timeout_seconds,
+        )
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -227,27 +216,7 @@ class Agent:
         log.info("agent_stopped", calls=sum(self.tracker.finished.values()))
 
 
-def _report_crash(task: asyncio.Task[None]) -> None:
-    """A background task that ends by itself is a bug; say so, or health would turn NOT_SERVING unexplained."""
-    if task.cancelled():
-        return
-    error = task.exception()
-    log.critical("task_crashed", task=task.get_name(), error=repr(error), exc_info=error)
-
-
-def _bound_port(server: ManyStreamsServer) -> int:
-    listener = server._server  # grpclib keeps the asyncio server private
-    sockets = listener.sockets if isinstance(listener, asyncio.Server) else ()
-    return int(sockets[0].getsockname()[1]) if sockets else 0
-
-
 async def serve(settings: ServeSettings) -> int:
     """Run until SIGTERM or SIGINT; the process's exit code."""
     agent = await Agent.start(settings, build_collector(settings))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
-    await agent.stop()
-    return 0
+    return await run_until_signalled(agent.stop)

@@ -9,8 +9,6 @@ NOT_SERVING, push streams end with OK, calls finish, then the server closes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -30,6 +28,14 @@ from gpuscaler.gateway.view import ClusterHistory
 from gpuscaler.server.agent_api import AgentService
 from gpuscaler.server.external_scaler import ExternalScalerService
 from gpuscaler.server.grpc_server import ManyStreamsServer
+from gpuscaler.server.lifecycle import (
+    bound_port,
+    drain,
+    follow_health,
+    follow_tls_files,
+    report_crash,
+    run_until_signalled,
+)
 from gpuscaler.server.rpc_tracking import RpcTracker
 from gpuscaler.settings import Address
 from gpuscaler.tls import ReloadingServerTLS, client_context
@@ -146,7 +152,7 @@ class Gateway:
             scaler=scaler,
             tracker=tracker,
             health=health,
-            port=_bound_port(server),
+            port=bound_port(server),
             directory=directory,
             tls=tls,
             discovery=discovery or build_discovery(settings),
@@ -156,10 +162,19 @@ class Gateway:
         gateway._tasks = [
             asyncio.create_task(view.run(), name="compose"),
             asyncio.create_task(gateway.discovery.run(gateway._on_endpoints), name="discovery"),
-            asyncio.create_task(gateway._watch_health(), name="health"),
+            asyncio.create_task(follow_health(engine, health, every_seconds=HEALTH_CHECK_SECONDS), name="health"),
         ]
         if tls is not None:
-            gateway._tasks.append(asyncio.create_task(gateway._watch_tls(tls), name="tls-reload"))
+            gateway._tasks.append(
+                asyncio.create_task(
+                    follow_tls_files(
+                        tls, every_seconds=settings.tls_reload_interval_seconds, name=str(settings.tls_cert)
+                    ),
+                    name="tls-reload",
+                )
+            )
+        for task in gateway._tasks:
+            task.add_done_callback(report_crash)
         log.info(
             "gateway_started",
             version=__version__,
@@ -185,42 +200,19 @@ class Gateway:
             task = asyncio.create_task(subscriber.run(), name=f"agent {endpoint}")
             self.subscribers[endpoint] = (subscriber, task)
 
-    async def _watch_health(self) -> None:
-        """SERVING while the view holds at least one node's readable GPUs."""
-        previous: bool | None = None
-        while True:
-            healthy = self.engine.healthy()
-            if healthy != previous:
-                (log.info if healthy else log.warning)("health_changed", serving=healthy)
-                previous = healthy
-            self.health.set(healthy)
-            await asyncio.sleep(HEALTH_CHECK_SECONDS)
-
-    async def _watch_tls(self, tls: ReloadingServerTLS) -> None:
-        while True:
-            await asyncio.sleep(self.settings.tls_reload_interval_seconds)
-            try:
-                if tls.reload_if_changed():
-                    log.info("tls_reloaded", cert=str(self.settings.tls_cert))
-            except ConfigError as error:
-                log.error("tls_reload_failed", error=str(error))
-
     async def stop(self) -> None:
         """Drain and close; returns once everything is closed or the drain timeout has passed."""
-        drain = self.settings.drain_timeout_seconds
         log.info("gateway_stopping", open_streams=self.scaler.open_streams, in_flight=self.tracker.in_flight)
         for task in self._tasks:
             if task.get_name() == "health":
                 task.cancel()
-        self.health.set(False)
-        self.engine.close_streams()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(drain * 0.8):
-                await self.tracker.wait_idle()
-        self.server.close()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(max(drain * 0.2, 0.1)):
-                await self.server.wait_closed()
+        await drain(
+            server=self.server,
+            engine=self.engine,
+            tracker=self.tracker,
+            health=self.health,
+            drain_seconds=self.settings.drain_timeout_seconds,
+        )
         tasks = [*self._tasks, *(task for _, task in self.subscribers.values())]
         for task in tasks:
             task.cancel()
@@ -230,19 +222,7 @@ class Gateway:
         log.info("gateway_stopped", calls=sum(self.tracker.finished.values()))
 
 
-def _bound_port(server: ManyStreamsServer) -> int:
-    listener = server._server  # grpclib keeps the asyncio server private
-    sockets = listener.sockets if isinstance(listener, asyncio.Server) else ()
-    return int(sockets[0].getsockname()[1]) if sockets else 0
-
-
 async def run_gateway(settings: GatewaySettings) -> int:
     """Run until SIGTERM or SIGINT; the process's exit code."""
     gateway = await Gateway.start(settings)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
-    await gateway.stop()
-    return 0
+    return await run_until_signalled(gateway.stop)
