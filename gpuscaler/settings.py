@@ -112,8 +112,12 @@ def env_name(flag: str) -> str:
     return ENV_PREFIX + SERVE_FLAGS[flag][0]
 
 
-def add_serve_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
-    for flag, (env, default, help_text) in SERVE_FLAGS.items():
+FlagTable = Mapping[str, tuple[str, str | None, str]]  # flag -> (variable without prefix, default, help)
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: FlagTable, environ: Mapping[str, str]) -> None:
+    """Each flag of ``flags``, defaulting to its GPUSCALER_* variable, then to its own default."""
+    for flag, (env, default, help_text) in flags.items():
         variable = ENV_PREFIX + env
         parser.add_argument(
             flag,
@@ -124,13 +128,24 @@ def add_serve_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str])
         )
 
 
-def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeSettings:
-    """Check every value; ConfigError names the first bad one."""
+def flag_error(flags: FlagTable, environ: Mapping[str, str]) -> Callable[[str, object, str], ConfigError]:
+    """Builds ConfigErrors naming the flag, and the variable when the bad value came from it."""
 
     def fail(flag: str, value: object, allowed: str) -> ConfigError:
-        variable = env_name(flag)
+        variable = ENV_PREFIX + flags[flag][0]
         source = f" (from {variable})" if environ.get(variable) == value else ""
         return ConfigError(f"{flag}{source} {value!r}: {allowed}")
+
+    return fail
+
+
+def add_serve_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    add_flags(parser, SERVE_FLAGS, environ)
+
+
+def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> ServeSettings:
+    """Check every value; ConfigError names the first bad one."""
+    fail = flag_error(SERVE_FLAGS, environ)
 
     collector = args.collector
     if collector not in ("nvml", "fake"):

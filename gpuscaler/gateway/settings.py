@@ -20,8 +20,9 @@ from gpuscaler.settings import (
     DEFAULT_DRAIN_TIMEOUT_SECONDS,
     DEFAULT_LISTEN,
     DEFAULT_TLS_RELOAD_INTERVAL_SECONDS,
-    ENV_PREFIX,
     Address,
+    add_flags,
+    flag_error,
     parse_address,
 )
 
@@ -98,24 +99,13 @@ GATEWAY_FLAGS: Mapping[str, tuple[str, str | None, str]] = {
 
 
 def add_gateway_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
-    for flag, (env, default, help_text) in GATEWAY_FLAGS.items():
-        variable = ENV_PREFIX + env
-        parser.add_argument(
-            flag,
-            dest=flag[2:].replace("-", "_"),
-            default=environ.get(variable, default),
-            metavar=flag[2:].replace("-", "_").upper(),
-            help=f"{help_text} [env {variable}]" + (f" (default {default})" if default else ""),
-        )
+    add_flags(parser, GATEWAY_FLAGS, environ)
 
 
 def gateway_settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> GatewaySettings:
     """Check every value; ConfigError names the first bad one."""
 
-    def fail(flag: str, value: object, allowed: str) -> ConfigError:
-        variable = ENV_PREFIX + GATEWAY_FLAGS[flag][0]
-        source = f" (from {variable})" if environ.get(variable) == value else ""
-        return ConfigError(f"{flag}{source} {value!r}: {allowed}")
+    fail = flag_error(GATEWAY_FLAGS, environ)
 
     def refusal(flag: str, value: str) -> Callable[[str], ConfigError]:
         return lambda allowed: fail(flag, value, allowed)
