@@ -161,19 +161,11 @@ async def test_idle_connections_do_not_block_others(agent: AgentProcess, client:
 )
 async def test_broken_grpc_framing_ends_the_call(agent: AgentProcess, client: ScalerClient, body: bytes) -> None:
     """A request whose gRPC framing is broken ends with an error status at once; other callers are served."""
-    agent.expect_errors = True  # grpclib logs these as "Application error": see the xfail test below
     answer = await asyncio.to_thread(grpc_call, agent.port, body)
     assert answer.get("grpc-status", "0") != "0", answer
     assert await client.is_active({}) is False
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "bug: grpclib answers broken framing with UNKNOWN 'Internal Server Error' and logs it at error level as "
-        "'Application error' (AssertionError / NotImplementedError inside grpclib.stream.recv_message)"
-    ),
-)
 @pytest.mark.parametrize(
     "body",
     [
@@ -183,7 +175,7 @@ async def test_broken_grpc_framing_ends_the_call(agent: AgentProcess, client: Sc
 )
 async def test_broken_grpc_framing_is_the_client_s_error(agent: AgentProcess, body: bytes) -> None:
     """Broken framing gets a status that blames the request (not UNKNOWN), and the agent logs no error for it."""
-    agent.expect_errors = True  # checked here instead, so that the xfail is about this test's assertions only
+    agent.expect_errors = True  # checked below, by unexpected_errors()
     answer = await asyncio.to_thread(grpc_call, agent.port, body)
     assert answer.get("grpc-status") not in {None, "0", "2", "13"}, answer
     assert not agent.unexpected_errors()

@@ -8,6 +8,11 @@ INITIAL_WINDOW_SIZE, with a SETTINGS update right after the connection preface.
 After ``close()`` grpclib still starts a handler for every request that arrives on an open connection,
 and as the process exits those handlers never run ("Task was destroyed but it is pending!"). Ours
 refuses such requests with RST_STREAM REFUSED_STREAM, which gRPC clients know was not processed.
+
+grpclib reads a request's gRPC frame with an ``assert`` on its length and a NotImplementedError for the
+compressed flag, and the generated handlers assert that a request message came; all three reach the
+client as UNKNOWN and our log as "Application error". The request is at fault, so we answer
+INVALID_ARGUMENT and UNIMPLEMENTED instead.
 """
 
 from __future__ import annotations
@@ -16,8 +21,12 @@ import asyncio
 from collections.abc import Callable, Collection
 from typing import Any
 
+from grpclib.const import Status
+from grpclib.events import RecvRequest, listen
+from grpclib.exceptions import GRPCError
 from grpclib.protocol import H2Protocol, Stream
 from grpclib.server import Handler, Server
+from grpclib.server import Stream as ServerStream
 from h2.errors import ErrorCodes
 from h2.events import UnknownFrameReceived
 from h2.settings import SettingCodes
@@ -51,11 +60,39 @@ class _RefusingHandler(Handler):
         super().accept(stream, headers, release_stream)
 
 
+async def _guard_framing(event: RecvRequest) -> None:
+    handler = event.method_func
+
+    async def guarded(stream: ServerStream[Any, Any]) -> None:
+        receive = stream.recv_message
+
+        async def recv_message() -> Any:
+            try:
+                message = await receive()
+            except NotImplementedError:  # grpclib: "Compression not implemented"
+                raise GRPCError(
+                    Status.UNIMPLEMENTED, "compressed messages are not supported; send them uncompressed"
+                ) from None
+            except AssertionError:  # grpclib: the body is shorter than the frame's declared length
+                raise GRPCError(
+                    Status.INVALID_ARGUMENT, "the request ended before the length its gRPC frame declares"
+                ) from None
+            if message is None:  # every method we serve takes exactly one request message
+                raise GRPCError(Status.INVALID_ARGUMENT, "the request has no message; send exactly one")
+            return message
+
+        stream.recv_message = recv_message  # type: ignore[method-assign]
+        await handler(stream)
+
+    event.method_func = guarded
+
+
 class ManyStreamsServer(Server):
     """``grpclib.server.Server`` announcing ``MAX_CONCURRENT_STREAMS`` per connection."""
 
     def __init__(self, handlers: Collection[Any]) -> None:
         super().__init__(handlers)
+        listen(self, RecvRequest, _guard_framing)
 
     def _protocol_factory(self) -> H2Protocol:
         # grpclib 0.4.9's own factory (pinned), with our protocol and handler classes in place of its own.
