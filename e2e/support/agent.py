@@ -47,6 +47,7 @@ class AgentProcess:
     mtls: bool = False
     started_at: float = 0.0
     serving_after_seconds: float = 0.0
+    stop_seconds: float = 0.0
     expect_errors: bool = False
 
     @classmethod
@@ -203,9 +204,9 @@ class AgentProcess:
         except subprocess.TimeoutExpired:
             self.kill()
             raise AgentFailed(f"agent did not exit within {timeout:g}s of SIGTERM:\n{self.log_tail()}") from None
-        elapsed = time.monotonic() - started
+        self.stop_seconds = time.monotonic() - started
         self._check_exit()
-        return elapsed
+        return self.stop_seconds
 
     async def terminate(self, timeout: float = STOP_TIMEOUT_SECONDS) -> float:
         """``stop`` without blocking the event loop, so that the test's clients see the drain as it happens."""
@@ -219,9 +220,9 @@ class AgentProcess:
                 self.kill()
                 raise AgentFailed(f"agent did not exit within {timeout:g}s of SIGTERM:\n{self.log_tail()}")
             await asyncio.sleep(0.005)
-        elapsed = time.monotonic() - started
+        self.stop_seconds = time.monotonic() - started
         self._check_exit()
-        return elapsed
+        return self.stop_seconds
 
     def kill(self) -> None:
         if self.process.poll() is None:
