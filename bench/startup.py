@@ -11,7 +11,6 @@ from typing import Any
 from bench.common import print_table, summary_ms
 from bench.harness import Bench, Options
 
-
 SPANS = ("start_to_serving", "sigterm_to_exit")
 
 
