@@ -41,7 +41,12 @@ def configure(*, log_format: LogFormat, level: str, node: str | None = None) -> 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
-            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+            # grpclib and asyncio log exceptions through the stdlib: render their tracebacks as text too.
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info,
+                renderer,
+            ],
             foreign_pre_chain=shared,
         )
     )
