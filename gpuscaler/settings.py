@@ -153,7 +153,7 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
 
     listen = parse_address(args.listen, lambda allowed: fail("--listen", args.listen, allowed))
 
-    poll = _number(args.poll_interval, lambda allowed: fail("--poll-interval", args.poll_interval, allowed))
+    poll = parse_seconds(args.poll_interval, lambda allowed: fail("--poll-interval", args.poll_interval, allowed))
     if not MIN_POLL_INTERVAL_SECONDS <= poll <= MAX_POLL_INTERVAL_SECONDS:
         raise fail(
             "--poll-interval",
@@ -177,7 +177,11 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
     if args.fake_scenario and collector != "fake":
         raise fail("--fake-scenario", args.fake_scenario, "needs --collector fake")
 
-    cert, key, client_ca = (_path(args.tls_cert), _path(args.tls_key), _path(args.tls_client_ca))
+    cert, key, client_ca = (
+        optional_path(args.tls_cert),
+        optional_path(args.tls_key),
+        optional_path(args.tls_client_ca),
+    )
     if (cert is None) != (key is None):
         raise ConfigError("--tls-cert and --tls-key go together; give both or neither")
     if client_ca is not None and cert is None:
@@ -189,7 +193,7 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
     if args.log_level not in LOG_LEVELS:
         raise fail("--log-level", args.log_level, "use one of " + ", ".join(LOG_LEVELS))
 
-    drain = _number(args.drain_timeout, lambda allowed: fail("--drain-timeout", args.drain_timeout, allowed))
+    drain = parse_seconds(args.drain_timeout, lambda allowed: fail("--drain-timeout", args.drain_timeout, allowed))
     if not 0 < drain <= 300:
         raise fail("--drain-timeout", args.drain_timeout, "must be above 0 and at most 300 seconds")
 
@@ -198,7 +202,7 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         metrics_listen = parse_address(
             args.metrics_listen, lambda allowed: fail("--metrics-listen", args.metrics_listen, allowed)
         )
-    reload_interval = _number(
+    reload_interval = parse_seconds(
         args.tls_reload_interval, lambda allowed: fail("--tls-reload-interval", args.tls_reload_interval, allowed)
     )
     if not 0.1 <= reload_interval <= 3600:
@@ -210,7 +214,7 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         poll_interval_seconds=poll,
         history_seconds=history,
         fake_gpus=fake_gpus,
-        fake_scenario=_path(args.fake_scenario),
+        fake_scenario=optional_path(args.fake_scenario),
         tls_cert=cert,
         tls_key=key,
         tls_client_ca=client_ca,
@@ -220,7 +224,7 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         node_name=environ.get("NODE_NAME") or DEFAULT_NODE_NAME,
         metrics_listen=metrics_listen,
         tls_reload_interval_seconds=reload_interval,
-        pod_resources_socket=_path(args.pod_resources_socket),
+        pod_resources_socket=optional_path(args.pod_resources_socket),
     )
 
 
@@ -235,7 +239,8 @@ def parse_address(text: str, error: Refusal) -> Address:
     return Address(host, int(port_text))
 
 
-def _number(text: str, error: Refusal) -> float:
+def parse_seconds(text: str, error: Refusal) -> float:
+    """A finite number of seconds; ``error(allowed)`` builds the exception to raise."""
     try:
         value = float(text)
     except ValueError:
@@ -245,5 +250,5 @@ def _number(text: str, error: Refusal) -> float:
     return value
 
 
-def _path(text: str | None) -> Path | None:
+def optional_path(text: str | None) -> Path | None:
     return Path(text) if text else None

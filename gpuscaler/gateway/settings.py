@@ -7,7 +7,6 @@ Each error names the flag (and the variable, when the value came from one) and w
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,9 @@ from gpuscaler.settings import (
     Address,
     add_flags,
     flag_error,
+    optional_path,
     parse_address,
+    parse_seconds,
 )
 
 DEFAULT_GATEWAY_HISTORY = "2m"
@@ -130,7 +131,7 @@ def gateway_settings_from_args(args: argparse.Namespace, environ: Mapping[str, s
     if not agents and not agents_dns:
         raise ConfigError("no agents: set --agents-dns NAME:PORT (a headless Service) or --agents HOST:PORT,...")
 
-    resolve = _number(args.resolve_interval, refusal("--resolve-interval", args.resolve_interval))
+    resolve = parse_seconds(args.resolve_interval, refusal("--resolve-interval", args.resolve_interval))
     if not 0.5 <= resolve <= 300:
         raise fail("--resolve-interval", args.resolve_interval, "must be between 0.5 and 300 seconds")
 
@@ -145,18 +146,28 @@ def gateway_settings_from_args(args: argparse.Namespace, environ: Mapping[str, s
     if pod_directory not in (None, POD_DIRECTORY_KUBERNETES) and not Path(pod_directory).is_file():
         raise fail("--pod-directory", args.pod_directory, "use 'kubernetes', or the path of a static YAML file")
 
-    agent_ca, agent_cert, agent_key = (_path(args.agent_tls_ca), _path(args.agent_tls_cert), _path(args.agent_tls_key))
+    agent_ca, agent_cert, agent_key = (
+        optional_path(args.agent_tls_ca),
+        optional_path(args.agent_tls_cert),
+        optional_path(args.agent_tls_key),
+    )
     if (agent_cert is None) != (agent_key is None):
         raise ConfigError("--agent-tls-cert and --agent-tls-key go together; give both or neither")
     if agent_cert is not None and agent_ca is None:
         raise ConfigError("--agent-tls-cert needs --agent-tls-ca (the CA that signed the agents' certificates)")
 
-    cert, key, client_ca = (_path(args.tls_cert), _path(args.tls_key), _path(args.tls_client_ca))
+    cert, key, client_ca = (
+        optional_path(args.tls_cert),
+        optional_path(args.tls_key),
+        optional_path(args.tls_client_ca),
+    )
     if (cert is None) != (key is None):
         raise ConfigError("--tls-cert and --tls-key go together; give both or neither")
     if client_ca is not None and cert is None:
         raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key (mTLS is TLS plus client certificates)")
-    reload_interval = _number(args.tls_reload_interval, refusal("--tls-reload-interval", args.tls_reload_interval))
+    reload_interval = parse_seconds(
+        args.tls_reload_interval, refusal("--tls-reload-interval", args.tls_reload_interval)
+    )
     if not 0.1 <= reload_interval <= 3600:
         raise fail("--tls-reload-interval", args.tls_reload_interval, "must be between 0.1 and 3600 seconds")
 
@@ -165,7 +176,7 @@ def gateway_settings_from_args(args: argparse.Namespace, environ: Mapping[str, s
         raise fail("--log-format", log_format, "use json or console")
     if args.log_level not in LOG_LEVELS:
         raise fail("--log-level", args.log_level, "use one of " + ", ".join(LOG_LEVELS))
-    drain = _number(args.drain_timeout, refusal("--drain-timeout", args.drain_timeout))
+    drain = parse_seconds(args.drain_timeout, refusal("--drain-timeout", args.drain_timeout))
     if not 0 < drain <= 300:
         raise fail("--drain-timeout", args.drain_timeout, "must be between 0 and 300 seconds")
 
@@ -188,17 +199,3 @@ def gateway_settings_from_args(args: argparse.Namespace, environ: Mapping[str, s
         log_level=args.log_level,
         drain_timeout_seconds=drain,
     )
-
-
-def _number(text: str, error: Callable[[str], ConfigError]) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise error("must be a number of seconds") from None
-    if not math.isfinite(value):
-        raise error("must be a finite number of seconds")
-    return value
-
-
-def _path(text: str | None) -> Path | None:
-    return Path(text) if text else None
