@@ -10,9 +10,10 @@ and as the process exits those handlers never run ("Task was destroyed but it is
 refuses such requests with RST_STREAM REFUSED_STREAM, which gRPC clients know was not processed.
 
 grpclib reads a request's gRPC frame with an ``assert`` on its length and a NotImplementedError for the
-compressed flag, and the generated handlers assert that a request message came; all three reach the
+compressed flag, and the generated handlers assert that a request message came; all three reached the
 client as UNKNOWN and our log as "Application error". The request is at fault, so we answer
-INVALID_ARGUMENT and UNIMPLEMENTED instead.
+INVALID_ARGUMENT and UNIMPLEMENTED instead. grpclib also takes in a message of any declared size: we
+refuse one over MAX_RECEIVE_MESSAGE_BYTES with RESOURCE_EXHAUSTED before reading its body.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from h2.events import UnknownFrameReceived
 from h2.settings import SettingCodes
 
 MAX_CONCURRENT_STREAMS = 16_384
+# gRPC's usual default. grpclib has no limit: it would take in a message of any declared length and
+# decode it on the loop (64 MiB stalls it for over a second). KEDA's requests are a few hundred bytes.
+MAX_RECEIVE_MESSAGE_BYTES = 4 * 1024 * 1024
 
 
 class _ManyStreamsProtocol(H2Protocol):
@@ -65,6 +69,7 @@ async def _guard_framing(event: RecvRequest) -> None:
 
     async def guarded(stream: ServerStream[Any, Any]) -> None:
         receive = stream.recv_message
+        _limit_message_size(stream)
 
         async def recv_message() -> Any:
             try:
@@ -85,6 +90,28 @@ async def _guard_framing(event: RecvRequest) -> None:
         await handler(stream)
 
     event.method_func = guarded
+
+
+def _limit_message_size(stream: ServerStream[Any, Any]) -> None:
+    """Refuse a request whose gRPC frame declares more than MAX_RECEIVE_MESSAGE_BYTES, before reading it."""
+    h2_stream = stream._stream  # grpclib's protocol stream; its recv_data feeds grpclib's recv_message
+    read = h2_stream.recv_data
+    first = True
+
+    async def recv_data(size: int) -> bytes:
+        nonlocal first
+        data = await read(size)
+        if first and size == 5 and len(data) == 5:  # the 5-byte prefix: compressed flag, then the length
+            declared = int.from_bytes(data[1:], "big")
+            if declared > MAX_RECEIVE_MESSAGE_BYTES:
+                raise GRPCError(
+                    Status.RESOURCE_EXHAUSTED,
+                    f"the request message is {declared} bytes; at most {MAX_RECEIVE_MESSAGE_BYTES} are accepted",
+                )
+        first = False
+        return data
+
+    h2_stream.recv_data = recv_data  # type: ignore[method-assign]
 
 
 class ManyStreamsServer(Server):

@@ -227,3 +227,16 @@ async def test_value_rounds_half_up_for_the_int_field(agent: Agent, channel: Cha
     ).metric_values
     assert (value.metric_value_float, value.metric_value) == (2.5, 3)
     assert math.isfinite(value.metric_value_float)
+
+
+async def test_requests_over_4_mib_are_resource_exhausted(agent: Agent, channel: Channel) -> None:
+    """A request message over 4 MiB is refused with RESOURCE_EXHAUSTED, and the agent keeps answering."""
+    stub = ExternalScalerStub(channel)
+    with pytest.raises(GRPCError) as raised:
+        await stub.is_active(ref(targetValue="9" * (5 * 1024 * 1024)))
+    assert raised.value.status is Status.RESOURCE_EXHAUSTED
+    assert "4194304" in (raised.value.message or "")
+    with pytest.raises(GRPCError) as under_limit:  # read and parsed: a number too big to be finite
+        await stub.is_active(ref(targetValue="9" * (3 * 1024 * 1024)), timeout=10)
+    assert under_limit.value.status is Status.INVALID_ARGUMENT
+    assert (await stub.is_active(ref())).result is False
