@@ -177,21 +177,9 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
     if args.fake_scenario and collector != "fake":
         raise fail("--fake-scenario", args.fake_scenario, "needs --collector fake")
 
-    cert, key, client_ca = (
-        optional_path(args.tls_cert),
-        optional_path(args.tls_key),
-        optional_path(args.tls_client_ca),
-    )
-    if (cert is None) != (key is None):
-        raise ConfigError("--tls-cert and --tls-key go together; give both or neither")
-    if client_ca is not None and cert is None:
-        raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key (mTLS is TLS plus client certificates)")
+    cert, key, client_ca = server_tls_files(args)
 
-    log_format = args.log_format or default_format()
-    if log_format not in ("json", "console"):
-        raise fail("--log-format", log_format, "use json or console")
-    if args.log_level not in LOG_LEVELS:
-        raise fail("--log-level", args.log_level, "use one of " + ", ".join(LOG_LEVELS))
+    log_format = checked_log_options(args, fail)
 
     drain = parse_seconds(args.drain_timeout, lambda allowed: fail("--drain-timeout", args.drain_timeout, allowed))
     if not 0 < drain <= 300:
@@ -237,6 +225,30 @@ def parse_address(text: str, error: Refusal) -> Address:
     if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
         raise error("the port must be a number from 0 to 65535")
     return Address(host, int(port_text))
+
+
+def server_tls_files(args: argparse.Namespace) -> tuple[Path | None, Path | None, Path | None]:
+    """--tls-cert, --tls-key and --tls-client-ca, checked to make sense together (shared with the gateway)."""
+    cert, key, client_ca = (
+        optional_path(args.tls_cert),
+        optional_path(args.tls_key),
+        optional_path(args.tls_client_ca),
+    )
+    if (cert is None) != (key is None):
+        raise ConfigError("--tls-cert and --tls-key go together; give both or neither")
+    if client_ca is not None and cert is None:
+        raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key (mTLS is TLS plus client certificates)")
+    return cert, key, client_ca
+
+
+def checked_log_options(args: argparse.Namespace, fail: Callable[[str, object, str], ConfigError]) -> LogFormat:
+    """The log format (console on a terminal by default), after checking --log-format and --log-level."""
+    log_format = args.log_format or default_format()
+    if log_format not in ("json", "console"):
+        raise fail("--log-format", log_format, "use json or console")
+    if args.log_level not in LOG_LEVELS:
+        raise fail("--log-level", args.log_level, "use one of " + ", ".join(LOG_LEVELS))
+    return log_format
 
 
 def parse_seconds(text: str, error: Refusal) -> float:

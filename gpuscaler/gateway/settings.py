@@ -14,17 +14,19 @@ from pathlib import Path
 from gpuscaler.durations import parse_duration
 from gpuscaler.errors import ConfigError
 from gpuscaler.gateway.discovery import DEFAULT_RESOLVE_INTERVAL_SECONDS
-from gpuscaler.logs import LOG_LEVELS, LogFormat, default_format
+from gpuscaler.logs import LOG_LEVELS, LogFormat
 from gpuscaler.settings import (
     DEFAULT_DRAIN_TIMEOUT_SECONDS,
     DEFAULT_LISTEN,
     DEFAULT_TLS_RELOAD_INTERVAL_SECONDS,
     Address,
     add_flags,
+    checked_log_options,
     flag_error,
     optional_path,
     parse_address,
     parse_seconds,
+    server_tls_files,
 )
 
 DEFAULT_GATEWAY_HISTORY = "2m"
@@ -156,26 +158,14 @@ def gateway_settings_from_args(args: argparse.Namespace, environ: Mapping[str, s
     if agent_cert is not None and agent_ca is None:
         raise ConfigError("--agent-tls-cert needs --agent-tls-ca (the CA that signed the agents' certificates)")
 
-    cert, key, client_ca = (
-        optional_path(args.tls_cert),
-        optional_path(args.tls_key),
-        optional_path(args.tls_client_ca),
-    )
-    if (cert is None) != (key is None):
-        raise ConfigError("--tls-cert and --tls-key go together; give both or neither")
-    if client_ca is not None and cert is None:
-        raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key (mTLS is TLS plus client certificates)")
+    cert, key, client_ca = server_tls_files(args)
     reload_interval = parse_seconds(
         args.tls_reload_interval, refusal("--tls-reload-interval", args.tls_reload_interval)
     )
     if not 0.1 <= reload_interval <= 3600:
         raise fail("--tls-reload-interval", args.tls_reload_interval, "must be between 0.1 and 3600 seconds")
 
-    log_format = args.log_format or default_format()
-    if log_format not in ("json", "console"):
-        raise fail("--log-format", log_format, "use json or console")
-    if args.log_level not in LOG_LEVELS:
-        raise fail("--log-level", args.log_level, "use one of " + ", ".join(LOG_LEVELS))
+    log_format = checked_log_options(args, fail)
     drain = parse_seconds(args.drain_timeout, refusal("--drain-timeout", args.drain_timeout))
     if not 0 < drain <= 300:
         raise fail("--drain-timeout", args.drain_timeout, "must be between 0 and 300 seconds")
