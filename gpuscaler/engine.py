@@ -47,6 +47,9 @@ class _Group:
     query: Query
     subscriptions: set[Subscription] = field(default_factory=set)
     broadcast: bool | None = None
+    # Streams that opened while the value was unknown: they learn the state at the next known value,
+    # even when it is the one already broadcast (a transition-only wake-up would leave them silent).
+    waiting: set[Subscription] = field(default_factory=set)
 
 
 class Engine:
@@ -134,9 +137,12 @@ class Engine:
             evaluation = self.evaluate(query.value)
             if evaluation.value is not None:
                 subscription.active = self._observe(query, evaluation.value)
+            else:
+                group.waiting.add(subscription)
             yield subscription
         finally:
             group.subscriptions.discard(subscription)
+            group.waiting.discard(subscription)
             if not group.subscriptions:
                 del self._groups[key]
 
@@ -147,13 +153,16 @@ class Engine:
             if evaluation.value is None:
                 continue  # unknown is not inactive: keep the last state until the value is back
             active = self._observe(group.query, evaluation.value)
-            if active == group.broadcast:
-                continue
-            group.broadcast = active
-            for subscription in group.subscriptions:
+            if active != group.broadcast:
+                group.broadcast = active
+                woken: set[Subscription] = group.subscriptions
+            else:
+                woken = group.waiting
+            for subscription in woken:
                 if subscription.active != active:
                     subscription.active = active
                     subscription.changed.set()
+            group.waiting.clear()
         self._states.forget_idle(now=self._clock(), keep=set(self._groups))
 
     def healthy(self) -> bool:

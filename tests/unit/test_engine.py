@@ -195,6 +195,23 @@ def test_unknown_value_keeps_the_last_state(node: Node) -> None:
         assert wake_ups(subscription) == (True, False)
 
 
+def test_a_stream_opened_while_unknown_joins_a_group_that_already_knows(node: Node) -> None:
+    """A stream that opens while the value is unreadable gets the state at the next readable tick, even unchanged."""
+    node.utilization(60.0)
+    query = node.query(**HYSTERESIS)
+    with node.engine.subscribe(query) as first:
+        assert first.active is True
+        node.utilization(60.0)
+        node.tick(failed_sample(0, ReadErrorKind.GPU_LOST))
+        with node.engine.subscribe(query) as second:
+            assert second.active is None
+            node.utilization(60.0)
+            assert wake_ups(second) == (True, True)
+            assert wake_ups(first) == (False, True)
+            node.utilization(61.0)
+            assert wake_ups(second) == (False, True)
+
+
 def test_a_transition_seen_by_a_poll_reaches_the_streams(node: Node) -> None:
     """IsActive and streams share one state: a change a poll observed wakes the streams on the next tick."""
     node.utilization(10.0)
