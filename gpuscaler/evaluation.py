@@ -130,7 +130,7 @@ def select(selection: GpuSelection, snapshot: Snapshot) -> list[GpuSample]:
         if missing:
             raise InvalidMetadata(
                 f"gpuIndex {','.join(map(str, missing))} is not on {_where(snapshot)}; "
-                f"it has {_listing(map(str, present))}"
+                f"its GPUs: {_listing(map(str, present))}"
             )
         return [sample for sample in samples if sample.gpu.index in selection.indices]
     if selection.uuids is not None:
@@ -140,7 +140,7 @@ def select(selection: GpuSelection, snapshot: Snapshot) -> list[GpuSample]:
         if missing_uuids:
             raise InvalidMetadata(
                 f"gpuUUID {','.join(missing_uuids)} is not on {_where(snapshot)}; "
-                f"it has {_listing(sample.gpu.uuid for sample in samples)}"
+                f"its GPUs: {_listing(sample.gpu.uuid for sample in samples)}"
             )
         return [sample for sample in samples if sample.gpu.uuid.lower() in wanted]
     return samples

@@ -131,10 +131,10 @@ def test_selection_picks_the_named_gpus(selection: GpuSelection, expected: float
 @pytest.mark.parametrize(
     ("selection", "fragments"),
     [
-        pytest.param(GpuSelection(indices=(7,)), ["gpuIndex 7", repr(NODE), "it has 0, 1"], id="index"),
-        pytest.param(GpuSelection(indices=(0, 5, 9)), ["gpuIndex 5,9", "it has 0, 1"], id="indices"),
+        pytest.param(GpuSelection(indices=(7,)), ["gpuIndex 7", repr(NODE), "its GPUs: 0, 1"], id="index"),
+        pytest.param(GpuSelection(indices=(0, 5, 9)), ["gpuIndex 5,9", "its GPUs: 0, 1"], id="indices"),
         pytest.param(
-            GpuSelection(uuids=("GPU-nope",)), ["gpuUUID GPU-nope", f"it has {uuid_of(0)}, {uuid_of(1)}"], id="uuid"
+            GpuSelection(uuids=("GPU-nope",)), ["gpuUUID GPU-nope", f"its GPUs: {uuid_of(0)}, {uuid_of(1)}"], id="uuid"
         ),
     ],
 )
@@ -144,6 +144,18 @@ def test_selecting_a_gpu_the_node_lacks_lists_what_it_has(selection: GpuSelectio
     assert isinstance(error, InvalidMetadata)
     for fragment in fragments:
         assert fragment in error.message
+
+
+@pytest.mark.parametrize(
+    ("values", "listing"),
+    [pytest.param((10.0,), "its GPUs: 0", id="one-gpu"), pytest.param((), "its GPUs: none", id="no-gpu")],
+)
+def test_the_listing_of_a_nodes_gpus_does_not_read_as_a_count(values: tuple[float, ...], listing: str) -> None:
+    """With one GPU the message lists index 0 as a GPU ("its GPUs: 0"), not as a count ("it has 0")."""
+    error = failure(run(query(selection=GpuSelection(indices=(99,))), series([values])))
+    assert isinstance(error, InvalidMetadata)
+    assert listing in error.message
+    assert "it has" not in error.message
 
 
 @pytest.mark.parametrize(
