@@ -113,6 +113,7 @@ class Agent:
         await poller.start()
         if pod_resources is not None:
             await pod_resources.refresh()  # the first snapshot already says which pods hold the GPUs
+        await poller.tick()  # listen only once there is a sample to answer from
 
         scaler = ExternalScalerService(engine)
         health = ServiceStatus()
@@ -158,7 +159,6 @@ class Agent:
             port=bound_port(server),
             pod_resources=pod_resources,
         )
-        await poller.tick()  # serve from a real sample from the first call on
         health.set(engine.healthy())
         agent._tasks = [
             asyncio.create_task(poller.run(), name="poll-loop"),

@@ -62,6 +62,7 @@ class FakeCollector:
         self._lock = threading.Lock()
         scenario = scenario or Scenario()
         self._gpus = [self._build(index, scenario) for index in range(gpu_count)]
+        self.reads_started = 0  # for tests that need to know a read is under way
 
     def _build(self, index: int, scenario: Scenario) -> FakeGpu:
         own = scenario.gpus.get(index)
@@ -104,6 +105,7 @@ class FakeCollector:
     def read(self, gpu: GpuIdentity) -> GpuSample:
         fake = self._gpus[gpu.index]
         with self._lock:
+            self.reads_started += 1
             failure = fake.failure
             healed = fake.healed
             values = self._values_locked(fake)
