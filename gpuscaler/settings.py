@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,6 @@ DEFAULT_FAKE_GPUS = 4
 DEFAULT_DRAIN_TIMEOUT_SECONDS = 5.0
 DEFAULT_METRICS_LISTEN = "0.0.0.0:9402"
 DEFAULT_TLS_RELOAD_INTERVAL_SECONDS = 10.0
-DEFAULT_NODE_NAME = "fake-node"
 DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 DEFAULT_POD_RESOURCES_INTERVAL_SECONDS = 1.0
 MAX_FAKE_GPUS = 1024
@@ -209,7 +209,9 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         log_format=log_format,
         log_level=args.log_level,
         drain_timeout_seconds=drain,
-        node_name=environ.get("NODE_NAME") or DEFAULT_NODE_NAME,
+        # The chart sets NODE_NAME from spec.nodeName. Without it, the host name still tells two machines
+        # apart, where a shared constant made a gateway merge their GPUs into one node.
+        node_name=environ.get("NODE_NAME") or socket.gethostname(),
         metrics_listen=metrics_listen,
         tls_reload_interval_seconds=reload_interval,
         pod_resources_socket=optional_path(args.pod_resources_socket),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,7 @@ def test_defaults() -> None:
     assert (built.tls_cert, built.tls_key, built.tls_client_ca) == (None, None, None)
     assert built.log_level == "info"
     assert built.drain_timeout_seconds == 5.0
-    assert built.node_name == "fake-node"
+    assert built.node_name == socket.gethostname()
 
 
 @pytest.mark.parametrize(
