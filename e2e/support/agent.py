@@ -49,6 +49,7 @@ class AgentProcess:
     serving_after_seconds: float = 0.0
     stop_seconds: float = 0.0
     expect_errors: bool = False
+    expected_exit_code: int = 0
 
     @classmethod
     def start(
@@ -103,6 +104,11 @@ class AgentProcess:
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    @property
+    def metrics_port(self) -> int:
+        """The port of /metrics, from the ``agent_started`` event."""
+        return int(self.events("agent_started")[0]["metrics_port"])
 
     @property
     def address(self) -> str:
@@ -231,8 +237,8 @@ class AgentProcess:
 
     def _check_exit(self) -> None:
         code = self.process.returncode
-        if code != 0:
-            raise AgentFailed(f"agent exited with {code}, not 0:\n{self.log_tail()}")
+        if code != self.expected_exit_code:
+            raise AgentFailed(f"agent exited with {code}, not {self.expected_exit_code}:\n{self.log_tail()}")
         if not self.expect_errors and (problems := self.unexpected_errors()):
             raise AgentFailed("agent logged errors:\n" + "\n".join(problems[:20]))
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 
 import structlog
@@ -83,12 +85,33 @@ def report_crash(task: asyncio.Task[None]) -> None:
     log.critical("task_crashed", task=task.get_name(), error=repr(task.exception()), exc_info=task.exception())
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 async def run_until_signalled(stop: Callable[[], Awaitable[None]]) -> int:
-    """Wait for SIGTERM or SIGINT, then ``stop()``; the process's exit code."""
+    """Wait for SIGTERM or SIGINT, then ``stop()``; the process's exit code.
+
+    A second signal during the drain ends the process at once with 128 + its number, as most servers do:
+    whoever presses Ctrl-C twice has decided not to wait.
+    """
     signalled = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, signalled.set)
+
+    def first(signum: signal.Signals) -> None:
+        for again in STOP_SIGNALS:
+            loop.add_signal_handler(again, _exit_now, again)
+        signalled.set()
+
+    for signum in STOP_SIGNALS:
+        loop.add_signal_handler(signum, first, signum)
     await signalled.wait()
     await stop()
     return 0
+
+
+def _exit_now(signum: signal.Signals) -> None:
+    log.warning("stop_forced", signal=signum.name, detail="a second signal during the drain; exiting without it")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Not SystemExit: asyncio.run would then wait for the worker threads, and a hung NVML read never returns.
+    os._exit(128 + signum)
