@@ -22,8 +22,10 @@ from e2e.support.raw_h2 import PREFACE, grpc_call, grpc_frame, send_and_wait_for
 from e2e.support.sizes import FULL, FUZZ_EXAMPLES
 from gpuscaler.generated.externalscaler import ScaledObjectRef
 from gpuscaler.metadata import KEDA_KEYS, QUERY_KEYS
+from gpuscaler.server.grpc_server import MAX_HEADER_LIST_BYTES, MAX_RECEIVE_MESSAGE_BYTES
 
-ANSWERED_CODES = {"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "UNAVAILABLE"}
+# RESOURCE_EXHAUSTED: a request over MAX_RECEIVE_MESSAGE_BYTES, refused before it is read.
+ANSWERED_CODES = {"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "UNAVAILABLE", "RESOURCE_EXHAUSTED"}
 # A status message travels in an HTTP/2 trailer; grpcio refuses trailers over 8 KiB.
 MAX_MESSAGE_BYTES = 8 * 1024
 
@@ -93,20 +95,60 @@ async def test_arbitrary_metadata_gets_a_named_status(client: ScalerClient, meta
     assert await client.is_active({}) is False  # the next caller is served
 
 
-@pytest.mark.parametrize("mebibytes", [1, 4, 16, *([64] if FULL else [])])
-async def test_oversized_metadata_values_and_keys(client: ScalerClient, agent: AgentProcess, mebibytes: int) -> None:
-    """Megabytes in a value or key, or 100,000 keys: a short INVALID_ARGUMENT or RESOURCE_EXHAUSTED, then service."""
-    size = mebibytes * 1024 * 1024
-    for metadata in (
-        {"targetValue": "9" * size},
-        {"é" * (size // 2): "1"},
-        {f"key{i}": "1" for i in range(100_000)},
-    ):
+def sized_metadata(size: int) -> list[dict[str, str]]:
+    """Metadata whose request is at most ``size`` bytes (and close to it): a long value, a long key, tiny keys.
+
+    Tiny keys are the costliest to decode per byte, so they are the worst an accepted request can send.
+    """
+    overhead = len(bytes(ScaledObjectRef(name="app", namespace="ml", scaler_metadata={"": ""})))
+    entry = len(bytes(ScaledObjectRef(scaler_metadata={"fffff": ""})))  # every key five hex digits
+    return [
+        {"targetValue": "9" * (size - overhead - 16)},
+        {"é" * ((size - overhead - 16) // 2): "1"},
+        {f"{i:05x}": "" for i in range((size - overhead) // entry)},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("size", "code"),
+    [
+        pytest.param(MAX_RECEIVE_MESSAGE_BYTES - 512, "INVALID_ARGUMENT", id="just-under-the-limit"),
+        pytest.param(MAX_RECEIVE_MESSAGE_BYTES + 512, "RESOURCE_EXHAUSTED", id="just-over-the-limit"),
+        pytest.param(1024 * 1024, "RESOURCE_EXHAUSTED", id="1MiB"),
+        pytest.param(16 * 1024 * 1024, "RESOURCE_EXHAUSTED", id="16MiB"),
+        *([pytest.param(64 * 1024 * 1024, "RESOURCE_EXHAUSTED", id="64MiB")] if FULL else []),
+    ],
+)
+async def test_oversized_metadata_values_and_keys(
+    client: ScalerClient, agent: AgentProcess, size: int, code: str
+) -> None:
+    """Up to the limit, metadata is read and refused by name; above it, RESOURCE_EXHAUSTED unread; then service."""
+    for metadata in sized_metadata(size):
+        request = ScaledObjectRef(name="app", namespace="ml", scaler_metadata=metadata)
+        assert (len(bytes(request)) <= MAX_RECEIVE_MESSAGE_BYTES) is (code != "RESOURCE_EXHAUSTED")
         failure = await refusal(client.is_active(metadata, timeout=60))
-        assert failure.code in {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}, failure
+        assert failure.code == code, failure
         assert len(failure.message.encode()) <= MAX_MESSAGE_BYTES
     assert await client.is_active({}) is False
     assert await asyncio.to_thread(agent.health) == "SERVING"
+
+
+@pytest.mark.parametrize(
+    ("headers", "answered"),
+    [
+        pytest.param(20, True, id="a-few-headers"),
+        pytest.param(MAX_HEADER_LIST_BYTES // 32, False, id="over-the-header-limit"),
+    ],
+)
+async def test_a_header_block_over_the_limit_closes_the_connection(
+    agent: AgentProcess, client: ScalerClient, headers: int, answered: bool
+) -> None:
+    """A request with a few extra headers is answered; one whose header block exceeds the limit loses its connection."""
+    request = grpc_frame(bytes(ScaledObjectRef(name="app", namespace="ml", scaler_metadata={})))
+    extra = [(f"x-padding-{i}", "p" * 8) for i in range(headers)]
+    answer = await asyncio.to_thread(grpc_call, agent.port, request, extra_headers=extra)
+    assert (answer.get("grpc-status") == "0") is answered, answer
+    assert await client.is_active({}) is False
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import struct
+from collections.abc import Sequence
 
 import h2.config
 import h2.connection
@@ -25,7 +26,13 @@ def unknown_frame(frame_type: int = 0xEE, payload: bytes = b"hello") -> bytes:
 
 
 def grpc_call(
-    port: int, body: bytes, *, path: str = IS_ACTIVE, before_request: bytes = b"", timeout: float = 5.0
+    port: int,
+    body: bytes,
+    *,
+    path: str = IS_ACTIVE,
+    before_request: bytes = b"",
+    extra_headers: Sequence[tuple[str, str]] = (),
+    timeout: float = 5.0,
 ) -> dict[str, str]:
     """POST ``body`` as a gRPC request over a fresh connection; the response headers and trailers merged.
 
@@ -44,6 +51,7 @@ def grpc_call(
             (":authority", f"127.0.0.1:{port}"),
             ("content-type", "application/grpc"),
             ("te", "trailers"),
+            *extra_headers,
         ],
     )
     connection.send_data(1, body, end_stream=True)

@@ -13,7 +13,8 @@ grpclib reads a request's gRPC frame with an ``assert`` on its length and a NotI
 compressed flag, and the generated handlers assert that a request message came; all three reached the
 client as UNKNOWN and our log as "Application error". The request is at fault, so we answer
 INVALID_ARGUMENT and UNIMPLEMENTED instead. grpclib also takes in a message of any declared size: we
-refuse one over MAX_RECEIVE_MESSAGE_BYTES with RESOURCE_EXHAUSTED before reading its body.
+refuse one over MAX_RECEIVE_MESSAGE_BYTES with RESOURCE_EXHAUSTED before reading its body, and a header
+block over MAX_HEADER_LIST_BYTES closes the connection before it is decoded.
 """
 
 from __future__ import annotations
@@ -33,16 +34,30 @@ from h2.events import UnknownFrameReceived
 from h2.settings import SettingCodes
 
 MAX_CONCURRENT_STREAMS = 16_384
-# gRPC's usual default. grpclib has no limit: it would take in a message of any declared length and
-# decode it on the loop (64 MiB stalls it for over a second). KEDA's requests are a few hundred bytes.
-MAX_RECEIVE_MESSAGE_BYTES = 4 * 1024 * 1024
+# Every request we serve is a ScaledObjectRef or smaller: a name (at most 253 bytes), a namespace (63) and
+# the trigger's metadata, about twenty short keys; a large real one (a long podSelector) is under 1 KiB.
+# grpclib has no limit of its own and decodes on the event loop, where betterproto2 spends ~16 us per map
+# entry: 8 KiB of the smallest entries (~1,200) holds the loop for ~20 ms, 4 MiB would hold it for seconds
+# and every sample would go stale. bench/stall.py measures the worst an accepted request does.
+MAX_RECEIVE_MESSAGE_BYTES = 8 * 1024
+# The same reasoning for the request's HTTP/2 header block: KEDA sends a handful of short headers, and
+# h2 decodes the whole block (its default allows 64 KiB, ~25 ms of HPACK) in one callback. gRPC's own
+# servers default to 8 KiB of metadata too. A larger block closes the connection.
+MAX_HEADER_LIST_BYTES = 8 * 1024
 
 
 class _ManyStreamsProtocol(H2Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         h2_connection = self.connection._connection  # grpclib keeps the H2Connection private
-        h2_connection.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS})
+        h2_connection.update_settings(
+            {
+                SettingCodes.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
+                SettingCodes.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST_BYTES,
+            }
+        )
+        # h2 applies an announced limit once the peer acknowledges it; a client that never does is held to it too.
+        h2_connection.decoder.max_header_list_size = MAX_HEADER_LIST_BYTES
         self.connection.flush()
         # HTTP/2 peers must ignore frames of unknown types (RFC 9113 section 4.1); grpclib has no processor
         # for h2's UnknownFrameReceived and kills the connection with NotImplementedError instead.

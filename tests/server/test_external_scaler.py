@@ -16,6 +16,7 @@ from gpuscaler.agent import Agent
 from gpuscaler.collectors.fake import Failure, FakeCollector
 from gpuscaler.generated.externalscaler import ExternalScalerStub, GetMetricsRequest, ScaledObjectRef
 from gpuscaler.samples import Metric
+from gpuscaler.server.grpc_server import MAX_RECEIVE_MESSAGE_BYTES
 from tests.conftest import StartAgent
 from tests.waiting import until, until_result
 
@@ -229,14 +230,14 @@ async def test_value_rounds_half_up_for_the_int_field(agent: Agent, channel: Cha
     assert math.isfinite(value.metric_value_float)
 
 
-async def test_requests_over_4_mib_are_resource_exhausted(agent: Agent, channel: Channel) -> None:
-    """A request message over 4 MiB is refused with RESOURCE_EXHAUSTED, and the agent keeps answering."""
+async def test_requests_over_the_limit_are_resource_exhausted(agent: Agent, channel: Channel) -> None:
+    """A request message over 8 KiB is refused with RESOURCE_EXHAUSTED, and the agent keeps answering."""
     stub = ExternalScalerStub(channel)
     with pytest.raises(GRPCError) as raised:
-        await stub.is_active(ref(targetValue="9" * (5 * 1024 * 1024)))
+        await stub.is_active(ref(targetValue="9" * (MAX_RECEIVE_MESSAGE_BYTES + 1)))
     assert raised.value.status is Status.RESOURCE_EXHAUSTED
-    assert "4194304" in (raised.value.message or "")
+    assert f"at most {MAX_RECEIVE_MESSAGE_BYTES} are accepted" in (raised.value.message or "")
     with pytest.raises(GRPCError) as under_limit:  # read and parsed: a number too big to be finite
-        await stub.is_active(ref(targetValue="9" * (3 * 1024 * 1024)), timeout=10)
+        await stub.is_active(ref(targetValue="9" * (MAX_RECEIVE_MESSAGE_BYTES - 100)), timeout=10)
     assert under_limit.value.status is Status.INVALID_ARGUMENT
     assert (await stub.is_active(ref())).result is False
