@@ -13,10 +13,10 @@ GENERATED := gpuscaler/generated
 PY_DIRS := $(wildcard gpuscaler tests e2e bench dev)
 TEST_DIRS := $(wildcard tests e2e)
 
-.PHONY: help venv dev test unit e2e e2e-full lint typecheck proto proto-check bench chart-test image docs lock clean
+.PHONY: help venv dev test test-under-load unit e2e e2e-full lint typecheck proto proto-check bench chart-test image docs lock clean
 
 help: ## List the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,9 @@ dev: $(STAMP) ## Run the dev stack with fake GPUs as local processes (Ctrl-C sto
 
 test: $(STAMP) proto-check lint typecheck ## Every check CI runs: generated code, lint, types, unit, e2e, chart
 	$(BIN)/pytest $(TEST_DIRS)
+
+test-under-load: $(STAMP) ## `make test` with one busy process per core beside it, as on a shared CI runner
+	$(BIN)/python -m tests.load -- $(MAKE) test
 
 unit: $(STAMP) ## Unit and in-process tests only
 	$(BIN)/pytest tests
