@@ -35,6 +35,7 @@ from gpuscaler.agent import Agent
 from gpuscaler.collectors.fake import FakeCollector
 from gpuscaler.generated import externalscaler as keda
 from gpuscaler.generated.gpuscaler import v1 as pb
+from gpuscaler.history import History
 from gpuscaler.metadata import Limits, parse_metadata
 from gpuscaler.samples import Snapshot
 from gpuscaler.server.grpc_server import MAX_HEADER_LIST_BYTES, MAX_RECEIVE_MESSAGE_BYTES
@@ -199,7 +200,8 @@ class Probe:
 
 def _fill_history(agent: Agent) -> None:
     """Ten minutes of snapshots before the newest, so that a window reads as many samples as it ever will."""
-    history = agent.engine.history
+    history = agent.engine.source
+    assert isinstance(history, History)
     latest = history.latest
     assert latest is not None
     needed = int(agent.settings.history_seconds / POLL_SECONDS)

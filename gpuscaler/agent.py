@@ -95,6 +95,7 @@ class Agent:
         await asyncio.to_thread(collector.open)
 
         engine = Engine(history)
+        history.add_listener(engine.on_snapshot)
         engine.on_transition.append(telemetry.observe_transition)
         telemetry.distinct_queries.set_function(lambda: engine.distinct_stream_queries)
         pod_resources = (
@@ -106,7 +107,6 @@ class Agent:
             collector,
             history,
             poll_interval_seconds=settings.poll_interval_seconds,
-            listeners=[engine.on_snapshot],
             on_tick=telemetry.observe_tick,
             attributor=pod_resources,
         )

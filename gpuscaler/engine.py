@@ -17,20 +17,15 @@ import structlog
 from gpuscaler.activation import ActivationStates
 from gpuscaler.attribution.directory import PodDirectory
 from gpuscaler.evaluation import Evaluation, evaluate
-from gpuscaler.history import History
 from gpuscaler.metadata import Limits, parse_metadata
 from gpuscaler.query import Query, ValueQuery
 from gpuscaler.samples import DEVICE_FIELD, Snapshot
+from gpuscaler.source import SnapshotSource
 
 log = structlog.get_logger(__name__)
 
 # Activation states of queries nobody asked about for this long are forgotten (KEDA polls every 30 s).
 ACTIVATION_IDLE_SECONDS = 15 * 60.0
-
-
-def stale_after_for(poll_interval_seconds: float) -> float:
-    """A sample older than this is not fresh: three missed ticks, and never under 2 s."""
-    return max(3 * poll_interval_seconds, 2.0)
 
 
 @dataclass(eq=False, slots=True)
@@ -53,20 +48,20 @@ class _Group:
 
 
 class Engine:
-    """Everything the gRPC handlers need, over one ``History``."""
+    """Everything the gRPC handlers need, over one snapshot source (an agent's history, a gateway's view)."""
 
     def __init__(
         self,
-        history: History,
+        source: SnapshotSource,
         *,
         clock: Callable[[], float] | None = None,
         directory: PodDirectory | None = None,
         cluster: bool = False,
     ) -> None:
-        self.history = history
+        self.source = source
         self.directory = directory
-        self.limits = Limits(history_seconds=history.history_seconds, cluster=cluster)
-        self.stale_after = stale_after_for(history.poll_interval_seconds)
+        self.limits = Limits(history_seconds=source.history_seconds, cluster=cluster)
+        self.stale_after = source.stale_after
         self._clock = clock or asyncio.get_running_loop().time
         self._states = ActivationStates(idle_seconds=ACTIVATION_IDLE_SECONDS)
         self._groups: dict[Hashable, _Group] = {}
@@ -83,18 +78,18 @@ class Engine:
         return parse_metadata(metadata, self.limits, namespace=namespace)
 
     def evaluate(self, query: ValueQuery) -> Evaluation:
-        latest = self.history.latest
+        latest = self.source.latest
         fresh = latest is not None and self._clock() - latest.monotonic <= self.stale_after
         if not fresh or latest is None:
             return evaluate(
-                query, self.history, now=self._clock(), stale_after=self.stale_after, directory=self.directory
+                query, self.source, now=self._clock(), stale_after=self.stale_after, directory=self.directory
             )
         if latest.sequence != self._cache_sequence:
             self._cache_sequence, self._cache = latest.sequence, {}
         cached = self._cache.get(query)
         if cached is None:
             cached = self._cache[query] = evaluate(
-                query, self.history, now=latest.monotonic, stale_after=self.stale_after, directory=self.directory
+                query, self.source, now=latest.monotonic, stale_after=self.stale_after, directory=self.directory
             )
         return cached
 
@@ -147,7 +142,7 @@ class Engine:
                 del self._groups[key]
 
     def on_snapshot(self, snapshot: Snapshot) -> None:
-        """Poll-loop listener: one evaluation per distinct streamed query, and a wake-up on each change."""
+        """The source's listener: one evaluation per distinct streamed query, and a wake-up on each change."""
         for group in list(self._groups.values()):
             evaluation = self.evaluate(group.query.value)
             if evaluation.value is None:
@@ -167,7 +162,7 @@ class Engine:
 
     def healthy(self) -> bool:
         """Fresh samples with at least one GPU read: what the health service reports as SERVING."""
-        latest = self.history.latest
+        latest = self.source.latest
         if latest is None or self._clock() - latest.monotonic > self.stale_after:
             return False
         return any(all(error.field != DEVICE_FIELD for error in sample.errors) for sample in latest.samples)

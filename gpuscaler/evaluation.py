@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from gpuscaler.aggregation import aggregate, reduce_window
 from gpuscaler.attribution.directory import PodDirectory
 from gpuscaler.errors import GpuscalerError, InvalidMetadata, Unavailable, Unsupported
-from gpuscaler.history import History
 from gpuscaler.query import GpuSelection, PodSelection, ValueQuery
 from gpuscaler.samples import AttributionState, GpuSample, Metric, ReadError, ReadErrorKind, Snapshot
+from gpuscaler.source import SnapshotSource
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,14 +77,14 @@ class Evaluation:
 
 def evaluate(
     query: ValueQuery,
-    history: History,
+    source: SnapshotSource,
     *,
     now: float,
     stale_after: float,
     directory: PodDirectory | None = None,
 ) -> Evaluation:
-    """Evaluate ``query`` over ``history`` as of the monotonic time ``now``."""
-    snapshot = history.latest
+    """Evaluate ``query`` over ``source`` as of the monotonic time ``now``."""
+    snapshot = source.latest
     if snapshot is None:
         return _failed(query, None, Unavailable("no sample yet: the agent has not finished its first poll"))
     age = now - snapshot.monotonic
@@ -101,14 +101,14 @@ def evaluate(
     if short is not None:
         return _failed(query, snapshot, short)
     if query.pods is not None:
-        return _evaluate_pods(query, query.pods, snapshot, history, directory)
+        return _evaluate_pods(query, query.pods, snapshot, source, directory)
     try:
         selected = select(query.selection, snapshot)
     except InvalidMetadata as error:
         return _failed(query, snapshot, error)
 
-    windows = _Windows(history, query.window_seconds)
-    contributions = tuple(_contribution(query, sample, windows, history) for sample in selected)
+    windows = _Windows(source, query.window_seconds)
+    contributions = tuple(_contribution(query, sample, windows, source) for sample in selected)
     included = [c.value for c in contributions if c.value is not None]
     left_out = [c for c in contributions if c.value is None]
 
@@ -165,7 +165,7 @@ def _evaluate_pods(
     query: ValueQuery,
     pods: PodSelection,
     snapshot: Snapshot,
-    history: History,
+    source: SnapshotSource,
     directory: PodDirectory | None,
 ) -> Evaluation:
     if snapshot.expected_nodes and not snapshot.parts:
@@ -189,11 +189,11 @@ def _evaluate_pods(
             if matched[key]:
                 groups.setdefault(key, []).append(sample)
 
-    windows = _Windows(history, query.window_seconds)
+    windows = _Windows(source, query.window_seconds)
     contributions: list[Contribution] = []
     values: list[PodValue] = []
     for key, samples in sorted(groups.items()):
-        own = [_contribution(query, sample, windows, history, pod=key) for sample in samples]
+        own = [_contribution(query, sample, windows, source, pod=key) for sample in samples]
         contributions.extend(own)
         readable = [c.value for c in own if c.value is not None]
         info = directory.lookup(*key) if directory is not None else None
@@ -281,8 +281,8 @@ class _Windows:
     one pass per GPU.
     """
 
-    def __init__(self, history: History, seconds: float | None) -> None:
-        self.history = history
+    def __init__(self, source: SnapshotSource, seconds: float | None) -> None:
+        self.source = source
         self.seconds = seconds
         self._by_node: dict[str, dict[str, list[GpuSample]]] = {}
 
@@ -292,7 +292,7 @@ class _Windows:
         by_gpu = self._by_node.get(sample.node)
         if by_gpu is None:
             by_gpu = self._by_node[sample.node] = {}
-            for snapshot in self.history.window_for(sample.node, self.seconds):
+            for snapshot in self.source.window(sample.node, self.seconds):
                 for other in snapshot.samples:
                     by_gpu.setdefault(other.gpu.uuid, []).append(other)
         return by_gpu.get(sample.gpu.uuid, [])
@@ -302,7 +302,7 @@ def _contribution(
     query: ValueQuery,
     sample: GpuSample,
     windows: _Windows,
-    history: History,
+    source: SnapshotSource,
     pod: tuple[str, str] | None = None,
 ) -> Contribution:
     latest = sample.value(query.metric)
@@ -310,7 +310,7 @@ def _contribution(
         error = sample.error_for(query.metric)
         reason = _reason(query.metric, error)
         if error is not None and error.kind is not ReadErrorKind.NOT_SUPPORTED:
-            reason += f"; last read {_last_read(history, sample, query.metric)}"
+            reason += f"; last read {_last_read(source, sample, query.metric)}"
         return Contribution(sample, None, 0, reason, error, pod)
     if query.window_seconds is None:
         return Contribution(sample, latest, 1, pod=pod)
@@ -332,8 +332,8 @@ def _unreadable(metric: Metric, left_out: Sequence[Contribution]) -> GpuscalerEr
     return Unavailable(message)
 
 
-def _last_read(history: History, sample: GpuSample, metric: Metric) -> str:
-    for snapshot in history.newest_first_for(sample.node):
+def _last_read(source: SnapshotSource, sample: GpuSample, metric: Metric) -> str:
+    for snapshot in source.newest_first(sample.node):
         for other in snapshot.samples:
             if other.gpu.uuid == sample.gpu.uuid and other.value(metric) is not None:
                 return _clock(snapshot.taken_at)

@@ -1,32 +1,45 @@
-"""The ring buffer of snapshots that every handler reads from, and the wake-up for those who wait on it."""
+"""The agent's ring buffer of its node's snapshots: the ``SnapshotSource`` every handler reads from."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections import deque
 from collections.abc import Iterator
 
 from gpuscaler.samples import Snapshot
+from gpuscaler.source import Announcer, SnapshotListener, stale_after_for
 
 
 class History:
     """The newest snapshots, oldest first, bounded by ``history_seconds / poll_interval_seconds``.
 
-    Only the poll loop appends; readers never block it. Waiters wake once per appended snapshot.
+    Only the poll loop appends; readers never block it. Each append is announced once.
     """
 
     def __init__(self, *, history_seconds: float, poll_interval_seconds: float) -> None:
-        self.history_seconds = history_seconds
-        self.poll_interval_seconds = poll_interval_seconds
+        self._history_seconds = history_seconds
+        self._interval_seconds = poll_interval_seconds
         self._snapshots: deque[Snapshot] = deque(maxlen=math.ceil(history_seconds / poll_interval_seconds) + 1)
-        self._appended = asyncio.Event()
+        self._announcer = Announcer()
+
+    @property
+    def history_seconds(self) -> float:
+        return self._history_seconds
+
+    @property
+    def interval_seconds(self) -> float:
+        return self._interval_seconds
+
+    @property
+    def stale_after(self) -> float:
+        return stale_after_for(self._interval_seconds)
 
     def append(self, snapshot: Snapshot) -> None:
         self._snapshots.append(snapshot)
-        # Swap the event so waiters that re-wait do not see this tick's set() again.
-        appended, self._appended = self._appended, asyncio.Event()
-        appended.set()
+        self._announcer.announce(snapshot)
+
+    def add_listener(self, listener: SnapshotListener) -> None:
+        self._announcer.add_listener(listener)
 
     @property
     def latest(self) -> Snapshot | None:
@@ -35,10 +48,10 @@ class History:
     def __len__(self) -> int:
         return len(self._snapshots)
 
-    def window(self, seconds: float) -> list[Snapshot]:
-        """Snapshots no older than ``seconds`` before the latest one, oldest first."""
+    def window(self, node: str, seconds: float) -> list[Snapshot]:
+        """``node``'s snapshots no older than ``seconds`` before the latest, oldest first (none of another node)."""
         latest = self.latest
-        if latest is None:
+        if latest is None or latest.node != node:
             return []
         start = latest.monotonic - seconds
         newest_first: list[Snapshot] = []
@@ -49,21 +62,13 @@ class History:
         newest_first.reverse()
         return newest_first
 
-    def newest_first(self) -> Iterator[Snapshot]:
-        return reversed(self._snapshots)
-
-    def window_for(self, node: str, seconds: float) -> list[Snapshot]:
-        """``node``'s snapshots in the window. An agent's history is its own node's; a gateway's overrides this."""
-        return self.window(seconds)
-
-    def newest_first_for(self, node: str) -> Iterator[Snapshot]:
-        """``node``'s snapshots, newest first (see ``window_for``)."""
-        return self.newest_first()
+    def newest_first(self, node: str) -> Iterator[Snapshot]:
+        latest = self.latest
+        return reversed(self._snapshots) if latest is not None and latest.node == node else iter(())
 
     async def wait_newer(self, sequence: int) -> Snapshot:
-        """The latest snapshot once its sequence is above ``sequence``."""
         while True:
             latest = self.latest
             if latest is not None and latest.sequence > sequence:
                 return latest
-            await self._appended.wait()
+            await self._announcer.wait()

@@ -41,9 +41,6 @@ def read_timeout_for(poll_interval_seconds: float) -> float:
     return max(0.8 * poll_interval_seconds, 0.04)
 
 
-SnapshotListener = Callable[[Snapshot], None]
-
-
 class Attributor(Protocol):
     """Adds to each tick's samples the pods that hold each GPU (``attribution.PodResourcesWatcher``)."""
 
@@ -62,7 +59,6 @@ class Poller:
         history: History,
         *,
         poll_interval_seconds: float,
-        listeners: Sequence[SnapshotListener] = (),
         on_tick: TickObserver | None = None,
         attributor: Attributor | None = None,
     ) -> None:
@@ -71,7 +67,6 @@ class Poller:
         self._history = history
         self._interval = poll_interval_seconds
         self._read_timeout = read_timeout_for(poll_interval_seconds)
-        self._listeners = list(listeners)
         self._on_tick = on_tick
         self._lag = 0.0
         self._devices: list[GpuIdentity] = []
@@ -79,9 +74,6 @@ class Poller:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._sequence = 0
         self._last_discovery = 0.0
-
-    def add_listener(self, listener: SnapshotListener) -> None:
-        self._listeners.append(listener)
 
     @property
     def devices(self) -> list[GpuIdentity]:
@@ -118,7 +110,7 @@ class Poller:
                 self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def tick(self) -> Snapshot:
-        """Sample every device once, append the snapshot and tell the listeners."""
+        """Sample every device once and append the snapshot (the history announces it)."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         taken_at = time.time()
@@ -140,11 +132,6 @@ class Poller:
             attribution=attribution,
         )
         self._history.append(snapshot)
-        for listener in self._listeners:
-            try:
-                listener(snapshot)
-            except Exception:  # a listener's bug must not stop sampling
-                log.exception("snapshot_listener_failed", listener=getattr(listener, "__qualname__", listener))
         return snapshot
 
     async def _read_all(self, started: float) -> list[GpuSample]:

@@ -15,8 +15,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gpuscaler import __version__
-from gpuscaler.history import History
 from gpuscaler.samples import DEVICE_FIELD, GpuSample
+from gpuscaler.source import SnapshotSource
 
 UNARY_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 NVML_LATENCY_BUCKETS = (0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
@@ -43,12 +43,12 @@ _GPU_SERIES: tuple[tuple[str, str, Callable[[GpuSample], float | None]], ...] = 
 
 
 class _GpuCollector(Collector):
-    def __init__(self, history: History, clock: Callable[[], float]) -> None:
-        self._history = history
+    def __init__(self, source: SnapshotSource, clock: Callable[[], float]) -> None:
+        self._source = source
         self._clock = clock
 
     def collect(self) -> Iterator[Metric]:
-        latest = self._history.latest
+        latest = self._source.latest
         families = {name: GaugeMetricFamily(name, text, labels=_GPU_LABELS) for name, text, _ in _GPU_SERIES}
         up = GaugeMetricFamily(
             "gpuscaler_gpu_up",
@@ -79,9 +79,9 @@ class _GpuCollector(Collector):
 class Telemetry:
     """The agent's registry and the instruments the other modules report to."""
 
-    def __init__(self, history: History, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, source: SnapshotSource, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_GpuCollector(history, clock))
+        self.registry.register(_GpuCollector(source, clock))
         registry = self.registry
         Gauge("gpuscaler_build_info", "The running version.", ["version"], registry=registry).labels(__version__).set(1)
         self.nvml_call_seconds = Histogram(

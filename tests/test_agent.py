@@ -44,7 +44,7 @@ async def test_the_port_opens_only_after_the_first_sample() -> None:
         collector.heal(None)
     agent = await starting
     try:
-        assert agent.engine.history.latest is not None
+        assert agent.engine.source.latest is not None
         assert await connects(port)
     finally:
         await agent.stop()

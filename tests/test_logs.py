@@ -25,4 +25,5 @@ def test_stdlib_exceptions_keep_their_traceback_in_json(capsys: pytest.CaptureFi
         assert "ValueError: boom" in event["exception"]
         assert "Traceback (most recent call last)" in event["exception"]
     finally:
-        logs.configure(log_format="console", level="debug")
+        with capsys.disabled():  # the real stderr: the captured one closes with this test
+            logs.configure(log_format="console", level="debug")

@@ -75,9 +75,9 @@ async def test_listener_errors_do_not_stop_sampling() -> None:
         raise RuntimeError("listener bug")
 
     history = History(history_seconds=60, poll_interval_seconds=0.1)
-    poller = Poller(
-        collector, history, poll_interval_seconds=0.1, listeners=[broken, lambda s: seen.append(s.sequence)]
-    )
+    history.add_listener(broken)
+    history.add_listener(lambda s: seen.append(s.sequence))
+    poller = Poller(collector, history, poll_interval_seconds=0.1)
     await poller.start()
     await poller.tick()
     assert seen == [1]

@@ -24,7 +24,7 @@ from gpuscaler.errors import ConfigError, StartupError
 from gpuscaler.gateway.discovery import DnsAgents, EndpointsListener, StaticAgents
 from gpuscaler.gateway.settings import POD_DIRECTORY_KUBERNETES, GatewaySettings
 from gpuscaler.gateway.subscriber import AgentSubscriber, AgentTLS
-from gpuscaler.gateway.view import ClusterHistory
+from gpuscaler.gateway.view import ClusterView
 from gpuscaler.server.agent_api import AgentService
 from gpuscaler.server.external_scaler import ExternalScalerService
 from gpuscaler.server.grpc_server import ManyStreamsServer
@@ -94,7 +94,7 @@ class Gateway:
     """A started gateway; ``stop()`` drains it. Tests run it in-process, ``gateway`` runs it as the process."""
 
     settings: GatewaySettings
-    view: ClusterHistory
+    view: ClusterView
     engine: Engine
     server: ManyStreamsServer
     scaler: ExternalScalerService
@@ -124,7 +124,7 @@ class Gateway:
         )
         to_agents = agent_tls(settings)
         directory = directory if directory is not None else build_directory(settings)
-        view = ClusterHistory(history_seconds=settings.history_seconds)
+        view = ClusterView(history_seconds=settings.history_seconds)
         engine = Engine(view, directory=directory, cluster=True)
         view.add_listener(engine.on_snapshot)
 

@@ -21,10 +21,10 @@ from grpclib.config import Configuration
 from grpclib.const import Cardinality
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
-from gpuscaler.engine import stale_after_for
-from gpuscaler.gateway.view import ClusterHistory
+from gpuscaler.gateway.view import ClusterView
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.settings import Address
+from gpuscaler.source import stale_after_for
 from gpuscaler.wire import snapshot_from_wire
 
 log = structlog.get_logger(__name__)
@@ -46,7 +46,7 @@ class AgentTLS:
 class AgentSubscriber:
     """Streams one agent's snapshots into ``view`` until cancelled."""
 
-    def __init__(self, endpoint: Address, view: ClusterHistory, *, tls: AgentTLS | None = None) -> None:
+    def __init__(self, endpoint: Address, view: ClusterView, *, tls: AgentTLS | None = None) -> None:
         self.endpoint = endpoint
         self._view = view
         self._tls = tls

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import structlog
 
-from gpuscaler.engine import stale_after_for
 from gpuscaler.history import History
 from gpuscaler.samples import Snapshot
+from gpuscaler.source import Announcer, SnapshotListener, stale_after_for
 
 log = structlog.get_logger(__name__)
 
@@ -29,8 +28,6 @@ DEFAULT_COMPOSE_INTERVAL_SECONDS = 0.5
 DEFAULT_COALESCE_SECONDS = 0.02
 # A node unseen this long is forgotten altogether (its history freed); until then it only leaves the view.
 FORGET_AFTER_SECONDS = 15 * 60.0
-
-SnapshotListener = Callable[[Snapshot], None]
 
 
 @dataclass(slots=True)
@@ -43,8 +40,8 @@ class _Node:
         return now - self.latest.monotonic <= self.stale_after
 
 
-class ClusterHistory(History):
-    """A ``History`` of composed cluster snapshots whose windows come from each node's own history."""
+class ClusterView:
+    """The ``SnapshotSource`` of a gateway: composed cluster snapshots, and windows from each node's own history."""
 
     def __init__(
         self,
@@ -53,30 +50,53 @@ class ClusterHistory(History):
         compose_interval_seconds: float = DEFAULT_COMPOSE_INTERVAL_SECONDS,
         coalesce_seconds: float = DEFAULT_COALESCE_SECONDS,
         clock: Callable[[], float] | None = None,
-        listeners: Sequence[SnapshotListener] = (),
     ) -> None:
-        super().__init__(history_seconds=history_seconds, poll_interval_seconds=compose_interval_seconds)
-        self._snapshots = deque(maxlen=4)  # composed views only; windows read the nodes' histories
+        self._history_seconds = history_seconds
+        self._interval_seconds = compose_interval_seconds
         self._clock = clock or asyncio.get_running_loop().time
         self._coalesce = coalesce_seconds
         self._nodes: dict[str, _Node] = {}
-        self._listeners = list(listeners)
+        self._announcer = Announcer()
+        self._latest: Snapshot | None = None
         self._sequence = 0
         self._pending: asyncio.TimerHandle | None = None
         self._fresh_names: tuple[str, ...] = ()
         self.expected_nodes = 0
         self.updates = 0
 
+    @property
+    def history_seconds(self) -> float:
+        return self._history_seconds
+
+    @property
+    def interval_seconds(self) -> float:
+        return self._interval_seconds
+
+    @property
+    def stale_after(self) -> float:
+        return stale_after_for(self._interval_seconds)
+
+    @property
+    def latest(self) -> Snapshot | None:
+        return self._latest
+
     def add_listener(self, listener: SnapshotListener) -> None:
-        self._listeners.append(listener)
+        self._announcer.add_listener(listener)
+
+    async def wait_newer(self, sequence: int) -> Snapshot:
+        while True:
+            latest = self._latest
+            if latest is not None and latest.sequence > sequence:
+                return latest
+            await self._announcer.wait()
 
     def update(self, snapshot: Snapshot, *, poll_interval_seconds: float) -> None:
         """An agent's snapshot, stamped with the gateway's clock; composes the view shortly after."""
         self.updates += 1
         node = self._nodes.get(snapshot.node)
         stale_after = stale_after_for(poll_interval_seconds)
-        if node is None or node.history.poll_interval_seconds != poll_interval_seconds:
-            history = History(history_seconds=self.history_seconds, poll_interval_seconds=poll_interval_seconds)
+        if node is None or node.history.interval_seconds != poll_interval_seconds:
+            history = History(history_seconds=self._history_seconds, poll_interval_seconds=poll_interval_seconds)
             node = self._nodes[snapshot.node] = _Node(history, stale_after, snapshot)
         node.history.append(snapshot)
         node.latest = snapshot
@@ -106,12 +126,8 @@ class ClusterHistory(History):
             expected_nodes=max(self.expected_nodes, len(parts)),
         )
         self._log_changes(snapshot, now)
-        self.append(snapshot)
-        for listener in self._listeners:
-            try:
-                listener(snapshot)
-            except Exception:  # a listener's bug must not stop the view
-                log.exception("snapshot_listener_failed", listener=getattr(listener, "__qualname__", listener))
+        self._latest = snapshot
+        self._announcer.announce(snapshot)
         return snapshot
 
     def _log_changes(self, snapshot: Snapshot, now: float) -> None:
@@ -137,19 +153,19 @@ class ClusterHistory(History):
         """Every node's newest snapshot, fresh or not (until forgotten)."""
         return {name: node.latest for name, node in self._nodes.items()}
 
-    def window_for(self, node: str, seconds: float) -> list[Snapshot]:
+    def window(self, node: str, seconds: float) -> list[Snapshot]:
         entry = self._nodes.get(node)
-        return entry.history.window(seconds) if entry is not None else []
+        return entry.history.window(node, seconds) if entry is not None else []
 
-    def newest_first_for(self, node: str) -> Iterator[Snapshot]:
+    def newest_first(self, node: str) -> Iterator[Snapshot]:
         entry = self._nodes.get(node)
-        return entry.history.newest_first() if entry is not None else iter(())
+        return entry.history.newest_first(node) if entry is not None else iter(())
 
     async def run(self) -> None:
         """Compose on a timer too, so stale nodes leave the view while nobody sends; until cancelled."""
         try:
             while True:
-                await asyncio.sleep(self.poll_interval_seconds)
+                await asyncio.sleep(self._interval_seconds)
                 self.compose()
         finally:
             if self._pending is not None:

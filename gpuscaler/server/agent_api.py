@@ -17,11 +17,11 @@ class AgentService(pb.AgentBase):
         self._engine = engine
 
     def _wire(self, snapshot: Snapshot) -> pb.Snapshot:
-        return snapshot_to_wire(snapshot, poll_interval_seconds=self._engine.history.poll_interval_seconds)
+        return snapshot_to_wire(snapshot, poll_interval_seconds=self._engine.source.interval_seconds)
 
     async def get_snapshot(self, message: pb.GetSnapshotRequest) -> pb.Snapshot:
         async with grpc_errors("GetSnapshot"):
-            latest = self._engine.history.latest
+            latest = self._engine.source.latest
             if latest is None:
                 raise Unavailable("no sample yet: the agent has not finished its first poll")
         return self._wire(latest)
@@ -29,7 +29,7 @@ class AgentService(pb.AgentBase):
     async def watch_snapshots(self, message: pb.WatchSnapshotsRequest) -> AsyncIterator[pb.Snapshot]:
         sequence = 0
         while True:
-            snapshot = await self._engine.history.wait_newer(sequence)
+            snapshot = await self._engine.source.wait_newer(sequence)
             if self._engine.closing:
                 return  # ends the stream with OK; the gateway reconnects
             sequence = snapshot.sequence

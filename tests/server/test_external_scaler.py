@@ -33,7 +33,7 @@ def fake(agent: Agent) -> FakeCollector:
 async def next_tick(agent: Agent) -> None:
     """Wait for a snapshot whose reads began after now, so it holds every change made before the call."""
     now = agent.engine.now()
-    history = agent.engine.history
+    history = agent.engine.source
     while True:
         latest = history.latest
         assert latest is not None

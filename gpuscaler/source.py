@@ -1,0 +1,82 @@
+"""Where the engine reads snapshots from: one protocol for the agent's ring buffer and the gateway's cluster view.
+
+A source holds the newest snapshot, each node's recent snapshots (windows are per GPU, so per node), the
+age at which its newest snapshot is no longer an answer, and the one way a new snapshot is announced:
+listeners called in order, and ``wait_newer`` for those who wait (the snapshot streams).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
+
+import structlog
+
+from gpuscaler.samples import Snapshot
+
+log = structlog.get_logger(__name__)
+
+SnapshotListener = Callable[[Snapshot], None]
+
+
+def stale_after_for(interval_seconds: float) -> float:
+    """A snapshot older than this is not fresh: three missed intervals, and never under 2 s."""
+    return max(3 * interval_seconds, 2.0)
+
+
+class SnapshotSource(Protocol):
+    """The snapshots an engine answers from."""
+
+    @property
+    def history_seconds(self) -> float:
+        """How far back a window may reach."""
+
+    @property
+    def interval_seconds(self) -> float:
+        """How often a new snapshot comes: the agent's poll interval, the gateway's compose timer."""
+
+    @property
+    def stale_after(self) -> float:
+        """The newest snapshot older than this many seconds is not an answer."""
+
+    @property
+    def latest(self) -> Snapshot | None:
+        """The newest snapshot: a node's on an agent, the composed cluster's on the gateway."""
+
+    def window(self, node: str, seconds: float) -> Sequence[Snapshot]:
+        """``node``'s snapshots no older than ``seconds`` before its newest, oldest first."""
+
+    def newest_first(self, node: str) -> Iterator[Snapshot]:
+        """``node``'s snapshots, newest first."""
+
+    def add_listener(self, listener: SnapshotListener) -> None:
+        """Call ``listener`` with every new snapshot, after it became ``latest``."""
+
+    async def wait_newer(self, sequence: int) -> Snapshot:
+        """The latest snapshot once its sequence is above ``sequence``."""
+
+
+class Announcer:
+    """The announcement half of a source: listeners in order, and a wake-up for waiters."""
+
+    def __init__(self) -> None:
+        self._listeners: list[SnapshotListener] = []
+        self._announced = asyncio.Event()
+
+    def add_listener(self, listener: SnapshotListener) -> None:
+        self._listeners.append(listener)
+
+    def announce(self, snapshot: Snapshot) -> None:
+        # Swap the event so waiters that re-wait do not see this snapshot's set() again.
+        announced, self._announced = self._announced, asyncio.Event()
+        announced.set()
+        for listener in self._listeners:
+            try:
+                listener(snapshot)
+            except Exception:  # a listener's bug must not stop the snapshots
+                log.exception("snapshot_listener_failed", listener=getattr(listener, "__qualname__", listener))
+
+    async def wait(self) -> None:
+        """Until the next announcement."""
+        await self._announced.wait()
