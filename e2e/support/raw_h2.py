@@ -37,7 +37,7 @@ def grpc_call(
     """POST ``body`` as a gRPC request over a fresh connection; the response headers and trailers merged.
 
     ``before_request`` is written after the connection preface and before the request's HEADERS.
-    An empty result means the server closed the connection without answering.
+    An empty result means the server closed (or reset) the connection without answering.
     """
     connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
     connection.initiate_connection()
@@ -58,9 +58,15 @@ def grpc_call(
     request = connection.data_to_send()
     answer: dict[str, str] = {}
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-        sock.sendall(start + before_request + request)
+        try:
+            sock.sendall(start + before_request + request)
+        except (BrokenPipeError, ConnectionResetError):
+            return answer  # closed while we were still writing: no answer
         while True:
-            data = sock.recv(65536)
+            try:
+                data = sock.recv(65536)
+            except ConnectionResetError:
+                return answer  # closed with our bytes unread: no answer either
             if not data:
                 return answer
             for event in connection.receive_data(data):
