@@ -1,170 +1,25 @@
 """Gateways and agents as real processes on loopback: three agents with fake GPUs and fake kubelets, two gateways.
 
-The fake kubelets are real gRPC servers on unix sockets in this test's process; the agents read them the way
-they read the kubelet. Each agent gets its own NODE_NAME, so its fake GPUs are GPU-fake-<node>-<index>.
+Unknown is not zero: a busy node's agent that dies makes both gateways answer UNAVAILABLE naming it, and
+push nothing; its share leaves only when its pods are deleted or its agent leaves discovery.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import os
 import signal
-import subprocess
-import sys
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
 from pathlib import Path
 
 import pytest
 from grpclib.client import Channel
+from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
+from e2e.support.cluster import Cluster, Process, answer, eventually, explain
 from gpuscaler.generated import externalscaler as keda
-from gpuscaler.generated.gpuscaler import v1 as pb
 from tests.fakes.fake_kubelet import Assignment, FakeKubelet, short_socket_path
-
-CONSOLE_SCRIPT = Path(sys.executable).with_name("gpuscaler")
-POLL_SECONDS = 0.2
-GPUS = 2
-# An agent polling every 0.2 s leaves the view max(3 x 0.2, 2) = 2 s after its last snapshot.
-STALE_BOUND_SECONDS = 2.0
-# The agent reads the kubelet every second (not a flag: see ServeSettings).
-KUBELET_REFRESH_SECONDS = 1.0
-
-
-@dataclass
-class Process:
-    """A gpuscaler process with a JSON log; ``port`` comes from its started event."""
-
-    argv: list[str]
-    log_path: Path
-    environ: dict[str, str]
-    started_event: str
-    process: subprocess.Popen[bytes] | None = None
-    port: int = 0
-
-    def start(self) -> Process:
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=self.environ
-            )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            for event in self.events(self.started_event):
-                self.port = int(str(event["port"]))
-                return self
-            if self.process.poll() is not None:
-                raise AssertionError(f"{self.argv[1]} exited with {self.process.returncode}:\n{self.tail()}")
-            time.sleep(0.02)
-        raise AssertionError(f"{self.argv[1]} did not start:\n{self.tail()}")
-
-    def events(self, name: str) -> list[dict[str, object]]:
-        found = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            with contextlib.suppress(ValueError):
-                event = json.loads(line)
-                if isinstance(event, dict) and event.get("event") == name:
-                    found.append(event)
-        return found
-
-    def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-    async def terminate(self) -> int:
-        if self.process is None or self.process.poll() is not None:
-            return self.process.returncode if self.process else 0
-        self.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        while self.process.poll() is None:
-            if time.monotonic() > deadline:
-                self.kill()
-                break
-            await asyncio.sleep(0.02)
-        return self.process.returncode
-
-
-def environment(node: str | None = None) -> dict[str, str]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("GPUSCALER_")}
-    if node is not None:
-        environ["NODE_NAME"] = node
-    return environ
-
-
-@dataclass
-class Cluster:
-    """Three nodes (agent + fake kubelet each) and two gateways over them."""
-
-    directory: Path
-    kubelets: dict[str, FakeKubelet] = field(default_factory=dict)
-    agents: dict[str, Process] = field(default_factory=dict)
-    gateways: list[Process] = field(default_factory=list)
-
-    def agent(self, node: str, port: int = 0) -> Process:
-        return Process(
-            [
-                str(CONSOLE_SCRIPT),
-                "serve",
-                "--collector",
-                "fake",
-                "--fake-gpus",
-                str(GPUS),
-                "--poll-interval",
-                str(POLL_SECONDS),
-                "--listen",
-                f"127.0.0.1:{port}",
-                "--metrics-listen",
-                "",
-                "--pod-resources-socket",
-                str(self.kubelets[node].socket_path),
-                "--log-format",
-                "json",
-            ],
-            self.directory / f"agent-{node}-{time.monotonic_ns()}.log",
-            environment(node),
-            "agent_started",
-        )
-
-    def gateway(self, index: int, pods: Path) -> Process:
-        agents = ",".join(f"127.0.0.1:{agent.port}" for agent in self.agents.values())
-        return Process(
-            [
-                str(CONSOLE_SCRIPT),
-                "gateway",
-                "--listen",
-                "127.0.0.1:0",
-                "--agents",
-                agents,
-                "--pod-directory",
-                str(pods),
-                "--log-format",
-                "json",
-                "--drain-timeout",
-                "1",
-            ],
-            self.directory / f"gateway-{index}.log",
-            environment(),
-            "gateway_started",
-        )
-
-    async def set(self, node: str, *values: float) -> None:
-        channel = Channel("127.0.0.1", self.agents[node].port)
-        try:
-            stub = pb.FakeControlStub(channel)
-            for index, value in enumerate(values):
-                request = pb.SetRequest(gpu=pb.GpuSelector(index=index), values={"gpu_utilization": value})
-                await stub.set(request, timeout=10)
-        finally:
-            channel.close()
-
 
 NODES = ("node-1", "node-2", "node-3")
 PODS = """
@@ -203,44 +58,6 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
         for kubelet in built.kubelets.values():
             await kubelet.stop()
     assert all(code in (0, -signal.SIGKILL) for code in codes), codes
-
-
-async def answer(gateway: Process, **metadata: str) -> float:
-    """GetMetricSpec then GetMetrics, as KEDA calls them, with a ScaledObject in namespace ml."""
-    channel = Channel("127.0.0.1", gateway.port)
-    try:
-        stub = keda.ExternalScalerStub(channel)
-        ref = keda.ScaledObjectRef(name="so", namespace="ml", scaler_metadata=metadata)
-        spec = await stub.get_metric_spec(ref, timeout=5)
-        request = keda.GetMetricsRequest(scaled_object_ref=ref, metric_name=spec.metric_specs[0].metric_name)
-        return (await stub.get_metrics(request, timeout=5)).metric_values[0].metric_value_float
-    finally:
-        channel.close()
-
-
-async def explain(gateway: Process, **metadata: str) -> pb.Explanation:
-    channel = Channel("127.0.0.1", gateway.port)
-    try:
-        return await pb.AgentStub(channel).explain(
-            pb.ExplainRequest(scaler_metadata=metadata, namespace="ml"), timeout=5
-        )
-    finally:
-        channel.close()
-
-
-async def eventually(call: Callable[[], Awaitable[object]], accept: Callable[[object], bool], timeout: float) -> float:
-    """Seconds until ``accept(await call())``; fails with the last result after ``timeout``."""
-    started = time.monotonic()
-    last: object = None
-    while time.monotonic() - started < timeout:
-        try:
-            last = await call()
-        except GRPCError as error:
-            last = error
-        if accept(last):
-            return time.monotonic() - started
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"not accepted within {timeout:g}s; last: {last!r}")
 
 
 def _equals(expected: float, got: object) -> bool:
@@ -289,38 +106,108 @@ async def test_both_gateways_give_the_same_hand_computed_answers(cluster: Cluste
     assert sorted(p.pod for p in explanation.pods) == ["trainer-5d8f-a", "trainer-5d8f-b"]
 
 
-async def test_a_killed_agent_leaves_within_the_bound_and_comes_back(cluster: Cluster) -> None:
-    """SIGKILL an agent: both gateways drop its GPUs within the staleness bound; restarted, it is back."""
-    for node in NODES:
-        await cluster.set(node, 10, 10)
-    for gateway in cluster.gateways:
-        await eventually(partial(answer, gateway), lambda got: got == pytest.approx(60.0), timeout=15)
+class Pushes:
+    """Every StreamIsActive message one gateway pushes for one query, read in the background."""
 
-    victim = cluster.agents["node-3"]
-    port = victim.port
-    victim.kill()
-    killed = time.monotonic()
-    for gateway in cluster.gateways:
-        await eventually(partial(answer, gateway), lambda got: got == pytest.approx(40.0), timeout=15)
-    gone_after = time.monotonic() - killed
-    assert gone_after < STALE_BOUND_SECONDS + 3.0  # the bound, plus a compose tick and this loop's slack
-    refused = await eventually(
-        lambda: answer(cluster.gateways[0], minNodes="3"), lambda got: isinstance(got, GRPCError), timeout=5
+    def __init__(self, gateway: Process, **metadata: str) -> None:
+        self.seen: list[bool] = []
+        self._channel = Channel("127.0.0.1", gateway.port)
+        ref = keda.ScaledObjectRef(name="so", namespace="ml", scaler_metadata=metadata)
+        self._stream = keda.ExternalScalerStub(self._channel).stream_is_active(ref)
+        self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        async for message in self._stream:
+            self.seen.append(message.result)
+
+    async def close(self) -> None:
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+        self._channel.close()
+
+
+async def is_active(gateway: Process, **metadata: str) -> bool:
+    channel = Channel("127.0.0.1", gateway.port)
+    try:
+        ref = keda.ScaledObjectRef(name="so", namespace="ml", scaler_metadata=metadata)
+        return (await keda.ExternalScalerStub(channel).is_active(ref, timeout=5)).result
+    finally:
+        channel.close()
+
+
+def names_node(node: str) -> Callable[[object], bool]:
+    """Accepts UNAVAILABLE naming ``node``: unknown, not zero."""
+
+    def accept(got: object) -> bool:
+        unavailable = isinstance(got, GRPCError) and got.status is Status.UNAVAILABLE
+        return unavailable and f"node {node!r}" in str(getattr(got, "message", ""))
+
+    return accept
+
+
+async def pushed(push: Pushes) -> list[bool]:
+    return push.seen
+
+
+async def test_a_killed_busy_agent_is_unknown_on_both_gateways_until_it_is_gone_on_purpose(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Kill the busy node's agent: UNAVAILABLE naming it, no false pushed; back on restart; gone once its pods are."""
+    assign(cluster, "node-1", [Assignment("ml", "trainer-5d8f-a", (uuid("node-1", 0), uuid("node-1", 1)))])
+    await cluster.set("node-1", 40, 40)
+    queries = (
+        {"activationThreshold": "10"},
+        {"workload": "trainer", "podAggregation": "sum", "activationThreshold": "10"},
     )
-    assert refused >= 0
-
-    restarted = cluster.agent("node-3", port=port)
-    cluster.agents["node-3"] = await asyncio.to_thread(restarted.start)
-    await cluster.set("node-3", 10, 10)
     for gateway in cluster.gateways:
-        await eventually(partial(answer, gateway), lambda got: got == pytest.approx(60.0), timeout=15)
+        for metadata in queries:
+            await eventually(partial(answer, gateway, **metadata), partial(_equals, 80.0), timeout=15)
+    pushes = [Pushes(gateway, **metadata) for gateway in cluster.gateways for metadata in queries]
+    try:
+        for push in pushes:
+            await eventually(partial(pushed, push), lambda seen: seen == [True], timeout=15)
+
+        port = cluster.agents["node-1"].port
+        cluster.agents["node-1"].kill()
+        for gateway in cluster.gateways:
+            for metadata in queries:
+                await eventually(partial(answer, gateway, **metadata), names_node("node-1"), timeout=15)
+                await eventually(partial(is_active, gateway, **metadata), names_node("node-1"), timeout=5)
+        # Several compositions later, still nothing but the first true was pushed.
+        await eventually(partial(answer, cluster.gateways[0]), names_node("node-1"), timeout=5)
+        assert [push.seen for push in pushes] == [[True]] * len(pushes)
+
+        cluster.agents["node-1"] = await asyncio.to_thread(cluster.agent("node-1", port=port).start)
+        await cluster.set("node-1", 40, 40)
+        for gateway in cluster.gateways:
+            for metadata in queries:
+                await eventually(partial(answer, gateway, **metadata), partial(_equals, 80.0), timeout=15)
+
+        # Its pods deleted while the node is silent: the workload's share leaves, without an error.
+        cluster.agents["node-1"].kill()
+        for gateway in cluster.gateways:
+            await eventually(partial(answer, gateway, workload="trainer"), names_node("node-1"), timeout=15)
+        (tmp_path / "pods.yaml").write_text(PODS.replace("trainer-5d8f-a", "trainer-5d8f-z"))
+        for gateway in cluster.gateways:
+            await eventually(partial(answer, gateway, workload="trainer"), partial(_equals, 0.0), timeout=15)
+            await eventually(partial(answer, gateway), names_node("node-1"), timeout=5)  # the node is still listed
+
+        # Its agent removed from discovery: the node's share leaves every answer.
+        cluster.list_agents("node-2", "node-3")
+        for gateway in cluster.gateways:
+            await eventually(partial(answer, gateway), partial(_equals, 0.0), timeout=15)
+        assert [push.seen[0] for push in pushes] == [True] * len(pushes)
+        assert all(False not in push.seen[: push.seen.index(True) + 1] for push in pushes)
+    finally:
+        for push in pushes:
+            await push.close()
     assert not any(g.process is not None and g.process.poll() is not None for g in cluster.gateways)
 
 
 async def test_a_workload_scaling_from_one_to_three_pods_changes_the_answer_within_one_refresh(
     cluster: Cluster,
 ) -> None:
-    """When the kubelets assign GPUs to two more replicas, the workload's value follows within one refresh."""
+    """When the kubelets assign GPUs to two more replicas, the workload's value follows on both gateways."""
     for node in NODES:
         await cluster.set(node, 50, 0)
     assign(cluster, "node-1", [Assignment("ml", "trainer-5d8f-a", (uuid("node-1", 0),))])
@@ -331,8 +218,7 @@ async def test_a_workload_scaling_from_one_to_three_pods_changes_the_answer_with
 
     assign(cluster, "node-2", [Assignment("ml", "trainer-5d8f-b", (uuid("node-2", 0),))])
     assign(cluster, "node-3", [Assignment("ml", "trainer-5d8f-c", (uuid("node-3", 0),))])
-    took = await eventually(
-        lambda: answer(cluster.gateways[1], workload="trainer"), lambda got: got == pytest.approx(150.0), timeout=15
-    )
-    # One kubelet refresh (1 s), one poll (0.2 s), the gateway's coalescing (0.02 s), and slack for a busy box.
-    assert took < KUBELET_REFRESH_SECONDS + POLL_SECONDS + 2.0
+    for gateway in cluster.gateways:
+        await eventually(
+            partial(answer, gateway, workload="trainer"), lambda got: got == pytest.approx(150.0), timeout=15
+        )

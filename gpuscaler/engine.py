@@ -69,6 +69,9 @@ class Engine:
         self._cache: dict[ValueQuery, Evaluation] = {}
         self.closing = False
         self.on_transition: list[Callable[[bool], None]] = []
+        # Called with every answer that left out GPUs or nodes (an all-GPU query with a lost GPU, minNodes).
+        self.on_partial: list[Callable[[Evaluation], None]] = []
+        self._left_out: dict[ValueQuery, tuple[frozenset[str], float]] = {}
 
     def now(self) -> float:
         return self._clock()
@@ -95,7 +98,34 @@ class Engine:
 
     def value(self, query: Query) -> float:
         """The query's value now; raises the GpuscalerError KEDA must see instead of a made-up 0."""
-        return self.evaluate(query.value).value_or_raise()
+        evaluation = self.evaluate(query.value)
+        value = evaluation.value_or_raise()
+        self._note_left_out(evaluation)
+        return value
+
+    def _note_left_out(self, evaluation: Evaluation) -> None:
+        """Make a partial answer visible: every time to the observers, and in the log when what it lacks changes."""
+        gpus = [c for c in evaluation.contributions if c.value is None]
+        if not gpus and not evaluation.absent:
+            if self._left_out.pop(evaluation.query, None) is not None:
+                log.info("answer_complete_again", selection=evaluation.query.describe_selection())
+            return
+        for observer in self.on_partial:
+            observer(evaluation)
+        names = frozenset(
+            [f"GPU {c.sample.gpu.index} ({c.sample.gpu.uuid}) on {c.sample.node}: {c.reason}" for c in gpus]
+            + [f"node {a.node or '?'} (agent {a.agent}): {a.reason}" for a in evaluation.absent]
+        )
+        seen = self._left_out.get(evaluation.query)
+        self._left_out[evaluation.query] = (names, self._clock())
+        if seen is None or seen[0] != names:
+            log.warning(
+                "answer_leaves_out",
+                selection=evaluation.query.describe_selection(),
+                metric=evaluation.query.metric.value,
+                left_out=sorted(names),
+                detail="an all-GPU query answers with the GPUs it can read; name GPUs to make it strict",
+            )
 
     def is_active(self, query: Query) -> bool:
         return self._observe(query, self.value(query))
@@ -158,7 +188,10 @@ class Engine:
                     subscription.active = active
                     subscription.changed.set()
             group.waiting.clear()
-        self._states.forget_idle(now=self._clock(), keep=set(self._groups))
+        now = self._clock()
+        self._states.forget_idle(now=now, keep=set(self._groups))
+        for key in [k for k, (_, used) in self._left_out.items() if now - used > ACTIVATION_IDLE_SECONDS]:
+            del self._left_out[key]
 
     def healthy(self) -> bool:
         """Fresh samples with at least one GPU read: what the health service reports as SERVING."""

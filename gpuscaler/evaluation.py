@@ -20,7 +20,7 @@ from gpuscaler.aggregation import aggregate, reduce_window
 from gpuscaler.attribution.directory import PodDirectory
 from gpuscaler.errors import GpuscalerError, InvalidMetadata, Unavailable, Unsupported
 from gpuscaler.query import GpuSelection, PodSelection, ValueQuery
-from gpuscaler.samples import AttributionState, GpuSample, Metric, ReadError, ReadErrorKind, Snapshot
+from gpuscaler.samples import Absence, AttributionState, GpuSample, Metric, ReadError, ReadErrorKind, Snapshot
 from gpuscaler.source import SnapshotSource
 
 
@@ -62,6 +62,8 @@ class Evaluation:
     error: GpuscalerError | None
     snapshot: Snapshot | None
     pods: tuple[PodValue, ...] = ()
+    # Nodes the value left out because minNodes allowed it (without minNodes, an absent node is an error).
+    absent: tuple[Absence, ...] = ()
 
     def value_or_raise(self) -> float:
         if self.error is not None:
@@ -97,15 +99,18 @@ def evaluate(
                 f"older than {stale_after:g}s; the poll loop is stalled"
             ),
         )
-    short = _too_few_nodes(query, snapshot)
-    if short is not None:
-        return _failed(query, snapshot, short)
     if query.pods is not None:
         return _evaluate_pods(query, query.pods, snapshot, source, directory)
     try:
         selected = select(query.selection, snapshot)
     except InvalidMetadata as error:
+        if snapshot.absent:  # the GPU may be on a node the gateway cannot hear now
+            return _failed(query, snapshot, Unavailable(f"{error.message}; {_cannot_hear(snapshot.absent, snapshot)}"))
         return _failed(query, snapshot, error)
+    # Named GPUs were all found on nodes that are heard; all GPUs need every node.
+    gate = _gate(query, snapshot, [(absence, ()) for absence in snapshot.absent] if query.selection.everything else [])
+    if isinstance(gate, GpuscalerError):
+        return _failed(query, snapshot, gate)
 
     windows = _Windows(source, query.window_seconds)
     contributions = tuple(_contribution(query, sample, windows, source) for sample in selected)
@@ -118,7 +123,7 @@ def evaluate(
     elif left_out and (not included or not query.selection.everything):
         failure = _unreadable(query.metric, left_out)
     value = None if failure is not None else aggregate(query.aggregation, included)
-    return Evaluation(query, contributions, value, failure, snapshot)
+    return Evaluation(query, contributions, value, failure, snapshot, absent=gate)
 
 
 def select(selection: GpuSelection, snapshot: Snapshot) -> list[GpuSample]:
@@ -146,19 +151,112 @@ def select(selection: GpuSelection, snapshot: Snapshot) -> list[GpuSample]:
     return samples
 
 
-def _too_few_nodes(query: ValueQuery, snapshot: Snapshot) -> GpuscalerError | None:
-    """UNAVAILABLE when fewer nodes sent fresh samples than ``minNodes`` asks (so KEDA's fallback applies)."""
-    if query.min_nodes is None:
-        return None
-    fresh = len(snapshot.nodes)
-    known = max(snapshot.expected_nodes, fresh)
-    required = query.min_nodes.required(known)
-    if fresh >= required:
-        return None
-    return Unavailable(
-        f"only {fresh} of {known} known nodes sent fresh samples, and minNodes {query.min_nodes.describe()} "
-        f"needs {required}; answering from too little data could scale the workload in"
+HeldPods = tuple[tuple[str, str], ...]  # (namespace, pod) of a selection that an absent node held
+MAX_ABSENCES_NAMED = 5
+
+
+def _gate(
+    query: ValueQuery, snapshot: Snapshot, relevant: Sequence[tuple[Absence, HeldPods]]
+) -> tuple[Absence, ...] | GpuscalerError:
+    """The absences the value may leave out, or the error KEDA must get instead.
+
+    Unknown is not zero: a node the answer needs and cannot hear makes the answer UNAVAILABLE, unless
+    ``minNodes`` says how many heard nodes are enough; then those are left out (and named in Explain).
+    """
+    if query.min_nodes is not None:
+        fresh = len(snapshot.nodes)
+        known = snapshot.known_nodes
+        required = query.min_nodes.required(known)
+        if fresh < required:
+            return Unavailable(
+                f"only {fresh} of {known} known nodes sent fresh samples, and minNodes "
+                f"{query.min_nodes.describe()} needs {required}; answering from too little data could scale "
+                "the workload in"
+            )
+        return tuple(absence for absence, _ in relevant)
+    if not relevant:
+        return ()
+    return Unavailable(_unknown_share(relevant, snapshot, query.pods))
+
+
+def _unknown_share(relevant: Sequence[tuple[Absence, HeldPods]], snapshot: Snapshot, pods: PodSelection | None) -> str:
+    clauses = []
+    for absence, held in relevant[:MAX_ABSENCES_NAMED]:
+        clause = absence.describe(snapshot.taken_at)
+        if held:
+            clause += f", and it held {_listing(f'{ns}/{name}' for ns, name in held)}"
+        clauses.append(clause)
+    if len(relevant) > MAX_ABSENCES_NAMED:
+        clauses.append(f"and {len(relevant) - MAX_ABSENCES_NAMED} more")
+    if pods is None:
+        scope = f"the value needs every node's GPUs, and {len(relevant)} of {snapshot.known_nodes} cannot be heard"
+        until = "until it is heard again or its agent leaves discovery (the node is removed)"
+    else:
+        scope = f"{pods.describe()} may hold GPUs the gateway cannot hear"
+        until = "until the node is heard again, the pods are deleted, or its agent leaves discovery"
+    return (
+        f"{scope}: {'; '.join(clauses)}. That share is unknown, not 0, {until}; minNodes lets the answer "
+        "leave out nodes that cannot be heard"
     )
+
+
+def _cannot_hear(absent: Sequence[Absence], snapshot: Snapshot) -> str:
+    named = "; ".join(absence.describe(snapshot.taken_at) for absence in absent[:MAX_ABSENCES_NAMED])
+    more = f"; and {len(absent) - MAX_ABSENCES_NAMED} more" if len(absent) > MAX_ABSENCES_NAMED else ""
+    return f"it may be on a node that cannot be heard now: {named}{more}"
+
+
+def _pod_absences(
+    pods: PodSelection, snapshot: Snapshot, directory: PodDirectory | None
+) -> list[tuple[Absence, HeldPods]]:
+    """The absent nodes that may hold GPUs of the selected pods, with the pods each is known to hold.
+
+    A silent node's share leaves only when the pods it held are known to be gone: deleted, or running
+    on another node (the pod directory says so). An agent whose node is not known may hold any pod
+    the directory cannot place on a node that is heard.
+    """
+    relevant: list[tuple[Absence, HeldPods]] = []
+    unplaced: bool | None = None
+    for absence in snapshot.absent:
+        if absence.last is not None:
+            held = sorted(
+                {
+                    (ref.namespace, ref.pod)
+                    for sample in absence.last.samples
+                    for ref in sample.pods
+                    if _pod_matches(pods, (ref.namespace, ref.pod), directory)
+                    and not _gone(ref.namespace, ref.pod, absence.node, directory)
+                }
+            )
+            if held:
+                relevant.append((absence, tuple(held)))
+            continue
+        if unplaced is None:
+            unplaced = _may_be_unplaced(pods, snapshot, directory)
+        if unplaced:
+            relevant.append((absence, ()))
+    return relevant
+
+
+def _gone(namespace: str, pod: str, node: str | None, directory: PodDirectory | None) -> bool:
+    """Whether the directory knows that ``pod`` no longer runs on ``node``: deleted, or (re)placed elsewhere."""
+    if directory is None or directory.problem() is not None:
+        return False
+    info = directory.lookup(namespace, pod)
+    return info is None or (info.node is not None and info.node != node)
+
+
+def _may_be_unplaced(pods: PodSelection, snapshot: Snapshot, directory: PodDirectory | None) -> bool:
+    """Whether a selected pod that may hold a GPU runs somewhere the view has no snapshot of."""
+    if directory is None or directory.problem() is not None:
+        return True
+    known = {part.node for part in snapshot.nodes} | {a.node for a in snapshot.absent if a.node is not None}
+    for info in directory.pods(pods.namespace):
+        if info.holds_gpus is False or not _pod_matches(pods, (info.namespace, info.pod), directory):
+            continue
+        if info.node is None or info.node not in known:
+            return True
+    return False
 
 
 def _evaluate_pods(
@@ -168,12 +266,15 @@ def _evaluate_pods(
     source: SnapshotSource,
     directory: PodDirectory | None,
 ) -> Evaluation:
-    if snapshot.expected_nodes and not snapshot.parts:
+    if snapshot.cluster and not snapshot.parts:
         # A gateway that hears from no node knows nothing about the workload: not zero, not unsupported.
         return _failed(query, snapshot, Unavailable(_no_gpus(snapshot)))
     failure = _attribution_failure(pods, snapshot, directory)
     if failure is not None:
         return _failed(query, snapshot, failure)
+    gate = _gate(query, snapshot, _pod_absences(pods, snapshot, directory))
+    if isinstance(gate, GpuscalerError):
+        return _failed(query, snapshot, gate)
 
     groups: dict[tuple[str, str], list[GpuSample]] = {}
     matched: dict[tuple[str, str], bool] = {}
@@ -213,7 +314,7 @@ def _evaluate_pods(
     included = [p.value for p in values if p.value is not None]
     error: GpuscalerError | None = None
     value: float | None
-    if not values and not snapshot.parts:
+    if not values and not snapshot.cluster:
         # One node's agent cannot tell a workload at zero from one whose pods run on other nodes;
         # answering 0 would scale it in. Only the gateway's cluster view can say "zero".
         value, error = (
@@ -224,12 +325,12 @@ def _evaluate_pods(
             ),
         )
     elif not values:
-        value = 0.0  # no selected pod holds a GPU anywhere in the cluster: the workload is at zero
+        value = 0.0  # no selected pod holds a GPU on any node, and no node that cannot be heard may hold one
     elif not included:
         value, error = None, _unreadable(query.metric, [c for c in contributions if c.value is None])
     else:
         value = aggregate(query.aggregation, included)
-    return Evaluation(query, tuple(contributions), value, error, snapshot, tuple(values))
+    return Evaluation(query, tuple(contributions), value, error, snapshot, tuple(values), absent=gate)
 
 
 def _attribution_failure(
@@ -341,16 +442,21 @@ def _last_read(source: SnapshotSource, sample: GpuSample, metric: Metric) -> str
 
 
 def _no_gpus(snapshot: Snapshot) -> str:
-    if not snapshot.parts and snapshot.expected_nodes == 0:
+    if not snapshot.cluster:
         return f"node {snapshot.node!r} reports no GPUs"
-    return (
-        f"no GPUs to read: {len(snapshot.parts)} of {snapshot.expected_nodes} known agents sent a fresh snapshot "
+    message = (
+        f"no GPUs to read: {len(snapshot.parts)} of {snapshot.known_nodes} known agents sent a fresh snapshot "
         "with GPUs in it"
     )
+    if snapshot.absent:
+        message += "; not heard: " + "; ".join(
+            a.describe(snapshot.taken_at) for a in snapshot.absent[:MAX_ABSENCES_NAMED]
+        )
+    return message
 
 
 def _where(snapshot: Snapshot) -> str:
-    if not snapshot.parts and snapshot.expected_nodes == 0:
+    if not snapshot.cluster:
         return f"node {snapshot.node!r}"
     return f"any of the {len(snapshot.parts)} fresh nodes"
 

@@ -120,8 +120,35 @@ async def _first_stream_message(
 
 
 def report_renderable(report: Report) -> Group:
-    """The report for a person: the four answers, then the GPUs that went in, then the HPA's math."""
-    return Group(_answers_table(report), _gpus_table(report), _replicas_text(report))
+    """The report for a person: the four answers, the GPUs that went in, what was left out, the HPA's math."""
+    parts: list[Table | Text] = [_answers_table(report), _gpus_table(report)]
+    left_out = left_out_lines(report)
+    if left_out:
+        parts.append(Text("\n".join(left_out), style="yellow"))
+    parts.append(_replicas_text(report))
+    return Group(*parts)
+
+
+def left_out_lines(report: Report) -> list[str]:
+    """What an answer that KEDA got did not count: unreadable GPUs, and nodes minNodes let it leave out."""
+    explanation = report.explanation or {}
+    if not report.get_metrics.ok:
+        return []
+    gpus = [gpu for gpu in explanation.get("gpus", []) if not gpu.get("included")]
+    lines = []
+    if gpus:
+        lines.append(
+            f"The value leaves out {len(gpus)} of {len(explanation.get('gpus', []))} GPU(s); their share is not in it:"
+        )
+        lines += [
+            f"  GPU {g.get('index', 0)} ({g.get('uuid', '')}) on {g.get('node', '')}: {g.get('reason', '')}"
+            for g in gpus
+        ]
+    for absent in explanation.get("absent", []):
+        who = f"node {absent.get('node')}" if absent.get("node") else "an agent not heard from"
+        agent, reason = absent.get("agent", ""), absent.get("reason", "")
+        lines.append(f"The value leaves out {who} (agent {agent}), as minNodes allows: {reason}")
+    return lines
 
 
 def render_table(report: Report, console: Console) -> None:

@@ -5,6 +5,7 @@ A value that could not be read is None and its reason is in ``errors``; it is ne
 
 from __future__ import annotations
 
+import datetime
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -153,14 +154,38 @@ def _percent(part: float | None, whole: float | None) -> float | None:
 
 
 @dataclass(frozen=True, slots=True)
+class Absence:
+    """A node whose GPUs a cluster answer cannot see now, or an agent whose node is not known.
+
+    ``node`` is None for a listed agent that has sent no snapshot since the gateway started, or whose
+    snapshots are refused (it claims a node another agent reports). ``last`` is the node's newest
+    snapshot, which says which pods it held; ``since`` is wall-clock seconds since the epoch.
+    """
+
+    agent: str
+    node: str | None
+    since: float
+    reason: str
+    last: Snapshot | None = None
+
+    def describe(self, now: float) -> str:
+        """One clause for an error message: who, since when, and why."""
+        when = datetime.datetime.fromtimestamp(self.since, datetime.UTC).isoformat(timespec="seconds")
+        ago = f"{max(0.0, now - self.since):.1f}s ago"
+        who = f"node {self.node!r} (agent {self.agent})" if self.node else f"agent {self.agent}"
+        return f"{who} since {when} ({ago}): {self.reason}"
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     """Every device's sample from one poll tick.
 
     ``taken_at`` is wall-clock seconds since the epoch (for people and the wire);
     ``monotonic`` is the loop's clock (for ages and windows, immune to clock steps).
 
-    A gateway composes one snapshot of the whole cluster: ``samples`` is then every fresh node's samples,
-    ``parts`` the node snapshots they came from and ``expected_nodes`` the number of agents it knows of.
+    A gateway composes one snapshot of the whole cluster (``cluster``): ``samples`` is then every fresh
+    node's samples, ``parts`` the node snapshots they came from, and ``absent`` every listed agent whose
+    node is silent or unknown, so that an answer can tell a share it cannot see from a share that is 0.
     """
 
     sequence: int
@@ -170,9 +195,15 @@ class Snapshot:
     samples: tuple[GpuSample, ...] = field(default_factory=tuple)
     attribution: Attribution = ATTRIBUTION_OFF
     parts: tuple[Snapshot, ...] = ()
-    expected_nodes: int = 0
+    absent: tuple[Absence, ...] = ()
+    cluster: bool = False
 
     @property
     def nodes(self) -> tuple[Snapshot, ...]:
-        """The node snapshots this one is made of: ``parts`` for a cluster, itself for a node."""
-        return self.parts or (self,)
+        """The fresh node snapshots this one is made of: ``parts`` for a cluster, itself for a node."""
+        return self.parts if self.cluster else (self,)
+
+    @property
+    def known_nodes(self) -> int:
+        """Nodes the answer should cover: the fresh ones and the absent ones."""
+        return len(self.nodes) + len(self.absent)

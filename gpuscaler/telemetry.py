@@ -15,6 +15,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gpuscaler import __version__
+from gpuscaler.evaluation import Evaluation
 from gpuscaler.samples import DEVICE_FIELD, GpuSample
 from gpuscaler.source import SnapshotSource
 
@@ -135,6 +136,15 @@ class Telemetry:
         )
         for direction in ("activate", "deactivate"):
             self.transitions.labels(direction)
+        self.partial_answers = Counter(
+            "gpuscaler_partial_answers_total",
+            "Answers given without some selected GPUs (unreadable, left out of an all-GPU query) or nodes "
+            "(left out under minNodes), by what was left out.",
+            ["left_out"],
+            registry=registry,
+        )
+        for left_out in ("gpus", "nodes"):
+            self.partial_answers.labels(left_out)
 
     def observe_nvml_call(self, call: str, seconds: float, error_code: int | None) -> None:
         self.nvml_call_seconds.labels(call).observe(seconds)
@@ -149,6 +159,12 @@ class Telemetry:
         self.rpc_handled.labels(method, code).inc()
         if not streaming:
             self.rpc_seconds.labels(method).observe(seconds)
+
+    def observe_partial(self, evaluation: Evaluation) -> None:
+        if any(c.value is None for c in evaluation.contributions):
+            self.partial_answers.labels("gpus").inc()
+        if evaluation.absent:
+            self.partial_answers.labels("nodes").inc()
 
     def observe_transition(self, active: bool) -> None:
         self.transitions.labels("activate" if active else "deactivate").inc()

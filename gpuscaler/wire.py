@@ -162,5 +162,9 @@ def explanation_to_wire(query: Query, evaluation: Evaluation, *, active: bool, n
         snapshot_age_seconds=max(0.0, now - snapshot.monotonic) if snapshot else 0.0,
         snapshot_sequence=snapshot.sequence if snapshot else 0,
         nodes=evaluation.nodes,
-        nodes_expected=(max(snapshot.expected_nodes, len(snapshot.nodes)) if snapshot else 0),
+        nodes_expected=snapshot.known_nodes if snapshot else 0,
+        absent=[
+            pb.AbsentNode(agent=a.agent, node=a.node or "", since_unix_seconds=a.since, reason=a.reason)
+            for a in evaluation.absent
+        ],
     )

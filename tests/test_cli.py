@@ -39,7 +39,7 @@ async def test_query_json_shows_what_keda_gets(agent: Agent, capsys: pytest.Capt
 
 
 async def test_query_shows_errors_and_left_out_gpus(agent: Agent, capsys: pytest.CaptureFixture[str]) -> None:
-    """A failed GPU appears as left out with its reason; a query that needs it shows KEDA's error and exits 1."""
+    """A failed GPU appears as left out with its reason, in the table too; a query that needs it shows KEDA's error."""
     address = f"127.0.0.1:{agent.port}"
     assert await run_cli("fake", "fail", "--address", address, "--gpu", "3", "--error", "lost") == 0
     await next_tick(agent)
@@ -49,6 +49,11 @@ async def test_query_shows_errors_and_left_out_gpus(agent: Agent, capsys: pytest
     gpus = json.loads(capsys.readouterr().out)["explanation"]["gpus"]
     assert [gpu["included"] for gpu in gpus] == [True, True, True, False]
     assert "gpu_lost" in gpus[3]["reason"]
+
+    assert await run_cli("query", "--address", address) == 0
+    table = capsys.readouterr().out
+    assert "The value leaves out 1 of 4 GPU(s)" in table
+    assert "GPU 3 (GPU-fake-test-node-3)" in table
 
     assert await run_cli("query", "--address", address, "--output", "json", "gpuIndex=3") == 1
     report = json.loads(capsys.readouterr().out)

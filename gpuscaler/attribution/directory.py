@@ -9,13 +9,15 @@ static YAML file where there is no API (compose, tests). The file is re-read whe
         labels: {app: trainer, team: vision}
         workload: trainer          # the Deployment / StatefulSet / ... name
         workloadKind: Deployment   # optional, for people
+        node: gpu-node-1           # optional: where it runs (spec.nodeName)
+        gpus: true                 # optional: whether it asks for a GPU
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -33,11 +35,19 @@ POD_TEMPLATE_HASH = "pod-template-hash"
 
 @dataclass(frozen=True, slots=True)
 class PodInfo:
+    """A pod as workload queries see it. ``node`` and ``holds_gpus`` are None where the source does not say.
+
+    Where a pod runs and whether it asks for a GPU tell a gateway whether a node it cannot hear from may
+    hold the pod's GPUs: a share is left out only when it is known to be gone.
+    """
+
     namespace: str
     pod: str
     labels: Mapping[str, str] = field(default_factory=dict)
     workload: str | None = None
     workload_kind: str | None = None
+    node: str | None = None
+    holds_gpus: bool | None = None
 
 
 class PodDirectory(Protocol):
@@ -45,6 +55,9 @@ class PodDirectory(Protocol):
 
     def lookup(self, namespace: str, pod: str) -> PodInfo | None:
         """The pod, or None when the directory does not know it (yet)."""
+
+    def pods(self, namespace: str) -> Iterable[PodInfo]:
+        """Every pod it knows in ``namespace``."""
 
     def problem(self) -> str | None:
         """Why the directory cannot answer now (not synced, API unreachable), or None when it can."""
@@ -83,6 +96,10 @@ class StaticPodDirectory:
     def lookup(self, namespace: str, pod: str) -> PodInfo | None:
         self._maybe_reload()
         return self._pods.get((namespace, pod))
+
+    def pods(self, namespace: str) -> list[PodInfo]:
+        self._maybe_reload()
+        return [info for (space, _), info in self._pods.items() if space == namespace]
 
     def problem(self) -> str | None:
         self._maybe_reload()
@@ -147,7 +164,7 @@ def parse_static_pods(text: str, *, source: str) -> dict[tuple[str, str], PodInf
     return pods
 
 
-_ENTRY_KEYS = {"namespace", "pod", "labels", "workload", "workloadKind"}
+_ENTRY_KEYS = {"namespace", "pod", "labels", "workload", "workloadKind", "node", "gpus"}
 
 
 def _static_entry(entry: Any, where: str) -> PodInfo:
@@ -164,13 +181,19 @@ def _static_entry(entry: Any, where: str) -> PodInfo:
         raise ConfigError(f"{where}: labels must be a mapping of strings")
     workload = entry.get("workload")
     kind = entry.get("workloadKind")
-    for key, value in (("workload", workload), ("workloadKind", kind)):
+    node = entry.get("node")
+    for key, value in (("workload", workload), ("workloadKind", kind), ("node", node)):
         if value is not None and not isinstance(value, str):
             raise ConfigError(f"{where}: {key} must be a string")
+    gpus = entry.get("gpus")
+    if gpus is not None and not isinstance(gpus, bool):
+        raise ConfigError(f"{where}: gpus must be true or false")
     return PodInfo(
         namespace=entry["namespace"],
         pod=entry["pod"],
         labels={str(k): str(v) for k, v in labels.items()},
         workload=workload,
         workload_kind=kind,
+        node=node,
+        holds_gpus=gpus,
     )

@@ -19,6 +19,7 @@ import structlog
 from kubernetes_asyncio import client, config, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from gpuscaler.attribution.devices import NVIDIA_RESOURCE_PREFIX
 from gpuscaler.attribution.directory import PodInfo, owner_workload
 from gpuscaler.errors import ConfigError
 
@@ -44,7 +45,30 @@ def pod_info(pod: Mapping[str, Any]) -> PodInfo | None:
     kind, workload = owner_workload(
         controller.get("kind") if controller else None, controller.get("name") if controller else None, labels
     )
-    return PodInfo(namespace=namespace, pod=name, labels=labels, workload=workload, workload_kind=kind)
+    spec = pod.get("spec") or {}
+    node = spec.get("nodeName")
+    return PodInfo(
+        namespace=namespace,
+        pod=name,
+        labels=labels,
+        workload=workload,
+        workload_kind=kind,
+        node=node if isinstance(node, str) and node else None,
+        holds_gpus=_asks_for_gpus(spec),
+    )
+
+
+def _asks_for_gpus(spec: Mapping[str, Any]) -> bool:
+    """Whether a container requests an ``nvidia.com/...`` resource, or the pod claims DRA devices."""
+    if spec.get("resourceClaims"):
+        return True
+    for group in ("initContainers", "containers"):
+        for container in spec.get(group) or []:
+            resources = (container.get("resources") or {}) if isinstance(container, dict) else {}
+            for kind in ("limits", "requests"):
+                if any(str(name).startswith(NVIDIA_RESOURCE_PREFIX) for name in resources.get(kind) or {}):
+                    return True
+    return False
 
 
 class KubernetesPodDirectory:
@@ -82,6 +106,9 @@ class KubernetesPodDirectory:
 
     def lookup(self, namespace: str, pod: str) -> PodInfo | None:
         return self._pods.get((namespace, pod))
+
+    def pods(self, namespace: str) -> list[PodInfo]:
+        return [info for (space, _), info in self._pods.items() if space == namespace]
 
     def problem(self) -> str | None:
         if not self._synced:

@@ -1,19 +1,23 @@
-"""Where the agents are: a static list (compose, tests), or a headless Service's DNS records, re-resolved.
+"""Where the agents are: a headless Service's DNS records, re-resolved; a file, re-read; or a static list.
 
 The chart's headless Service publishes not-ready agents too, so that an unhealthy agent still counts
 as a node the gateway knows of (``minNodes`` shares are taken of those), and only a deleted pod leaves.
-A failed lookup keeps the last answer: a DNS hiccup is not a cluster with no nodes.
+A failed lookup keeps the last answer: a DNS hiccup is not a cluster with no nodes. An agent that is
+no longer listed has left on purpose, and its node's share leaves every answer (see ``view.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import structlog
 
-from gpuscaler.settings import Address
+from gpuscaler.errors import ConfigError
+from gpuscaler.settings import Address, parse_address
 
 log = structlog.get_logger(__name__)
 
@@ -65,3 +69,69 @@ class DnsAgents:
                     self.endpoints = found
                     listener(found)
             await asyncio.sleep(self.interval_seconds)
+
+
+def read_agents_file(path: Path) -> frozenset[Address]:
+    """The agents a file lists, one HOST:PORT per line; ConfigError names the line that is wrong."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise ConfigError(f"cannot read: {error.strerror}") from None
+    agents = set()
+    for number, line in enumerate(text.splitlines(), start=1):
+        item = line.split("#", 1)[0].strip()
+        if not item:
+            continue
+        where = f"line {number} {item!r}"
+        address = parse_address(item, lambda allowed: ConfigError(f"{where}: {allowed}"))  # noqa: B023 - called at once
+        if address.port == 0:
+            raise ConfigError(f"line {number} {item!r}: every agent needs its port (not 0)")
+        agents.add(address)
+    return frozenset(agents)
+
+
+class FileAgents:
+    """The agents a file lists, re-read when its modification time changes (checked every ``interval_seconds``).
+
+    A file that becomes unreadable or wrong keeps the last good list, as a failed DNS lookup does.
+    """
+
+    def __init__(self, path: Path, *, interval_seconds: float = DEFAULT_RESOLVE_INTERVAL_SECONDS) -> None:
+        self.path = path
+        self.interval_seconds = interval_seconds
+        self.endpoints: frozenset[Address] | None = None
+        self._stamp: tuple[int, int] | None = None
+
+    async def run(self, listener: EndpointsListener) -> None:
+        while True:
+            self._check(listener)
+            await asyncio.sleep(self.interval_seconds)
+
+    def _check(self, listener: EndpointsListener) -> None:
+        try:
+            info = os.stat(self.path)
+        except OSError as error:
+            log.warning(
+                "agents_file_failed", path=str(self.path), error=error.strerror, keeping=len(self.endpoints or ())
+            )
+            return
+        stamp = (info.st_mtime_ns, info.st_size)
+        if stamp == self._stamp:
+            return
+        try:
+            found = read_agents_file(self.path)
+        except ConfigError as error:
+            log.error("agents_file_failed", path=str(self.path), error=str(error), keeping=len(self.endpoints or ()))
+            return
+        self._stamp = stamp
+        if found != self.endpoints:
+            before = self.endpoints or frozenset()
+            log.info(
+                "agents_listed",
+                path=str(self.path),
+                agents=len(found),
+                added=sorted(map(str, found - before)),
+                removed=sorted(map(str, before - found)),
+            )
+            self.endpoints = found
+            listener(found)

@@ -21,7 +21,7 @@ from gpuscaler import __version__
 from gpuscaler.attribution.directory import PodDirectory, StaticPodDirectory
 from gpuscaler.engine import Engine
 from gpuscaler.errors import ConfigError, StartupError
-from gpuscaler.gateway.discovery import DnsAgents, EndpointsListener, StaticAgents
+from gpuscaler.gateway.discovery import DnsAgents, EndpointsListener, FileAgents, StaticAgents
 from gpuscaler.gateway.settings import POD_DIRECTORY_KUBERNETES, GatewaySettings
 from gpuscaler.gateway.subscriber import AgentSubscriber, AgentTLS
 from gpuscaler.gateway.view import ClusterView
@@ -76,6 +76,8 @@ def build_discovery(settings: GatewaySettings) -> Discovery:
         return DnsAgents(
             settings.agents_dns.host, settings.agents_dns.port, interval_seconds=settings.resolve_interval_seconds
         )
+    if settings.agents_file is not None:
+        return FileAgents(settings.agents_file, interval_seconds=settings.resolve_interval_seconds)
     return StaticAgents(settings.agents)
 
 
@@ -182,6 +184,7 @@ class Gateway:
             port=gateway.port,
             agents=[str(agent) for agent in settings.agents] or None,
             agents_dns=str(settings.agents_dns) if settings.agents_dns else None,
+            agents_file=str(settings.agents_file) if settings.agents_file else None,
             pod_directory=settings.pod_directory,
             tls=tls is not None,
             agent_tls=to_agents is not None,
@@ -190,7 +193,7 @@ class Gateway:
 
     def _on_endpoints(self, endpoints: frozenset[Address]) -> None:
         """Start a subscriber for each new agent, stop those of agents that are gone."""
-        self.view.expected_nodes = len(endpoints)
+        self.view.set_agents(str(endpoint) for endpoint in endpoints)
         for endpoint in [e for e in self.subscribers if e not in endpoints]:
             _, task = self.subscribers.pop(endpoint)
             task.cancel()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gpuscaler.durations import parse_duration
 from gpuscaler.errors import ConfigError
-from gpuscaler.gateway.discovery import DEFAULT_RESOLVE_INTERVAL_SECONDS
+from gpuscaler.gateway.discovery import DEFAULT_RESOLVE_INTERVAL_SECONDS, read_agents_file
 from gpuscaler.logs import LOG_LEVELS, LogFormat
 from gpuscaler.settings import (
     DEFAULT_DRAIN_TIMEOUT_SECONDS,
@@ -38,6 +38,7 @@ class GatewaySettings:
     listen: Address
     agents: tuple[Address, ...]
     agents_dns: Address | None
+    agents_file: Path | None
     resolve_interval_seconds: float
     history_seconds: float
     pod_directory: str | None  # "kubernetes", a path to a static file, or None
@@ -63,10 +64,15 @@ GATEWAY_FLAGS: Mapping[str, tuple[str, str | None, str]] = {
         None,
         "NAME:PORT of the agents' headless Service; every address NAME resolves to is an agent",
     ),
+    "--agents-file": (
+        "AGENTS_FILE",
+        None,
+        "a file of agents, one HOST:PORT per line ('#' starts a comment), re-read when it changes",
+    ),
     "--resolve-interval": (
         "RESOLVE_INTERVAL",
         str(DEFAULT_RESOLVE_INTERVAL_SECONDS),
-        "seconds between DNS lookups of --agents-dns, 0.5 to 300",
+        "seconds between DNS lookups of --agents-dns (and checks of --agents-file), 0.5 to 300",
     ),
     "--history": ("HISTORY", DEFAULT_GATEWAY_HISTORY, "how much of each node's history to keep for windows"),
     "--pod-directory": (
@@ -128,10 +134,25 @@ def gateway_settings_from_args(args: argparse.Namespace, environ: Mapping[str, s
         agents_dns = parse_address(args.agents_dns, refusal("--agents-dns", args.agents_dns))
         if agents_dns.port == 0:
             raise fail("--agents-dns", args.agents_dns, "give the agents' gRPC port, e.g. gpuscaler-agents:6000")
-    if agents and agents_dns:
-        raise ConfigError("--agents and --agents-dns are both set; use the DNS name in a cluster, the list elsewhere")
-    if not agents and not agents_dns:
-        raise ConfigError("no agents: set --agents-dns NAME:PORT (a headless Service) or --agents HOST:PORT,...")
+    agents_file = optional_path(args.agents_file)
+    if agents_file is not None:
+        try:
+            read_agents_file(agents_file)
+        except ConfigError as error:
+            raise fail("--agents-file", args.agents_file, str(error)) from None
+    given = [
+        flag
+        for flag, value in (("--agents", agents), ("--agents-dns", agents_dns), ("--agents-file", agents_file))
+        if value
+    ]
+    if len(given) > 1:
+        raise ConfigError(
+            f"{' and '.join(given)} are both set; use one: the DNS name in a cluster, a list or file elsewhere"
+        )
+    if not given:
+        raise ConfigError(
+            "no agents: set --agents-dns NAME:PORT (a headless Service), --agents HOST:PORT,... or --agents-file PATH"
+        )
 
     resolve = parse_seconds(args.resolve_interval, refusal("--resolve-interval", args.resolve_interval))
     if not 0.5 <= resolve <= 300:
@@ -174,6 +195,7 @@ def gateway_settings_from_args(args: argparse.Namespace, environ: Mapping[str, s
         listen=listen,
         agents=agents,
         agents_dns=agents_dns,
+        agents_file=agents_file,
         resolve_interval_seconds=resolve,
         history_seconds=history,
         pod_directory=pod_directory,

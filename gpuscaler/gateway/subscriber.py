@@ -21,7 +21,7 @@ from grpclib.config import Configuration
 from grpclib.const import Cardinality
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
-from gpuscaler.gateway.view import ClusterView
+from gpuscaler.gateway.view import AgentRefused, ClusterView
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.settings import Address
 from gpuscaler.source import stale_after_for
@@ -48,6 +48,7 @@ class AgentSubscriber:
 
     def __init__(self, endpoint: Address, view: ClusterView, *, tls: AgentTLS | None = None) -> None:
         self.endpoint = endpoint
+        self.agent = str(endpoint)
         self._view = view
         self._tls = tls
         self.node: str | None = None
@@ -63,19 +64,22 @@ class AgentSubscriber:
             before = self.received
             try:
                 await self._stream_once()
-                outcome, detail = "ended", "the agent ended the stream (it is draining)"
+                outcome, detail = "ended", "the agent ended its stream (it is stopping)"
+            except AgentRefused as refusal:
+                outcome, detail = "refused", str(refusal)
             except (OSError, GRPCError, StreamTerminatedError, ProtocolError, TimeoutError) as error:
                 outcome, detail = "failed", _describe(error)
             finally:
                 self.connected = False
             self.last_error = detail
+            self._view.trouble(self.agent, detail)
             progressed = self.received > before
             if progressed:
                 backoff = INITIAL_BACKOFF_SECONDS
             # One warning per outage, not one per retry.
-            quiet = outcome == "failed" and not progressed and self.failures > 0
+            quiet = outcome != "ended" and not progressed and self.failures > 0
             self.failures = 0 if progressed else self.failures + 1
-            (log.debug if quiet else log.info if outcome == "ended" else log.warning)(
+            (log.debug if quiet else log.info if outcome != "failed" else log.warning)(
                 "agent_stream_" + outcome, agent=str(self.endpoint), node=self.node, detail=detail, retry_in=backoff
             )
             await asyncio.sleep(backoff * random.uniform(0.8, 1.2))  # noqa: S311 - jitter, not a secret
@@ -120,9 +124,9 @@ class AgentSubscriber:
             )
         if self.node is not None and snapshot.node != self.node:
             log.warning("agent_node_changed", agent=str(self.endpoint), before=self.node, after=snapshot.node)
+        self._view.update(self.agent, snapshot, poll_interval_seconds=message.poll_interval_seconds or 1.0)
         self.node = snapshot.node
         self.received += 1
-        self._view.update(snapshot, poll_interval_seconds=message.poll_interval_seconds or 1.0)
 
 
 def _describe(error: BaseException) -> str:

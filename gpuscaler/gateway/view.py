@@ -1,24 +1,29 @@
-"""The gateway's cluster view: each agent's newest snapshots, composed into one cluster snapshot.
+"""The gateway's cluster view: each listed agent's snapshots, composed into one cluster snapshot.
 
 Every node keeps its own ring buffer (windows are per GPU, so per node). On each agent update, after a
 short coalescing delay, the view composes one cluster ``Snapshot`` from the newest snapshot of every
-fresh node and appends it, which wakes the engine (push streams) within one agent tick. A timer
-composes too, so a node that stops sending leaves the view after its staleness bound even when no
-other node sends anything. Freshness is judged on the gateway's own clock at arrival, because the
+fresh node and announces it, which wakes the engine (push streams) within one agent tick. A timer
+composes too, so that a node that stops sending is seen as silent after its staleness bound even when
+no other node sends anything. Freshness is judged on the gateway's own clock at arrival, because the
 agents' clocks are not ours.
+
+Unknown is not zero. A node whose agent is still listed by discovery but silent, an agent not heard from
+yet, and an agent that claims a node another live agent reports are all ``absent`` from the snapshot,
+with since when and why; the evaluation turns them into UNAVAILABLE where they matter. A node leaves
+the view only when its agent leaves discovery (the pod is deleted, the node removed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import structlog
 
 from gpuscaler.history import History
-from gpuscaler.samples import Snapshot
+from gpuscaler.samples import Absence, Snapshot
 from gpuscaler.source import Announcer, SnapshotListener, stale_after_for
 
 log = structlog.get_logger(__name__)
@@ -26,18 +31,35 @@ log = structlog.get_logger(__name__)
 CLUSTER_NODE = "cluster"
 DEFAULT_COMPOSE_INTERVAL_SECONDS = 0.5
 DEFAULT_COALESCE_SECONDS = 0.02
-# A node unseen this long is forgotten altogether (its history freed); until then it only leaves the view.
-FORGET_AFTER_SECONDS = 15 * 60.0
 
 
 @dataclass(slots=True)
 class _Node:
+    """One node's history, and the listed agent that reports it."""
+
+    agent: str
     history: History
     stale_after: float
     latest: Snapshot
+    arrived_wall: float  # the gateway's wall clock when ``latest`` arrived
 
     def fresh(self, now: float) -> bool:
         return now - self.latest.monotonic <= self.stale_after
+
+
+@dataclass(slots=True)
+class _Agent:
+    """A listed agent: the node it reports (once heard), its last trouble, and a refused claim."""
+
+    listed_wall: float
+    node: str | None = None
+    trouble: str = "not connected yet"
+    conflict: str | None = None
+    conflict_wall: float = 0.0
+
+
+class AgentRefused(Exception):
+    """The agent's snapshots cannot go into the view (it claims a node another live agent reports)."""
 
 
 class ClusterView:
@@ -50,19 +72,24 @@ class ClusterView:
         compose_interval_seconds: float = DEFAULT_COMPOSE_INTERVAL_SECONDS,
         coalesce_seconds: float = DEFAULT_COALESCE_SECONDS,
         clock: Callable[[], float] | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._history_seconds = history_seconds
         self._interval_seconds = compose_interval_seconds
         self._clock = clock or asyncio.get_running_loop().time
+        self._wall = wall_clock
         self._coalesce = coalesce_seconds
+        self._agents: dict[str, _Agent] = {}
         self._nodes: dict[str, _Node] = {}
         self._announcer = Announcer()
         self._latest: Snapshot | None = None
         self._sequence = 0
         self._pending: asyncio.TimerHandle | None = None
-        self._fresh_names: tuple[str, ...] = ()
-        self.expected_nodes = 0
+        self._heard: tuple[str, ...] = ()
+        self._absent: tuple[str, ...] = ()
         self.updates = 0
+
+    # The SnapshotSource protocol
 
     @property
     def history_seconds(self) -> float:
@@ -90,69 +117,6 @@ class ClusterView:
                 return latest
             await self._announcer.wait()
 
-    def update(self, snapshot: Snapshot, *, poll_interval_seconds: float) -> None:
-        """An agent's snapshot, stamped with the gateway's clock; composes the view shortly after."""
-        self.updates += 1
-        node = self._nodes.get(snapshot.node)
-        stale_after = stale_after_for(poll_interval_seconds)
-        if node is None or node.history.interval_seconds != poll_interval_seconds:
-            history = History(history_seconds=self._history_seconds, poll_interval_seconds=poll_interval_seconds)
-            node = self._nodes[snapshot.node] = _Node(history, stale_after, snapshot)
-        node.history.append(snapshot)
-        node.latest = snapshot
-        node.stale_after = stale_after
-        if self._pending is None:
-            self._pending = asyncio.get_running_loop().call_later(self._coalesce, self._compose_pending)
-
-    def _compose_pending(self) -> None:
-        self._pending = None
-        self.compose()
-
-    def compose(self) -> Snapshot:
-        """Append and announce the cluster snapshot of every fresh node, as of now."""
-        now = self._clock()
-        for name in [n for n, node in self._nodes.items() if now - node.latest.monotonic > FORGET_AFTER_SECONDS]:
-            del self._nodes[name]
-        fresh = sorted((node for node in self._nodes.values() if node.fresh(now)), key=lambda n: n.latest.node)
-        parts = tuple(node.latest for node in fresh)
-        self._sequence += 1
-        snapshot = Snapshot(
-            sequence=self._sequence,
-            taken_at=time.time(),
-            monotonic=now,
-            node=CLUSTER_NODE,
-            samples=tuple(sample for part in parts for sample in part.samples),
-            parts=parts,
-            expected_nodes=max(self.expected_nodes, len(parts)),
-        )
-        self._log_changes(snapshot, now)
-        self._latest = snapshot
-        self._announcer.announce(snapshot)
-        return snapshot
-
-    def _log_changes(self, snapshot: Snapshot, now: float) -> None:
-        names = tuple(part.node for part in snapshot.parts)
-        if names == self._fresh_names:
-            return
-        joined = sorted(set(names) - set(self._fresh_names))
-        left = sorted(set(self._fresh_names) - set(names))
-        self._fresh_names = names
-        ages = [round(now - self._nodes[name].latest.monotonic, 1) for name in left if name in self._nodes]
-        (log.warning if left else log.info)(
-            "view_changed",
-            nodes=len(names),
-            nodes_expected=snapshot.expected_nodes,
-            gpus=len(snapshot.samples),
-            joined=joined,
-            left=left,
-            left_after_seconds=ages,
-        )
-
-    @property
-    def nodes(self) -> dict[str, Snapshot]:
-        """Every node's newest snapshot, fresh or not (until forgotten)."""
-        return {name: node.latest for name, node in self._nodes.items()}
-
     def window(self, node: str, seconds: float) -> list[Snapshot]:
         entry = self._nodes.get(node)
         return entry.history.window(node, seconds) if entry is not None else []
@@ -161,8 +125,152 @@ class ClusterView:
         entry = self._nodes.get(node)
         return entry.history.newest_first(node) if entry is not None else iter(())
 
+    # What discovery and the subscribers tell it
+
+    def set_agents(self, agents: Iterable[str]) -> None:
+        """The agents discovery lists now. A node whose agent is no longer listed leaves the view."""
+        listed = set(agents)
+        wall = self._wall()
+        for agent in [a for a in self._agents if a not in listed]:
+            del self._agents[agent]
+        for agent in listed - set(self._agents):
+            self._agents[agent] = _Agent(listed_wall=wall)
+        for name, entry in list(self._nodes.items()):
+            if entry.agent in self._agents:
+                continue
+            heir = next((a for a, state in sorted(self._agents.items()) if state.node == name), None)
+            if heir is not None:
+                entry.agent = heir  # an older agent of the same node is still listed: it answers for it again
+            else:
+                del self._nodes[name]
+                log.info("node_left_discovery", node=name, agent=entry.agent)
+        self._compose_soon()
+
+    @property
+    def agents(self) -> int:
+        """How many agents discovery lists."""
+        return len(self._agents)
+
+    def trouble(self, agent: str, detail: str) -> None:
+        """Why ``agent``'s stream is not delivering (connection refused, ...): named in every answer it blocks."""
+        state = self._agents.get(agent)
+        if state is not None:
+            state.trouble = detail
+
+    def update(self, agent: str, snapshot: Snapshot, *, poll_interval_seconds: float) -> None:
+        """``agent``'s snapshot, stamped with the gateway's clock; composes the view shortly after.
+
+        Raises AgentRefused when another listed agent that is still sending reports the same node: two
+        machines with one NODE_NAME would otherwise be merged into one node.
+        """
+        state = self._agents.get(agent)
+        if state is None:
+            return  # discovery dropped it while this snapshot was on its way
+        now = self._clock()
+        name = snapshot.node
+        entry = self._nodes.get(name)
+        if entry is not None and entry.agent != agent:
+            if entry.agent in self._agents and entry.fresh(now):
+                if state.conflict is None:
+                    state.conflict_wall = self._wall()
+                    log.error("agent_node_conflict", agent=agent, node=name, reported_by=entry.agent)
+                state.conflict = (
+                    f"it reports node {name!r}, which agent {entry.agent} reports too; two agents need two node "
+                    "names (the chart sets NODE_NAME from spec.nodeName)"
+                )
+                state.node = None
+                self._compose_soon()
+                raise AgentRefused(state.conflict)
+            log.info("node_changed_agent", node=name, before=entry.agent, after=agent)
+            entry.agent = agent
+        if state.node is not None and state.node != name:
+            old = self._nodes.get(state.node)
+            if old is not None and old.agent == agent:
+                log.warning("agent_node_renamed", agent=agent, before=state.node, after=name)
+                del self._nodes[state.node]
+        state.node, state.conflict, state.trouble = name, None, "sending"
+        self.updates += 1
+        stale_after = stale_after_for(poll_interval_seconds)
+        wall = self._wall()
+        if entry is None or entry.history.interval_seconds != poll_interval_seconds:
+            history = History(history_seconds=self._history_seconds, poll_interval_seconds=poll_interval_seconds)
+            entry = self._nodes[name] = _Node(agent, history, stale_after, snapshot, wall)
+        entry.history.append(snapshot)
+        entry.latest, entry.stale_after, entry.arrived_wall = snapshot, stale_after, wall
+        self._compose_soon()
+
+    def _compose_soon(self) -> None:
+        if self._pending is None:
+            self._pending = asyncio.get_running_loop().call_later(self._coalesce, self._compose_pending)
+
+    def _compose_pending(self) -> None:
+        self._pending = None
+        self.compose()
+
+    def compose(self) -> Snapshot:
+        """Announce the cluster snapshot as of now: every fresh node, and every listed agent it cannot hear."""
+        now = self._clock()
+        wall = self._wall()
+        parts: list[Snapshot] = []
+        absent: list[Absence] = []
+        for agent, state in sorted(self._agents.items()):
+            if state.conflict is not None:
+                absent.append(Absence(agent, None, state.conflict_wall, state.conflict))
+                continue
+            if state.node is None:
+                absent.append(Absence(agent, None, state.listed_wall, f"no snapshot yet ({state.trouble})"))
+                continue
+            entry = self._nodes.get(state.node)
+            if entry is None or entry.agent != agent:
+                continue  # another listed agent reports this node now (a restarted agent's new address)
+            if entry.fresh(now):
+                parts.append(entry.latest)
+            else:
+                reason = f"silent for {now - entry.latest.monotonic:.1f}s ({state.trouble})"
+                absent.append(Absence(agent, state.node, entry.arrived_wall, reason, last=entry.latest))
+        parts.sort(key=lambda part: part.node)
+        self._sequence += 1
+        snapshot = Snapshot(
+            sequence=self._sequence,
+            taken_at=wall,
+            monotonic=now,
+            node=CLUSTER_NODE,
+            samples=tuple(sample for part in parts for sample in part.samples),
+            parts=tuple(parts),
+            absent=tuple(absent),
+            cluster=True,
+        )
+        self._log_changes(snapshot)
+        self._latest = snapshot
+        self._announcer.announce(snapshot)
+        return snapshot
+
+    def _log_changes(self, snapshot: Snapshot) -> None:
+        heard = tuple(part.node for part in snapshot.parts)
+        absent = tuple(a.node or a.agent for a in snapshot.absent)
+        if (heard, absent) == (self._heard, self._absent):
+            return
+        joined = sorted(set(heard) - set(self._heard))
+        silent = sorted(set(absent) - set(self._absent))
+        left = sorted(set(self._heard) - set(heard) - set(absent))
+        self._heard, self._absent = heard, absent
+        (log.warning if silent else log.info)(
+            "view_changed",
+            nodes=len(heard),
+            nodes_known=snapshot.known_nodes,
+            gpus=len(snapshot.samples),
+            joined=joined,
+            not_heard=[a.describe(snapshot.taken_at) for a in snapshot.absent if (a.node or a.agent) in silent],
+            left=left,
+        )
+
+    @property
+    def nodes(self) -> dict[str, Snapshot]:
+        """Every node's newest snapshot, fresh or not, while its agent is listed."""
+        return {name: node.latest for name, node in self._nodes.items()}
+
     async def run(self) -> None:
-        """Compose on a timer too, so stale nodes leave the view while nobody sends; until cancelled."""
+        """Compose on a timer too, so silent nodes are seen while nobody sends; until cancelled."""
         try:
             while True:
                 await asyncio.sleep(self._interval_seconds)

@@ -12,7 +12,7 @@ from gpuscaler.evaluation import evaluate
 from gpuscaler.metadata import Limits, parse_metadata
 from gpuscaler.query import Aggregation, NodeQuorum, Query
 from gpuscaler.samples import Attribution, AttributionState, PodRef, Snapshot
-from tests.unit.builders import gpu_sample, history_of, snapshot
+from tests.unit.builders import cluster, gpu_sample, snapshot, source_of, unheard
 
 OK = Attribution(AttributionState.OK)
 LIMITS = Limits(history_seconds=600)
@@ -36,25 +36,15 @@ class Directory:
     def lookup(self, namespace: str, pod: str) -> PodInfo | None:
         return self._pods.get((namespace, pod))
 
+    def pods(self, namespace: str) -> list[PodInfo]:
+        return [info for (space, _), info in self._pods.items() if space == namespace]
+
     def problem(self) -> str | None:
         return self._problem
 
 
 def pod(name: str, namespace: str = "ml", container: str = "main") -> PodRef:
     return PodRef(namespace, name, container)
-
-
-def cluster(*parts: Snapshot, expected: int | None = None) -> Snapshot:
-    """A gateway's view made of node snapshots, all at monotonic 0."""
-    return Snapshot(
-        sequence=1,
-        taken_at=0.0,
-        monotonic=0.0,
-        node="cluster",
-        samples=tuple(s for part in parts for s in part.samples),
-        parts=parts,
-        expected_nodes=len(parts) if expected is None else expected,
-    )
 
 
 def node(name: str, *samples_: tuple[float, tuple[PodRef, ...]], first_index: int = 0) -> Snapshot:
@@ -84,7 +74,7 @@ DIRECTORY = Directory(
 
 
 def value_of(query: Query, view: Snapshot = VIEW, directory: Directory | None = DIRECTORY) -> float:
-    return evaluate(query.value, history_of(view), now=0.0, stale_after=5.0, directory=directory).value_or_raise()
+    return evaluate(query.value, source_of(view), now=0.0, stale_after=5.0, directory=directory).value_or_raise()
 
 
 @pytest.mark.parametrize(
@@ -111,7 +101,7 @@ def test_workload_values_match_a_hand_computation(metadata: dict[str, str], expe
 def test_another_tenants_pods_never_count() -> None:
     """The same workload name in another namespace is another workload: its GPUs stay out."""
     evaluation = evaluate(
-        parse(workload="trainer").value, history_of(VIEW), now=0.0, stale_after=5.0, directory=DIRECTORY
+        parse(workload="trainer").value, source_of(VIEW), now=0.0, stale_after=5.0, directory=DIRECTORY
     )
     assert {(p.namespace, p.pod) for p in evaluation.pods} == {
         ("ml", "trainer-a1"),
@@ -145,7 +135,7 @@ def test_a_pod_whose_gpus_cannot_be_read_is_left_out_with_the_reason() -> None:
     view = cluster(NODE_A, replace(broken, samples=(unreadable,)))
     directory = Directory(*DIRECTORY._pods.values(), PodInfo("ml", "trainer-c1", {}, "trainer"))
     evaluation = evaluate(
-        parse(workload="trainer").value, history_of(view), now=0.0, stale_after=5.0, directory=directory
+        parse(workload="trainer").value, source_of(view), now=0.0, stale_after=5.0, directory=directory
     )
     assert evaluation.value == pytest.approx(70.0)
     [left_out] = [p for p in evaluation.pods if p.value is None]
@@ -154,7 +144,7 @@ def test_a_pod_whose_gpus_cannot_be_read_is_left_out_with_the_reason() -> None:
 
     alone = evaluate(
         parse(pod="trainer-c1").value,
-        history_of(cluster(replace(broken, samples=(unreadable,)))),
+        source_of(cluster(replace(broken, samples=(unreadable,)))),
         now=0.0,
         stale_after=5.0,
     )
@@ -165,7 +155,7 @@ def test_attribution_off_on_any_node_is_failed_precondition_naming_it() -> None:
     """A node without attribution makes pod queries FAILED_PRECONDITION, naming the node and the reason."""
     off = replace(NODE_B, attribution=Attribution(AttributionState.OFF, "no kubelet socket at '/x'"))
     evaluation = evaluate(
-        parse(workload="trainer").value, history_of(cluster(NODE_A, off)), now=0.0, stale_after=5.0, directory=DIRECTORY
+        parse(workload="trainer").value, source_of(cluster(NODE_A, off)), now=0.0, stale_after=5.0, directory=DIRECTORY
     )
     assert isinstance(evaluation.error, Unsupported)
     assert "'node-b'" in evaluation.error.message
@@ -175,17 +165,17 @@ def test_attribution_off_on_any_node_is_failed_precondition_naming_it() -> None:
 def test_attribution_unavailable_is_unavailable() -> None:
     """A node whose kubelet does not answer makes pod queries UNAVAILABLE (KEDA retries, then falls back)."""
     failing = replace(NODE_A, attribution=Attribution(AttributionState.UNAVAILABLE, "List failed"))
-    evaluation = evaluate(parse(pod="trainer-*").value, history_of(cluster(failing)), now=0.0, stale_after=5.0)
+    evaluation = evaluate(parse(pod="trainer-*").value, source_of(cluster(failing)), now=0.0, stale_after=5.0)
     assert isinstance(evaluation.error, Unavailable)
 
 
 def test_labels_and_owners_need_a_ready_directory() -> None:
     """workload/podSelector without a directory is FAILED_PRECONDITION; an unsynced one is UNAVAILABLE."""
-    none = evaluate(parse(workload="trainer").value, history_of(VIEW), now=0.0, stale_after=5.0)
+    none = evaluate(parse(workload="trainer").value, source_of(VIEW), now=0.0, stale_after=5.0)
     assert isinstance(none.error, Unsupported)
     unsynced = evaluate(
         parse(podSelector="app=x").value,
-        history_of(VIEW),
+        source_of(VIEW),
         now=0.0,
         stale_after=5.0,
         directory=Directory(problem="the pod watch has not synced yet"),
@@ -208,9 +198,9 @@ def test_labels_and_owners_need_a_ready_directory() -> None:
     ],
 )
 def test_min_nodes_turns_too_little_data_into_unavailable(min_nodes: str, expected: int, fails: bool) -> None:
-    """minNodes counts the nodes with fresh samples against a count or a share of the known ones."""
-    view = cluster(NODE_A, NODE_B, expected=expected)
-    evaluation = evaluate(parse(minNodes=min_nodes).value, history_of(view), now=0.0, stale_after=5.0)
+    """minNodes counts the nodes with fresh samples against a count or a share of the known ones, heard or not."""
+    view = cluster(NODE_A, NODE_B, absent=[unheard(f"10.0.0.{i}:6000") for i in range(expected - 2)])
+    evaluation = evaluate(parse(minNodes=min_nodes).value, source_of(view), now=0.0, stale_after=5.0)
     if fails:
         assert isinstance(evaluation.error, Unavailable)
         assert f"only 2 of {max(expected, 2)} known nodes" in evaluation.error.message
@@ -273,7 +263,7 @@ def test_equal_selections_share_a_metric_name_and_different_ones_do_not() -> Non
 
 def test_a_gateway_hearing_from_no_node_is_unavailable_for_pod_queries() -> None:
     """With every known node stale, a workload query is UNAVAILABLE (KEDA's fallback), not a zero."""
-    empty = cluster(expected=3)
-    evaluation = evaluate(parse(workload="trainer").value, history_of(empty), now=0.0, stale_after=5.0)
+    empty = cluster(absent=[unheard(f"10.0.0.{i}:6000") for i in range(3)])
+    evaluation = evaluate(parse(workload="trainer").value, source_of(empty), now=0.0, stale_after=5.0)
     assert isinstance(evaluation.error, Unavailable)
     assert "0 of 3 known agents" in evaluation.error.message

@@ -109,6 +109,7 @@ SETTABLE = [
 ]
 NOT_FROM_THE_CHART = {
     ENV_PREFIX + "AGENTS": "the chart always discovers agents through the headless Service",
+    ENV_PREFIX + "AGENTS_FILE": "the same: a file of agents is for gateways outside Kubernetes (compose, tests)",
 }
 
 

@@ -92,8 +92,10 @@ async def test_workload_values_across_nodes(start_node: StartNode, start_gateway
     ]
 
 
-async def test_a_lost_agent_leaves_the_view_and_comes_back(start_node: StartNode, start_gateway: StartGateway) -> None:
-    """A stopped agent's GPUs leave within its staleness bound; restarted on its port, it is back without a restart."""
+async def test_a_silent_agent_is_unknown_not_zero_and_comes_back(
+    start_node: StartNode, start_gateway: StartGateway
+) -> None:
+    """A stopped agent that is still listed makes the sum UNAVAILABLE naming its node; restarted, it is back."""
     a, b = await start_node("node-a"), await start_node("node-b")
     a.set(10, 10)
     b.set(20, 20)
@@ -102,16 +104,59 @@ async def test_a_lost_agent_leaves_the_view_and_comes_back(start_node: StartNode
     port = b.port
     await b.stop()
     await view_has(gateway, 1)  # the bound is max(3 x 0.1 s, 2 s): within the 10 s wait
-    assert await value(gateway) == pytest.approx(20.0)
     with pytest.raises(GRPCError) as raised:
-        await value(gateway, minNodes="2")
+        await value(gateway)
     assert raised.value.status is Status.UNAVAILABLE
-    assert "only 1 of 2 known nodes" in (raised.value.message or "")
+    assert "node 'node-b'" in (raised.value.message or "")
+    assert "unknown, not 0" in (raised.value.message or "")
+    assert await value(gateway, minNodes="1") == pytest.approx(20.0)  # asked for: answer from what is heard
+    explanation = await explain(gateway, minNodes="1")
+    assert [absent.node for absent in explanation.absent] == ["node-b"]
 
     again = await start_node("node-b", port=port, kubelet=b.kubelet)
     again.set(20, 20)
     await view_has(gateway, 2)
     assert await until_result(lambda: value(gateway), lambda v: v == pytest.approx(60.0)) == pytest.approx(60.0)
+
+
+async def test_a_workload_whose_only_node_stops_is_unavailable_not_zero(
+    start_node: StartNode, start_gateway: StartGateway
+) -> None:
+    """The workload's only node stops sending while another is heard: UNAVAILABLE naming it, not 0.0."""
+    a, b = await start_node("node-a"), await start_node("node-b")
+    b.kubelet.assign([Assignment("ml", "web-1", (b.uuid(0),))])
+    b.set(70, 0)
+    gateway = await start_gateway(a, b)
+    await view_has(gateway, 2)
+    assert await until_result(lambda: value(gateway, pod="web-*"), lambda v: v == 70.0) == 70.0
+    await b.stop()
+    await view_has(gateway, 1)
+    with pytest.raises(GRPCError) as raised:
+        await value(gateway, pod="web-*")
+    assert raised.value.status is Status.UNAVAILABLE
+    assert "node 'node-b'" in (raised.value.message or "")
+    assert "ml/web-1" in (raised.value.message or "")
+
+
+async def test_two_agents_claiming_one_node_are_refused(start_node: StartNode, start_gateway: StartGateway) -> None:
+    """A second live agent with the first one's node name is refused and named; the sum is not a merge of both."""
+    a, twin = await start_node("node-a"), await start_node("node-a")
+    a.set(10, 10)
+    twin.set(30, 30)
+    gateway = await start_gateway(a, twin)
+
+    async def refusal() -> str:
+        try:
+            await value(gateway)
+        except GRPCError as error:
+            return error.message or ""
+        return ""
+
+    message = await until_result(refusal, lambda m: "reports node 'node-a'" in m)
+    assert "two agents need two node names" in message
+    # Whichever spoke first is the node; never 80, the two merged.
+    assert await until_result(lambda: value(gateway, minNodes="1"), lambda v: v in (20.0, 60.0)) in (20.0, 60.0)
+    assert await value(gateway, minNodes="1") in (20.0, 60.0)
 
 
 async def test_push_through_the_gateway(start_node: StartNode, start_gateway: StartGateway) -> None:
@@ -196,7 +241,34 @@ async def test_agents_that_discovery_drops_or_adds_are_unsubscribed_or_subscribe
         await view_has(gateway, 2)
         discovery.changes.put_nowait(frozenset({Address("127.0.0.1", a.port)}))
         await until(lambda: set(gateway.subscribers) == {Address("127.0.0.1", a.port)})
-        assert gateway.view.expected_nodes == 1
+        assert gateway.view.agents == 1
+        await until(lambda: set(gateway.view.nodes) == {"node-a"})
+    finally:
+        await gateway.stop()
+
+
+async def test_an_agent_removed_from_the_agents_file_leaves_every_answer(start_node: StartNode, tmp_path: Path) -> None:
+    """Rewriting --agents-file without a silent agent is its node leaving on purpose: the sum is the others'."""
+    a, b = await start_node("node-a"), await start_node("node-b")
+    a.set(10, 10)
+    b.set(20, 20)
+    listed = tmp_path / "agents.txt"
+    listed.write_text(f"127.0.0.1:{a.port}\n127.0.0.1:{b.port}\n")
+    gateway = await Gateway.start(gateway_settings("--agents-file", str(listed), "--resolve-interval", "0.5"))
+    try:
+        await view_has(gateway, 2)
+        assert await until_result(lambda: value(gateway), lambda v: v == pytest.approx(60.0)) == pytest.approx(60.0)
+        await b.stop()
+
+        async def answer() -> float | str:
+            try:
+                return await value(gateway)
+            except GRPCError as error:
+                return error.status.name
+
+        assert await until_result(answer, lambda got: got == "UNAVAILABLE", timeout=10) == "UNAVAILABLE"
+        listed.write_text(f"127.0.0.1:{a.port}\n")
+        assert await until_result(answer, lambda got: got == pytest.approx(20.0), timeout=10) == pytest.approx(20.0)
     finally:
         await gateway.stop()
 

@@ -8,6 +8,7 @@ import pytest
 
 from gpuscaler.cli import build_parser, main
 from gpuscaler.errors import ConfigError
+from gpuscaler.gateway.discovery import read_agents_file
 from gpuscaler.gateway.settings import GATEWAY_FLAGS, GatewaySettings, gateway_settings_from_args
 from gpuscaler.settings import ENV_PREFIX, Address
 
@@ -75,3 +76,18 @@ def test_a_static_pod_directory_must_exist(tmp_path: Path) -> None:
     path.write_text("pods: []\n")
     assert settings("--agents", "a:1", "--pod-directory", str(path)).pod_directory == str(path)
     assert settings("--agents", "a:1", "--pod-directory", "kubernetes").pod_directory == "kubernetes"
+
+
+def test_an_agents_file_is_read_at_start(tmp_path: Path) -> None:
+    """--agents-file lists agents one per line with comments; a bad line is refused naming the line."""
+    path = tmp_path / "agents.txt"
+    path.write_text("# the GPU pool\n10.0.0.1:6000\n\n10.0.0.2:6000  # rack 2\n")
+    assert settings("--agents-file", str(path)).agents_file == path
+    assert read_agents_file(path) == {Address("10.0.0.1", 6000), Address("10.0.0.2", 6000)}
+    with pytest.raises(ConfigError, match="--agents and --agents-file are both set"):
+        settings("--agents", "a:1", "--agents-file", str(path))
+    path.write_text("10.0.0.1:6000\nnot-an-address\n")
+    with pytest.raises(ConfigError, match=r"--agents-file .*: line 2 'not-an-address': use HOST:PORT"):
+        settings("--agents-file", str(path))
+    with pytest.raises(ConfigError, match="cannot read"):
+        settings("--agents-file", str(tmp_path / "missing.txt"))

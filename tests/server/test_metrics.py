@@ -142,6 +142,32 @@ async def test_lost_fake_gpu_reads_down(start_agent: StartAgent) -> None:
     assert "GPU-fake-test-node-1" not in {s.labels["uuid"] for s in series["gpuscaler_gpu_temperature_celsius"]}
 
 
+async def test_an_answer_without_a_lost_gpu_is_counted_and_logged_once(
+    start_agent: StartAgent, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """An all-GPU answer that leaves out a lost GPU counts in gpuscaler_partial_answers_total, logged on change."""
+    agent = await start_agent("--poll-interval", "0.1")
+    assert isinstance(agent.collector, FakeCollector)
+    agent.collector.fail(2, Failure.LOST)
+    await next_tick(agent)
+    channel = Channel("127.0.0.1", agent.port)
+    stub = ExternalScalerStub(channel)
+    ref = ScaledObjectRef(name="a", namespace="b", scaler_metadata={})
+    try:
+        for _ in range(3):
+            await stub.get_metrics(
+                GetMetricsRequest(scaled_object_ref=ref, metric_name="gpuscaler-gpu_utilization-sum")
+            )
+    finally:
+        channel.close()
+    series = await scrape(agent)
+    partial = {s.labels["left_out"]: s.value for s in series["gpuscaler_partial_answers_total"]}
+    assert partial == {"gpus": 3.0, "nodes": 0.0}
+    logged = [line for line in capfd.readouterr().err.splitlines() if "answer_leaves_out" in line]
+    assert len(logged) == 1
+    assert "GPU 2 (GPU-fake-test-node-2)" in logged[0]
+
+
 async def test_healthz_follows_the_grpc_health(start_agent: StartAgent) -> None:
     """/healthz is 200 while samples are fresh and 503 once every GPU's reads hang, like gRPC health."""
     agent = await start_agent("--poll-interval", "0.1")

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from gpuscaler.history import History
-from gpuscaler.samples import DEVICE_FIELD, GpuIdentity, GpuSample, PodRef, ReadError, ReadErrorKind, Snapshot
+from gpuscaler.samples import (
+    DEVICE_FIELD,
+    Absence,
+    GpuIdentity,
+    GpuSample,
+    PodRef,
+    ReadError,
+    ReadErrorKind,
+    Snapshot,
+)
+from gpuscaler.source import Announcer, SnapshotListener
 
 NODE = "node-a"
 # Wall clock of the snapshot at monotonic 0: the values only show up in messages.
@@ -88,3 +98,64 @@ def history_of(*snapshots: Snapshot, history_seconds: float = 600.0, poll_interv
 def series(per_tick: Sequence[Sequence[float | None]], *, interval: float = 1.0) -> History:
     """A history with one snapshot per entry, ``interval`` seconds apart from monotonic 0, of gpu_utilization."""
     return history_of(*(snapshot(i + 1, i * interval, utilizations(*values)) for i, values in enumerate(per_tick)))
+
+
+def cluster(*parts: Snapshot, absent: Sequence[Absence] = (), at: float = 0.0) -> Snapshot:
+    """A gateway's composed view of these fresh node snapshots and these absent ones, at monotonic ``at``."""
+    return Snapshot(
+        sequence=1,
+        taken_at=EPOCH + at,
+        monotonic=at,
+        node="cluster",
+        samples=tuple(sample for part in parts for sample in part.samples),
+        parts=parts,
+        absent=tuple(absent),
+        cluster=True,
+    )
+
+
+def silent(last: Snapshot, *, seconds: float = 12.0, agent: str = "10.0.0.9:6000") -> Absence:
+    """``last``'s node, silent for ``seconds``: its agent is listed but sends nothing."""
+    return Absence(agent, last.node, EPOCH - seconds, f"silent for {seconds:g}s (connection refused)", last=last)
+
+
+def unheard(agent: str = "10.0.0.8:6000") -> Absence:
+    """A listed agent that has sent nothing since the gateway started: its node is not known."""
+    return Absence(agent, None, EPOCH - 30.0, "no snapshot yet (connection refused)")
+
+
+class ClusterSource:
+    """A fixed composed view over per-node histories: the ``SnapshotSource`` a gateway would be."""
+
+    def __init__(self, view: Snapshot, *histories: History, history_seconds: float = 600.0) -> None:
+        self.view = view
+        self._histories = {history.latest.node: history for history in histories if history.latest is not None}
+        self._announcer = Announcer()
+        self.history_seconds = history_seconds
+        self.interval_seconds = 0.5
+        self.stale_after = 2.0
+
+    @property
+    def latest(self) -> Snapshot:
+        return self.view
+
+    def window(self, node: str, seconds: float) -> list[Snapshot]:
+        history = self._histories.get(node)
+        return history.window(node, seconds) if history is not None else []
+
+    def newest_first(self, node: str) -> Iterator[Snapshot]:
+        history = self._histories.get(node)
+        return history.newest_first(node) if history is not None else iter(())
+
+    def add_listener(self, listener: SnapshotListener) -> None:
+        self._announcer.add_listener(listener)
+
+    async def wait_newer(self, sequence: int) -> Snapshot:
+        return self.view
+
+
+def source_of(view: Snapshot) -> History | ClusterSource:
+    """The source a node snapshot or a composed view is read from: windows are each node's own snapshots."""
+    if not view.cluster:
+        return history_of(view)
+    return ClusterSource(view, *(history_of(part) for part in view.parts))

@@ -4,6 +4,7 @@
 # This file has been @generated
 
 __all__ = (
+    "AbsentNode",
     "AgentBase",
     "AgentStub",
     "Attribution",
@@ -167,6 +168,27 @@ class ReadErrorKind(betterproto2.Enum):
 
 
 @dataclass(eq=False, repr=False)
+class AbsentNode(betterproto2.Message):
+    """
+    A node (or an agent whose node is not known) that a cluster answer cannot hear.
+    """
+
+    agent: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    node: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    Empty for an agent not heard from yet, or refused.
+    """
+
+    since_unix_seconds: "float" = betterproto2.field(3, betterproto2.TYPE_DOUBLE)
+
+    reason: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+
+
+default_message_pool.register_message("gpuscaler.v1", "AbsentNode", AbsentNode)
+
+
+@dataclass(eq=False, repr=False)
 class Attribution(betterproto2.Message):
     state: "AttributionState" = betterproto2.field(
         1, betterproto2.TYPE_ENUM, default_factory=lambda: AttributionState(0)
@@ -258,6 +280,11 @@ class Explanation(betterproto2.Message):
     selection: "str" = betterproto2.field(21, betterproto2.TYPE_STRING)
     """
     Which GPUs or pods the query reads, in words.
+    """
+
+    absent: "list[AbsentNode]" = betterproto2.field(22, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    Nodes the answer left out because minNodes allowed it (without minNodes they make it UNAVAILABLE).
     """
 
 
