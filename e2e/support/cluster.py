@@ -103,7 +103,8 @@ class Cluster:
     agents: dict[str, Process] = field(default_factory=dict)
     gateways: list[Process] = field(default_factory=list)
 
-    def agent(self, node: str, port: int = 0) -> Process:
+    def agent(self, node: str, port: int = 0, *flags: str) -> Process:
+        """An agent process for ``node`` (not started), on ``port`` (0: any), with extra ``flags``."""
         return Process(
             [
                 str(CONSOLE_SCRIPT),
@@ -122,6 +123,7 @@ class Cluster:
                 str(self.kubelets[node].socket_path),
                 "--log-format",
                 "json",
+                *flags,
             ],
             self.directory / f"agent-{node}-{time.monotonic_ns()}.log",
             environment(node),
