@@ -19,6 +19,10 @@ class InvalidMetadata(GpuscalerError):
     """Trigger metadata is wrong: a key we do not know, or a value out of range (INVALID_ARGUMENT)."""
 
 
+class InvalidRequest(GpuscalerError):
+    """A request field outside the trigger metadata is wrong, e.g. a fake GPU index (INVALID_ARGUMENT)."""
+
+
 class UnknownMetricName(GpuscalerError):
     """GetMetrics asked for a metric name that the metadata does not produce (NOT_FOUND)."""
 

@@ -19,7 +19,6 @@ from gpuscaler.samples import (
     ReadErrorKind,
     Snapshot,
 )
-from gpuscaler.server.status import status_for
 
 _KIND_TO_WIRE = {
     ReadErrorKind.NOT_SUPPORTED: pb.ReadErrorKind.NOT_SUPPORTED,
@@ -113,7 +112,10 @@ def snapshot_from_wire(message: pb.Snapshot, *, monotonic: float) -> Snapshot:
     )
 
 
-def explanation_to_wire(query: Query, evaluation: Evaluation, *, active: bool, now: float) -> pb.Explanation:
+def explanation_to_wire(
+    query: Query, evaluation: Evaluation, *, active: bool, now: float, error_code: str
+) -> pb.Explanation:
+    """``error_code`` is the gRPC status name KEDA gets for ``evaluation.error`` (the server's table says which)."""
     snapshot = evaluation.snapshot
     value = query.value
     return pb.Explanation(
@@ -157,7 +159,7 @@ def explanation_to_wire(query: Query, evaluation: Evaluation, *, active: bool, n
         selection=value.describe_selection(),
         value=evaluation.value,
         active=active,
-        error_code=status_for(evaluation.error).name if evaluation.error else "",
+        error_code=error_code,
         error_message=evaluation.error.message if evaluation.error else "",
         snapshot_age_seconds=max(0.0, now - snapshot.monotonic) if snapshot else 0.0,
         snapshot_sequence=snapshot.sequence if snapshot else 0,

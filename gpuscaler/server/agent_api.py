@@ -8,7 +8,7 @@ from gpuscaler.engine import Engine
 from gpuscaler.errors import Unavailable
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.samples import Snapshot
-from gpuscaler.server.status import grpc_errors
+from gpuscaler.server.status import grpc_errors, status_for
 from gpuscaler.wire import explanation_to_wire, snapshot_to_wire
 
 
@@ -40,4 +40,5 @@ class AgentService(pb.AgentBase):
             query = self._engine.parse(message.scaler_metadata, message.namespace)
         evaluation = self._engine.evaluate(query.value)
         active = evaluation.value is not None and self._engine.is_active(query)
-        return explanation_to_wire(query, evaluation, active=active, now=self._engine.now())
+        code = status_for(evaluation.error).name if evaluation.error is not None else ""
+        return explanation_to_wire(query, evaluation, active=active, now=self._engine.now(), error_code=code)

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from grpclib.const import Status
-from grpclib.exceptions import GRPCError
-
 from gpuscaler.collectors.fake import Failure, FakeCollector
 from gpuscaler.collectors.scenario import parse_value
-from gpuscaler.errors import ConfigError
+from gpuscaler.errors import ConfigError, InvalidRequest
 from gpuscaler.generated.gpuscaler import v1 as pb
+from gpuscaler.server.status import grpc_errors
 
 _FAILURES = {
     pb.FakeFailure.LOST: Failure.LOST,
@@ -39,32 +37,37 @@ class FakeControlService(pb.FakeControlBase):
 
     def _index(self, selector: pb.GpuSelector | None) -> int | None:
         if selector is None or (selector.index is None and not selector.all):
-            raise GRPCError(Status.INVALID_ARGUMENT, "gpu is missing; give an index or all")
+            raise InvalidRequest("gpu is missing; give an index or all")
         return None if selector.all else selector.index
 
     async def set(self, message: pb.SetRequest) -> pb.FakeGpus:
-        index = self._index(message.gpu)
-        try:
-            # The wire carries doubles: say '150', as the user typed it, not '150.0'.
-            values = dict(parse_value(name, str(value).removesuffix(".0")) for name, value in message.values.items())
-        except ConfigError as error:
-            raise GRPCError(Status.INVALID_ARGUMENT, str(error)) from None
-        if not values:
-            raise GRPCError(Status.INVALID_ARGUMENT, "values is empty; give METRIC=VALUE pairs")
-        self._apply(lambda: self._collector.set_values(index, values))
+        async with grpc_errors("Set"):
+            index = self._index(message.gpu)
+            try:
+                # The wire carries doubles: say '150', as the user typed it, not '150.0'.
+                values = dict(
+                    parse_value(name, str(value).removesuffix(".0")) for name, value in message.values.items()
+                )
+            except ConfigError as error:
+                raise InvalidRequest(str(error)) from None
+            if not values:
+                raise InvalidRequest("values is empty; give METRIC=VALUE pairs")
+            self._apply(lambda: self._collector.set_values(index, values))
         return self._state()
 
     async def fail(self, message: pb.FailRequest) -> pb.FakeGpus:
-        failure = _FAILURES.get(message.failure)
-        if failure is None:
-            allowed = ", ".join(f.value for f in Failure)
-            raise GRPCError(Status.INVALID_ARGUMENT, f"failure is missing; use one of: {allowed}")
-        self._apply(lambda: self._collector.fail(message.index, failure))
+        async with grpc_errors("Fail"):
+            failure = _FAILURES.get(message.failure)
+            if failure is None:
+                allowed = ", ".join(f.value for f in Failure)
+                raise InvalidRequest(f"failure is missing; use one of: {allowed}")
+            self._apply(lambda: self._collector.fail(message.index, failure))
         return self._state()
 
     async def heal(self, message: pb.HealRequest) -> pb.FakeGpus:
-        index = self._index(message.gpu)
-        self._apply(lambda: self._collector.heal(index))
+        async with grpc_errors("Heal"):
+            index = self._index(message.gpu)
+            self._apply(lambda: self._collector.heal(index))
         return self._state()
 
     @staticmethod
@@ -72,4 +75,4 @@ class FakeControlService(pb.FakeControlBase):
         try:
             change()
         except IndexError as error:
-            raise GRPCError(Status.INVALID_ARGUMENT, str(error)) from None
+            raise InvalidRequest(str(error)) from None

@@ -13,7 +13,14 @@ import structlog
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
-from gpuscaler.errors import GpuscalerError, InvalidMetadata, Unavailable, UnknownMetricName, Unsupported
+from gpuscaler.errors import (
+    GpuscalerError,
+    InvalidMetadata,
+    InvalidRequest,
+    Unavailable,
+    UnknownMetricName,
+    Unsupported,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -24,6 +31,7 @@ MAX_MESSAGE_BYTES = 6 * 1024
 
 STATUS_FOR_ERROR: Mapping[type[GpuscalerError], Status] = {
     InvalidMetadata: Status.INVALID_ARGUMENT,
+    InvalidRequest: Status.INVALID_ARGUMENT,
     UnknownMetricName: Status.NOT_FOUND,
     Unsupported: Status.FAILED_PRECONDITION,
     Unavailable: Status.UNAVAILABLE,
