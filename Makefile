@@ -51,17 +51,18 @@ lint: $(STAMP) ## ruff check and format check
 typecheck: $(STAMP) ## mypy --strict
 	$(BIN)/mypy $(PY_DIRS)
 
+PROTOC = PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m grpc_tools.protoc -I protos \
+	--python_betterproto2_opt=client_generation=async,server_generation=async
+
 proto: $(STAMP) ## Regenerate gpuscaler/generated from protos/
 	rm -rf $(GENERATED)
 	mkdir -p $(GENERATED)
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m grpc_tools.protoc -I protos \
-	  --python_betterproto2_out=$(GENERATED) \
-	  --python_betterproto2_opt=client_generation=async,server_generation=async \
-	  $(PROTOS)
+	$(PROTOC) --python_betterproto2_out=$(GENERATED) $(PROTOS)
 
-proto-check: proto ## Fail when the committed generated code is not what `make proto` makes
-	@git diff --exit-code --stat -- $(GENERATED) || { echo "generated code is stale: run 'make proto' and commit it"; exit 1; }
-	@test -z "$$(git ls-files --others --exclude-standard -- $(GENERATED))" || { echo "untracked generated files: run 'make proto' and commit them"; exit 1; }
+proto-check: $(STAMP) ## Fail when gpuscaler/generated is not what `make proto` makes (touches nothing)
+	@fresh=$$(mktemp -d) && trap 'rm -rf "$$fresh"' EXIT && \
+	$(PROTOC) --python_betterproto2_out="$$fresh" $(PROTOS) 2>"$$fresh/.log" >&2 || { cat "$$fresh/.log"; exit 1; }; \
+	diff -rq -x __pycache__ -x .log "$$fresh" $(GENERATED) || { echo "generated code is stale: run 'make proto'"; exit 1; }
 
 bench: $(STAMP) ## Measurements; writes bench/results/*.json
 	$(BIN)/python -m bench
