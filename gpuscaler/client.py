@@ -11,7 +11,7 @@ from grpclib.client import Channel
 from grpclib.config import Configuration
 
 from gpuscaler.errors import ConfigError
-from gpuscaler.settings import Address, parse_address
+from gpuscaler.flags import Address, parse_address
 from gpuscaler.tls import client_context
 
 

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from gpuscaler.errors import StartupError
-from gpuscaler.settings import Address
+from gpuscaler.flags import Address
 
 KEEPALIVE_TIMEOUT_SECONDS = 5.0
 

@@ -6,6 +6,7 @@ import ssl
 from pathlib import Path
 
 from gpuscaler.errors import ConfigError
+from gpuscaler.flags import paired
 
 
 def server_context(cert: Path, key: Path, client_ca: Path | None) -> ssl.SSLContext:
@@ -20,16 +21,18 @@ def server_context(cert: Path, key: Path, client_ca: Path | None) -> ssl.SSLCont
     return context
 
 
-def client_context(ca: Path | None, cert: Path | None, key: Path | None) -> ssl.SSLContext:
-    """Client TLS: verify the server with ``ca`` (system roots without it), present ``cert`` for mTLS."""
+def client_context(ca: Path | None, cert: Path | None, key: Path | None, *, flags: str = "--tls-") -> ssl.SSLContext:
+    """Client TLS: verify the server with ``ca`` (system roots without it), present ``cert`` for mTLS.
+
+    ``flags`` is the prefix of the flags the files came from (``--agent-tls-`` for the gateway), for errors.
+    """
     context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
     context.set_alpn_protocols(["h2"])
     if ca is not None:
-        _load_ca(context, ca, "--tls-ca")
-    if (cert is None) != (key is None):
-        raise ConfigError("--tls-cert and --tls-key go together; give both or neither")
+        _load_ca(context, ca, f"{flags}ca")
+    paired(cert, key, f"{flags}cert", f"{flags}key")
     if cert is not None and key is not None:
-        _load_chain(context, cert, key, "--tls-cert", "--tls-key")
+        _load_chain(context, cert, key, f"{flags}cert", f"{flags}key")
     return context
 
 

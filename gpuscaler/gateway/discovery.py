@@ -17,7 +17,7 @@ from pathlib import Path
 import structlog
 
 from gpuscaler.errors import ConfigError
-from gpuscaler.settings import Address, parse_address
+from gpuscaler.flags import Address, parse_address
 
 log = structlog.get_logger(__name__)
 

@@ -21,6 +21,7 @@ from gpuscaler import __version__
 from gpuscaler.attribution.directory import PodDirectory, StaticPodDirectory
 from gpuscaler.engine import Engine
 from gpuscaler.errors import ConfigError, StartupError
+from gpuscaler.flags import Address
 from gpuscaler.gateway.discovery import DnsAgents, EndpointsListener, FileAgents, StaticAgents
 from gpuscaler.gateway.settings import POD_DIRECTORY_KUBERNETES, GatewaySettings
 from gpuscaler.gateway.subscriber import AgentSubscriber, AgentTLS
@@ -37,7 +38,6 @@ from gpuscaler.server.lifecycle import (
     run_until_signalled,
 )
 from gpuscaler.server.rpc_tracking import RpcTracker
-from gpuscaler.settings import Address
 from gpuscaler.tls import ReloadingServerTLS, client_context
 
 log = structlog.get_logger(__name__)
@@ -84,10 +84,9 @@ def build_discovery(settings: GatewaySettings) -> Discovery:
 def agent_tls(settings: GatewaySettings) -> AgentTLS | None:
     if settings.agent_tls_ca is None:
         return None
-    try:
-        context = client_context(settings.agent_tls_ca, settings.agent_tls_cert, settings.agent_tls_key)
-    except ConfigError as error:
-        raise ConfigError(str(error).replace("--tls-", "--agent-tls-")) from None
+    context = client_context(
+        settings.agent_tls_ca, settings.agent_tls_cert, settings.agent_tls_key, flags="--agent-tls-"
+    )
     return AgentTLS(context, settings.agent_tls_server_name)
 
 

@@ -13,9 +13,7 @@ from pathlib import Path
 
 from gpuscaler.durations import parse_duration
 from gpuscaler.errors import ConfigError
-from gpuscaler.gateway.discovery import DEFAULT_RESOLVE_INTERVAL_SECONDS, read_agents_file
-from gpuscaler.logs import LOG_LEVELS, LogFormat
-from gpuscaler.settings import (
+from gpuscaler.flags import (
     DEFAULT_DRAIN_TIMEOUT_SECONDS,
     DEFAULT_LISTEN,
     DEFAULT_TLS_RELOAD_INTERVAL_SECONDS,
@@ -24,10 +22,13 @@ from gpuscaler.settings import (
     checked_log_options,
     flag_error,
     optional_path,
+    paired,
     parse_address,
     parse_seconds,
     server_tls_files,
 )
+from gpuscaler.gateway.discovery import DEFAULT_RESOLVE_INTERVAL_SECONDS, read_agents_file
+from gpuscaler.logs import LOG_LEVELS, LogFormat
 
 DEFAULT_GATEWAY_HISTORY = "2m"
 POD_DIRECTORY_KUBERNETES = "kubernetes"
@@ -174,8 +175,7 @@ def gateway_settings_from_args(args: argparse.Namespace, environ: Mapping[str, s
         optional_path(args.agent_tls_cert),
         optional_path(args.agent_tls_key),
     )
-    if (agent_cert is None) != (agent_key is None):
-        raise ConfigError("--agent-tls-cert and --agent-tls-key go together; give both or neither")
+    paired(agent_cert, agent_key, "--agent-tls-cert", "--agent-tls-key")
     if agent_cert is not None and agent_ca is None:
         raise ConfigError("--agent-tls-cert needs --agent-tls-ca (the CA that signed the agents' certificates)")
 

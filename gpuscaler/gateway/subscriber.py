@@ -21,9 +21,9 @@ from grpclib.config import Configuration
 from grpclib.const import Cardinality
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
+from gpuscaler.flags import Address
 from gpuscaler.gateway.view import AgentRefused, ClusterView
 from gpuscaler.generated.gpuscaler import v1 as pb
-from gpuscaler.settings import Address
 from gpuscaler.source import stale_after_for
 from gpuscaler.wire import snapshot_from_wire
 

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from gpuscaler.cli import build_parser
+from gpuscaler.flags import ENV_PREFIX, Address
 from gpuscaler.gateway.settings import GATEWAY_FLAGS, gateway_settings_from_args
-from gpuscaler.settings import ENV_PREFIX, Address
 from tests.chart.rendering import (
     CI_VALUES,
     NAMESPACE,

@@ -10,11 +10,11 @@ from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
+from gpuscaler.flags import Address
 from gpuscaler.gateway.discovery import EndpointsListener
 from gpuscaler.gateway.process import Gateway
 from gpuscaler.generated import externalscaler as keda
 from gpuscaler.generated.gpuscaler import v1 as pb
-from gpuscaler.settings import Address
 from tests.fakes.fake_kubelet import Assignment
 from tests.gateway.conftest import StartGateway, StartNode, gateway_settings
 from tests.waiting import until, until_result

@@ -9,7 +9,8 @@ import pytest
 
 from gpuscaler import cli
 from gpuscaler.errors import ConfigError
-from gpuscaler.settings import Address, ServeSettings, settings_from_args
+from gpuscaler.flags import Address
+from gpuscaler.settings import ServeSettings, settings_from_args
 
 
 def settings(*flags: str, environ: dict[str, str] | None = None) -> ServeSettings:
