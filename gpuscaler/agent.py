@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
 
 import structlog
-from grpclib.health.check import ServiceStatus
-from grpclib.health.service import OVERALL, Health
 
 from gpuscaler import __version__
 from gpuscaler.attribution.podresources import PodResourcesWatcher
@@ -26,22 +23,10 @@ from gpuscaler.errors import StartupError
 from gpuscaler.exposition import MetricsServer
 from gpuscaler.history import History
 from gpuscaler.poller import Poller
-from gpuscaler.server.agent_api import AgentService
-from gpuscaler.server.external_scaler import ExternalScalerService
 from gpuscaler.server.fake_control import FakeControlService
-from gpuscaler.server.grpc_server import ManyStreamsServer
-from gpuscaler.server.lifecycle import (
-    bound_port,
-    drain,
-    follow_health,
-    follow_tls_files,
-    report_crash,
-    run_until_signalled,
-)
-from gpuscaler.server.rpc_tracking import RpcTracker
+from gpuscaler.server.frontend import Frontend, FrontendSettings, cancel_all, run_in_background, run_until_signalled
 from gpuscaler.settings import ServeSettings
 from gpuscaler.telemetry import Telemetry
-from gpuscaler.tls import ReloadingServerTLS
 
 log = structlog.get_logger(__name__)
 
@@ -64,16 +49,15 @@ class Agent:
     collector: Collector
     engine: Engine
     poller: Poller
-    server: ManyStreamsServer
-    scaler: ExternalScalerService
-    tracker: RpcTracker
-    health: ServiceStatus
+    frontend: Frontend
     telemetry: Telemetry
     metrics: MetricsServer | None
-    tls: ReloadingServerTLS | None
-    port: int
     pod_resources: PodResourcesWatcher | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def port(self) -> int:
+        return self.frontend.port
 
     @classmethod
     async def start(cls, settings: ServeSettings, collector: Collector) -> Agent:
@@ -81,11 +65,6 @@ class Agent:
 
         Raises CollectorUnavailable (no NVML), ConfigError (bad TLS files) or StartupError (a port in use).
         """
-        tls = (
-            ReloadingServerTLS(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
-            if settings.tls_cert and settings.tls_key
-            else None
-        )
         history = History(
             history_seconds=settings.history_seconds, poll_interval_seconds=settings.poll_interval_seconds
         )
@@ -116,24 +95,23 @@ class Agent:
             await pod_resources.refresh()  # the first snapshot already says which pods hold the GPUs
         await poller.tick()  # listen only once there is a sample to answer from
 
-        scaler = ExternalScalerService(engine)
-        health = ServiceStatus()
-        services: list[Any] = [scaler, AgentService(engine)]
-        if isinstance(collector, FakeCollector):
-            services.append(FakeControlService(collector))
-        services.append(Health({scaler: [health], OVERALL: [health]}))
-        server = ManyStreamsServer(services)
-        tracker = RpcTracker()
-        tracker.attach(server, services)
-        tracker.add_observers(telemetry.observe_rpc_started, telemetry.observe_rpc)
-        try:
-            await server.start(
-                settings.listen.host, settings.listen.port, ssl=tls.listener if tls else None, reuse_address=True
-            )
-        except OSError as error:
-            raise StartupError(f"--listen {settings.listen}: cannot listen: {error.strerror}") from None
+        frontend = await Frontend.start(
+            FrontendSettings(
+                listen=settings.listen,
+                tls_cert=settings.tls_cert,
+                tls_key=settings.tls_key,
+                tls_client_ca=settings.tls_client_ca,
+                tls_reload_interval_seconds=settings.tls_reload_interval_seconds,
+                drain_timeout_seconds=settings.drain_timeout_seconds,
+                health_every_seconds=settings.poll_interval_seconds,
+            ),
+            engine,
+            extra_services=[FakeControlService(collector)] if isinstance(collector, FakeCollector) else [],
+            on_rpc_started=telemetry.observe_rpc_started,
+            on_rpc_finished=telemetry.observe_rpc,
+        )
         metrics = (
-            MetricsServer(telemetry.registry, settings.metrics_listen, healthy=lambda: health.__status__() is True)
+            MetricsServer(telemetry.registry, settings.metrics_listen, healthy=lambda: frontend.serving)
             if settings.metrics_listen
             else None
         )
@@ -141,45 +119,13 @@ class Agent:
             try:
                 await metrics.start()
             except StartupError:
-                server.close()
-                await server.wait_closed()
+                await frontend.stop()
                 raise
 
-        agent = cls(
-            settings=settings,
-            collector=collector,
-            engine=engine,
-            poller=poller,
-            server=server,
-            scaler=scaler,
-            tracker=tracker,
-            health=health,
-            telemetry=telemetry,
-            metrics=metrics,
-            tls=tls,
-            port=bound_port(server),
-            pod_resources=pod_resources,
-        )
-        health.set(engine.healthy())
-        agent._tasks = [
-            asyncio.create_task(poller.run(), name="poll-loop"),
-            asyncio.create_task(
-                follow_health(engine, health, every_seconds=settings.poll_interval_seconds), name="health"
-            ),
-        ]
-        if tls is not None:
-            agent._tasks.append(
-                asyncio.create_task(
-                    follow_tls_files(
-                        tls, every_seconds=settings.tls_reload_interval_seconds, name=str(settings.tls_cert)
-                    ),
-                    name="tls-reload",
-                )
-            )
+        agent = cls(settings, collector, engine, poller, frontend, telemetry, metrics, pod_resources)
+        agent._tasks.append(run_in_background(poller.run(), name="poll-loop"))
         if pod_resources is not None:
-            agent._tasks.append(asyncio.create_task(pod_resources.run(), name="pod-resources"))
-        for task in agent._tasks:
-            task.add_done_callback(report_crash)
+            agent._tasks.append(run_in_background(pod_resources.run(), name="pod-resources"))
         log.info(
             "agent_started",
             version=__version__,
@@ -189,7 +135,7 @@ class Agent:
             collector=settings.collector,
             gpus=len(poller.devices),
             poll_interval_seconds=settings.poll_interval_seconds,
-            tls=tls is not None,
+            tls=frontend.tls is not None,
             mtls=settings.tls_client_ca is not None,
             attribution=pod_resources.state.state.value if pod_resources else "off",
         )
@@ -197,24 +143,14 @@ class Agent:
 
     async def stop(self) -> None:
         """Drain and close; returns once everything is closed or the drain timeout has passed."""
-        log.info("agent_stopping", open_streams=self.scaler.open_streams, in_flight=self.tracker.in_flight)
-        for task in self._tasks:
-            if task.get_name() == "health":
-                task.cancel()
-        await drain(
-            server=self.server,
-            engine=self.engine,
-            tracker=self.tracker,
-            health=self.health,
-            drain_seconds=self.settings.drain_timeout_seconds,
-        )
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        tracker = self.frontend.tracker
+        log.info("agent_stopping", open_streams=self.frontend.scaler.open_streams, in_flight=tracker.in_flight)
+        await self.frontend.stop()
+        await cancel_all(self._tasks)
         if self.metrics is not None:
             await self.metrics.stop()
         await asyncio.to_thread(self.collector.close)
-        log.info("agent_stopped", calls=sum(self.tracker.finished.values()))
+        log.info("agent_stopped", calls=sum(tracker.finished.values()))
 
 
 async def serve(settings: ServeSettings) -> int:

@@ -11,34 +11,21 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import structlog
-from grpclib.health.check import ServiceStatus
-from grpclib.health.service import OVERALL, Health
 
 from gpuscaler import __version__
 from gpuscaler.attribution.directory import PodDirectory, StaticPodDirectory
 from gpuscaler.engine import Engine
-from gpuscaler.errors import ConfigError, StartupError
+from gpuscaler.errors import ConfigError
 from gpuscaler.flags import Address
 from gpuscaler.gateway.discovery import DnsAgents, EndpointsListener, FileAgents, StaticAgents
 from gpuscaler.gateway.settings import POD_DIRECTORY_KUBERNETES, GatewaySettings
 from gpuscaler.gateway.subscriber import AgentSubscriber, AgentTLS
 from gpuscaler.gateway.view import ClusterView
-from gpuscaler.server.agent_api import AgentService
-from gpuscaler.server.external_scaler import ExternalScalerService
-from gpuscaler.server.grpc_server import ManyStreamsServer
-from gpuscaler.server.lifecycle import (
-    bound_port,
-    drain,
-    follow_health,
-    follow_tls_files,
-    report_crash,
-    run_until_signalled,
-)
-from gpuscaler.server.rpc_tracking import RpcTracker
-from gpuscaler.tls import ReloadingServerTLS, client_context
+from gpuscaler.server.frontend import Frontend, FrontendSettings, cancel_all, run_in_background, run_until_signalled
+from gpuscaler.tls import client_context
 
 log = structlog.get_logger(__name__)
 
@@ -97,17 +84,16 @@ class Gateway:
     settings: GatewaySettings
     view: ClusterView
     engine: Engine
-    server: ManyStreamsServer
-    scaler: ExternalScalerService
-    tracker: RpcTracker
-    health: ServiceStatus
-    port: int
+    frontend: Frontend
     directory: PodDirectory | None
-    tls: ReloadingServerTLS | None
     discovery: Discovery
     agent_tls: AgentTLS | None
     subscribers: dict[Address, tuple[AgentSubscriber, asyncio.Task[None]]] = field(default_factory=dict)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def port(self) -> int:
+        return self.frontend.port
 
     @classmethod
     async def start(
@@ -118,30 +104,23 @@ class Gateway:
         discovery: Discovery | None = None,
     ) -> Gateway:
         """Listen and start subscribing. Raises ConfigError (bad TLS files) or StartupError (a port in use)."""
-        tls = (
-            ReloadingServerTLS(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
-            if settings.tls_cert and settings.tls_key
-            else None
-        )
         to_agents = agent_tls(settings)
         directory = directory if directory is not None else build_directory(settings)
         view = ClusterView(history_seconds=settings.history_seconds)
         engine = Engine(view, directory=directory, cluster=True)
         view.add_listener(engine.on_snapshot)
-
-        scaler = ExternalScalerService(engine)
-        health = ServiceStatus()
-        services: list[Any] = [scaler, AgentService(engine)]
-        services.append(Health({scaler: [health], OVERALL: [health]}))
-        server = ManyStreamsServer(services)
-        tracker = RpcTracker()
-        tracker.attach(server, services)
-        try:
-            await server.start(
-                settings.listen.host, settings.listen.port, ssl=tls.listener if tls else None, reuse_address=True
-            )
-        except OSError as error:
-            raise StartupError(f"--listen {settings.listen}: cannot listen: {error.strerror}") from None
+        frontend = await Frontend.start(
+            FrontendSettings(
+                listen=settings.listen,
+                tls_cert=settings.tls_cert,
+                tls_key=settings.tls_key,
+                tls_client_ca=settings.tls_client_ca,
+                tls_reload_interval_seconds=settings.tls_reload_interval_seconds,
+                drain_timeout_seconds=settings.drain_timeout_seconds,
+                health_every_seconds=HEALTH_CHECK_SECONDS,
+            ),
+            engine,
+        )
         if isinstance(directory, ManagedDirectory):
             await directory.start()
 
@@ -149,33 +128,15 @@ class Gateway:
             settings=settings,
             view=view,
             engine=engine,
-            server=server,
-            scaler=scaler,
-            tracker=tracker,
-            health=health,
-            port=bound_port(server),
+            frontend=frontend,
             directory=directory,
-            tls=tls,
             discovery=discovery or build_discovery(settings),
             agent_tls=to_agents,
         )
-        health.set(False)
         gateway._tasks = [
-            asyncio.create_task(view.run(), name="compose"),
-            asyncio.create_task(gateway.discovery.run(gateway._on_endpoints), name="discovery"),
-            asyncio.create_task(follow_health(engine, health, every_seconds=HEALTH_CHECK_SECONDS), name="health"),
+            run_in_background(view.run(), name="compose"),
+            run_in_background(gateway.discovery.run(gateway._on_endpoints), name="discovery"),
         ]
-        if tls is not None:
-            gateway._tasks.append(
-                asyncio.create_task(
-                    follow_tls_files(
-                        tls, every_seconds=settings.tls_reload_interval_seconds, name=str(settings.tls_cert)
-                    ),
-                    name="tls-reload",
-                )
-            )
-        for task in gateway._tasks:
-            task.add_done_callback(report_crash)
         log.info(
             "gateway_started",
             version=__version__,
@@ -185,7 +146,7 @@ class Gateway:
             agents_dns=str(settings.agents_dns) if settings.agents_dns else None,
             agents_file=str(settings.agents_file) if settings.agents_file else None,
             pod_directory=settings.pod_directory,
-            tls=tls is not None,
+            tls=frontend.tls is not None,
             agent_tls=to_agents is not None,
         )
         return gateway
@@ -199,29 +160,18 @@ class Gateway:
             log.info("agent_removed", agent=str(endpoint))
         for endpoint in sorted(endpoints - set(self.subscribers), key=str):
             subscriber = AgentSubscriber(endpoint, self.view, tls=self.agent_tls)
-            task = asyncio.create_task(subscriber.run(), name=f"agent {endpoint}")
+            task = run_in_background(subscriber.run(), name=f"agent {endpoint}")
             self.subscribers[endpoint] = (subscriber, task)
 
     async def stop(self) -> None:
         """Drain and close; returns once everything is closed or the drain timeout has passed."""
-        log.info("gateway_stopping", open_streams=self.scaler.open_streams, in_flight=self.tracker.in_flight)
-        for task in self._tasks:
-            if task.get_name() == "health":
-                task.cancel()
-        await drain(
-            server=self.server,
-            engine=self.engine,
-            tracker=self.tracker,
-            health=self.health,
-            drain_seconds=self.settings.drain_timeout_seconds,
-        )
-        tasks = [*self._tasks, *(task for _, task in self.subscribers.values())]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        tracker = self.frontend.tracker
+        log.info("gateway_stopping", open_streams=self.frontend.scaler.open_streams, in_flight=tracker.in_flight)
+        await self.frontend.stop()
+        await cancel_all([*self._tasks, *(task for _, task in self.subscribers.values())])
         if isinstance(self.directory, ManagedDirectory):
             await self.directory.stop()
-        log.info("gateway_stopped", calls=sum(self.tracker.finished.values()))
+        log.info("gateway_stopped", calls=sum(tracker.finished.values()))
 
 
 async def run_gateway(settings: GatewaySettings) -> int:

@@ -214,9 +214,9 @@ async def test_health_follows_the_view(start_node: StartNode, start_gateway: Sta
     """The gateway is NOT_SERVING until an agent's GPUs are in the view, and again once none are."""
     a = await start_node("node-a")
     gateway = await start_gateway(a)
-    await until(lambda: gateway.health.__status__() is True, timeout=10)
+    await until(lambda: gateway.frontend.serving, timeout=10)
     await a.stop()
-    await until(lambda: gateway.health.__status__() is False, timeout=10)
+    await until(lambda: not gateway.frontend.serving, timeout=10)
 
 
 class ListedAgents:

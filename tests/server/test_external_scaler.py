@@ -192,7 +192,7 @@ async def test_streams_end_ok_on_stop(start_agent: StartAgent) -> None:
             outcomes.append(error.status.name)
 
     holders = [asyncio.create_task(hold(n)) for n in range(20)]
-    await until(lambda: agent.scaler.open_streams == 20)
+    await until(lambda: agent.frontend.scaler.open_streams == 20)
     await agent.stop()
     await asyncio.wait_for(asyncio.gather(*holders), timeout=5)
     channel.close()

@@ -124,7 +124,7 @@ async def test_agent_series_count_rpcs_streams_and_transitions(start_agent: Star
 
     await stream.aclose()  # type: ignore[attr-defined]
     channel.close()
-    await until(lambda: agent.tracker.in_flight == 0)
+    await until(lambda: agent.frontend.tracker.in_flight == 0)
     series = await scrape(agent)
     codes = {s.labels["code"] for s in series["gpuscaler_rpc_handled_total"] if "StreamIsActive" in s.labels["method"]}
     assert codes == {"CANCELLED"}  # KEDA hanging up is not an error

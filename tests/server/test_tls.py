@@ -86,7 +86,7 @@ async def test_rotation_keeps_open_streams_and_serves_the_new_certificate(
     live.mkdir()
     cert, key = write_pair(old_ca.issue_cert("127.0.0.1"), live, "tls")
     agent = await start_agent("--tls-cert", str(cert), "--tls-key", str(key), "--tls-reload-interval", "0.1")
-    assert agent.tls is not None
+    assert agent.frontend.tls is not None
     assert isinstance(agent.collector, FakeCollector)
     old_trust, new_trust = ca_file(old_ca, tmp_path, "old"), ca_file(new_ca, tmp_path, "new")
 
@@ -100,13 +100,13 @@ async def test_rotation_keeps_open_streams_and_serves_the_new_certificate(
     holder = asyncio.create_task(hold())
     try:
         await until(lambda: received == [False])
-        serving = agent.tls.current
+        serving = agent.frontend.tls.current
 
         # Like cert-manager: new files beside the old, then an atomic rename over them.
         staged_cert, staged_key = write_pair(new_ca.issue_cert("127.0.0.1"), tmp_path, "staged")
         os.replace(staged_key, key)
         os.replace(staged_cert, cert)
-        await until(lambda: agent.tls is not None and agent.tls.current is not serving)
+        await until(lambda: agent.frontend.tls is not None and agent.frontend.tls.current is not serving)
 
         after = channel(agent, client_context(new_trust, None, None))
         assert (await ExternalScalerStub(after).is_active(REF)).result is False
@@ -129,12 +129,12 @@ async def test_half_rotated_files_keep_the_old_certificate(start_agent: StartAge
     ca = trustme.CA()
     cert, key = write_pair(ca.issue_cert("127.0.0.1"), tmp_path, "tls")
     agent = await start_agent("--tls-cert", str(cert), "--tls-key", str(key), "--tls-reload-interval", "0.1")
-    assert agent.tls is not None
-    serving = agent.tls.current
+    assert agent.frontend.tls is not None
+    serving = agent.frontend.tls.current
     other_cert, _ = write_pair(ca.issue_cert("127.0.0.1"), tmp_path, "other")
     os.replace(other_cert, cert)  # the key has not been rotated yet
     await asyncio.sleep(0.5)
-    assert agent.tls.current is serving
+    assert agent.frontend.tls.current is serving
     trusted = channel(agent, client_context(ca_file(ca, tmp_path, "ca"), None, None))
     assert (await ExternalScalerStub(trusted).is_active(REF)).result is False
     trusted.close()

@@ -1,0 +1,219 @@
+"""The gRPC front both processes compose: the server, health, TLS that follows its files, signals and the drain.
+
+An agent and a gateway differ in where their snapshots come from; what they show KEDA is the same:
+ExternalScaler, the Agent API and gRPC health on one listener, health that follows ``engine.healthy()``,
+per-RPC accounting, and KEDA's protocol for a clean stop. The drain: NOT_SERVING first, then every push
+stream ends with status OK (KEDA reconnects after 2 s, not after a backoff of up to 60 s), calls in flight
+finish, and only then does the server close; all within ``drain_seconds``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+from grpclib.health.check import ServiceStatus
+from grpclib.health.service import OVERALL, Health
+
+from gpuscaler.engine import Engine
+from gpuscaler.errors import ConfigError, StartupError
+from gpuscaler.flags import Address
+from gpuscaler.server.agent_api import AgentService
+from gpuscaler.server.external_scaler import ExternalScalerService
+from gpuscaler.server.grpc_server import ManyStreamsServer
+from gpuscaler.server.rpc_tracking import FinishObserver, RpcTracker, StartObserver
+from gpuscaler.tls import ReloadingServerTLS
+
+log = structlog.get_logger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendSettings:
+    """What the front needs of a process's settings (``serve`` and ``gateway`` share these flags)."""
+
+    listen: Address
+    tls_cert: Path | None
+    tls_key: Path | None
+    tls_client_ca: Path | None
+    tls_reload_interval_seconds: float
+    drain_timeout_seconds: float
+    health_every_seconds: float
+
+
+@dataclass
+class Frontend:
+    """A listening gRPC server over one engine; ``stop()`` drains it."""
+
+    settings: FrontendSettings
+    engine: Engine
+    server: ManyStreamsServer
+    scaler: ExternalScalerService
+    tracker: RpcTracker
+    health: ServiceStatus
+    tls: ReloadingServerTLS | None
+    port: int
+    _health_task: asyncio.Task[None] | None = None
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @classmethod
+    async def start(
+        cls,
+        settings: FrontendSettings,
+        engine: Engine,
+        *,
+        extra_services: Sequence[Any] = (),
+        on_rpc_started: StartObserver | None = None,
+        on_rpc_finished: FinishObserver | None = None,
+    ) -> Frontend:
+        """Listen, with health as the engine says now. ConfigError: bad TLS files; StartupError: a port in use."""
+        tls = (
+            ReloadingServerTLS(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+            if settings.tls_cert and settings.tls_key
+            else None
+        )
+        scaler = ExternalScalerService(engine)
+        health = ServiceStatus()
+        health.set(engine.healthy())
+        services: list[Any] = [scaler, AgentService(engine), *extra_services]
+        services.append(Health({scaler: [health], OVERALL: [health]}))
+        server = ManyStreamsServer(services)
+        tracker = RpcTracker()
+        tracker.attach(server, services)
+        if on_rpc_started is not None and on_rpc_finished is not None:
+            tracker.add_observers(on_rpc_started, on_rpc_finished)
+        try:
+            await server.start(
+                settings.listen.host, settings.listen.port, ssl=tls.listener if tls else None, reuse_address=True
+            )
+        except OSError as error:
+            raise StartupError(f"--listen {settings.listen}: cannot listen: {error.strerror}") from None
+        front = cls(settings, engine, server, scaler, tracker, health, tls, _bound_port(server))
+        front._health_task = run_in_background(
+            follow_health(engine, health, every_seconds=settings.health_every_seconds), name="health"
+        )
+        front._tasks.append(front._health_task)
+        if tls is not None:
+            front._tasks.append(
+                run_in_background(
+                    follow_tls_files(
+                        tls, every_seconds=settings.tls_reload_interval_seconds, name=str(settings.tls_cert)
+                    ),
+                    name="tls-reload",
+                )
+            )
+        return front
+
+    @property
+    def serving(self) -> bool:
+        return self.health.__status__() is True
+
+    async def stop(self) -> None:
+        """NOT_SERVING, end every stream OK, let calls finish (80% of the time), then close the server."""
+        if self._health_task is not None:
+            self._health_task.cancel()  # it would turn health back on while we drain
+        self.health.set(False)
+        self.engine.close_streams()
+        drain_seconds = self.settings.drain_timeout_seconds
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(drain_seconds * 0.8):
+                await self.tracker.wait_idle()
+        if self.tracker.in_flight:
+            log.warning("drain_incomplete", in_flight=self.tracker.in_flight)
+        self.server.close()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(drain_seconds * 0.2, 0.1)):
+                await self.server.wait_closed()
+        await cancel_all(self._tasks)
+
+
+async def follow_health(engine: Engine, health: ServiceStatus, *, every_seconds: float) -> None:
+    """Keep ``health`` at ``engine.healthy()``, so it turns NOT_SERVING even when samples stop coming."""
+    previous: bool | None = health.__status__()
+    while True:
+        healthy = engine.healthy()
+        if healthy != previous:
+            (log.info if healthy else log.warning)("health_changed", serving=healthy)
+            previous = healthy
+        health.set(healthy)
+        await asyncio.sleep(every_seconds)
+
+
+async def follow_tls_files(tls: ReloadingServerTLS, *, every_seconds: float, name: str) -> None:
+    """Reload rotated TLS files; a half-rotated pair is logged and retried while the old one keeps serving."""
+    while True:
+        await asyncio.sleep(every_seconds)
+        try:
+            if tls.reload_if_changed():
+                log.info("tls_reloaded", cert=name)
+        except ConfigError as error:
+            log.error("tls_reload_failed", error=str(error))
+
+
+def run_in_background(work: Awaitable[None], *, name: str) -> asyncio.Task[None]:
+    """A task that runs until cancelled; ending by itself is a bug, and is logged as one."""
+
+    async def run() -> None:
+        await work
+
+    task = asyncio.create_task(run(), name=name)
+    task.add_done_callback(_report_crash)
+    return task
+
+
+async def cancel_all(tasks: Sequence[asyncio.Task[Any]]) -> None:
+    """Cancel ``tasks`` and wait until each has ended."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _report_crash(task: asyncio.Task[None]) -> None:
+    # A background task that ends by itself is a bug; say so, or health would turn NOT_SERVING unexplained.
+    if task.cancelled():
+        return
+    log.critical("task_crashed", task=task.get_name(), error=repr(task.exception()), exc_info=task.exception())
+
+
+def _bound_port(server: ManyStreamsServer) -> int:
+    listener = server._server  # grpclib keeps the asyncio server private; we need the port the OS chose for 0
+    sockets = listener.sockets if isinstance(listener, asyncio.Server) else ()
+    return int(sockets[0].getsockname()[1]) if sockets else 0
+
+
+async def run_until_signalled(stop: Callable[[], Awaitable[None]]) -> int:
+    """Wait for SIGTERM or SIGINT, then ``stop()``; the process's exit code.
+
+    A second signal during the drain ends the process at once with 128 + its number, as most servers do:
+    whoever presses Ctrl-C twice has decided not to wait.
+    """
+    signalled = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def first(signum: signal.Signals) -> None:
+        for again in STOP_SIGNALS:
+            loop.add_signal_handler(again, _exit_now, again)
+        signalled.set()
+
+    for signum in STOP_SIGNALS:
+        loop.add_signal_handler(signum, first, signum)
+    await signalled.wait()
+    await stop()
+    return 0
+
+
+def _exit_now(signum: signal.Signals) -> None:
+    log.warning("stop_forced", signal=signum.name, detail="a second signal during the drain; exiting without it")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Not SystemExit: asyncio.run would then wait for the worker threads, and a hung NVML read never returns.
+    os._exit(128 + signum)
