@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import structlog
 
 from gpuscaler.activation import ActivationStates
-from gpuscaler.attribution.directory import PodDirectory
 from gpuscaler.evaluation import Evaluation, evaluate
 from gpuscaler.metadata import Limits, parse_metadata
+from gpuscaler.pods import PodDirectory
 from gpuscaler.query import Query, ValueQuery
 from gpuscaler.samples import DEVICE_FIELD, Snapshot
 from gpuscaler.source import SnapshotSource

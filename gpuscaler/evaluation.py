@@ -17,8 +17,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from gpuscaler.aggregation import aggregate, reduce_window
-from gpuscaler.attribution.directory import PodDirectory
 from gpuscaler.errors import GpuscalerError, InvalidMetadata, Unavailable, Unsupported
+from gpuscaler.pods import PodDirectory
 from gpuscaler.query import GpuSelection, PodSelection, ValueQuery
 from gpuscaler.samples import Absence, AttributionState, GpuSample, Metric, ReadError, ReadErrorKind, Snapshot
 from gpuscaler.source import SnapshotSource

@@ -14,7 +14,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from gpuscaler.attribution.selectors import parse_label_selector
 from gpuscaler.durations import format_duration, parse_duration
 from gpuscaler.errors import InvalidMetadata
 from gpuscaler.profiles import DEFAULT_METRIC, METRIC_DEFAULTS, PROFILES
@@ -30,6 +29,7 @@ from gpuscaler.query import (
     default_metric_name,
 )
 from gpuscaler.samples import Metric
+from gpuscaler.selectors import parse_label_selector
 
 # KEDA passes its own trigger keys through to the scaler; they configure KEDA's client, not the query.
 KEDA_KEYS = frozenset(

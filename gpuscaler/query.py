@@ -7,9 +7,9 @@ import hashlib
 import math
 from dataclasses import dataclass
 
-from gpuscaler.attribution.selectors import LabelSelector
 from gpuscaler.durations import format_duration
 from gpuscaler.samples import Metric
+from gpuscaler.selectors import LabelSelector
 
 
 class Aggregation(enum.StrEnum):

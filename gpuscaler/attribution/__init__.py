@@ -1,1 +1,1 @@
-"""Which pods hold which GPUs: the kubelet's PodResources API on the agent, pod labels and owners on the gateway."""
+"""Which pods hold which GPUs on a node: the kubelet's PodResources API, and its device ids mapped to NVML's GPUs."""

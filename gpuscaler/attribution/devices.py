@@ -13,10 +13,9 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from gpuscaler.pods import NVIDIA_RESOURCE_PREFIX
 from gpuscaler.samples import GpuIdentity, PodRef
 
-# Extended resources of the NVIDIA device plugin: nvidia.com/gpu, nvidia.com/gpu.shared, nvidia.com/mig-1g.5gb, ...
-NVIDIA_RESOURCE_PREFIX = "nvidia.com/"
 NVIDIA_DRA_DRIVER = "gpu.nvidia.com"
 SHARED_SUFFIX = "::"
 

@@ -11,19 +11,20 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import structlog
 
 from gpuscaler import __version__
-from gpuscaler.attribution.directory import PodDirectory, StaticPodDirectory
 from gpuscaler.engine import Engine
 from gpuscaler.errors import ConfigError
 from gpuscaler.flags import Address
 from gpuscaler.gateway.discovery import DnsAgents, EndpointsListener, FileAgents, StaticAgents
+from gpuscaler.gateway.pod_directory import ManagedDirectory, StaticPodDirectory
 from gpuscaler.gateway.settings import POD_DIRECTORY_KUBERNETES, GatewaySettings
 from gpuscaler.gateway.subscriber import AgentSubscriber, AgentTLS
 from gpuscaler.gateway.view import ClusterView
+from gpuscaler.pods import PodDirectory
 from gpuscaler.server.frontend import Frontend, FrontendSettings, cancel_all, run_in_background, run_until_signalled
 from gpuscaler.tls import client_context
 
@@ -36,20 +37,11 @@ class Discovery(Protocol):
     async def run(self, listener: EndpointsListener) -> None: ...
 
 
-@runtime_checkable
-class ManagedDirectory(PodDirectory, Protocol):
-    """A pod directory with a life of its own (the Kubernetes pod watch)."""
-
-    async def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
-
-
 def build_directory(settings: GatewaySettings) -> PodDirectory | None:
     if settings.pod_directory is None:
         return None
     if settings.pod_directory == POD_DIRECTORY_KUBERNETES:
-        from gpuscaler.attribution.kubernetes import KubernetesPodDirectory
+        from gpuscaler.gateway.pod_watch import KubernetesPodDirectory
 
         return KubernetesPodDirectory.in_cluster()
     try:

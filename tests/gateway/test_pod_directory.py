@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from gpuscaler.attribution.directory import StaticPodDirectory, owner_workload, parse_static_pods
 from gpuscaler.errors import ConfigError
+from gpuscaler.gateway.pod_directory import StaticPodDirectory, parse_static_pods
+from gpuscaler.gateway.pod_watch import owner_workload
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 from kubernetes_asyncio import client
 
-from gpuscaler.attribution.kubernetes import KubernetesPodDirectory
+from gpuscaler.gateway.pod_watch import KubernetesPodDirectory
 from tests.waiting import until
 
 

@@ -6,13 +6,13 @@ from dataclasses import replace
 
 import pytest
 
-from gpuscaler.attribution.directory import PodInfo
 from gpuscaler.errors import InvalidMetadata, Unavailable, Unsupported
 from gpuscaler.evaluation import evaluate
 from gpuscaler.metadata import Limits, parse_metadata
+from gpuscaler.pods import PodInfo
 from gpuscaler.query import Aggregation, NodeQuorum, Query
 from gpuscaler.samples import Attribution, AttributionState, PodRef, Snapshot
-from tests.unit.builders import cluster, gpu_sample, snapshot, source_of, unheard
+from tests.builders import cluster, gpu_sample, snapshot, source_of, unheard
 
 OK = Attribution(AttributionState.OK)
 LIMITS = Limits(history_seconds=600)

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from gpuscaler.attribution.selectors import parse_label_selector
+from gpuscaler.selectors import parse_label_selector
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from gpuscaler.evaluation import Evaluation, evaluate
 from gpuscaler.history import History
 from gpuscaler.query import Query, ValueQuery
 from gpuscaler.samples import GpuSample, ReadErrorKind
-from tests.unit.builders import failed_sample, gpu_sample, history_of, snapshot, utilizations
+from tests.builders import failed_sample, gpu_sample, history_of, snapshot, utilizations
 
 HYSTERESIS = {"activationThreshold": "50", "deactivationThreshold": "20"}
 

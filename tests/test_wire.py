@@ -7,7 +7,7 @@ import pytest
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.samples import DEVICE_FIELD, GpuSample, PodRef, ReadError, ReadErrorKind
 from gpuscaler.wire import sample_from_wire, sample_to_wire, snapshot_from_wire, snapshot_to_wire
-from tests.unit.builders import gpu_sample, snapshot
+from tests.builders import gpu_sample, snapshot
 
 SAMPLES = [
     pytest.param(

@@ -12,12 +12,12 @@ from dataclasses import replace
 
 import pytest
 
-from gpuscaler.attribution.directory import PodInfo
 from gpuscaler.errors import InvalidMetadata, Unavailable
 from gpuscaler.evaluation import Evaluation, evaluate
 from gpuscaler.metadata import Limits, parse_metadata
+from gpuscaler.pods import PodInfo
 from gpuscaler.samples import Attribution, AttributionState, PodRef, Snapshot
-from tests.unit.builders import cluster, gpu_sample, silent, snapshot, source_of, unheard
+from tests.builders import cluster, gpu_sample, silent, snapshot, source_of, unheard
 
 LIMITS = Limits(history_seconds=600, cluster=True)
 

@@ -1,7 +1,6 @@
-"""Who a pod is: its labels and the workload that owns it, for ``workload`` and ``podSelector`` queries.
+"""The gateway's pod directory from a static YAML file, where there is no Kubernetes API (compose, tests).
 
-Two sources share one interface: the Kubernetes API (``kubernetes.py``, a pod watch) in a cluster, and a
-static YAML file where there is no API (compose, tests). The file is re-read when it changes::
+The file is re-read when it changes::
 
     pods:
       - namespace: ml
@@ -17,69 +16,27 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import structlog
 import yaml
 
 from gpuscaler.errors import ConfigError
+from gpuscaler.pods import PodDirectory, PodInfo
 
 log = structlog.get_logger(__name__)
 
 STATIC_RELOAD_CHECK_SECONDS = 1.0
-POD_TEMPLATE_HASH = "pod-template-hash"
 
 
-@dataclass(frozen=True, slots=True)
-class PodInfo:
-    """A pod as workload queries see it. ``node`` and ``holds_gpus`` are None where the source does not say.
+@runtime_checkable
+class ManagedDirectory(PodDirectory, Protocol):
+    """A pod directory with a life of its own (the Kubernetes pod watch): started and stopped with the gateway."""
 
-    Where a pod runs and whether it asks for a GPU tell a gateway whether a node it cannot hear from may
-    hold the pod's GPUs: a share is left out only when it is known to be gone.
-    """
+    async def start(self) -> None: ...
 
-    namespace: str
-    pod: str
-    labels: Mapping[str, str] = field(default_factory=dict)
-    workload: str | None = None
-    workload_kind: str | None = None
-    node: str | None = None
-    holds_gpus: bool | None = None
-
-
-class PodDirectory(Protocol):
-    """Pods by (namespace, name)."""
-
-    def lookup(self, namespace: str, pod: str) -> PodInfo | None:
-        """The pod, or None when the directory does not know it (yet)."""
-
-    def pods(self, namespace: str) -> Iterable[PodInfo]:
-        """Every pod it knows in ``namespace``."""
-
-    def problem(self) -> str | None:
-        """Why the directory cannot answer now (not synced, API unreachable), or None when it can."""
-
-
-def owner_workload(
-    owner_kind: str | None, owner_name: str | None, labels: Mapping[str, str]
-) -> tuple[str | None, str | None]:
-    """The (kind, name) of the workload that owns a pod, from its controller reference and labels.
-
-    A Deployment owns its pods through a ReplicaSet named ``<deployment>-<pod-template-hash>``, and the
-    pod carries that hash as a label: stripping it gives the Deployment's name without reading the
-    ReplicaSet (so the gateway needs no RBAC beyond pods). A ReplicaSet without that label is its own
-    workload. StatefulSets, DaemonSets and Jobs own their pods directly.
-    """
-    if owner_kind is None or owner_name is None:
-        return None, None
-    if owner_kind == "ReplicaSet":
-        template_hash = labels.get(POD_TEMPLATE_HASH)
-        if template_hash and owner_name.endswith("-" + template_hash):
-            return "Deployment", owner_name[: -len(template_hash) - 1]
-    return owner_kind, owner_name
+    async def stop(self) -> None: ...
 
 
 class StaticPodDirectory:

@@ -9,7 +9,7 @@ from gpuscaler.evaluation import Evaluation, evaluate
 from gpuscaler.history import History
 from gpuscaler.query import Aggregation, GpuSelection, ValueQuery, WindowFunction
 from gpuscaler.samples import GpuSample, Metric, ReadError, ReadErrorKind
-from tests.unit.builders import (
+from tests.builders import (
     NODE,
     failed_sample,
     gpu_sample,

@@ -1,7 +1,7 @@
-"""Pod labels and owners from the Kubernetes API: a list, then a watch, kept in memory (kubernetes-asyncio).
+"""The gateway's pod directory from the Kubernetes API: a list, then a watch, kept in memory (kubernetes-asyncio).
 
 RBAC: get/list/watch on pods, cluster-wide; nothing else (owners come from the pod's own
-``ownerReferences`` and ``pod-template-hash`` label, see ``directory.owner_workload``). The watch
+``ownerReferences`` and ``pod-template-hash`` label, see ``owner_workload``). The watch
 resumes from the last resourceVersion; a 410 Gone (history compacted) relists. Until the first list
 has arrived, and while the API cannot be reached for longer than ``stale_after_seconds``, the
 directory reports a problem, so workload queries fail (UNAVAILABLE) instead of reading as empty.
@@ -19,9 +19,8 @@ import structlog
 from kubernetes_asyncio import client, config, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from gpuscaler.attribution.devices import NVIDIA_RESOURCE_PREFIX
-from gpuscaler.attribution.directory import PodInfo, owner_workload
 from gpuscaler.errors import ConfigError
+from gpuscaler.pods import NVIDIA_RESOURCE_PREFIX, PodInfo
 
 log = structlog.get_logger(__name__)
 
@@ -29,6 +28,26 @@ WATCH_TIMEOUT_SECONDS = 300  # the API server ends each watch after this; we res
 INITIAL_BACKOFF_SECONDS = 0.5
 MAX_BACKOFF_SECONDS = 30.0
 DEFAULT_STALE_AFTER_SECONDS = 60.0
+POD_TEMPLATE_HASH = "pod-template-hash"
+
+
+def owner_workload(
+    owner_kind: str | None, owner_name: str | None, labels: Mapping[str, str]
+) -> tuple[str | None, str | None]:
+    """The (kind, name) of the workload that owns a pod, from its controller reference and labels.
+
+    A Deployment owns its pods through a ReplicaSet named ``<deployment>-<pod-template-hash>``, and the
+    pod carries that hash as a label: stripping it gives the Deployment's name without reading the
+    ReplicaSet (so the gateway needs no RBAC beyond pods). A ReplicaSet without that label is its own
+    workload. StatefulSets, DaemonSets and Jobs own their pods directly.
+    """
+    if owner_kind is None or owner_name is None:
+        return None, None
+    if owner_kind == "ReplicaSet":
+        template_hash = labels.get(POD_TEMPLATE_HASH)
+        if template_hash and owner_name.endswith("-" + template_hash):
+            return "Deployment", owner_name[: -len(template_hash) - 1]
+    return owner_kind, owner_name
 
 
 def pod_info(pod: Mapping[str, Any]) -> PodInfo | None:

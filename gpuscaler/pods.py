@@ -1,0 +1,44 @@
+"""Who a pod is, as workload queries need it: its labels, its owner, where it runs, whether it asks for a GPU.
+
+The pod directory is the interface; the gateway has two (``gateway/pod_watch.py``, the Kubernetes API,
+and ``gateway/pod_directory.py``, a static file). A directory is the authority on which pods exist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+# Extended resources of the NVIDIA device plugin: nvidia.com/gpu, nvidia.com/gpu.shared, nvidia.com/mig-1g.5gb, ...
+NVIDIA_RESOURCE_PREFIX = "nvidia.com/"
+
+
+@dataclass(frozen=True, slots=True)
+class PodInfo:
+    """A pod as workload queries see it. ``node`` and ``holds_gpus`` are None where the source does not say.
+
+    Where a pod runs and whether it asks for a GPU tell a gateway whether a node it cannot hear from may
+    hold the pod's GPUs: a share is left out only when it is known to be gone.
+    """
+
+    namespace: str
+    pod: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    workload: str | None = None
+    workload_kind: str | None = None
+    node: str | None = None
+    holds_gpus: bool | None = None
+
+
+class PodDirectory(Protocol):
+    """Pods by (namespace, name)."""
+
+    def lookup(self, namespace: str, pod: str) -> PodInfo | None:
+        """The pod, or None when the directory does not know it (yet)."""
+
+    def pods(self, namespace: str) -> Iterable[PodInfo]:
+        """Every pod it knows in ``namespace``."""
+
+    def problem(self) -> str | None:
+        """Why the directory cannot answer now (not synced, API unreachable), or None when it can."""
