@@ -22,7 +22,10 @@
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
-{{/* Selects every agent pod of this release, whatever its architecture: the Services and policies use it. */}}
+{{/*
+Selects every agent pod of this release, whatever its architecture: the headless Service and the agents'
+NetworkPolicy use it, and KEDA's Service when the gateway is off.
+*/}}
 {{- define "gpuscaler.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "gpuscaler.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
@@ -59,7 +62,7 @@ app.kubernetes.io/part-of: gpuscaler
 {{- end }}
 {{- end }}
 
-{{/* HOST:PORT as the agent parses it; IPv6 hosts get brackets. Takes (list host port). */}}
+{{/* HOST:PORT as the agent and the gateway parse it; IPv6 hosts get brackets. Takes (list host port). */}}
 {{- define "gpuscaler.hostPort" -}}
 {{- $host := index . 0 | toString }}
 {{- if contains ":" $host }}
@@ -74,8 +77,9 @@ app.kubernetes.io/part-of: gpuscaler
 {{- end }}
 
 {{/*
-One probe: native gRPC health on the listen port, or a TCP connect when TLS is on (the kubelet's gRPC probe
-speaks plaintext only). Takes a dict: port, tls, service, settings.
+One agent probe: native gRPC health on the listen port; with TLS on, GET /healthz on the plaintext metrics port,
+or a TCP connect when metrics are off too (the kubelet's gRPC probe speaks plaintext only). Takes a dict: port,
+tls, metrics, service, settings.
 */}}
 {{- define "gpuscaler.probe" -}}
 {{- if and .tls .metrics }}
@@ -114,7 +118,10 @@ grpc:
 {{- printf "host-%s" (. | trimPrefix "/" | replace "/" "-" | replace "_" "-" | replace "." "-" | lower) | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
-{{/* Selects the gateway's pods: KEDA's Service (when the gateway is on) and the PodDisruptionBudget use it. */}}
+{{/*
+Selects the gateway's pods: KEDA's Service (when the gateway is on), the PodDisruptionBudget, the replicas'
+anti-affinity and both NetworkPolicies use it.
+*/}}
 {{- define "gpuscaler.gatewaySelectorLabels" -}}
 app.kubernetes.io/name: {{ include "gpuscaler.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
