@@ -40,11 +40,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: gpuscaler
 {{- end }}
 
+{{/* The agents' ServiceAccount: the release's own, or agent.serviceAccount.name (or "default") when not created. */}}
 {{- define "gpuscaler.serviceAccountName" -}}
-{{- if .Values.serviceAccount.create }}
-{{- default (include "gpuscaler.fullname" .) .Values.serviceAccount.name }}
+{{- if .Values.agent.serviceAccount.create }}
+{{- default (include "gpuscaler.fullname" .) .Values.agent.serviceAccount.name }}
 {{- else }}
-{{- default "default" .Values.serviceAccount.name }}
+{{- default "default" .Values.agent.serviceAccount.name }}
 {{- end }}
 {{- end }}
 
@@ -99,9 +100,9 @@ grpc:
 {{ toYaml .settings }}
 {{- end }}
 
-{{/* The host device paths that nvmlHostMounts mounts, as a JSON list. */}}
+{{/* The host device paths that agent.nvmlHostMounts mounts, as a JSON list. */}}
 {{- define "gpuscaler.deviceFiles" -}}
-{{- $devices := .Values.nvmlHostMounts.devices }}
+{{- $devices := .Values.agent.nvmlHostMounts.devices }}
 {{- if eq $devices.mode "dev" }}
 {{- list "/dev" | toJson }}
 {{- else }}
