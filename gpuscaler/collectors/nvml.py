@@ -34,8 +34,8 @@ _MEMORY_V2 = 0x02000028  # nvmlMemory_v2: `used` matches nvidia-smi (excludes re
 CallObserver = Callable[[str, float, "int | None"], None]  # NVML function, seconds, error code or None
 
 START_HINT = (
-    "run the agent with the NVIDIA container runtime (runtimeClassName: nvidia), or mount the driver "
-    "with the chart's nvmlHostMounts.enabled=true, or use --collector fake for development"
+    "run the agent with the NVIDIA container runtime (the chart's agent.runtimeClassName: nvidia), or mount the "
+    "driver with the chart's agent.nvmlHostMounts.enabled=true, or use --collector fake for development"
 )
 
 

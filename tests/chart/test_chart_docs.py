@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
+import jsonschema  # type: ignore[import-untyped]  # no stubs in the dev dependencies
 import pytest
+import yaml
 
 from gpuscaler.metadata import Limits, parse_metadata
 from gpuscaler.profiles import PROFILES
@@ -75,7 +78,7 @@ def test_notes_give_the_keda_address_and_the_one_node_warning(helm: Helm) -> Non
 
 
 def test_notes_warn_when_host_mounts_make_the_agent_privileged(helm: Helm) -> None:
-    """With nvmlHostMounts the install output says it runs privileged."""
+    """With agent.nvmlHostMounts the install output says it runs privileged."""
     host_mounts = CHART / "ci" / "host-mounts-values.yaml"
     result = helm.run("install", RELEASE, str(CHART), "-n", NAMESPACE, "--dry-run=client", "-f", str(host_mounts))
     assert result.returncode == 0, result.stderr
@@ -119,3 +122,46 @@ def test_examples_are_not_rendered_by_the_chart(helm: Helm) -> None:
     for values in CI_VALUES:
         assert of_kind(helm.template(values), "ScaledObject") == []
     assert not list((CHART / "templates").rglob("*scaledobject*"))
+
+
+def _moved_keys() -> list[tuple[str, list[str]]]:
+    """(old key, new keys) for each row of the README's "Upgrading / values moved" table."""
+    readme = (CHART / "README.md").read_text()
+    section = readme.split("\n## Upgrading / values moved\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    moved = []
+    for row in rows:
+        old, new = row.strip("|").split("|")[:2]
+        (old_key,) = re.findall(r"`([^`]+)`", old)
+        moved.append((old_key, [key for key in re.findall(r"`([^`]+)`", new) if "." in key]))
+    return moved
+
+
+def _lookup(values: dict[str, object], dotted: str) -> bool:
+    section: object = values
+    for key in dotted.split("."):
+        if not isinstance(section, dict) or key not in section:
+            return False
+        section = section[key]
+    return True
+
+
+def test_the_moved_keys_table_names_refused_old_keys_and_real_new_ones() -> None:
+    """Each old key in the README's upgrade table is refused by the schema, and each new key is in values.yaml."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    moved = _moved_keys()
+    assert len(moved) >= 10, "the table was found and read"
+    for old, new in moved:
+        with pytest.raises(jsonschema.ValidationError, match=f"'{old}' was unexpected"):
+            jsonschema.validate(values | {old: {}}, schema)
+        assert new, old
+        assert all(_lookup(values, key) for key in new), (old, new)
+
+
+def test_notes_point_to_the_upgrade_table(helm: Helm) -> None:
+    """The install output names the README section that lists the moved keys, and that section exists."""
+    result = helm.run("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client")
+    assert result.returncode == 0, result.stderr
+    assert '"Upgrading / values moved" in the chart\'s README' in result.stdout.split("NOTES:", 1)[1]
+    assert "\n## Upgrading / values moved\n" in (CHART / "README.md").read_text()

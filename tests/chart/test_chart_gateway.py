@@ -200,3 +200,26 @@ def test_the_grace_period_must_outlast_the_drain(helm: Helm) -> None:
     """A gateway drain as long as its grace period is refused at render time, naming both."""
     error = helm.template_error(CI["defaults"], sets=("gateway.drainTimeout=20",))
     assert "gateway.terminationGracePeriodSeconds" in error
+
+
+def test_what_the_agents_need_on_a_node_never_reaches_the_gateway(helm: Helm) -> None:
+    """Root for the kubelet's socket and host mounts' privileged widen the agents only; the gateway stays restricted."""
+    manifests = helm.template(
+        CI["host-mounts"], sets=("agent.podSecurityContext.runAsUser=0", "agent.podSecurityContext.runAsNonRoot=false")
+    )
+    agent_spec = of_kind(manifests, "DaemonSet")[0]["spec"]["template"]["spec"]
+    assert agent_spec["securityContext"]["runAsUser"] == 0
+    gateway_spec = find(manifests, "Deployment", GATEWAY)["spec"]["template"]["spec"]
+    assert restricted_violations(gateway_spec) == []
+    assert gateway_spec["securityContext"]["runAsUser"] == 65532
+    assert "privileged" not in container(find(manifests, "Deployment", GATEWAY))["securityContext"]
+
+
+def test_probe_timings_are_set_per_component(helm: Helm) -> None:
+    """gateway.probes times the gateway's probes and agent.probes the agents'; neither moves the other."""
+    gateway_probe = container(deployment(helm, sets=("gateway.probes.readiness.periodSeconds=7",)))["readinessProbe"]
+    assert gateway_probe["periodSeconds"] == 7
+    manifests = helm.template(CI["defaults"], sets=("agent.probes.readiness.periodSeconds=30",))
+    agent_probe = find(manifests, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
+    assert agent_probe["periodSeconds"] == 30
+    assert container(find(manifests, "Deployment", GATEWAY))["readinessProbe"]["periodSeconds"] == 5

@@ -111,7 +111,7 @@ def test_defaults_pass_pod_security_restricted(helm: Helm) -> None:
 
 @pytest.mark.parametrize("scenario", ["fake", "no-runtime-class", "tls", "servicemonitor", "networkpolicy"])
 def test_other_scenarios_stay_restricted_except_where_documented(helm: Helm, scenario: str) -> None:
-    """Only nvmlHostMounts and podResources leave Pod Security "restricted", and each only by its hostPath."""
+    """Only agent.nvmlHostMounts and agent.podResources leave Pod Security "restricted", each by its hostPath."""
     problems = restricted_violations(pod_spec(daemonset(helm, scenario)))
     if scenario == "tls":  # podResources.enabled mounts the kubelet's socket folder
         assert problems == ["volume pod-resources: ['hostPath']"]
@@ -120,7 +120,7 @@ def test_other_scenarios_stay_restricted_except_where_documented(helm: Helm, sce
 
 
 def test_host_mounts_grant_privileged_only_in_that_mode(helm: Helm) -> None:
-    """With nvmlHostMounts the container is privileged (so escalation is unset) and still non-root."""
+    """With agent.nvmlHostMounts the container is privileged (so escalation is unset) and still non-root."""
     manifests = helm.template(CI["host-mounts"])
     for ds in of_kind(manifests, "DaemonSet"):
         context = agent_container(ds)["securityContext"]
@@ -177,7 +177,7 @@ def test_host_mounts_dev_mode_mounts_the_whole_dev_for_one_architecture(helm: He
 
 
 def test_runtime_class_can_be_emptied(helm: Helm) -> None:
-    """runtimeClassName "" leaves the field out, so the node's default runtime runs the agent."""
+    """agent.runtimeClassName "" leaves the field out, so the node's default runtime runs the agent."""
     assert "runtimeClassName" not in pod_spec(daemonset(helm, "no-runtime-class"))
 
 
@@ -213,7 +213,7 @@ def test_grace_period_outlasts_the_drain(helm: Helm) -> None:
             drain = float(env_values(agent_container(ds))["GPUSCALER_DRAIN_TIMEOUT"])
             assert pod_spec(ds)["terminationGracePeriodSeconds"] > drain, scenario
     error = helm.template_error(CI["defaults"], sets=["agent.drainTimeout=20"])
-    assert "terminationGracePeriodSeconds (15) must be longer than agent.drainTimeout (20)" in error
+    assert "agent.terminationGracePeriodSeconds (15) must be longer than agent.drainTimeout (20)" in error
 
 
 def test_the_downward_api_names_the_node_and_pod(helm: Helm) -> None:

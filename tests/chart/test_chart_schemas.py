@@ -101,9 +101,13 @@ def test_values_yaml_satisfies_its_own_schema() -> None:
         ("agent.collector=dcgm", "at '/agent/collector'"),
         ("agent.pollIntervall=1", "additional properties 'pollIntervall' not allowed"),
         ("agent.pollInterval=0", "at '/agent/pollInterval'"),
-        ("nvmlHostMount.enabled=true", "additional properties 'nvmlHostMount' not allowed"),
-        ("nvmlHostMounts.devices.mode=some", "at '/nvmlHostMounts/devices/mode'"),
-        ("terminationGracePeriodSeconds=soon", "at '/terminationGracePeriodSeconds': got string, want integer"),
+        ("agent.nvmlHostMount.enabled=true", "at '/agent': additional properties 'nvmlHostMount' not allowed"),
+        ("agent.nvmlHostMounts.devices.mode=some", "at '/agent/nvmlHostMounts/devices/mode'"),
+        (
+            "agent.terminationGracePeriodSeconds=soon",
+            "at '/agent/terminationGracePeriodSeconds': got string, want integer",
+        ),
+        ("gateway.probes.startup.periodSeconds=1", "at '/gateway/probes': additional properties 'startup' not allowed"),
         ("image.digest=latest", "at '/image/digest'"),
     ],
 )
@@ -124,3 +128,76 @@ def test_schema_allows_global_for_use_as_a_subchart() -> None:
     jsonschema.validate(values, VALUES_SCHEMA)
     with pytest.raises(jsonschema.ValidationError, match="'globals' was unexpected"):
         jsonschema.validate(values | {"globals": {}}, VALUES_SCHEMA)
+
+
+# Sections whose keys are data, not the chart's: Kubernetes objects passed through as they are (the API server
+# checks their fields), label and annotation maps, resource quantities by resource name, the fake scenario (the
+# agent's parser checks it). Every other mapping in values.yaml must refuse a key it does not know.
+OPEN_SECTIONS = {
+    "agent.fake.scenario",
+    "agent.nodeSelector",
+    "agent.affinity",
+    "agent.resources.requests",
+    "agent.resources.limits",
+    "agent.podSecurityContext",
+    "agent.podSecurityContext.seccompProfile",
+    "agent.securityContext",
+    "agent.securityContext.capabilities",
+    "agent.serviceAccount.annotations",
+    "agent.podAnnotations",
+    "agent.podLabels",
+    "agent.headlessService.annotations",
+    "gateway.resources.requests",
+    "gateway.resources.limits",
+    "gateway.podSecurityContext",
+    "gateway.podSecurityContext.seccompProfile",
+    "gateway.securityContext",
+    "gateway.securityContext.capabilities",
+    "gateway.nodeSelector",
+    "gateway.affinity",
+    "gateway.serviceAccount.annotations",
+    "gateway.podAnnotations",
+    "gateway.podLabels",
+    "service.annotations",
+    "serviceMonitor.labels",
+    "networkPolicy.kedaPodSelector",
+}
+
+
+def _sections(value: object, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The path of every mapping in values.yaml (lists hold data and are left out)."""
+    if not isinstance(value, dict):
+        return []
+    found = [path]
+    for key, child in value.items():
+        found += _sections(child, (*path, str(key)))
+    return found
+
+
+SECTIONS = _sections(yaml.safe_load((CHART / "values.yaml").read_text()))
+
+
+def _with_unknown_key(path: tuple[str, ...]) -> dict[str, object]:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    section = values
+    for key in path:
+        section = section[key]
+    section["unknownKey"] = "x"
+    result: dict[str, object] = values
+    return result
+
+
+@pytest.mark.parametrize("path", SECTIONS, ids=[".".join(p) or "(top level)" for p in SECTIONS])
+def test_every_chart_section_refuses_an_unknown_key(path: tuple[str, ...]) -> None:
+    """A misspelt key fails anywhere in the chart's own sections; only the listed data sections take any key."""
+    values = _with_unknown_key(path)
+    if ".".join(path) in OPEN_SECTIONS:
+        jsonschema.validate(values, VALUES_SCHEMA)
+    else:
+        with pytest.raises(jsonschema.ValidationError, match="unknownKey"):
+            jsonschema.validate(values, VALUES_SCHEMA)
+
+
+def test_the_open_sections_all_exist() -> None:
+    """Every exception above names a section of values.yaml, so a moved or removed key cannot linger there."""
+    assert OPEN_SECTIONS - {".".join(path) for path in SECTIONS} == set()

@@ -111,8 +111,10 @@ def test_it_runs_as_a_numeric_non_root_user() -> None:
     assert uid.isdigit(), "runAsNonRoot can only verify a numeric user"
     assert gid.isdigit()
     assert int(uid) != 0
-    chart = yaml.safe_load((ROOT / "charts/gpuscaler/values.yaml").read_text())["podSecurityContext"]
-    assert (chart["runAsUser"], chart["runAsGroup"]) == (int(uid), int(gid))
+    chart = yaml.safe_load((ROOT / "charts/gpuscaler/values.yaml").read_text())
+    for component in ("agent", "gateway"):
+        context = chart[component]["podSecurityContext"]
+        assert (context["runAsUser"], context["runAsGroup"]) == (int(uid), int(gid)), component
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
     assert {service["user"] for service in compose["services"].values()} == {user}
 

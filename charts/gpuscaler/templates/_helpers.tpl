@@ -22,7 +22,10 @@
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
-{{/* Selects every agent pod of this release, whatever its architecture: the Services and policies use it. */}}
+{{/*
+Selects every agent pod of this release, whatever its architecture: the headless Service and the agents'
+NetworkPolicy use it, and KEDA's Service when the gateway is off.
+*/}}
 {{- define "gpuscaler.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "gpuscaler.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
@@ -37,11 +40,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: gpuscaler
 {{- end }}
 
+{{/* The agents' ServiceAccount: the release's own, or agent.serviceAccount.name (or "default") when not created. */}}
 {{- define "gpuscaler.serviceAccountName" -}}
-{{- if .Values.serviceAccount.create }}
-{{- default (include "gpuscaler.fullname" .) .Values.serviceAccount.name }}
+{{- if .Values.agent.serviceAccount.create }}
+{{- default (include "gpuscaler.fullname" .) .Values.agent.serviceAccount.name }}
 {{- else }}
-{{- default "default" .Values.serviceAccount.name }}
+{{- default "default" .Values.agent.serviceAccount.name }}
 {{- end }}
 {{- end }}
 
@@ -59,7 +63,7 @@ app.kubernetes.io/part-of: gpuscaler
 {{- end }}
 {{- end }}
 
-{{/* HOST:PORT as the agent parses it; IPv6 hosts get brackets. Takes (list host port). */}}
+{{/* HOST:PORT as the agent and the gateway parse it; IPv6 hosts get brackets. Takes (list host port). */}}
 {{- define "gpuscaler.hostPort" -}}
 {{- $host := index . 0 | toString }}
 {{- if contains ":" $host }}
@@ -74,8 +78,9 @@ app.kubernetes.io/part-of: gpuscaler
 {{- end }}
 
 {{/*
-One probe: native gRPC health on the listen port, or a TCP connect when TLS is on (the kubelet's gRPC probe
-speaks plaintext only). Takes a dict: port, tls, service, settings.
+One agent probe: native gRPC health on the listen port; with TLS on, GET /healthz on the plaintext metrics port,
+or a TCP connect when metrics are off too (the kubelet's gRPC probe speaks plaintext only). Takes a dict: port,
+tls, metrics, service, settings.
 */}}
 {{- define "gpuscaler.probe" -}}
 {{- if and .tls .metrics }}
@@ -95,9 +100,9 @@ grpc:
 {{ toYaml .settings }}
 {{- end }}
 
-{{/* The host device paths that nvmlHostMounts mounts, as a JSON list. */}}
+{{/* The host device paths that agent.nvmlHostMounts mounts, as a JSON list. */}}
 {{- define "gpuscaler.deviceFiles" -}}
-{{- $devices := .Values.nvmlHostMounts.devices }}
+{{- $devices := .Values.agent.nvmlHostMounts.devices }}
 {{- if eq $devices.mode "dev" }}
 {{- list "/dev" | toJson }}
 {{- else }}
@@ -114,7 +119,10 @@ grpc:
 {{- printf "host-%s" (. | trimPrefix "/" | replace "/" "-" | replace "_" "-" | replace "." "-" | lower) | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
-{{/* Selects the gateway's pods: KEDA's Service (when the gateway is on) and the PodDisruptionBudget use it. */}}
+{{/*
+Selects the gateway's pods: KEDA's Service (when the gateway is on), the PodDisruptionBudget, the replicas'
+anti-affinity and both NetworkPolicies use it.
+*/}}
 {{- define "gpuscaler.gatewaySelectorLabels" -}}
 app.kubernetes.io/name: {{ include "gpuscaler.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
