@@ -1,4 +1,4 @@
-"""Reducing numbers: a GPU's samples over a window, then GPUs into one value. Pure functions.
+"""Reducing numbers: a GPU's samples over a window, then GPUs into one value. Pure functions and their names.
 
 Percentiles (median, p90, p95, p99) interpolate linearly between the two nearest ranks
 (Hyndman & Fan type 7, numpy's default): p90 of [10, 20, 30, 40] is 37.
@@ -6,10 +6,31 @@ Percentiles (median, p90, p95, p99) interpolate linearly between the two nearest
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable, Sequence
 
-from gpuscaler.query import Aggregation, WindowFunction
+
+class Aggregation(enum.StrEnum):
+    """How the selected GPUs' values combine into the one value KEDA gets."""
+
+    MAX = "max"
+    MIN = "min"
+    AVG = "avg"
+    SUM = "sum"
+    MEDIAN = "median"
+    P90 = "p90"
+    P95 = "p95"
+    P99 = "p99"
+
+
+class WindowFunction(enum.StrEnum):
+    """How one GPU's samples inside the window reduce to one value, before GPUs are combined."""
+
+    AVG = "avg"
+    MAX = "max"
+    MIN = "min"
+    LAST = "last"
 
 
 def percentile(values: Sequence[float], q: float) -> float:

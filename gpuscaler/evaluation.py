@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 from gpuscaler.aggregation import aggregate, reduce_window
 from gpuscaler.errors import GpuscalerError, InvalidMetadata, Unavailable, Unsupported
+from gpuscaler.gpu_metrics import Metric
 from gpuscaler.pods import PodDirectory
 from gpuscaler.query import GpuSelection, PodSelection, ValueQuery
-from gpuscaler.samples import Absence, AttributionState, GpuSample, Metric, ReadError, ReadErrorKind, Snapshot
+from gpuscaler.samples import Absence, AttributionState, GpuSample, ReadError, ReadErrorKind, Snapshot
 from gpuscaler.source import SnapshotSource
 
 

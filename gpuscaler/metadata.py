@@ -14,21 +14,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
+from gpuscaler.aggregation import Aggregation, WindowFunction
 from gpuscaler.durations import format_duration, parse_duration
 from gpuscaler.errors import InvalidMetadata
-from gpuscaler.profiles import DEFAULT_METRIC, METRIC_DEFAULTS, PROFILES
+from gpuscaler.gpu_metrics import METRICS, Metric
+from gpuscaler.profiles import DEFAULT_METRIC, PROFILES
 from gpuscaler.query import (
     ActivationRule,
-    Aggregation,
     GpuSelection,
     NodeQuorum,
     PodSelection,
     Query,
     ValueQuery,
-    WindowFunction,
     default_metric_name,
 )
-from gpuscaler.samples import Metric
 from gpuscaler.selectors import parse_label_selector
 
 # KEDA passes its own trigger keys through to the scaler; they configure KEDA's client, not the query.
@@ -104,7 +103,7 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: st
         aggregation, target = profile.aggregation, profile.target
         activation, deactivation = profile.activation_threshold, profile.deactivation_threshold
     else:
-        defaults = METRIC_DEFAULTS[metric]
+        defaults = METRICS[metric].defaults
         aggregation, target = defaults.aggregation, defaults.target
         activation = deactivation = defaults.activation_threshold
     window_seconds = profile.window_seconds if profile else None

@@ -1,4 +1,4 @@
-"""Defaults per metric and per workload profile; the docs' tables are made from these values.
+"""Defaults per workload profile (a metric's own defaults are in ``gpu_metrics.METRICS``); the docs' tables match.
 
 KEDA's default metricType is AverageValue, where the HPA computes desired = ceil(value / target)
 regardless of the current replica count. So the defaults return the SUM over the selected GPUs and
@@ -13,38 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpuscaler.query import Aggregation, WindowFunction
-from gpuscaler.samples import Metric
-
-
-@dataclass(frozen=True, slots=True)
-class MetricDefaults:
-    """What a trigger that names only ``metric`` gets."""
-
-    aggregation: Aggregation
-    target: float
-    activation_threshold: float
-    why: str
-
-
-METRIC_DEFAULTS: Mapping[Metric, MetricDefaults] = {
-    Metric.GPU_UTILIZATION: MetricDefaults(
-        Aggregation.SUM, 70.0, 5.0, "sum of SM busy %; one replica per 70% of a GPU"
-    ),
-    Metric.MEMORY_UTILIZATION: MetricDefaults(
-        Aggregation.SUM, 60.0, 5.0, "sum of memory-controller busy %; bandwidth-bound work"
-    ),
-    Metric.MEMORY_USED_PERCENT: MetricDefaults(
-        Aggregation.SUM, 80.0, 1.0, "sum of VRAM used %; for jobs whose memory grows with load"
-    ),
-    Metric.TEMPERATURE: MetricDefaults(Aggregation.MAX, 80.0, 0.0, "hottest GPU; a guard, best with metricType Value"),
-    Metric.POWER_DRAW: MetricDefaults(
-        Aggregation.SUM, 300.0, 0.0, "sum of watts; set the target to a share of your GPU's limit"
-    ),
-    Metric.POWER_PERCENT: MetricDefaults(
-        Aggregation.SUM, 70.0, 0.0, "sum of % of each GPU's enforced power limit; portable across models"
-    ),
-}
+from gpuscaler.aggregation import Aggregation, WindowFunction
+from gpuscaler.gpu_metrics import Metric
 
 DEFAULT_METRIC = Metric.GPU_UTILIZATION
 

@@ -2,36 +2,14 @@
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import math
 from dataclasses import dataclass
 
+from gpuscaler.aggregation import Aggregation, WindowFunction
 from gpuscaler.durations import format_duration
-from gpuscaler.samples import Metric
+from gpuscaler.gpu_metrics import Metric
 from gpuscaler.selectors import LabelSelector
-
-
-class Aggregation(enum.StrEnum):
-    """How the selected GPUs' values combine into the one value KEDA gets."""
-
-    MAX = "max"
-    MIN = "min"
-    AVG = "avg"
-    SUM = "sum"
-    MEDIAN = "median"
-    P90 = "p90"
-    P95 = "p95"
-    P99 = "p99"
-
-
-class WindowFunction(enum.StrEnum):
-    """How one GPU's samples inside the window reduce to one value, before GPUs are combined."""
-
-    AVG = "avg"
-    MAX = "max"
-    MIN = "min"
-    LAST = "last"
 
 
 @dataclass(frozen=True, slots=True)

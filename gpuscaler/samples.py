@@ -7,39 +7,9 @@ from __future__ import annotations
 
 import datetime
 import enum
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-
-class Metric(enum.StrEnum):
-    """The metric names that trigger metadata, the fake collector and the docs share."""
-
-    GPU_UTILIZATION = "gpu_utilization"
-    MEMORY_UTILIZATION = "memory_utilization"
-    MEMORY_USED_PERCENT = "memory_used_percent"
-    TEMPERATURE = "temperature"
-    POWER_DRAW = "power_draw"
-    POWER_PERCENT = "power_percent"
-
-
-METRIC_UNITS: Mapping[Metric, str] = {
-    Metric.GPU_UTILIZATION: "%",
-    Metric.MEMORY_UTILIZATION: "%",
-    Metric.MEMORY_USED_PERCENT: "%",
-    Metric.TEMPERATURE: "°C",
-    Metric.POWER_DRAW: "W",
-    Metric.POWER_PERCENT: "%",
-}
-
-# The sample field every metric is computed from; an error on any of them makes the metric absent.
-METRIC_SOURCES: Mapping[Metric, tuple[str, ...]] = {
-    Metric.GPU_UTILIZATION: ("gpu_utilization_percent",),
-    Metric.MEMORY_UTILIZATION: ("memory_utilization_percent",),
-    Metric.MEMORY_USED_PERCENT: ("memory_used_bytes", "memory_total_bytes"),
-    Metric.TEMPERATURE: ("temperature_celsius",),
-    Metric.POWER_DRAW: ("power_draw_watts",),
-    Metric.POWER_PERCENT: ("power_draw_watts", "power_limit_watts"),
-}
+from gpuscaler.gpu_metrics import METRICS, Metric
 
 # `ReadError.field` for a failure of the whole device rather than of one field.
 DEVICE_FIELD = "device"
@@ -121,23 +91,15 @@ class GpuSample:
 
     def value(self, metric: Metric) -> float | None:
         """The metric in its documented unit, or None when a field it needs was not read."""
-        match metric:
-            case Metric.GPU_UTILIZATION:
-                return self.gpu_utilization_percent
-            case Metric.MEMORY_UTILIZATION:
-                return self.memory_utilization_percent
-            case Metric.MEMORY_USED_PERCENT:
-                return _percent(self.memory_used_bytes, self.memory_total_bytes)
-            case Metric.TEMPERATURE:
-                return self.temperature_celsius
-            case Metric.POWER_DRAW:
-                return self.power_draw_watts
-            case Metric.POWER_PERCENT:
-                return _percent(self.power_draw_watts, self.power_limit_watts)
+        info = METRICS[metric]
+        reading = getattr(self, info.reading)
+        if info.of is None:
+            return None if reading is None else float(reading)
+        return _percent(reading, getattr(self, info.of))
 
     def error_for(self, metric: Metric) -> ReadError | None:
         """The reason ``value(metric)`` is None: a device-wide error first, then the field's own."""
-        sources = METRIC_SOURCES[metric]
+        sources = METRICS[metric].fields
         for error in self.errors:
             if error.field == DEVICE_FIELD:
                 return error

@@ -16,31 +16,14 @@ from prometheus_client.registry import Collector
 
 from gpuscaler import __version__
 from gpuscaler.evaluation import Evaluation
-from gpuscaler.samples import DEVICE_FIELD, GpuSample
+from gpuscaler.gpu_metrics import READINGS
+from gpuscaler.samples import DEVICE_FIELD
 from gpuscaler.source import SnapshotSource
 
 UNARY_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 NVML_LATENCY_BUCKETS = (0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
 
 _GPU_LABELS = ("node", "gpu", "uuid", "model_name", "mig_parent_uuid")
-# (metric name, help, how to read it from a sample)
-_GPU_SERIES: tuple[tuple[str, str, Callable[[GpuSample], float | None]], ...] = (
-    (
-        "gpuscaler_gpu_utilization_ratio",
-        "Share of the last sample period the GPU's SMs were busy (NVML utilization.gpu / 100).",
-        lambda s: None if s.gpu_utilization_percent is None else s.gpu_utilization_percent / 100.0,
-    ),
-    (
-        "gpuscaler_gpu_memory_utilization_ratio",
-        "Share of the last sample period the memory controller was busy (NVML utilization.memory / 100).",
-        lambda s: None if s.memory_utilization_percent is None else s.memory_utilization_percent / 100.0,
-    ),
-    ("gpuscaler_gpu_memory_used_bytes", "VRAM in use (NVML memory info v2 used).", lambda s: s.memory_used_bytes),
-    ("gpuscaler_gpu_memory_total_bytes", "VRAM size (NVML memory info total).", lambda s: s.memory_total_bytes),
-    ("gpuscaler_gpu_temperature_celsius", "GPU die temperature.", lambda s: s.temperature_celsius),
-    ("gpuscaler_gpu_power_draw_watts", "Board power draw.", lambda s: s.power_draw_watts),
-    ("gpuscaler_gpu_power_limit_watts", "Enforced power limit.", lambda s: s.power_limit_watts),
-)
 
 
 class _GpuCollector(Collector):
@@ -50,7 +33,7 @@ class _GpuCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         latest = self._source.latest
-        families = {name: GaugeMetricFamily(name, text, labels=_GPU_LABELS) for name, text, _ in _GPU_SERIES}
+        families = {r.series: GaugeMetricFamily(r.series, r.help, labels=_GPU_LABELS) for r in READINGS}
         up = GaugeMetricFamily(
             "gpuscaler_gpu_up",
             "1 when the GPU's last read succeeded, 0 when the whole device failed.",
@@ -68,10 +51,10 @@ class _GpuCollector(Collector):
                     sample.gpu.mig_parent_uuid or "",
                 ]
                 up.add_metric(labels, 0.0 if any(e.field == DEVICE_FIELD for e in sample.errors) else 1.0)
-                for name, _, read in _GPU_SERIES:
-                    value = read(sample)
+                for reading in READINGS:
+                    value = getattr(sample, reading.field)
                     if value is not None:
-                        families[name].add_metric(labels, float(value))
+                        families[reading.series].add_metric(labels, float(value) * reading.scale)
         yield up
         yield from families.values()
         yield age

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpuscaler.aggregation import aggregate, percentile, reduce_window
-from gpuscaler.query import Aggregation, WindowFunction
+from gpuscaler.aggregation import Aggregation, WindowFunction, aggregate, percentile, reduce_window
 
 FOUR = [10.0, 20.0, 30.0, 40.0]
 

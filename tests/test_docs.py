@@ -13,10 +13,10 @@ import pytest
 import yaml
 
 from gpuscaler.durations import parse_duration
+from gpuscaler.gpu_metrics import METRICS, READINGS, Metric
 from gpuscaler.history import History
 from gpuscaler.metadata import FROM_ENV_SUFFIX, KEDA_KEYS, KNOWN_KEYS, QUERY_KEYS, Limits, parse_metadata
-from gpuscaler.profiles import METRIC_DEFAULTS, PROFILES
-from gpuscaler.samples import Metric
+from gpuscaler.profiles import PROFILES
 from gpuscaler.telemetry import Telemetry
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -198,16 +198,36 @@ def test_metadata_doc_lists_every_key() -> None:
 
 
 def test_metadata_doc_defaults_match_the_code() -> None:
-    """docs/metadata.md's "Defaults per metric" table is METRIC_DEFAULTS: aggregation, target, threshold."""
+    """docs/metadata.md's "Defaults per metric" table is the metric table's defaults: aggregation, target, threshold."""
     text = _section((DOCS / "metadata.md").read_text(encoding="utf-8"), "Defaults per metric")
     table = _markdown_table(text, "metric", "aggregation", "targetValue", "activationThreshold")
     rows = {_name(row["metric"]): row for row in table}
-    assert sorted(rows) == sorted(metric.value for metric in METRIC_DEFAULTS)
-    for metric, defaults in METRIC_DEFAULTS.items():
+    assert sorted(rows) == sorted(metric.value for metric in METRICS)
+    for metric, info in METRICS.items():
+        defaults = info.defaults
         row = rows[metric.value]
         assert _name(row["aggregation"]) == defaults.aggregation.value, metric
         assert math.isclose(_number(row["targetValue"]), defaults.target), metric
         assert math.isclose(_number(row["activationThreshold"]), defaults.activation_threshold), metric
+
+
+def test_metrics_doc_table_matches_the_metric_table() -> None:
+    """docs/metrics.md's trigger table has one row per metric, with its unit and the NVML call of each reading."""
+    text = _section((DOCS / "metrics.md").read_text(encoding="utf-8"), "What a trigger can scale on")
+    table = _markdown_table(text, "metric", "unit", "NVML source")
+    rows = {_name(row["metric"]): row for row in table}
+    assert sorted(rows) == sorted(metric.value for metric in METRICS)
+    calls = {reading.field: reading.nvml for reading in READINGS}
+    for metric, info in METRICS.items():
+        row = rows[metric.value]
+        assert row["unit"].strip() == info.unit, metric
+        for field in info.fields:
+            assert calls[field] in row["NVML source"] or f"`{_other(field)}`" in row["NVML source"], (metric, field)
+
+
+def _other(field: str) -> str:
+    """The metric a reading is documented through (power_percent's source names power_draw)."""
+    return next(metric.value for metric, info in METRICS.items() if info.fields == (field,))
 
 
 def test_profiles_doc_matches_the_code() -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from gpuscaler.aggregation import Aggregation, WindowFunction
 from gpuscaler.errors import GpuscalerError, InvalidMetadata, Unavailable, Unsupported
 from gpuscaler.evaluation import Evaluation, evaluate
+from gpuscaler.gpu_metrics import Metric
 from gpuscaler.history import History
-from gpuscaler.query import Aggregation, GpuSelection, ValueQuery, WindowFunction
-from gpuscaler.samples import GpuSample, Metric, ReadError, ReadErrorKind
+from gpuscaler.query import GpuSelection, ValueQuery
+from gpuscaler.samples import GpuSample, ReadError, ReadErrorKind
 from tests.builders import (
     NODE,
     failed_sample,

@@ -6,11 +6,12 @@ from dataclasses import replace
 
 import pytest
 
+from gpuscaler.aggregation import Aggregation
 from gpuscaler.errors import InvalidMetadata, Unavailable, Unsupported
 from gpuscaler.evaluation import evaluate
 from gpuscaler.metadata import Limits, parse_metadata
 from gpuscaler.pods import PodInfo
-from gpuscaler.query import Aggregation, NodeQuorum, Query
+from gpuscaler.query import NodeQuorum, Query
 from gpuscaler.samples import Attribution, AttributionState, PodRef, Snapshot
 from tests.builders import cluster, gpu_sample, snapshot, source_of, unheard
 

@@ -7,10 +7,11 @@ from collections.abc import Callable
 
 import pytest
 
+from gpuscaler.aggregation import Aggregation, WindowFunction
 from gpuscaler.errors import InvalidMetadata
+from gpuscaler.gpu_metrics import Metric
 from gpuscaler.metadata import Limits, parse_metadata
-from gpuscaler.query import ActivationRule, Aggregation, GpuSelection, Query, WindowFunction
-from gpuscaler.samples import Metric
+from gpuscaler.query import ActivationRule, GpuSelection, Query
 
 LIMITS = Limits(history_seconds=600.0)  # the agent's default --history 10m
 URL_SAFE_LOWERCASE = re.compile(r"^[a-z0-9][a-z0-9._-]*[a-z0-9]$")

@@ -6,9 +6,10 @@ import asyncio
 import time
 
 from gpuscaler.collectors.fake import Failure, FakeCollector
+from gpuscaler.gpu_metrics import Metric
 from gpuscaler.history import History
 from gpuscaler.poller import Poller
-from gpuscaler.samples import DEVICE_FIELD, Metric, ReadErrorKind, Snapshot
+from gpuscaler.samples import DEVICE_FIELD, ReadErrorKind, Snapshot
 
 
 async def started_poller(collector: FakeCollector, interval: float = 0.1) -> tuple[Poller, History]:

@@ -14,7 +14,7 @@ from gpuscaler.agent import Agent
 from gpuscaler.collectors.fake import Failure, FakeCollector
 from gpuscaler.collectors.nvml import NvmlCollector
 from gpuscaler.generated.externalscaler import ExternalScalerStub, GetMetricsRequest, ScaledObjectRef
-from gpuscaler.samples import Metric
+from gpuscaler.gpu_metrics import Metric
 from tests.conftest import StartAgent, serve_settings
 from tests.fakes.fake_nvml import NOT_SUPPORTED, FakeDevice, FakeNvml
 from tests.server.test_external_scaler import next_tick

@@ -15,7 +15,7 @@ from grpclib.exceptions import StreamTerminatedError
 from gpuscaler.agent import Agent
 from gpuscaler.collectors.fake import FakeCollector
 from gpuscaler.generated.externalscaler import ExternalScalerStub, ScaledObjectRef
-from gpuscaler.samples import Metric
+from gpuscaler.gpu_metrics import Metric
 from gpuscaler.tls import client_context
 from tests.conftest import StartAgent
 from tests.waiting import until

@@ -21,20 +21,11 @@ from gpuscaler.collectors.scenario import (
     Scenario,
     Shape,
 )
-from gpuscaler.samples import DEVICE_FIELD, GpuIdentity, GpuSample, Metric, ReadError, ReadErrorKind
+from gpuscaler.gpu_metrics import READING_FIELDS, Metric
+from gpuscaler.samples import DEVICE_FIELD, GpuIdentity, GpuSample, ReadError, ReadErrorKind
 
 # A hung read gives up after this long even if nobody heals it, so no thread is stuck forever.
 HUNG_READ_LIMIT_SECONDS = 60.0
-
-_FIELDS = (
-    "gpu_utilization_percent",
-    "memory_utilization_percent",
-    "memory_used_bytes",
-    "memory_total_bytes",
-    "temperature_celsius",
-    "power_draw_watts",
-    "power_limit_watts",
-)
 
 
 class Failure(enum.Enum):
@@ -124,7 +115,7 @@ class FakeCollector:
         if failure is Failure.NOT_SUPPORTED:
             errors = tuple(
                 ReadError(name, ReadErrorKind.NOT_SUPPORTED, f"gpu {gpu.index}: Not Supported (fake)")
-                for name in _FIELDS
+                for name in READING_FIELDS
             )
             return GpuSample(gpu=gpu, node=self._node, errors=errors)
         used_percent = values[Metric.MEMORY_USED_PERCENT]

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpuscaler.collectors.base import CollectorUnavailable
-from gpuscaler.samples import DEVICE_FIELD, GpuIdentity, GpuSample, Metric, ReadError, ReadErrorKind
+from gpuscaler.samples import DEVICE_FIELD, GpuIdentity, GpuSample, ReadError, ReadErrorKind
 
 # NVML return codes (nvml.h); named here so a fake module needs only NVMLError with `.value`.
 NOT_SUPPORTED = 3
@@ -129,7 +129,7 @@ class NvmlCollector:
         physical = self._parents.get(gpu.uuid, handle) if is_mig else handle
 
         utilization = reader.call(
-            (Metric.GPU_UTILIZATION.value, Metric.MEMORY_UTILIZATION.value),
+            ("gpu_utilization_percent", "memory_utilization_percent"),
             "nvmlDeviceGetUtilizationRates",
             lambda: nvml.nvmlDeviceGetUtilizationRates(handle),
         )
@@ -139,7 +139,7 @@ class NvmlCollector:
             lambda: _memory_info(nvml, handle),
         )
         temperature = reader.call(
-            (Metric.TEMPERATURE.value,), "nvmlDeviceGetTemperatureV", lambda: _temperature(nvml, physical)
+            ("temperature_celsius",), "nvmlDeviceGetTemperatureV", lambda: _temperature(nvml, physical)
         )
         if is_mig:
             # The board's power is shared by every instance; summing it per instance would multiply it.

@@ -30,24 +30,16 @@ import yaml
 
 from gpuscaler.durations import parse_duration
 from gpuscaler.errors import ConfigError
-from gpuscaler.samples import Metric
+from gpuscaler.gpu_metrics import METRICS, Metric
 
 DEFAULT_MEMORY_TOTAL_BYTES = 80 * 1024**3
 DEFAULT_POWER_LIMIT_WATTS = 700.0
 FAKE_GPU_NAME = "Fake GPU"
 
-# An idle GPU: nothing running, a cool die, idle board power.
+# An idle GPU: nothing running, a cool die, idle board power (power_percent is computed from power_draw).
 IDLE_VALUES: Mapping[Metric, float] = {
-    Metric.GPU_UTILIZATION: 0.0,
-    Metric.MEMORY_UTILIZATION: 0.0,
-    Metric.MEMORY_USED_PERCENT: 0.0,
-    Metric.TEMPERATURE: 30.0,
-    Metric.POWER_DRAW: 60.0,
+    metric: info.fake_idle for metric, info in METRICS.items() if info.fake_idle is not None
 }
-
-PERCENT_METRICS = frozenset(
-    {Metric.GPU_UTILIZATION, Metric.MEMORY_UTILIZATION, Metric.MEMORY_USED_PERCENT, Metric.POWER_PERCENT}
-)
 
 
 class Shape(Protocol):
@@ -253,7 +245,7 @@ def _number(value: Any, path: str, metric: Metric) -> float:
         raise ConfigError(f"{path} {value!r} is not a number") from None
     if not math.isfinite(number) or number < 0:
         raise ConfigError(f"{path} {value!r} must be a finite number >= 0")
-    if metric in PERCENT_METRICS and number > 100:
+    if METRICS[metric].percent and number > 100:
         raise ConfigError(f"{path} {value!r} is a percentage; it must be between 0 and 100")
     return number
 

@@ -13,7 +13,7 @@ from gpuscaler.agent import Agent
 from gpuscaler.collectors.fake import FakeCollector
 from gpuscaler.generated import externalscaler as keda
 from gpuscaler.generated.gpuscaler import v1 as pb
-from gpuscaler.samples import Metric
+from gpuscaler.gpu_metrics import Metric
 from tests.conftest import StartAgent
 from tests.fakes.fake_kubelet import Assignment, FakeKubelet, short_socket_path
 from tests.waiting import until_result

@@ -8,7 +8,8 @@ from collections.abc import Callable
 import pytest
 
 from gpuscaler.collectors.fake import Failure, FakeCollector
-from gpuscaler.samples import DEVICE_FIELD, GpuIdentity, GpuSample, Metric, ReadErrorKind
+from gpuscaler.gpu_metrics import Metric
+from gpuscaler.samples import DEVICE_FIELD, GpuIdentity, GpuSample, ReadErrorKind
 
 # How long a read must stay blocked to count as hung, and how long a released one may take (generous).
 STILL_BLOCKED_SECONDS = 0.2

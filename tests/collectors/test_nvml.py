@@ -6,7 +6,8 @@ import pytest
 
 from gpuscaler.collectors.base import CollectorUnavailable
 from gpuscaler.collectors.nvml import NvmlCollector
-from gpuscaler.samples import DEVICE_FIELD, Metric, ReadErrorKind
+from gpuscaler.gpu_metrics import Metric
+from gpuscaler.samples import DEVICE_FIELD, ReadErrorKind
 from tests.fakes.fake_nvml import (
     FUNCTION_NOT_FOUND,
     GPU_IS_LOST,

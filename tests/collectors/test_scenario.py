@@ -23,7 +23,7 @@ from gpuscaler.collectors.scenario import (
     parse_value,
 )
 from gpuscaler.errors import ConfigError
-from gpuscaler.samples import Metric
+from gpuscaler.gpu_metrics import Metric
 
 
 def shape_of(spec: Any, metric: str = "gpu_utilization") -> Shape:

@@ -14,8 +14,8 @@ from gpuscaler.cli import build_parser
 from gpuscaler.collectors.fake import FakeCollector
 from gpuscaler.gateway.process import Gateway
 from gpuscaler.gateway.settings import GatewaySettings, gateway_settings_from_args
+from gpuscaler.gpu_metrics import Metric
 from gpuscaler.pods import PodDirectory
-from gpuscaler.samples import Metric
 from tests.conftest import serve_settings
 from tests.fakes.fake_kubelet import FakeKubelet, short_socket_path
 

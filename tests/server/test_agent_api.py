@@ -9,7 +9,7 @@ from grpclib.client import Channel
 from gpuscaler.agent import Agent
 from gpuscaler.collectors.fake import Failure, FakeCollector
 from gpuscaler.generated.gpuscaler import v1 as pb
-from gpuscaler.samples import Metric
+from gpuscaler.gpu_metrics import Metric
 from gpuscaler.wire import snapshot_from_wire
 from tests.server.test_external_scaler import next_tick
 

@@ -15,7 +15,7 @@ from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 from gpuscaler.agent import Agent
 from gpuscaler.collectors.fake import Failure, FakeCollector
 from gpuscaler.generated.externalscaler import ExternalScalerStub, GetMetricsRequest, ScaledObjectRef
-from gpuscaler.samples import Metric
+from gpuscaler.gpu_metrics import Metric
 from gpuscaler.server.grpc_server import MAX_RECEIVE_MESSAGE_BYTES
 from tests.conftest import StartAgent
 from tests.waiting import until, until_result
