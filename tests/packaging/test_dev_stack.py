@@ -175,6 +175,17 @@ def test_keda_view_prints_what_keda_gets_from_the_gateway(dev_stack: Stack) -> N
     )
 
 
+@pytest.mark.timeout(180)
+def test_a_second_stack_on_taken_ports_stops_with_the_reason(dev_stack: Stack) -> None:
+    """A second `make dev` beside a running one does not run half a stack: it stops every service, says which
+    address is taken, and exits 1."""
+    command = [sys.executable, "dev/stack.py", "--port-offset", str(dev_stack.offset)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stdout[-3000:]
+    assert "address already in use" in result.stdout
+    dev_stack.answers(f"127.0.0.1:{6000 + dev_stack.offset}", NODES)  # the first one still runs
+
+
 def _processes() -> dict[int, tuple[int, str, str, str]]:
     """pid -> (parent pid, state, time since it started as [[dd-]hh:]mm:ss, command line), from ps."""
     command = ["ps", "-A", "-o", "pid=,ppid=,stat=,etime=,args="]
