@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml constraints.txt
 venv: $(STAMP) ## Create .venv with the pinned dependencies
 
 dev: $(STAMP) ## Run the dev stack with fake GPUs as local processes (Ctrl-C stops it)
-	$(BIN)/python dev/stack.py up
+	$(BIN)/python dev/stack.py
 
 test: $(STAMP) proto-check lint typecheck ## Every check CI runs: generated code, lint, types, unit, e2e, chart
 	$(BIN)/pytest $(TEST_DIRS)

