@@ -147,6 +147,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 "gateway",
                 "--listen",
                 "127.0.0.1:0",
+                "--metrics-listen",
+                "",
                 "--agents",
                 ",".join(f"127.0.0.1:{port}" for port in ports),
                 "--log-format",

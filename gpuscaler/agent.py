@@ -75,9 +75,7 @@ class Agent:
 
         engine = Engine(history)
         history.add_listener(engine.on_snapshot)
-        engine.on_transition.append(telemetry.observe_transition)
-        engine.on_partial.append(telemetry.observe_partial)
-        telemetry.distinct_queries.set_function(lambda: engine.distinct_stream_queries)
+        telemetry.watch(engine)
         pod_resources = (
             PodResourcesWatcher(settings.pod_resources_socket, interval_seconds=settings.pod_resources_interval_seconds)
             if settings.pod_resources_socket is not None

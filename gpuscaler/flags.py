@@ -21,6 +21,7 @@ ENV_PREFIX = "GPUSCALER_"
 DEFAULT_LISTEN = "0.0.0.0:6000"
 DEFAULT_DRAIN_TIMEOUT_SECONDS = 5.0
 DEFAULT_TLS_RELOAD_INTERVAL_SECONDS = 10.0
+DEFAULT_METRICS_LISTEN = "0.0.0.0:9402"
 Refusal = Callable[[str], ConfigError]  # builds the error for a bad value, given what is allowed
 FlagTable = Mapping[str, tuple[str, str | None, str]]  # flag -> (variable without prefix, default, help)
 

@@ -16,6 +16,7 @@ from gpuscaler.durations import parse_duration
 from gpuscaler.flags import (
     DEFAULT_DRAIN_TIMEOUT_SECONDS,
     DEFAULT_LISTEN,
+    DEFAULT_METRICS_LISTEN,
     DEFAULT_TLS_RELOAD_INTERVAL_SECONDS,
     ENV_PREFIX,
     Address,
@@ -36,7 +37,6 @@ from gpuscaler.poller import (
 
 DEFAULT_HISTORY = "10m"
 DEFAULT_FAKE_GPUS = 4
-DEFAULT_METRICS_LISTEN = "0.0.0.0:9402"
 DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 DEFAULT_POD_RESOURCES_INTERVAL_SECONDS = 1.0
 MAX_FAKE_GPUS = 1024

@@ -1,4 +1,4 @@
-"""Prometheus metrics: every GPU value the agent reads, and the agent's own health and work.
+"""Prometheus metrics: what both servers do (RPCs, streams, activation), and every GPU value the agent reads.
 
 GPU series are built from the newest snapshot at scrape time (a custom collector), so the series of a
 GPU that vanished disappear with it, and a value that could not be read is no series, never a 0.
@@ -15,6 +15,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gpuscaler import __version__
+from gpuscaler.engine import Engine
 from gpuscaler.evaluation import Evaluation
 from gpuscaler.gpu_metrics import READINGS
 from gpuscaler.samples import DEVICE_FIELD
@@ -60,33 +61,13 @@ class _GpuCollector(Collector):
         yield age
 
 
-class Telemetry:
-    """The agent's registry and the instruments the other modules report to."""
+class ServerTelemetry:
+    """The series both servers export, agent and gateway alike: RPCs, push streams, activation, partial answers."""
 
-    def __init__(self, source: SnapshotSource, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_GpuCollector(source, clock))
         registry = self.registry
         Gauge("gpuscaler_build_info", "The running version.", ["version"], registry=registry).labels(__version__).set(1)
-        self.nvml_call_seconds = Histogram(
-            "gpuscaler_nvml_call_duration_seconds",
-            "Duration of NVML calls, by call.",
-            ["call"],
-            buckets=NVML_LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.nvml_errors = Counter(
-            "gpuscaler_nvml_errors_total",
-            "NVML calls that failed, by call and NVML return code.",
-            ["call", "code"],
-            registry=registry,
-        )
-        self.poll_seconds = Histogram(
-            "gpuscaler_poll_duration_seconds", "Time one poll tick took to read every GPU.", registry=registry
-        )
-        self.poll_lag = Gauge(
-            "gpuscaler_poll_lag_seconds", "How late the last poll tick started against its schedule.", registry=registry
-        )
         self.rpc_handled = Counter(
             "gpuscaler_rpc_handled_total",
             "Finished RPCs by method and gRPC status; a client that hangs up counts as CANCELLED.",
@@ -108,7 +89,7 @@ class Telemetry:
         )
         self.distinct_queries = Gauge(
             "gpuscaler_stream_distinct_queries",
-            "Distinct queries among open push streams (one evaluation each per tick).",
+            "Distinct queries among open push streams (one evaluation each per snapshot).",
             registry=registry,
         )
         self.transitions = Counter(
@@ -129,10 +110,11 @@ class Telemetry:
         for left_out in ("gpus", "nodes"):
             self.partial_answers.labels(left_out)
 
-    def observe_nvml_call(self, call: str, seconds: float, error_code: int | None) -> None:
-        self.nvml_call_seconds.labels(call).observe(seconds)
-        if error_code is not None:
-            self.nvml_errors.labels(call, str(error_code)).inc()
+    def watch(self, engine: Engine) -> None:
+        """Follow ``engine``'s activation changes, partial answers and push streams."""
+        engine.on_transition.append(self.observe_transition)
+        engine.on_partial.append(self.observe_partial)
+        self.distinct_queries.set_function(lambda: engine.distinct_stream_queries)
 
     def observe_rpc_started(self, method: str) -> None:
         self.rpc_in_flight.labels(method).inc()
@@ -151,6 +133,39 @@ class Telemetry:
 
     def observe_transition(self, active: bool) -> None:
         self.transitions.labels("activate" if active else "deactivate").inc()
+
+
+class Telemetry(ServerTelemetry):
+    """The agent's registry: the shared series, every GPU reading, NVML calls and the poll loop."""
+
+    def __init__(self, source: SnapshotSource, *, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        registry = self.registry
+        registry.register(_GpuCollector(source, clock))
+        self.nvml_call_seconds = Histogram(
+            "gpuscaler_nvml_call_duration_seconds",
+            "Duration of NVML calls, by call.",
+            ["call"],
+            buckets=NVML_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.nvml_errors = Counter(
+            "gpuscaler_nvml_errors_total",
+            "NVML calls that failed, by call and NVML return code.",
+            ["call", "code"],
+            registry=registry,
+        )
+        self.poll_seconds = Histogram(
+            "gpuscaler_poll_duration_seconds", "Time one poll tick took to read every GPU.", registry=registry
+        )
+        self.poll_lag = Gauge(
+            "gpuscaler_poll_lag_seconds", "How late the last poll tick started against its schedule.", registry=registry
+        )
+
+    def observe_nvml_call(self, call: str, seconds: float, error_code: int | None) -> None:
+        self.nvml_call_seconds.labels(call).observe(seconds)
+        if error_code is not None:
+            self.nvml_errors.labels(call, str(error_code)).inc()
 
     def observe_tick(self, seconds: float, lag: float) -> None:
         self.poll_seconds.observe(seconds)

@@ -13,6 +13,8 @@ import pytest
 import yaml
 
 from gpuscaler.durations import parse_duration
+from gpuscaler.gateway.telemetry import GatewayTelemetry
+from gpuscaler.gateway.view import ClusterView
 from gpuscaler.gpu_metrics import METRICS, READINGS, Metric
 from gpuscaler.history import History
 from gpuscaler.metadata import FROM_ENV_SUFFIX, KEDA_KEYS, KNOWN_KEYS, QUERY_KEYS, Limits, parse_metadata
@@ -266,9 +268,15 @@ def test_migration_doc_profiles_match_the_code() -> None:
 
 
 def _series_names() -> set[str]:
-    """Every series name the agent exports, as Prometheus shows it (counters with ``_total``)."""
-    registry = Telemetry(History(history_seconds=60, poll_interval_seconds=0.5)).registry
-    return {family.name + ("_total" if family.type == "counter" else "") for family in registry.collect()}
+    """Every series name the agent and the gateway export, as Prometheus shows it (counters with ``_total``)."""
+    agent = Telemetry(History(history_seconds=60, poll_interval_seconds=0.5)).registry
+    view = ClusterView(history_seconds=60, clock=lambda: 0.0)
+    gateway = GatewayTelemetry(view, dict, lambda: (0, 0, 0)).registry
+    return {
+        family.name + ("_total" if family.type == "counter" else "")
+        for registry in (agent, gateway)
+        for family in registry.collect()
+    }
 
 
 def test_metrics_doc_names_every_metric_and_series() -> None:

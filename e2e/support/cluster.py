@@ -151,6 +151,8 @@ class Cluster:
                 "gateway",
                 "--listen",
                 "127.0.0.1:0",
+                "--metrics-listen",
+                "127.0.0.1:0",
                 "--agents-file",
                 str(self.agents_file),
                 "--resolve-interval",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -17,12 +18,14 @@ import structlog
 
 from gpuscaler import __version__
 from gpuscaler.engine import Engine
-from gpuscaler.errors import ConfigError
+from gpuscaler.errors import ConfigError, StartupError
+from gpuscaler.exposition import MetricsServer
 from gpuscaler.flags import Address
 from gpuscaler.gateway.discovery import DnsAgents, EndpointsListener, FileAgents, StaticAgents
 from gpuscaler.gateway.pod_directory import ManagedDirectory, StaticPodDirectory
 from gpuscaler.gateway.settings import POD_DIRECTORY_KUBERNETES, GatewaySettings
 from gpuscaler.gateway.subscriber import AgentSubscriber, AgentTLS
+from gpuscaler.gateway.telemetry import GatewayTelemetry
 from gpuscaler.gateway.view import ClusterView
 from gpuscaler.pods import PodDirectory
 from gpuscaler.server.frontend import Frontend, FrontendSettings, cancel_all, run_in_background, run_until_signalled
@@ -77,6 +80,8 @@ class Gateway:
     view: ClusterView
     engine: Engine
     frontend: Frontend
+    telemetry: GatewayTelemetry
+    metrics: MetricsServer | None
     directory: PodDirectory | None
     discovery: Discovery
     agent_tls: AgentTLS | None
@@ -101,6 +106,13 @@ class Gateway:
         view = ClusterView(history_seconds=settings.history_seconds)
         engine = Engine(view, directory=directory, cluster=True)
         view.add_listener(engine.on_snapshot)
+        subscribers: dict[Address, tuple[AgentSubscriber, asyncio.Task[None]]] = {}
+        telemetry = GatewayTelemetry(
+            view,
+            lambda: {str(endpoint): subscriber for endpoint, (subscriber, _) in subscribers.items()},
+            partial(_pod_counts, directory),
+        )
+        telemetry.watch(engine)
         frontend = await Frontend.start(
             FrontendSettings(
                 listen=settings.listen,
@@ -112,7 +124,20 @@ class Gateway:
                 health_every_seconds=HEALTH_CHECK_SECONDS,
             ),
             engine,
+            on_rpc_started=telemetry.observe_rpc_started,
+            on_rpc_finished=telemetry.observe_rpc,
         )
+        metrics = (
+            MetricsServer(telemetry.registry, settings.metrics_listen, healthy=lambda: frontend.serving)
+            if settings.metrics_listen
+            else None
+        )
+        if metrics is not None:
+            try:
+                await metrics.start()
+            except StartupError:
+                await frontend.stop()
+                raise
         if isinstance(directory, ManagedDirectory):
             await directory.start()
 
@@ -121,9 +146,12 @@ class Gateway:
             view=view,
             engine=engine,
             frontend=frontend,
+            telemetry=telemetry,
+            metrics=metrics,
             directory=directory,
             discovery=discovery or build_discovery(settings),
             agent_tls=to_agents,
+            subscribers=subscribers,
         )
         gateway._tasks = [
             run_in_background(view.run(), name="compose"),
@@ -134,6 +162,7 @@ class Gateway:
             version=__version__,
             listen=str(settings.listen),
             port=gateway.port,
+            metrics_port=metrics.port if metrics else None,
             agents=[str(agent) for agent in settings.agents] or None,
             agents_dns=str(settings.agents_dns) if settings.agents_dns else None,
             agents_file=str(settings.agents_file) if settings.agents_file else None,
@@ -163,7 +192,17 @@ class Gateway:
         await cancel_all([*self._tasks, *(task for _, task in self.subscribers.values())])
         if isinstance(self.directory, ManagedDirectory):
             await self.directory.stop()
+        if self.metrics is not None:
+            await self.metrics.stop()
         log.info("gateway_stopped", calls=sum(tracker.finished.values()))
+
+
+def _pod_counts(directory: PodDirectory | None) -> tuple[int, int, int] | None:
+    from gpuscaler.gateway.pod_watch import KubernetesPodDirectory
+
+    if not isinstance(directory, KubernetesPodDirectory):
+        return None
+    return len(directory), directory.lists, directory.events
 
 
 async def run_gateway(settings: GatewaySettings) -> int:

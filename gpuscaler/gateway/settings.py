@@ -16,6 +16,7 @@ from gpuscaler.errors import ConfigError
 from gpuscaler.flags import (
     DEFAULT_DRAIN_TIMEOUT_SECONDS,
     DEFAULT_LISTEN,
+    DEFAULT_METRICS_LISTEN,
     DEFAULT_TLS_RELOAD_INTERVAL_SECONDS,
     Address,
     add_flags,
@@ -54,6 +55,7 @@ class GatewaySettings:
     log_format: LogFormat
     log_level: str
     drain_timeout_seconds: float
+    metrics_listen: Address | None = None
 
 
 # flag -> (environment variable, default, help)
@@ -97,6 +99,11 @@ GATEWAY_FLAGS: Mapping[str, tuple[str, str | None, str]] = {
         "TLS_RELOAD_INTERVAL",
         str(DEFAULT_TLS_RELOAD_INTERVAL_SECONDS),
         "seconds between checks of the TLS files for a rotated certificate",
+    ),
+    "--metrics-listen": (
+        "METRICS_LISTEN",
+        DEFAULT_METRICS_LISTEN,
+        "HOST:PORT for Prometheus /metrics and /healthz; empty turns it off",
     ),
     "--log-format": ("LOG_FORMAT", None, "json or console (default: console on a terminal, else json)"),
     "--log-level": ("LOG_LEVEL", "info", "one of " + ", ".join(LOG_LEVELS)),
@@ -191,6 +198,10 @@ def gateway_settings_from_args(args: argparse.Namespace, environ: Mapping[str, s
     if not 0 < drain <= 300:
         raise fail("--drain-timeout", args.drain_timeout, "must be between 0 and 300 seconds")
 
+    metrics_listen = None
+    if args.metrics_listen and args.metrics_listen != "0":
+        metrics_listen = parse_address(args.metrics_listen, refusal("--metrics-listen", args.metrics_listen))
+
     return GatewaySettings(
         listen=listen,
         agents=agents,
@@ -210,4 +221,5 @@ def gateway_settings_from_args(args: argparse.Namespace, environ: Mapping[str, s
         log_format=log_format,
         log_level=args.log_level,
         drain_timeout_seconds=drain,
+        metrics_listen=metrics_listen,
     )

@@ -58,6 +58,17 @@ class _Agent:
     conflict_wall: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class AgentState:
+    """A listed agent as /metrics shows it: ``state`` is heard, silent, unheard, refused, or replaced (another
+    address reports its node now); ``age`` is how old its node's newest snapshot is, when there is one."""
+
+    agent: str
+    node: str
+    state: str
+    age: float | None
+
+
 class AgentRefused(Exception):
     """The agent's snapshots cannot go into the view (it claims a node another live agent reports)."""
 
@@ -87,7 +98,7 @@ class ClusterView:
         self._pending: asyncio.TimerHandle | None = None
         self._heard: tuple[str, ...] = ()
         self._absent: tuple[str, ...] = ()
-        self.updates = 0
+        self.on_compose: Callable[[float], None] | None = None  # seconds one composition took
 
     # The SnapshotSource protocol
 
@@ -189,7 +200,6 @@ class ClusterView:
                 log.warning("agent_node_renamed", agent=agent, before=state.node, after=name)
                 del self._nodes[state.node]
         state.node, state.conflict, state.trouble = name, None, "sending"
-        self.updates += 1
         stale_after = stale_after_for(poll_interval_seconds)
         wall = self._wall()
         if entry is None or entry.history.interval_seconds != poll_interval_seconds:
@@ -209,6 +219,7 @@ class ClusterView:
 
     def compose(self) -> Snapshot:
         """Announce the cluster snapshot as of now: every fresh node, and every listed agent it cannot hear."""
+        started = time.perf_counter()
         now = self._clock()
         wall = self._wall()
         parts: list[Snapshot] = []
@@ -243,7 +254,27 @@ class ClusterView:
         self._log_changes(snapshot)
         self._latest = snapshot
         self._announcer.announce(snapshot)
+        if self.on_compose is not None:
+            self.on_compose(time.perf_counter() - started)  # the engine's re-evaluation included
         return snapshot
+
+    def agent_states(self) -> list[AgentState]:
+        """Every listed agent's state now."""
+        now = self._clock()
+        states = []
+        for agent, state in sorted(self._agents.items()):
+            entry = self._nodes.get(state.node) if state.node is not None else None
+            age = now - entry.latest.monotonic if entry is not None else None
+            if state.conflict is not None:
+                kind = "refused"
+            elif entry is None:
+                kind = "unheard"
+            elif entry.agent != agent:
+                kind, age = "replaced", None
+            else:
+                kind = "heard" if entry.fresh(now) else "silent"
+            states.append(AgentState(agent, state.node or "", kind, age))
+        return states
 
     def _log_changes(self, snapshot: Snapshot) -> None:
         heard = tuple(part.node for part in snapshot.parts)

@@ -74,6 +74,7 @@ def test_defaults_are_the_documented_ones(helm: Helm) -> None:
         "GPUSCALER_LOG_FORMAT": "json",
         "GPUSCALER_LOG_LEVEL": "info",
         "GPUSCALER_DRAIN_TIMEOUT": "5",
+        "GPUSCALER_METRICS_LISTEN": "0.0.0.0:9402",
     }
 
 
@@ -85,6 +86,8 @@ SETTABLE = [
     ("gateway.log.format=console", "GPUSCALER_LOG_FORMAT", "console"),
     ("gateway.log.level=debug", "GPUSCALER_LOG_LEVEL", "debug"),
     ("gateway.drainTimeout=2", "GPUSCALER_DRAIN_TIMEOUT", "2"),
+    ("gateway.metrics.port=9500", "GPUSCALER_METRICS_LISTEN", "0.0.0.0:9500"),
+    ("gateway.metrics.enabled=false", "GPUSCALER_METRICS_LISTEN", ""),
     ("gateway.tls.secretName=g", "GPUSCALER_TLS_CERT", "/etc/gpuscaler/tls/tls.crt"),
     ("gateway.tls.secretName=g", "GPUSCALER_TLS_KEY", "/etc/gpuscaler/tls/tls.key"),
     ("gateway.tls.secretName=g,gateway.tls.reloadInterval=30", "GPUSCALER_TLS_RELOAD_INTERVAL", "30"),
@@ -171,12 +174,12 @@ def test_the_pdb_keeps_one_gateway(helm: Helm) -> None:
 
 
 def test_probes_ready_on_the_scaler_live_on_tcp(helm: Helm) -> None:
-    """Readiness asks gRPC health of the ExternalScaler (TCP with TLS); liveness is a TCP check only."""
+    """Readiness asks gRPC health of the ExternalScaler (/healthz with TLS); liveness is a TCP check only."""
     probes = container(deployment(helm))
     assert probes["readinessProbe"]["grpc"] == {"port": 6000, "service": "externalscaler.ExternalScaler"}
     assert probes["livenessProbe"]["tcpSocket"] == {"port": "grpc"}
     with_tls = container(deployment(helm, sets=("gateway.tls.secretName=g",)))
-    assert with_tls["readinessProbe"]["tcpSocket"] == {"port": "grpc"}
+    assert with_tls["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
 
 
 def test_the_headless_service_publishes_not_ready_agents(helm: Helm) -> None:
@@ -186,14 +189,15 @@ def test_the_headless_service_publishes_not_ready_agents(helm: Helm) -> None:
 
 
 def test_networkpolicy_admits_keda_to_the_gateway(helm: Helm) -> None:
-    """With the policy on, the gateway's pods admit KEDA's namespace on the gateway's port."""
+    """With the policy on, the gateway's pods admit KEDA's namespace on its port, and metricsFrom on /metrics."""
     manifests = helm.template(CI["networkpolicy"])
     policy = find(manifests, "NetworkPolicy", GATEWAY)["spec"]
     labels = find(manifests, "Deployment", GATEWAY)["spec"]["template"]["metadata"]["labels"]
     assert selects(policy["podSelector"]["matchLabels"], labels)
-    (rule,) = policy["ingress"]
+    rule, metrics = policy["ingress"]
     assert rule["ports"] == [{"protocol": "TCP", "port": 6000}]
     assert rule["from"][0]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "keda-system"}}
+    assert metrics["ports"] == [{"protocol": "TCP", "port": 9402}]  # networkPolicy.metricsFrom may scrape it
 
 
 def test_the_grace_period_must_outlast_the_drain(helm: Helm) -> None:
@@ -223,3 +227,15 @@ def test_probe_timings_are_set_per_component(helm: Helm) -> None:
     agent_probe = find(manifests, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
     assert agent_probe["periodSeconds"] == 30
     assert container(find(manifests, "Deployment", GATEWAY))["readinessProbe"]["periodSeconds"] == 5
+
+
+def test_the_gateway_serves_metrics_and_probes_health_there_under_tls(helm: Helm) -> None:
+    """The gateway's metrics port is on the pod and on KEDA's Service; with TLS, readiness GETs /healthz there."""
+    gateway = container(deployment(helm, sets=("gateway.tls.secretName=g",)))
+    assert {"name": "metrics", "containerPort": 9402, "protocol": "TCP"} in gateway["ports"]
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    service = find(helm.template(CI["defaults"]), "Service", RELEASE)
+    assert {"name": "metrics", "port": 9402, "targetPort": "metrics", "protocol": "TCP"} in service["spec"]["ports"]
+    off = container(deployment(helm, sets=("gateway.metrics.enabled=false", "gateway.tls.secretName=g")))
+    assert [port["name"] for port in off["ports"]] == ["grpc"]
+    assert off["readinessProbe"]["tcpSocket"] == {"port": "grpc"}

@@ -326,7 +326,10 @@ def test_keda_service_is_a_clusterip_on_port_6000_named_grpc(helm: Helm) -> None
     manifests = helm.template(CI["defaults"])
     service = find(manifests, "Service", FULLNAME)
     assert service["spec"]["type"] == "ClusterIP"
-    assert service["spec"]["ports"] == [{"name": "grpc", "port": 6000, "targetPort": "grpc", "protocol": "TCP"}]
+    assert service["spec"]["ports"] == [
+        {"name": "grpc", "port": 6000, "targetPort": "grpc", "protocol": "TCP"},
+        {"name": "metrics", "port": 9402, "targetPort": "metrics", "protocol": "TCP"},  # the gateway pods' /metrics
+    ]
     gateway_labels = find(manifests, "Deployment")["spec"]["template"]["metadata"]["labels"]
     agent_labels = find(manifests, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
     assert selects(service["spec"]["selector"], gateway_labels)
@@ -355,24 +358,34 @@ def test_services_select_pods_of_every_architecture(helm: Helm) -> None:
             assert selects(service["spec"]["selector"], ds["spec"]["template"]["metadata"]["labels"])
 
 
-def test_servicemonitor_scrapes_the_headless_service_only(helm: Helm) -> None:
-    """The ServiceMonitor's selector matches the headless Service (one target per node), not KEDA's Service."""
+def test_servicemonitor_scrapes_the_agents_and_the_gateway(helm: Helm) -> None:
+    """The ServiceMonitor selects the headless Service (one target per node) and KEDA's (one per gateway pod)."""
     manifests = helm.template(CI["servicemonitor"])
     monitor = find(manifests, "ServiceMonitor")
-    selector = monitor["spec"]["selector"]["matchLabels"]
-    assert selects(selector, find(manifests, "Service", f"{FULLNAME}-agents")["metadata"]["labels"])
-    assert not selects(selector, find(manifests, "Service", FULLNAME)["metadata"]["labels"])
+    selector = monitor["spec"]["selector"]
+    (expression,) = selector["matchExpressions"]
+    assert expression["key"] == "gpuscaler/service"
+    assert expression["operator"] == "In"
+    for service, role in ((f"{FULLNAME}-agents", "agents"), (FULLNAME, "scaler")):
+        labels = find(manifests, "Service", service)["metadata"]["labels"]
+        assert selects(selector["matchLabels"], labels)
+        assert labels["gpuscaler/service"] == role
+        assert role in expression["values"]
     (endpoint,) = monitor["spec"]["endpoints"]
     assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("metrics", "/metrics", "30s")
     assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"} in endpoint["relabelings"]
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    agents_only = find(helm.template(CI["servicemonitor"], sets=["gateway.metrics.enabled=false"]), "ServiceMonitor")
+    assert agents_only["spec"]["selector"]["matchExpressions"][0]["values"] == ["agents"]
 
 
 def test_servicemonitor_without_metrics_is_refused(helm: Helm) -> None:
-    """A ServiceMonitor with the metrics listener off would scrape nothing, so rendering fails and says why."""
-    error = helm.template_error(CI["servicemonitor"], sets=["agent.metrics.enabled=false"])
-    assert "serviceMonitor.enabled needs agent.metrics.enabled" in error
+    """A ServiceMonitor with every metrics listener off would scrape nothing, so rendering fails and says why."""
+    error = helm.template_error(
+        CI["servicemonitor"], sets=["agent.metrics.enabled=false", "gateway.metrics.enabled=false"]
+    )
+    assert "serviceMonitor.enabled needs agent.metrics.enabled or gateway.metrics.enabled" in error
 
 
 def test_networkpolicy_admits_grpc_from_keda_only(helm: Helm) -> None:

@@ -56,7 +56,9 @@ StartGateway = Callable[..., Coroutine[Any, Any, Gateway]]
 def gateway_settings(*flags: str) -> GatewaySettings:
     """Settings as `gpuscaler gateway --listen 127.0.0.1:0 FLAGS...` would build them."""
     environ: dict[str, str] = {}
-    args = build_parser(environ).parse_args(["gateway", "--listen", "127.0.0.1:0", "--log-format", "json", *flags])
+    args = build_parser(environ).parse_args(
+        ["gateway", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--log-format", "json", *flags]
+    )
     return gateway_settings_from_args(args, environ)
 
 

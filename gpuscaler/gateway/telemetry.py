@@ -1,0 +1,104 @@
+"""The gateway's Prometheus series: the shared server series, every agent it subscribes to, and its cluster view.
+
+Per-agent and per-node series are read from the view at scrape time, so an agent that leaves discovery
+takes its series with it. Label values are agent addresses and node names: one series each per agent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gpuscaler.gateway.subscriber import AgentSubscriber
+from gpuscaler.gateway.view import ClusterView
+from gpuscaler.telemetry import ServerTelemetry
+
+AGENT_STATES = ("heard", "silent", "unheard", "refused", "replaced")
+COMPOSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+Subscribers = Callable[[], Mapping[str, AgentSubscriber]]  # by agent address
+PodCounts = Callable[[], tuple[int, int, int] | None]  # (pods, lists, watch events) of a pod watch, or None
+
+
+class _ViewCollector(Collector):
+    def __init__(self, view: ClusterView, subscribers: Subscribers, pods: PodCounts) -> None:
+        self._view = view
+        self._subscribers = subscribers
+        self._pods = pods
+
+    def collect(self) -> Iterator[Metric]:
+        states = self._view.agent_states()
+        subscribers = self._subscribers()
+        by_state = GaugeMetricFamily(
+            "gpuscaler_gateway_agents",
+            "Listed agents by state: heard (fresh), silent (its node's snapshots stopped), unheard (none yet), "
+            "refused (it claims another live agent's node), replaced (another address reports its node).",
+            labels=["state"],
+        )
+        for name in AGENT_STATES:
+            by_state.add_metric([name], sum(1 for s in states if s.state == name))
+        yield by_state
+
+        heard = GaugeMetricFamily(
+            "gpuscaler_gateway_agent_heard",
+            "1 while the agent's node sends fresh snapshots, 0 while the gateway cannot hear it.",
+            labels=["agent", "node"],
+        )
+        age = GaugeMetricFamily(
+            "gpuscaler_gateway_node_snapshot_age_seconds",
+            "Age of the node's newest snapshot on the gateway's clock: the lag a node's answers have.",
+            labels=["agent", "node"],
+        )
+        snapshots = CounterMetricFamily(
+            "gpuscaler_gateway_agent_snapshots",
+            "Snapshots received from the agent since the gateway started.",
+            labels=["agent", "node"],
+        )
+        connects = CounterMetricFamily(
+            "gpuscaler_gateway_agent_connects",
+            "Connections the gateway opened to the agent (reconnects included).",
+            labels=["agent"],
+        )
+        for state in states:
+            heard.add_metric([state.agent, state.node], 1.0 if state.state in ("heard", "replaced") else 0.0)
+            if state.age is not None:
+                age.add_metric([state.agent, state.node], state.age)
+            subscriber = subscribers.get(state.agent)
+            if subscriber is not None:
+                snapshots.add_metric([state.agent, state.node], subscriber.received)
+                connects.add_metric([state.agent], subscriber.connects)
+        yield from (heard, age, snapshots, connects)
+
+        latest = self._view.latest
+        gpus = GaugeMetricFamily("gpuscaler_gateway_gpus", "GPUs in the newest cluster view (heard nodes only).")
+        gpus.add_metric([], len(latest.samples) if latest is not None else 0)
+        yield gpus
+        pods = self._pods()
+        if pods is not None:
+            count, lists, events = pods
+            pod_family = GaugeMetricFamily("gpuscaler_gateway_pods", "Pods the pod directory knows.")
+            pod_family.add_metric([], count)
+            list_family = CounterMetricFamily("gpuscaler_gateway_pod_watch_lists", "Full pod lists from the API.")
+            list_family.add_metric([], lists)
+            event_family = CounterMetricFamily("gpuscaler_gateway_pod_watch_events", "Pod watch events applied.")
+            event_family.add_metric([], events)
+            yield from (pod_family, list_family, event_family)
+
+
+class GatewayTelemetry(ServerTelemetry):
+    """The gateway's registry."""
+
+    def __init__(self, view: ClusterView, subscribers: Subscribers, pods: PodCounts) -> None:
+        """``pods()`` gives (pods, lists, watch events) of a Kubernetes pod directory, or None without one."""
+        super().__init__()
+        self.registry.register(_ViewCollector(view, subscribers, pods))
+        self.compose_seconds = Histogram(
+            "gpuscaler_gateway_compose_duration_seconds",
+            "Time one composition of the cluster view took, the open streams' re-evaluation included.",
+            buckets=COMPOSE_BUCKETS,
+            registry=self.registry,
+        )
+        view.on_compose = self.compose_seconds.observe
