@@ -19,12 +19,10 @@ from gpuscaler.collectors.fake import FakeCollector
 from gpuscaler.collectors.nvml import NvmlCollector
 from gpuscaler.collectors.scenario import load_scenario
 from gpuscaler.engine import Engine
-from gpuscaler.errors import StartupError
-from gpuscaler.exposition import MetricsServer
 from gpuscaler.history import History
 from gpuscaler.poller import Poller
 from gpuscaler.server.fake_control import FakeControlService
-from gpuscaler.server.frontend import Frontend, FrontendSettings, cancel_all, run_in_background, run_until_signalled
+from gpuscaler.server.frontend import Frontend, cancel_all, run_in_background, run_until_signalled
 from gpuscaler.settings import ServeSettings
 from gpuscaler.telemetry import Telemetry
 
@@ -51,7 +49,6 @@ class Agent:
     poller: Poller
     frontend: Frontend
     telemetry: Telemetry
-    metrics: MetricsServer | None
     pod_resources: PodResourcesWatcher | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -75,7 +72,6 @@ class Agent:
 
         engine = Engine(history)
         history.add_listener(engine.on_snapshot)
-        telemetry.watch(engine)
         pod_resources = (
             PodResourcesWatcher(settings.pod_resources_socket, interval_seconds=settings.pod_resources_interval_seconds)
             if settings.pod_resources_socket is not None
@@ -94,47 +90,28 @@ class Agent:
         await poller.tick()  # listen only once there is a sample to answer from
 
         frontend = await Frontend.start(
-            FrontendSettings(
-                listen=settings.listen,
-                tls_cert=settings.tls_cert,
-                tls_key=settings.tls_key,
-                tls_client_ca=settings.tls_client_ca,
-                tls_reload_interval_seconds=settings.tls_reload_interval_seconds,
-                drain_timeout_seconds=settings.drain_timeout_seconds,
-                health_every_seconds=settings.poll_interval_seconds,
-            ),
+            settings.server,
             engine,
+            telemetry,
+            health_every_seconds=settings.poll_interval_seconds,
             extra_services=[FakeControlService(collector)] if isinstance(collector, FakeCollector) else [],
-            on_rpc_started=telemetry.observe_rpc_started,
-            on_rpc_finished=telemetry.observe_rpc,
         )
-        metrics = (
-            MetricsServer(telemetry.registry, settings.metrics_listen, healthy=lambda: frontend.serving)
-            if settings.metrics_listen
-            else None
-        )
-        if metrics is not None:
-            try:
-                await metrics.start()
-            except StartupError:
-                await frontend.stop()
-                raise
 
-        agent = cls(settings, collector, engine, poller, frontend, telemetry, metrics, pod_resources)
+        agent = cls(settings, collector, engine, poller, frontend, telemetry, pod_resources)
         agent._tasks.append(run_in_background(poller.run(), name="poll-loop"))
         if pod_resources is not None:
             agent._tasks.append(run_in_background(pod_resources.run(), name="pod-resources"))
         log.info(
             "agent_started",
             version=__version__,
-            listen=str(settings.listen),
+            listen=str(settings.server.listen),
             port=agent.port,
-            metrics_port=metrics.port if metrics else None,
+            metrics_port=frontend.metrics.port if frontend.metrics else None,
             collector=settings.collector,
             gpus=len(poller.devices),
             poll_interval_seconds=settings.poll_interval_seconds,
             tls=frontend.tls is not None,
-            mtls=settings.tls_client_ca is not None,
+            mtls=settings.server.tls_client_ca is not None,
             attribution=pod_resources.state.state.value if pod_resources else "off",
         )
         return agent
@@ -145,8 +122,6 @@ class Agent:
         log.info("agent_stopping", open_streams=self.frontend.scaler.open_streams, in_flight=tracker.in_flight)
         await self.frontend.stop()
         await cancel_all(self._tasks)
-        if self.metrics is not None:
-            await self.metrics.stop()
         await asyncio.to_thread(self.collector.close)
         log.info("agent_stopped", calls=sum(tracker.finished.values()))
 

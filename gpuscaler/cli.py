@@ -125,7 +125,7 @@ def _gateway(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     from gpuscaler.gateway.process import run_gateway
 
     settings = gateway_settings_from_args(args, environ)
-    logs.configure(log_format=settings.log_format, level=settings.log_level)
+    logs.configure(log_format=settings.server.log_format, level=settings.server.log_level)
     return asyncio.run(run_gateway(settings))
 
 
@@ -168,7 +168,7 @@ def _serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     from gpuscaler.agent import serve
 
     settings = settings_from_args(args, environ)
-    logs.configure(log_format=settings.log_format, level=settings.log_level, node=settings.node_name)
+    logs.configure(log_format=settings.server.log_format, level=settings.server.log_level, node=settings.node_name)
     return asyncio.run(serve(settings))
 
 

@@ -2,7 +2,8 @@
 
 A flag table maps each flag to its variable (without the prefix), its default and its help; ``add_flags``
 makes argparse flags of it, and every error names the flag (and the variable, when the value came from one)
-and what is allowed.
+and what is allowed. ``SERVER_FLAGS`` are the flags both servers (``serve`` and ``gateway``) share, read
+into one ``ServerFlags``.
 """
 
 from __future__ import annotations
@@ -13,16 +14,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuscaler.durations import parse_duration
 from gpuscaler.errors import ConfigError
 from gpuscaler.logs import LOG_LEVELS, LogFormat, default_format
 
 ENV_PREFIX = "GPUSCALER_"
-# Defaults both servers (the agent and the gateway) share.
 DEFAULT_LISTEN = "0.0.0.0:6000"
 DEFAULT_DRAIN_TIMEOUT_SECONDS = 5.0
 DEFAULT_TLS_RELOAD_INTERVAL_SECONDS = 10.0
 DEFAULT_METRICS_LISTEN = "0.0.0.0:9402"
 Refusal = Callable[[str], ConfigError]  # builds the error for a bad value, given what is allowed
+Fail = Callable[[str, object, str], ConfigError]  # builds the error for flag, value, what is allowed
 FlagTable = Mapping[str, tuple[str, str | None, str]]  # flag -> (variable without prefix, default, help)
 
 
@@ -35,6 +37,46 @@ class Address:
 
     def __str__(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerFlags:
+    """What both servers read alike: where to listen, TLS and its reloads, /metrics, logs, and the drain."""
+
+    listen: Address
+    tls_cert: Path | None
+    tls_key: Path | None
+    tls_client_ca: Path | None
+    tls_reload_interval_seconds: float
+    metrics_listen: Address | None
+    log_format: LogFormat
+    log_level: str
+    drain_timeout_seconds: float
+
+
+SERVER_FLAGS: FlagTable = {
+    "--listen": ("LISTEN", DEFAULT_LISTEN, "HOST:PORT for gRPC (ExternalScaler, Agent, Health)"),
+    "--tls-cert": ("TLS_CERT", None, "PEM server certificate; turns TLS on"),
+    "--tls-key": ("TLS_KEY", None, "PEM private key of --tls-cert"),
+    "--tls-client-ca": ("TLS_CLIENT_CA", None, "PEM CA bundle; clients must present a certificate it signed"),
+    "--tls-reload-interval": (
+        "TLS_RELOAD_INTERVAL",
+        str(DEFAULT_TLS_RELOAD_INTERVAL_SECONDS),
+        "seconds between checks of the TLS files for a rotated certificate",
+    ),
+    "--metrics-listen": (
+        "METRICS_LISTEN",
+        DEFAULT_METRICS_LISTEN,
+        "HOST:PORT for Prometheus /metrics and /healthz; empty turns it off",
+    ),
+    "--log-format": ("LOG_FORMAT", None, "json or console (default: console on a terminal, else json)"),
+    "--log-level": ("LOG_LEVEL", "info", "one of " + ", ".join(LOG_LEVELS)),
+    "--drain-timeout": (
+        "DRAIN_TIMEOUT",
+        str(DEFAULT_DRAIN_TIMEOUT_SECONDS),
+        "seconds to end streams and finish calls on SIGTERM before exiting",
+    ),
+}
 
 
 def add_flags(parser: argparse.ArgumentParser, flags: FlagTable, environ: Mapping[str, str]) -> None:
@@ -50,7 +92,7 @@ def add_flags(parser: argparse.ArgumentParser, flags: FlagTable, environ: Mappin
         )
 
 
-def flag_error(flags: FlagTable, environ: Mapping[str, str]) -> Callable[[str, object, str], ConfigError]:
+def flag_error(flags: FlagTable, environ: Mapping[str, str]) -> Fail:
     """Builds ConfigErrors naming the flag, and the variable when the bad value came from it."""
 
     def fail(flag: str, value: object, allowed: str) -> ConfigError:
@@ -59,6 +101,31 @@ def flag_error(flags: FlagTable, environ: Mapping[str, str]) -> Callable[[str, o
         return ConfigError(f"{flag}{source} {value!r}: {allowed}")
 
     return fail
+
+
+def server_flags(args: argparse.Namespace, fail: Fail) -> ServerFlags:
+    """The shared flags, each checked; ConfigError names the first bad one."""
+    cert, key, client_ca = optional_path(args.tls_cert), optional_path(args.tls_key), optional_path(args.tls_client_ca)
+    paired(cert, key, "--tls-cert", "--tls-key")
+    if client_ca is not None and cert is None:
+        raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key (mTLS is TLS plus client certificates)")
+    log_format = args.log_format or default_format()
+    if log_format not in ("json", "console"):
+        raise fail("--log-format", log_format, "use json or console")
+    if args.log_level not in LOG_LEVELS:
+        raise fail("--log-level", args.log_level, "use one of " + ", ".join(LOG_LEVELS))
+    metrics = args.metrics_listen
+    return ServerFlags(
+        listen=address_flag(args.listen, "--listen", fail),
+        tls_cert=cert,
+        tls_key=key,
+        tls_client_ca=client_ca,
+        tls_reload_interval_seconds=seconds_flag(args.tls_reload_interval, "--tls-reload-interval", fail, 0.1, 3600),
+        metrics_listen=address_flag(metrics, "--metrics-listen", fail) if metrics and metrics != "0" else None,
+        log_format=log_format,
+        log_level=args.log_level,
+        drain_timeout_seconds=seconds_flag(args.drain_timeout, "--drain-timeout", fail, 0, 300, above=True),
+    )
 
 
 def parse_address(text: str, error: Refusal) -> Address:
@@ -72,27 +139,9 @@ def parse_address(text: str, error: Refusal) -> Address:
     return Address(host, int(port_text))
 
 
-def server_tls_files(args: argparse.Namespace) -> tuple[Path | None, Path | None, Path | None]:
-    """--tls-cert, --tls-key and --tls-client-ca, checked to make sense together (shared with the gateway)."""
-    cert, key, client_ca = (
-        optional_path(args.tls_cert),
-        optional_path(args.tls_key),
-        optional_path(args.tls_client_ca),
-    )
-    paired(cert, key, "--tls-cert", "--tls-key")
-    if client_ca is not None and cert is None:
-        raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key (mTLS is TLS plus client certificates)")
-    return cert, key, client_ca
-
-
-def checked_log_options(args: argparse.Namespace, fail: Callable[[str, object, str], ConfigError]) -> LogFormat:
-    """The log format (console on a terminal by default), after checking --log-format and --log-level."""
-    log_format = args.log_format or default_format()
-    if log_format not in ("json", "console"):
-        raise fail("--log-format", log_format, "use json or console")
-    if args.log_level not in LOG_LEVELS:
-        raise fail("--log-level", args.log_level, "use one of " + ", ".join(LOG_LEVELS))
-    return log_format
+def address_flag(text: str, flag: str, fail: Fail) -> Address:
+    """``flag``'s HOST:PORT."""
+    return parse_address(text, lambda allowed: fail(flag, text, allowed))
 
 
 def parse_seconds(text: str, error: Refusal) -> float:
@@ -103,6 +152,26 @@ def parse_seconds(text: str, error: Refusal) -> float:
         raise error("must be a number of seconds") from None
     if not math.isfinite(value):
         raise error("must be a finite number of seconds")
+    return value
+
+
+def seconds_flag(text: str, flag: str, fail: Fail, low: float, high: float, *, above: bool = False) -> float:
+    """``flag``'s number of seconds, between ``low`` (excluded when ``above``) and ``high``."""
+    value = parse_seconds(text, lambda allowed: fail(flag, text, allowed))
+    if value > high or value < low or (above and value == low):
+        bound = "above" if above else "between"
+        raise fail(flag, text, f"must be {bound} {low:g} and {'at most ' if above else ''}{high:g} seconds")
+    return value
+
+
+def duration_flag(text: str, flag: str, fail: Fail, low: float, high: float, allowed: str) -> float:
+    """``flag``'s duration (``30s``, ``10m``), between ``low`` and ``high`` seconds; ``allowed`` says so in words."""
+    try:
+        value = parse_duration(text)
+    except ValueError as error:
+        raise fail(flag, text, str(error)) from None
+    if not low <= value <= high:
+        raise fail(flag, text, allowed)
     return value
 
 

@@ -7,39 +7,22 @@ from collections import deque
 from collections.abc import Iterator
 
 from gpuscaler.samples import Snapshot
-from gpuscaler.source import Announcer, SnapshotListener, stale_after_for
+from gpuscaler.source import AnnouncedSource
 
 
-class History:
+class History(AnnouncedSource):
     """The newest snapshots, oldest first, bounded by ``history_seconds / poll_interval_seconds``.
 
     Only the poll loop appends; readers never block it. Each append is announced once.
     """
 
     def __init__(self, *, history_seconds: float, poll_interval_seconds: float) -> None:
-        self._history_seconds = history_seconds
-        self._interval_seconds = poll_interval_seconds
+        super().__init__(history_seconds=history_seconds, interval_seconds=poll_interval_seconds)
         self._snapshots: deque[Snapshot] = deque(maxlen=math.ceil(history_seconds / poll_interval_seconds) + 1)
-        self._announcer = Announcer()
-
-    @property
-    def history_seconds(self) -> float:
-        return self._history_seconds
-
-    @property
-    def interval_seconds(self) -> float:
-        return self._interval_seconds
-
-    @property
-    def stale_after(self) -> float:
-        return stale_after_for(self._interval_seconds)
 
     def append(self, snapshot: Snapshot) -> None:
         self._snapshots.append(snapshot)
         self._announcer.announce(snapshot)
-
-    def add_listener(self, listener: SnapshotListener) -> None:
-        self._announcer.add_listener(listener)
 
     @property
     def latest(self) -> Snapshot | None:
@@ -65,10 +48,3 @@ class History:
     def newest_first(self, node: str) -> Iterator[Snapshot]:
         latest = self.latest
         return reversed(self._snapshots) if latest is not None and latest.node == node else iter(())
-
-    async def wait_newer(self, sequence: int) -> Snapshot:
-        while True:
-            latest = self.latest
-            if latest is not None and latest.sequence > sequence:
-                return latest
-            await self._announcer.wait()

@@ -80,3 +80,38 @@ class Announcer:
     async def wait(self) -> None:
         """Until the next announcement."""
         await self._announced.wait()
+
+
+class AnnouncedSource:
+    """What every source does alike: its timing, its listeners and its waiters, over its own ``latest``."""
+
+    def __init__(self, *, history_seconds: float, interval_seconds: float) -> None:
+        self._history_seconds = history_seconds
+        self._interval_seconds = interval_seconds
+        self._announcer = Announcer()
+
+    @property
+    def history_seconds(self) -> float:
+        return self._history_seconds
+
+    @property
+    def interval_seconds(self) -> float:
+        return self._interval_seconds
+
+    @property
+    def stale_after(self) -> float:
+        return stale_after_for(self._interval_seconds)
+
+    @property
+    def latest(self) -> Snapshot | None:
+        raise NotImplementedError
+
+    def add_listener(self, listener: SnapshotListener) -> None:
+        self._announcer.add_listener(listener)
+
+    async def wait_newer(self, sequence: int) -> Snapshot:
+        while True:
+            latest = self.latest
+            if latest is not None and latest.sequence > sequence:
+                return latest
+            await self._announcer.wait()

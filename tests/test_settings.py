@@ -30,15 +30,20 @@ def test_defaults() -> None:
     """With no flags and no variables: NVML, all interfaces on 6000, a 0.5 s poll, 10 min of history."""
     built = settings("--log-format", "json")
     assert built.collector == "nvml"
-    assert built.listen == Address("0.0.0.0", 6000)
+    assert built.server.listen == Address("0.0.0.0", 6000)
     assert built.poll_interval_seconds == 0.5
     assert built.history_seconds == 600.0
     assert built.fake_gpus == 4
     assert built.fake_scenario is None
-    assert (built.tls_cert, built.tls_key, built.tls_client_ca) == (None, None, None)
-    assert built.log_level == "info"
-    assert built.drain_timeout_seconds == 5.0
+    assert (built.server.tls_cert, built.server.tls_key, built.server.tls_client_ca) == (None, None, None)
+    assert built.server.log_level == "info"
+    assert built.server.drain_timeout_seconds == 5.0
     assert built.node_name == socket.gethostname()
+
+
+def field_of(built: ServeSettings, name: str) -> object:
+    """A setting by name, whether the agent's own or one of the flags both servers share."""
+    return getattr(built.server, name) if hasattr(built.server, name) else getattr(built, name)
 
 
 @pytest.mark.parametrize(
@@ -71,12 +76,12 @@ def test_defaults() -> None:
 )
 def test_each_flag_sets_its_field(flags: list[str], field: str, expected: object) -> None:
     """Each flag's value lands, parsed, in its settings field."""
-    assert getattr(settings("--log-format", "json", *flags), field) == expected
+    assert field_of(settings("--log-format", "json", *flags), field) == expected
 
 
 def test_ipv6_address_prints_with_brackets() -> None:
     """An IPv6 listen address prints as [host]:port, as it was written."""
-    assert str(settings("--listen", "[::]:6000", "--log-format", "json").listen) == "[::]:6000"
+    assert str(settings("--listen", "[::]:6000", "--log-format", "json").server.listen) == "[::]:6000"
 
 
 @pytest.mark.parametrize(
@@ -96,7 +101,7 @@ def test_ipv6_address_prints_with_brackets() -> None:
 def test_environment_variables_set_the_defaults(variable: str, value: str, field: str, expected: object) -> None:
     """Every flag has a GPUSCALER_* variable (and the chart's NODE_NAME names the node)."""
     environ = {"GPUSCALER_LOG_FORMAT": "json", variable: value}
-    assert getattr(settings(environ=environ), field) == expected
+    assert field_of(settings(environ=environ), field) == expected
 
 
 def test_a_flag_wins_over_its_variable() -> None:

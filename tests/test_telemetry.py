@@ -22,10 +22,10 @@ from tests.waiting import until, until_result
 
 
 async def scrape(agent: Agent) -> dict[str, list[Sample]]:
-    assert agent.metrics is not None
+    assert agent.frontend.metrics is not None
     async with (
         aiohttp.ClientSession() as session,
-        session.get(f"http://127.0.0.1:{agent.metrics.port}/metrics") as response,
+        session.get(f"http://127.0.0.1:{agent.frontend.metrics.port}/metrics") as response,
     ):
         assert response.status == 200
         text = await response.text()
@@ -171,9 +171,9 @@ async def test_an_answer_without_a_lost_gpu_is_counted_and_logged_once(
 async def test_healthz_follows_the_grpc_health(start_agent: StartAgent) -> None:
     """/healthz is 200 while samples are fresh and 503 once every GPU's reads hang, like gRPC health."""
     agent = await start_agent("--poll-interval", "0.1")
-    assert agent.metrics is not None
+    assert agent.frontend.metrics is not None
     assert isinstance(agent.collector, FakeCollector)
-    url = f"http://127.0.0.1:{agent.metrics.port}/healthz"
+    url = f"http://127.0.0.1:{agent.frontend.metrics.port}/healthz"
 
     async def status() -> int:
         async with aiohttp.ClientSession() as session, session.get(url) as response:

@@ -18,8 +18,7 @@ import structlog
 
 from gpuscaler import __version__
 from gpuscaler.engine import Engine
-from gpuscaler.errors import ConfigError, StartupError
-from gpuscaler.exposition import MetricsServer
+from gpuscaler.errors import ConfigError
 from gpuscaler.flags import Address
 from gpuscaler.gateway.discovery import DnsAgents, EndpointsListener, FileAgents, StaticAgents
 from gpuscaler.gateway.pod_directory import ManagedDirectory, StaticPodDirectory
@@ -28,7 +27,7 @@ from gpuscaler.gateway.subscriber import AgentSubscriber, AgentTLS
 from gpuscaler.gateway.telemetry import GatewayTelemetry
 from gpuscaler.gateway.view import ClusterView
 from gpuscaler.pods import PodDirectory
-from gpuscaler.server.frontend import Frontend, FrontendSettings, cancel_all, run_in_background, run_until_signalled
+from gpuscaler.server.frontend import Frontend, cancel_all, run_in_background, run_until_signalled
 from gpuscaler.tls import client_context
 
 log = structlog.get_logger(__name__)
@@ -81,7 +80,6 @@ class Gateway:
     engine: Engine
     frontend: Frontend
     telemetry: GatewayTelemetry
-    metrics: MetricsServer | None
     directory: PodDirectory | None
     discovery: Discovery
     agent_tls: AgentTLS | None
@@ -112,32 +110,7 @@ class Gateway:
             lambda: {str(endpoint): subscriber for endpoint, (subscriber, _) in subscribers.items()},
             partial(_pod_counts, directory),
         )
-        telemetry.watch(engine)
-        frontend = await Frontend.start(
-            FrontendSettings(
-                listen=settings.listen,
-                tls_cert=settings.tls_cert,
-                tls_key=settings.tls_key,
-                tls_client_ca=settings.tls_client_ca,
-                tls_reload_interval_seconds=settings.tls_reload_interval_seconds,
-                drain_timeout_seconds=settings.drain_timeout_seconds,
-                health_every_seconds=HEALTH_CHECK_SECONDS,
-            ),
-            engine,
-            on_rpc_started=telemetry.observe_rpc_started,
-            on_rpc_finished=telemetry.observe_rpc,
-        )
-        metrics = (
-            MetricsServer(telemetry.registry, settings.metrics_listen, healthy=lambda: frontend.serving)
-            if settings.metrics_listen
-            else None
-        )
-        if metrics is not None:
-            try:
-                await metrics.start()
-            except StartupError:
-                await frontend.stop()
-                raise
+        frontend = await Frontend.start(settings.server, engine, telemetry, health_every_seconds=HEALTH_CHECK_SECONDS)
         if isinstance(directory, ManagedDirectory):
             await directory.start()
 
@@ -147,7 +120,6 @@ class Gateway:
             engine=engine,
             frontend=frontend,
             telemetry=telemetry,
-            metrics=metrics,
             directory=directory,
             discovery=discovery or build_discovery(settings),
             agent_tls=to_agents,
@@ -160,9 +132,9 @@ class Gateway:
         log.info(
             "gateway_started",
             version=__version__,
-            listen=str(settings.listen),
+            listen=str(settings.server.listen),
             port=gateway.port,
-            metrics_port=metrics.port if metrics else None,
+            metrics_port=frontend.metrics.port if frontend.metrics else None,
             agents=[str(agent) for agent in settings.agents] or None,
             agents_dns=str(settings.agents_dns) if settings.agents_dns else None,
             agents_file=str(settings.agents_file) if settings.agents_file else None,
@@ -192,8 +164,6 @@ class Gateway:
         await cancel_all([*self._tasks, *(task for _, task in self.subscribers.values())])
         if isinstance(self.directory, ManagedDirectory):
             await self.directory.stop()
-        if self.metrics is not None:
-            await self.metrics.stop()
         log.info("gateway_stopped", calls=sum(tracker.finished.values()))
 
 

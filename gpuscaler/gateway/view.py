@@ -24,7 +24,7 @@ import structlog
 
 from gpuscaler.history import History
 from gpuscaler.samples import Absence, Snapshot
-from gpuscaler.source import Announcer, SnapshotListener, stale_after_for
+from gpuscaler.source import AnnouncedSource, stale_after_for
 
 log = structlog.get_logger(__name__)
 
@@ -73,7 +73,7 @@ class AgentRefused(Exception):
     """The agent's snapshots cannot go into the view (it claims a node another live agent reports)."""
 
 
-class ClusterView:
+class ClusterView(AnnouncedSource):
     """The ``SnapshotSource`` of a gateway: composed cluster snapshots, and windows from each node's own history."""
 
     def __init__(
@@ -85,14 +85,12 @@ class ClusterView:
         clock: Callable[[], float] | None = None,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        self._history_seconds = history_seconds
-        self._interval_seconds = compose_interval_seconds
+        super().__init__(history_seconds=history_seconds, interval_seconds=compose_interval_seconds)
         self._clock = clock or asyncio.get_running_loop().time
         self._wall = wall_clock
         self._coalesce = coalesce_seconds
         self._agents: dict[str, _Agent] = {}
         self._nodes: dict[str, _Node] = {}
-        self._announcer = Announcer()
         self._latest: Snapshot | None = None
         self._sequence = 0
         self._pending: asyncio.TimerHandle | None = None
@@ -100,33 +98,11 @@ class ClusterView:
         self._absent: tuple[str, ...] = ()
         self.on_compose: Callable[[float], None] | None = None  # seconds one composition took
 
-    # The SnapshotSource protocol
-
-    @property
-    def history_seconds(self) -> float:
-        return self._history_seconds
-
-    @property
-    def interval_seconds(self) -> float:
-        return self._interval_seconds
-
-    @property
-    def stale_after(self) -> float:
-        return stale_after_for(self._interval_seconds)
+    # The SnapshotSource protocol (with AnnouncedSource)
 
     @property
     def latest(self) -> Snapshot | None:
         return self._latest
-
-    def add_listener(self, listener: SnapshotListener) -> None:
-        self._announcer.add_listener(listener)
-
-    async def wait_newer(self, sequence: int) -> Snapshot:
-        while True:
-            latest = self._latest
-            if latest is not None and latest.sequence > sequence:
-                return latest
-            await self._announcer.wait()
 
     def window(self, node: str, seconds: float) -> list[Snapshot]:
         entry = self._nodes.get(node)

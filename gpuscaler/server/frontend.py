@@ -1,10 +1,11 @@
-"""The gRPC front both processes compose: the server, health, TLS that follows its files, signals and the drain.
+"""The front both processes compose: the gRPC server, health, TLS that follows its files, /metrics, the drain.
 
 An agent and a gateway differ in where their snapshots come from; what they show KEDA is the same:
 ExternalScaler, the Agent API and gRPC health on one listener, health that follows ``engine.healthy()``,
-per-RPC accounting, and KEDA's protocol for a clean stop. The drain: NOT_SERVING first, then every push
-stream ends with status OK (KEDA reconnects after 2 s, not after a backoff of up to 60 s), calls in flight
-finish, and only then does the server close; all within ``drain_seconds``.
+per-RPC accounting, /metrics and /healthz on another, and KEDA's protocol for a clean stop. The drain:
+NOT_SERVING first, then every push stream ends with status OK (KEDA reconnects after 2 s, not after a
+backoff of up to 60 s), calls in flight finish, and only then does the server close; all within
+``--drain-timeout``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import structlog
@@ -25,11 +25,13 @@ from grpclib.health.service import OVERALL, Health
 
 from gpuscaler.engine import Engine
 from gpuscaler.errors import ConfigError, StartupError
-from gpuscaler.flags import Address
+from gpuscaler.exposition import MetricsServer
+from gpuscaler.flags import ServerFlags
 from gpuscaler.server.agent_api import AgentService
 from gpuscaler.server.external_scaler import ExternalScalerService
 from gpuscaler.server.grpc_server import ManyStreamsServer
-from gpuscaler.server.rpc_tracking import FinishObserver, RpcTracker, StartObserver
+from gpuscaler.server.rpc_tracking import RpcTracker
+from gpuscaler.telemetry import ServerTelemetry
 from gpuscaler.tls import ReloadingServerTLS
 
 log = structlog.get_logger(__name__)
@@ -37,30 +39,18 @@ log = structlog.get_logger(__name__)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-@dataclass(frozen=True, slots=True)
-class FrontendSettings:
-    """What the front needs of a process's settings (``serve`` and ``gateway`` share these flags)."""
-
-    listen: Address
-    tls_cert: Path | None
-    tls_key: Path | None
-    tls_client_ca: Path | None
-    tls_reload_interval_seconds: float
-    drain_timeout_seconds: float
-    health_every_seconds: float
-
-
 @dataclass
 class Frontend:
-    """A listening gRPC server over one engine; ``stop()`` drains it."""
+    """A listening server over one engine; ``stop()`` drains it."""
 
-    settings: FrontendSettings
+    flags: ServerFlags
     engine: Engine
     server: ManyStreamsServer
     scaler: ExternalScalerService
     tracker: RpcTracker
     health: ServiceStatus
     tls: ReloadingServerTLS | None
+    metrics: MetricsServer | None
     port: int
     _health_task: asyncio.Task[None] | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -68,17 +58,17 @@ class Frontend:
     @classmethod
     async def start(
         cls,
-        settings: FrontendSettings,
+        flags: ServerFlags,
         engine: Engine,
+        telemetry: ServerTelemetry,
         *,
+        health_every_seconds: float,
         extra_services: Sequence[Any] = (),
-        on_rpc_started: StartObserver | None = None,
-        on_rpc_finished: FinishObserver | None = None,
     ) -> Frontend:
         """Listen, with health as the engine says now. ConfigError: bad TLS files; StartupError: a port in use."""
         tls = (
-            ReloadingServerTLS(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
-            if settings.tls_cert and settings.tls_key
+            ReloadingServerTLS(flags.tls_cert, flags.tls_key, flags.tls_client_ca)
+            if flags.tls_cert and flags.tls_key
             else None
         )
         scaler = ExternalScalerService(engine)
@@ -89,25 +79,32 @@ class Frontend:
         server = ManyStreamsServer(services)
         tracker = RpcTracker()
         tracker.attach(server, services)
-        if on_rpc_started is not None and on_rpc_finished is not None:
-            tracker.add_observers(on_rpc_started, on_rpc_finished)
+        tracker.add_observers(telemetry.observe_rpc_started, telemetry.observe_rpc)
+        telemetry.watch(engine)
         try:
             await server.start(
-                settings.listen.host, settings.listen.port, ssl=tls.listener if tls else None, reuse_address=True
+                flags.listen.host, flags.listen.port, ssl=tls.listener if tls else None, reuse_address=True
             )
         except OSError as error:
-            raise StartupError(f"--listen {settings.listen}: cannot listen: {error.strerror}") from None
-        front = cls(settings, engine, server, scaler, tracker, health, tls, _bound_port(server))
+            raise StartupError(f"--listen {flags.listen}: cannot listen: {error.strerror}") from None
+        front = cls(flags, engine, server, scaler, tracker, health, tls, None, _bound_port(server))
+        if flags.metrics_listen is not None:
+            metrics = MetricsServer(telemetry.registry, flags.metrics_listen, healthy=lambda: front.serving)
+            try:
+                await metrics.start()
+            except StartupError:
+                server.close()
+                await server.wait_closed()
+                raise
+            front.metrics = metrics
         front._health_task = run_in_background(
-            follow_health(engine, health, every_seconds=settings.health_every_seconds), name="health"
+            follow_health(engine, health, every_seconds=health_every_seconds), name="health"
         )
         front._tasks.append(front._health_task)
         if tls is not None:
             front._tasks.append(
                 run_in_background(
-                    follow_tls_files(
-                        tls, every_seconds=settings.tls_reload_interval_seconds, name=str(settings.tls_cert)
-                    ),
+                    follow_tls_files(tls, every_seconds=flags.tls_reload_interval_seconds, name=str(flags.tls_cert)),
                     name="tls-reload",
                 )
             )
@@ -123,7 +120,7 @@ class Frontend:
             self._health_task.cancel()  # it would turn health back on while we drain
         self.health.set(False)
         self.engine.close_streams()
-        drain_seconds = self.settings.drain_timeout_seconds
+        drain_seconds = self.flags.drain_timeout_seconds
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(drain_seconds * 0.8):
                 await self.tracker.wait_idle()
@@ -134,6 +131,8 @@ class Frontend:
             async with asyncio.timeout(max(drain_seconds * 0.2, 0.1)):
                 await self.server.wait_closed()
         await cancel_all(self._tasks)
+        if self.metrics is not None:
+            await self.metrics.stop()
 
 
 async def follow_health(engine: Engine, health: ServiceStatus, *, every_seconds: float) -> None:

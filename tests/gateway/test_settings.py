@@ -23,7 +23,7 @@ def test_a_static_list_and_defaults() -> None:
     """--agents gives the agents in order without repeats; the rest are the documented defaults."""
     got = settings("--agents", "127.0.0.1:6001, 127.0.0.1:6002,127.0.0.1:6001")
     assert got.agents == (Address("127.0.0.1", 6001), Address("127.0.0.1", 6002))
-    assert got.listen == Address("0.0.0.0", 6000)
+    assert got.server.listen == Address("0.0.0.0", 6000)
     assert got.history_seconds == 120
     assert got.pod_directory is None
 

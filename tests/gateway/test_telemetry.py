@@ -14,8 +14,8 @@ from tests.waiting import until, until_result
 
 
 async def scrape(gateway: Gateway) -> dict[str, list[Sample]]:
-    assert gateway.metrics is not None
-    url = f"http://127.0.0.1:{gateway.metrics.port}/metrics"
+    assert gateway.frontend.metrics is not None
+    url = f"http://127.0.0.1:{gateway.frontend.metrics.port}/metrics"
     async with aiohttp.ClientSession() as session, session.get(url) as response:
         assert response.status == 200
         text = await response.text()
@@ -27,8 +27,8 @@ async def scrape(gateway: Gateway) -> dict[str, list[Sample]]:
 
 
 async def healthz(gateway: Gateway) -> int:
-    assert gateway.metrics is not None
-    url = f"http://127.0.0.1:{gateway.metrics.port}/healthz"
+    assert gateway.frontend.metrics is not None
+    url = f"http://127.0.0.1:{gateway.frontend.metrics.port}/healthz"
     async with aiohttp.ClientSession() as session, session.get(url) as response:
         return response.status
 
