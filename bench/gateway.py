@@ -19,22 +19,26 @@ import asyncio
 import json
 import os
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from grpclib.client import Channel
+from grpclib.const import Cardinality, Handler
+from grpclib.encoding.proto import ProtoCodec
+from grpclib.server import Server
 
-from gpuscaler.engine import Engine
 from gpuscaler.generated import externalscaler as keda
-from gpuscaler.history import History
-from gpuscaler.samples import GpuIdentity, GpuSample, Snapshot
-from gpuscaler.server.agent_api import AgentService
-from gpuscaler.server.grpc_server import ManyStreamsServer
+from gpuscaler.generated.gpuscaler import v1 as pb
+from gpuscaler.samples import ATTRIBUTION_OFF, GpuIdentity, GpuSample, Snapshot
+from gpuscaler.wire import snapshot_to_wire
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("gpuscaler")
+WATCH = "/gpuscaler.v1.Agent/WatchSnapshots"
 RESULTS = Path(__file__).with_name("results") / "gateway.json"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -42,59 +46,123 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # The simulator (child process)
 
 
+class Encoded:
+    """A message already in its wire form: grpclib's codec sends ``SerializeToString()`` as it is."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def SerializeToString(self) -> bytes:
+        return self.data
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+class SimulatedAgent:
+    """One agent's WatchSnapshots stream, from bytes encoded once: each tick appends only its sequence and time.
+
+    Protobuf merges repeated encodings of a message, so the static part (node, GPUs, attribution) is encoded
+    when the node's values change and the tick's fields (2: sequence, 3: taken_at) are appended to it.
+    """
+
+    def __init__(self, node: str, gpus: int, poll: float) -> None:
+        self.node = node
+        self.identities = [GpuIdentity(i, f"GPU-sim-{node[4:]}-{i}", "Simulated GPU") for i in range(gpus)]
+        self.poll = poll
+        self.sequence = 0
+        self.tick = asyncio.Event()
+        self.static = b""
+        self.set_utilization(30.0)
+
+    def set_utilization(self, util: float) -> None:
+        samples = [
+            GpuSample(
+                gpu=gpu,
+                node=self.node,
+                gpu_utilization_percent=util,
+                memory_utilization_percent=10.0,
+                memory_used_bytes=10 * 2**30,
+                memory_total_bytes=80 * 2**30,
+                temperature_celsius=50.0,
+                power_draw_watts=300.0,
+                power_limit_watts=700.0,
+            )
+            for gpu in self.identities
+        ]
+        snapshot = Snapshot(0, 0.0, 0.0, self.node, tuple(samples), attribution=ATTRIBUTION_OFF)
+        self.static = bytes(snapshot_to_wire(snapshot, poll_interval_seconds=self.poll))
+
+    def message(self) -> Encoded:
+        return Encoded(self.static + b"\x10" + _varint(self.sequence) + b"\x19" + struct.pack("<d", time.time()))
+
+    def __mapping__(self) -> dict[str, Handler]:
+        return {WATCH: Handler(self.watch, Cardinality.UNARY_STREAM, pb.WatchSnapshotsRequest, Encoded)}
+
+    async def watch(self, stream: Any) -> None:
+        await stream.recv_message()
+        while True:
+            await self.tick.wait()
+            await stream.send_message(self.message())
+
+
+class RawCodec(ProtoCodec):
+    """grpclib's protobuf codec, for our pre-encoded replies too."""
+
+    def encode(self, message: Any, message_type: Any) -> bytes:
+        return message.data if isinstance(message, Encoded) else super().encode(message, message_type)
+
+
 async def simulate(agents: int, gpus: int, poll: float) -> None:
-    """Serve ``agents`` fake agents; print their ports, then 'tick <monotonic>' for each tick that carried a change."""
-    histories = [History(history_seconds=60, poll_interval_seconds=poll) for _ in range(agents)]
+    """Serve ``agents`` fake agents; print their ports, then 'tick <monotonic>' for each tick that carried a change.
+
+    Each agent ticks every ``poll`` seconds at its own phase, as real agents do, not all at once.
+    """
+    simulated = [SimulatedAgent(f"sim-{n:04d}", gpus, poll) for n in range(agents)]
     servers = []
-    for history in histories:
-        server = ManyStreamsServer([AgentService(Engine(history))])
+    for agent in simulated:
+        server = Server([agent], codec=RawCodec())
         await server.start("127.0.0.1", 0)
         servers.append(server)
     ports = [server._server.sockets[0].getsockname()[1] for server in servers]  # type: ignore[union-attr]
     print("ports " + ",".join(map(str, ports)), flush=True)
 
-    node0 = {"util": 0.0}
-    pending: list[float] = []
+    changed: list[float] = []
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
 
     async def commands() -> None:
         while line := await reader.readline():
-            node0["util"] = float(line.decode().strip())
-            pending.append(node0["util"])
+            simulated[0].set_utilization(float(line.decode().strip()))
+            changed.append(0.0)
 
     command_task = asyncio.create_task(commands())  # runs until the bench kills this process
     assert command_task is not None
-    identities = [[GpuIdentity(i, f"GPU-sim-{n}-{i}", "Simulated GPU") for i in range(gpus)] for n in range(agents)]
-    sequence = 0
-    next_tick = loop.time()
+    start = loop.time()
+    slots = max(1, int(poll / 0.005))  # agents tick in 5 ms slots spread over the interval
+    slot = 0
     while True:
-        sequence += 1
-        started = loop.time()
-        carried = bool(pending)
-        pending.clear()
-        for n, history in enumerate(histories):
-            util = node0["util"] if n == 0 else 30.0 + (n % 7)
-            samples = tuple(
-                GpuSample(
-                    gpu=gpu,
-                    node=f"sim-{n:03d}",
-                    gpu_utilization_percent=util,
-                    memory_utilization_percent=10.0,
-                    memory_used_bytes=10 * 2**30,
-                    memory_total_bytes=80 * 2**30,
-                    temperature_celsius=50.0,
-                    power_draw_watts=300.0,
-                    power_limit_watts=700.0,
-                )
-                for gpu in identities[n]
-            )
-            history.append(Snapshot(sequence, time.time(), started, f"sim-{n:03d}", samples))
-        if carried:
-            print(f"tick {time.monotonic():.6f}", flush=True)
-        next_tick += poll
-        await asyncio.sleep(max(0.0, next_tick - loop.time()))
+        now = loop.time()
+        for n in range(slot, agents, slots):
+            agent = simulated[n]
+            agent.sequence += 1
+            event, agent.tick = agent.tick, asyncio.Event()
+            event.set()
+            if n == 0 and changed:
+                changed.clear()
+                print(f"tick {time.monotonic():.6f}", flush=True)
+        slot = (slot + 1) % slots
+        target = start + (int((now - start) / 0.005) + 1) * 0.005
+        await asyncio.sleep(max(0.0, target - loop.time()))
 
 
 # The bench (parent process)
@@ -169,6 +237,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             asyncio.create_task(drain(stub.stream_is_active(ref(activationThreshold=str(10 + i))))) for i in range(10)
         ]
         await asyncio.sleep(3)  # let start-up settle
+        total = await node_wide_sum(stub)
+        expected = 30.0 * args.agents * args.gpus
         cpu_before, wall_before = cpu_seconds(gateway.pid), time.monotonic()
         await asyncio.sleep(args.seconds)
         cpu_used, wall = cpu_seconds(gateway.pid) - cpu_before, time.monotonic() - wall_before
@@ -196,6 +266,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "push_from_request_ms": summary(from_request),
         "push_from_agent_tick_ms": summary(from_tick),
         "push_bound_ms": round(1000 * args.poll + 100),
+        "node_wide_sum": total,
+        "node_wide_sum_expected": expected,
         "machine": f"{os.cpu_count()} cores",
     }
 
@@ -233,11 +305,19 @@ async def wait_for_nodes(stub: keda.ExternalScalerStub, gpus: int) -> None:
             await asyncio.sleep(0.2)
 
 
+async def node_wide_sum(stub: keda.ExternalScalerStub) -> float:
+    """gpu_utilization summed over every GPU, as KEDA would ask for it."""
+    query = ref(metric="gpu_utilization")
+    spec = await stub.get_metric_spec(query)
+    request = keda.GetMetricsRequest(scaled_object_ref=query, metric_name=spec.metric_specs[0].metric_name)
+    return float((await stub.get_metrics(request)).metric_values[0].metric_value_float)
+
+
 async def push_latency(
     stub: keda.ExternalScalerStub, stdin: asyncio.StreamWriter, stdout: asyncio.StreamReader, tries: int
 ) -> tuple[list[float], list[float]]:
     """Node 0 alone crosses the threshold: time its true at the gateway from the request and from its tick."""
-    selector = {"gpuUUID": "GPU-sim-0-0", "activationThreshold": "50"}
+    selector = {"gpuUUID": "GPU-sim-0000-0", "activationThreshold": "50"}
     queue: asyncio.Queue[tuple[float, bool]] = asyncio.Queue()
 
     async def listen() -> None:
@@ -270,8 +350,14 @@ async def push_latency(
 
 
 def summary(seconds: list[float]) -> dict[str, float]:
-    ms = [1000 * s for s in seconds]
-    return {"median": round(statistics.median(ms), 1), "max": round(max(ms), 1), "min": round(min(ms), 1)}
+    ms = sorted(1000 * s for s in seconds)
+    p99 = ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]
+    return {
+        "median": round(statistics.median(ms), 1),
+        "p99": round(p99, 1),
+        "max": round(max(ms), 1),
+        "min": round(min(ms), 1),
+    }
 
 
 def main() -> None:
