@@ -1,0 +1,96 @@
+"""KEDA's ``fallback`` holds a busy Deployment when gpuscaler cannot see its GPUs, instead of scaling it in.
+
+"I don't know" must reach KEDA as an error: a made-up 0 or ``false`` would take the Deployment to 0 after the
+cooldown. Each test first scales to a count different from the fallback's, then takes the signal away and expects
+the fallback count, held past the cooldown and several polling intervals.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from e2e.keda.scenario import Scenario, expected_replicas, scaled_object
+from e2e.support.process import Process
+from gpuscaler.hpa import MetricType
+
+POLLING_SECONDS = 2
+COOLDOWN_SECONDS = 5
+FAILURE_THRESHOLD = 2
+FALLBACK_REPLICAS = 4
+TARGET = 40.0
+# Long enough for a wrong 0 to show: the cooldown plus several polls past the moment fallback applied.
+HOLD_SECONDS = COOLDOWN_SECONDS + 4 * POLLING_SECONDS
+
+
+async def scale_up_then_lose(scenario: Scenario, scaler: Process, metadata: dict[str, str], value: float) -> float:
+    """Applies the ScaledObject, waits for the HPA's count from ``value``; returns that count's time."""
+    history = await scenario.deployment("trainer")
+    await scenario.apply(
+        scaled_object(
+            "trainer",
+            trigger="external",
+            metadata=metadata,
+            polling_seconds=POLLING_SECONDS,
+            cooldown_seconds=COOLDOWN_SECONDS,
+            fallback={"failureThreshold": FAILURE_THRESHOLD, "replicas": FALLBACK_REPLICAS},
+        )
+    )
+    await scenario.wait_ready("trainer")
+    measured = await scenario.wait_value(scaler, metadata, value)
+    expected = expected_replicas(MetricType.AVERAGE_VALUE, value=measured, target=TARGET, current=1, maximum=10)
+    assert expected != FALLBACK_REPLICAS, "choose a value whose count differs from the fallback's"
+    return await history.wait_equal(expected, 90)
+
+
+async def expect_fallback(scenario: Scenario, since: float) -> None:
+    history = scenario.histories[0]
+    reached = await history.wait_equal(FALLBACK_REPLICAS, 60, after=since)
+    await history.hold(FALLBACK_REPLICAS, HOLD_SECONDS)
+    scenario.record(f"fallback {FALLBACK_REPLICAS} {reached - since:.1f} s after the signal went; {history.describe()}")
+
+
+async def test_a_killed_agent_gets_the_fallback(scenario: Scenario) -> None:
+    """SIGKILL the only agent: KEDA cannot connect and applies the fallback count instead of going to 0."""
+    agent = await scenario.agent("node-1")
+    metadata = {"scalerAddress": f"127.0.0.1:{agent.port}", "metric": "gpu_utilization", "targetValue": f"{TARGET:g}"}
+    await scenario.fake_set(agent, "all", gpu_utilization=90)
+    await scale_up_then_lose(scenario, agent, metadata, 180.0)
+    scenario.kill(agent)
+    await expect_fallback(scenario, time.monotonic())
+
+
+async def test_a_lost_gpu_answers_unavailable_and_gets_the_fallback(scenario: Scenario) -> None:
+    """A GPU that stops reading on a live agent is UNAVAILABLE to KEDA, never 0: the fallback count applies."""
+    agent = await scenario.agent("node-1")
+    metadata = {
+        "scalerAddress": f"127.0.0.1:{agent.port}",
+        "metric": "gpu_utilization",
+        "gpuUUID": "GPU-fake-node-1-0",
+        "targetValue": f"{TARGET:g}",
+    }
+    await scenario.fake_set(agent, 0, gpu_utilization=95)
+    await scale_up_then_lose(scenario, agent, metadata, 95.0)
+    await scenario.fake_fail(agent, 0, "lost")
+    answer = await scenario.query(agent, metadata)
+    assert answer["get_metrics"]["code"] == "UNAVAILABLE", answer["get_metrics"]
+    await expect_fallback(scenario, time.monotonic())
+
+
+async def test_a_silent_busy_node_behind_the_gateway_gets_the_fallback(scenario: Scenario) -> None:
+    """The only busy node's agent goes silent (SIGSTOP) behind the gateway: fallback, not 0 (issue 9's fix)."""
+    busy = await scenario.agent("node-busy")
+    idle = await scenario.agent("node-idle")
+    gateway = await scenario.gateway([busy, idle])
+    metadata = {
+        "scalerAddress": f"127.0.0.1:{gateway.port}",
+        "metric": "gpu_utilization",
+        "targetValue": f"{TARGET:g}",
+    }
+    await scenario.fake_set(busy, "all", gpu_utilization=95)
+    await scale_up_then_lose(scenario, gateway, metadata, 190.0)
+    scenario.pause(busy, signal.SIGSTOP)
+    try:
+        await expect_fallback(scenario, time.monotonic())
+    finally:
+        scenario.pause(busy, signal.SIGCONT)
