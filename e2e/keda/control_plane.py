@@ -392,7 +392,8 @@ class ControlPlane:
             [
                 str(manager),
                 f"--kubeconfig={kubeconfig}",
-                "--controllers=deployment,replicaset,horizontalpodautoscaling",
+                # The garbage collector deletes the HPA of a deleted ScaledObject (KEDA relies on its owner reference).
+                "--controllers=deployment,replicaset,horizontalpodautoscaling,garbagecollector",
                 "--leader-elect=false",
                 "--secure-port=0",
                 "--use-service-account-credentials=false",

@@ -9,6 +9,7 @@ that asks for TLS, a TLS agent, with the documented TriggerAuthentication applie
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -128,5 +129,6 @@ async def test_keda_admission_refuses_a_second_scaled_object_for_one_deployment(
     await scenario.wait_ready("first")
     with pytest.raises(ApiError) as refused:
         await scenario.apply(scaled_object("second", trigger="external", metadata=metadata, target="trainer"))
-    assert 'admission webhook "vscaledobject.kb.io" denied the request' in refused.value.body, refused.value.body
-    assert "already managed by the ScaledObject first" in refused.value.body, refused.value.body
+    message = json.loads(refused.value.body)["message"]
+    assert 'admission webhook "vscaledobject.kb.io" denied the request' in message, message
+    assert "is already managed by the ScaledObject 'first'" in message, message
