@@ -83,9 +83,11 @@ async def test_a_lost_gpu_answers_unavailable_and_gets_the_fallback(scenario: Sc
     await scale_up_then_lose(scenario, agent, metadata, 95.0)
     lost = time.monotonic()
     await scenario.fake_fail(agent, 0, "lost")
+    await expect_fallback(scenario, lost)
+    # What KEDA got, asked the same way: an error that names the GPU, never a 0.
     answer = await scenario.query(agent, metadata)
     assert answer["get_metrics"]["code"] == "UNAVAILABLE", answer["get_metrics"]
-    await expect_fallback(scenario, lost)
+    assert "GPU-fake-node-1-0" in answer["get_metrics"]["message"], answer["get_metrics"]
 
 
 async def test_a_silent_busy_node_behind_the_gateway_gets_the_fallback(scenario: Scenario) -> None:
