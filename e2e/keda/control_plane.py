@@ -125,10 +125,11 @@ class Daemon:
         if self.process is not None and self.process.poll() is not None:
             raise ControlPlaneFailed(f"{self.name} exited with {self.process.returncode}:\n{self.tail()}")
 
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
     def tail(self, lines: int = 40) -> str:
-        if not self.log_path.exists():
-            return "(no log)"
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return "\n".join(self.log_text().splitlines()[-lines:]) or "(empty log)"
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after a grace period; never raises (teardown must reach every process)."""
@@ -401,9 +402,9 @@ class ControlPlane:
                 "--concurrent-horizontal-pod-autoscaler-syncs=5",
             ],
         )
-        # The controller manager has no health endpoint here (no secure port): it is up once it has run a sync.
-        time.sleep(0.5)
-        daemon.check_alive()
+        # Without a secure port it serves no health endpoint; its log says when each controller runs.
+        started = ('"Starting controller" controller="deployment"', '"Starting HPA controller"', 'name="replicaset"')
+        self._wait("kube-controller-manager", lambda: all(line in daemon.log_text() for line in started), [daemon])
 
     def _install_keda_api_objects(self, adapter_port: int) -> None:
         crds = sorted((tools.keda_source() / "config" / "crd" / "bases").glob("*.yaml"))

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from e2e.keda.control_plane import RESOURCES, ApiError, ControlPlane, Json, deployment, namespace
+from e2e.keda.control_plane import RESOURCES, ApiError, ControlPlane, Json, deployment
 from e2e.support.agent import CONSOLE_SCRIPT
 from e2e.support.certs import SERVER_NAME, TlsFiles
 from e2e.support.process import Process, environment
@@ -388,6 +388,3 @@ def scaled_object(
 def expected_replicas(metric_type: MetricType, *, value: float, target: float, current: int, maximum: int) -> int:
     """The HPA's answer from gpuscaler.hpa, clamped to the ScaledObject's bounds as the HPA clamps it."""
     return max(1, min(maximum, desired_replicas(metric_type, value=value, target=target, current=current)))
-
-
-__all__ = ["Measurements", "ReplicaHistory", "Scenario", "expected_replicas", "namespace", "scaled_object"]
