@@ -49,6 +49,8 @@ class ReplicaHistory:
         self._changes: list[tuple[float, int]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # Set when the watch stream ends, so a wait that times out says the record stopped, not that nothing moved.
+        self.ended = ""
         path = f"/apis/apps/v1/namespaces/{namespace_name}/deployments?fieldSelector=metadata.name%3D{name}"
         self._thread = threading.Thread(target=self._watch, args=(plane, path), name=f"watch-{name}", daemon=True)
         self._thread.start()
@@ -60,8 +62,12 @@ class ReplicaHistory:
                 if not self._changes or self._changes[-1][1] != replicas:
                     self._changes.append((time.monotonic(), replicas))
 
-        with contextlib.suppress(Exception):  # the API server going away at teardown ends the stream
+        try:
             plane.kube.watch(path, on_event, self._stop)
+        except Exception as error:  # the API server going away at teardown ends the stream too
+            self.ended = f"watch ended: {error!r}"
+        else:
+            self.ended = "watch ended"
 
     def stop(self) -> None:
         self._stop.set()
@@ -82,7 +88,8 @@ class ReplicaHistory:
         return changes[-1][1] if changes else None
 
     def describe(self) -> str:
-        return " -> ".join(str(step) for step in self.steps)
+        steps = " -> ".join(str(step) for step in self.steps)
+        return f"{steps} ({self.ended})" if self.ended else steps
 
     async def wait_for(
         self, accept: Callable[[int], bool], timeout: float, what: str, *, after: float = 0.0
@@ -100,7 +107,7 @@ class ReplicaHistory:
             await asyncio.sleep(0.05)
 
     async def wait_equal(self, expected: int, timeout: float, *, after: float = 0.0) -> float:
-        """Waits until the current count is ``expected``; the monotonic time it got there."""
+        """Waits for the first change at or after ``after`` to ``expected``; the monotonic time of that change."""
         at, _ = await self.wait_for(lambda replicas: replicas == expected, timeout, f"{expected}", after=after)
         return at
 
