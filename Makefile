@@ -13,7 +13,7 @@ GENERATED := gpuscaler/generated
 PY_DIRS := $(wildcard gpuscaler tests e2e bench dev)
 TEST_DIRS := $(wildcard tests e2e)
 
-.PHONY: help venv dev test test-under-load unit e2e e2e-full lint typecheck proto proto-check bench chart-test image docs lock clean
+.PHONY: help venv dev test test-under-load unit e2e e2e-full e2e-keda lint typecheck proto proto-check bench chart-test image docs lock clean
 
 help: ## List the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -43,6 +43,10 @@ e2e: $(STAMP) ## End-to-end tests against real processes
 
 e2e-full: $(STAMP) ## End-to-end tests at full size (10,000 streams, long fuzzing)
 	GPUSCALER_E2E_FULL=1 $(BIN)/pytest e2e
+
+e2e-keda: $(STAMP) ## The real KEDA on a loopback control plane (builds etcd, Kubernetes, KEDA once: ~30 min cold)
+	$(BIN)/python -m e2e.keda.tools
+	GPUSCALER_E2E_KEDA=1 $(BIN)/pytest e2e/keda -o timeout=600
 
 lint: $(STAMP) ## ruff check and format check
 	$(BIN)/ruff check .

@@ -34,7 +34,8 @@ import pytest
 from grpclib.client import Channel
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
-from e2e.support.cluster import Cluster, Process
+from e2e.support.cluster import Cluster
+from e2e.support.process import Process
 from e2e.support.sizes import FULL
 from gpuscaler.generated import externalscaler as keda
 from gpuscaler.generated.gpuscaler import v1 as pb

@@ -17,7 +17,8 @@ from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
-from e2e.support.cluster import Cluster, Process, answer, eventually, explain
+from e2e.support.cluster import Cluster, answer, eventually, explain
+from e2e.support.process import Process
 from gpuscaler.generated import externalscaler as keda
 from tests.fakes.fake_kubelet import Assignment, FakeKubelet, short_socket_path
 

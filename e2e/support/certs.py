@@ -63,6 +63,22 @@ def make_certificates(directory: Path) -> TlsFiles:
     return TlsFiles(ca, server_cert, server_key, client_cert, client_key, other)
 
 
+def make_server_certificate(files: TlsFiles, directory: Path, name: str) -> tuple[Path, Path]:
+    """A server certificate and key for the DNS name ``name``, signed by ``files.ca`` (whose key lies beside it)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    cert, key = directory / "tls.crt", directory / "tls.key"
+    _signed(
+        directory,
+        key,
+        cert,
+        files.ca,
+        files.ca.with_name("ca.key"),
+        subject=name,
+        extensions=f"subjectAltName=DNS:{name}\nextendedKeyUsage=serverAuth\n",
+    )
+    return cert, key
+
+
 def grpcio_credentials(files: TlsFiles, *, client_cert: bool, ca: Path | None = None) -> Any:
     """grpcio channel credentials trusting ``ca`` (default ``files.ca``), with the client certificate if asked."""
     root = (ca or files.ca).read_bytes()
