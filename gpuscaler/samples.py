@@ -1,6 +1,8 @@
-"""What one poll tick read from the GPUs: frozen samples with units in their names.
+"""What one poll tick read from the GPUs: immutable samples with units in their names.
 
-A value that could not be read is None and its reason is in ``errors``; it is never 0.
+A value that could not be read is None and its reason is in ``errors``; it is never 0. The per-GPU records
+are named tuples rather than frozen dataclasses: a gateway builds tens of thousands a second, and a named
+tuple is immutable too but several times cheaper to make.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import datetime
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from gpuscaler.gpu_metrics import METRICS, Metric
 
@@ -24,8 +27,7 @@ class ReadErrorKind(enum.Enum):
     OTHER = "other"
 
 
-@dataclass(frozen=True, slots=True)
-class ReadError:
+class ReadError(NamedTuple):
     """One field (or the whole device) that could not be read, with the reader's own words."""
 
     field: str
@@ -33,8 +35,7 @@ class ReadError:
     detail: str
 
 
-@dataclass(frozen=True, slots=True)
-class PodRef:
+class PodRef(NamedTuple):
     """A container the kubelet assigned a GPU to."""
 
     namespace: str
@@ -73,8 +74,7 @@ class GpuIdentity:
     mig_parent_uuid: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class GpuSample:
+class GpuSample(NamedTuple):
     """One device's readings at one tick. Percentages are 0-100, memory in bytes, power in watts."""
 
     gpu: GpuIdentity

@@ -132,7 +132,7 @@ def test_a_workload_with_no_pods_is_zero() -> None:
 def test_a_pod_whose_gpus_cannot_be_read_is_left_out_with_the_reason() -> None:
     """A replica with no readable GPU leaves the sum and says why; all unreadable is an error."""
     broken = node("node-c", (0.0, (pod("trainer-c1"),)))
-    unreadable = replace(broken.samples[0], gpu_utilization_percent=None)
+    unreadable = broken.samples[0]._replace(gpu_utilization_percent=None)
     view = cluster(NODE_A, replace(broken, samples=(unreadable,)))
     directory = Directory(*DIRECTORY._pods.values(), PodInfo("ml", "trainer-c1", {}, "trainer"))
     evaluation = evaluate(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -91,8 +90,7 @@ class PodResourcesWatcher:
             return tuple(samples), self._state
         found = pods_by_gpu([sample.gpu for sample in samples], self._pairs)
         attributed = tuple(
-            dataclasses.replace(sample, pods=found[sample.gpu.uuid]) if sample.gpu.uuid in found else sample
-            for sample in samples
+            sample._replace(pods=found[sample.gpu.uuid]) if sample.gpu.uuid in found else sample for sample in samples
         )
         return attributed, self._state
 
