@@ -23,9 +23,9 @@ from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from gpuscaler.flags import Address
 from gpuscaler.gateway.view import AgentRefused, ClusterView
-from gpuscaler.generated.gpuscaler import v1 as pb
+from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
 from gpuscaler.source import stale_after_for
-from gpuscaler.wire import snapshot_from_wire
+from gpuscaler.wire import SnapshotDecoder
 
 log = structlog.get_logger(__name__)
 
@@ -50,6 +50,7 @@ class AgentSubscriber:
         self.endpoint = endpoint
         self.agent = str(endpoint)
         self._view = view
+        self._decoder = SnapshotDecoder()
         self._tls = tls
         self.node: str | None = None
         self.connected = False
@@ -96,9 +97,9 @@ class AgentSubscriber:
         self.connects += 1
         try:
             async with channel.request(
-                WATCH_METHOD, Cardinality.UNARY_STREAM, pb.WatchSnapshotsRequest, pb.Snapshot
+                WATCH_METHOD, Cardinality.UNARY_STREAM, agent_pb2.WatchSnapshotsRequest, agent_pb2.Snapshot
             ) as stream:
-                await stream.send_message(pb.WatchSnapshotsRequest(), end=True)
+                await stream.send_message(agent_pb2.WatchSnapshotsRequest(), end=True)
                 silence = FIRST_MESSAGE_TIMEOUT_SECONDS
                 while True:
                     async with asyncio.timeout(silence):
@@ -110,9 +111,8 @@ class AgentSubscriber:
         finally:
             channel.close()
 
-    def _receive(self, message: pb.Snapshot) -> None:
-        loop = asyncio.get_running_loop()
-        snapshot = snapshot_from_wire(message, monotonic=loop.time())
+    def _receive(self, message: agent_pb2.Snapshot) -> None:
+        snapshot = self._decoder.decode(message, monotonic=asyncio.get_running_loop().time())
         if not self.connected:
             self.connected = True
             log.info(

@@ -9,8 +9,9 @@ from grpclib.client import Channel
 from gpuscaler.agent import Agent
 from gpuscaler.collectors.fake import Failure, FakeCollector
 from gpuscaler.generated.gpuscaler import v1 as pb
+from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
 from gpuscaler.gpu_metrics import Metric
-from gpuscaler.wire import snapshot_from_wire
+from gpuscaler.wire import SnapshotDecoder
 from tests.server.test_external_scaler import next_tick
 
 
@@ -36,7 +37,7 @@ async def test_snapshot_carries_every_gpu_in_units(agent: Agent, channel: Channe
     unsupported = message.gpus[3]
     assert unsupported.gpu_utilization_percent is None  # absent on the wire, not 0
     assert {error.kind for error in unsupported.errors} == {pb.ReadErrorKind.NOT_SUPPORTED}
-    snapshot = snapshot_from_wire(message, monotonic=0.0)
+    snapshot = SnapshotDecoder().decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=0.0)
     assert snapshot.samples[2].value(Metric.MEMORY_USED_PERCENT) == 50.0
 
 

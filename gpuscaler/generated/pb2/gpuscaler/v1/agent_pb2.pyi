@@ -1,0 +1,235 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ReadErrorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    READ_ERROR_KIND_UNSPECIFIED: _ClassVar[ReadErrorKind]
+    READ_ERROR_KIND_NOT_SUPPORTED: _ClassVar[ReadErrorKind]
+    READ_ERROR_KIND_GPU_LOST: _ClassVar[ReadErrorKind]
+    READ_ERROR_KIND_TIMEOUT: _ClassVar[ReadErrorKind]
+    READ_ERROR_KIND_OTHER: _ClassVar[ReadErrorKind]
+
+class AttributionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ATTRIBUTION_STATE_UNSPECIFIED: _ClassVar[AttributionState]
+    ATTRIBUTION_STATE_OFF: _ClassVar[AttributionState]
+    ATTRIBUTION_STATE_UNAVAILABLE: _ClassVar[AttributionState]
+    ATTRIBUTION_STATE_OK: _ClassVar[AttributionState]
+READ_ERROR_KIND_UNSPECIFIED: ReadErrorKind
+READ_ERROR_KIND_NOT_SUPPORTED: ReadErrorKind
+READ_ERROR_KIND_GPU_LOST: ReadErrorKind
+READ_ERROR_KIND_TIMEOUT: ReadErrorKind
+READ_ERROR_KIND_OTHER: ReadErrorKind
+ATTRIBUTION_STATE_UNSPECIFIED: AttributionState
+ATTRIBUTION_STATE_OFF: AttributionState
+ATTRIBUTION_STATE_UNAVAILABLE: AttributionState
+ATTRIBUTION_STATE_OK: AttributionState
+
+class GetSnapshotRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchSnapshotsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReadError(_message.Message):
+    __slots__ = ("field", "kind", "detail")
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    field: str
+    kind: ReadErrorKind
+    detail: str
+    def __init__(self, field: _Optional[str] = ..., kind: _Optional[_Union[ReadErrorKind, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class Attribution(_message.Message):
+    __slots__ = ("state", "detail")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    state: AttributionState
+    detail: str
+    def __init__(self, state: _Optional[_Union[AttributionState, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class PodRef(_message.Message):
+    __slots__ = ("namespace", "pod", "container")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    POD_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    pod: str
+    container: str
+    def __init__(self, namespace: _Optional[str] = ..., pod: _Optional[str] = ..., container: _Optional[str] = ...) -> None: ...
+
+class GpuSample(_message.Message):
+    __slots__ = ("index", "uuid", "name", "mig_parent_uuid", "node", "gpu_utilization_percent", "memory_utilization_percent", "memory_used_bytes", "memory_total_bytes", "temperature_celsius", "power_draw_watts", "power_limit_watts", "errors", "pods")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MIG_PARENT_UUID_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    GPU_UTILIZATION_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_UTILIZATION_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_CELSIUS_FIELD_NUMBER: _ClassVar[int]
+    POWER_DRAW_WATTS_FIELD_NUMBER: _ClassVar[int]
+    POWER_LIMIT_WATTS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    PODS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    uuid: str
+    name: str
+    mig_parent_uuid: str
+    node: str
+    gpu_utilization_percent: float
+    memory_utilization_percent: float
+    memory_used_bytes: int
+    memory_total_bytes: int
+    temperature_celsius: float
+    power_draw_watts: float
+    power_limit_watts: float
+    errors: _containers.RepeatedCompositeFieldContainer[ReadError]
+    pods: _containers.RepeatedCompositeFieldContainer[PodRef]
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., mig_parent_uuid: _Optional[str] = ..., node: _Optional[str] = ..., gpu_utilization_percent: _Optional[float] = ..., memory_utilization_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., temperature_celsius: _Optional[float] = ..., power_draw_watts: _Optional[float] = ..., power_limit_watts: _Optional[float] = ..., errors: _Optional[_Iterable[_Union[ReadError, _Mapping]]] = ..., pods: _Optional[_Iterable[_Union[PodRef, _Mapping]]] = ...) -> None: ...
+
+class Snapshot(_message.Message):
+    __slots__ = ("node", "sequence", "taken_at_unix_seconds", "poll_interval_seconds", "gpus", "attribution")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_AT_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POLL_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTION_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    sequence: int
+    taken_at_unix_seconds: float
+    poll_interval_seconds: float
+    gpus: _containers.RepeatedCompositeFieldContainer[GpuSample]
+    attribution: Attribution
+    def __init__(self, node: _Optional[str] = ..., sequence: _Optional[int] = ..., taken_at_unix_seconds: _Optional[float] = ..., poll_interval_seconds: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuSample, _Mapping]]] = ..., attribution: _Optional[_Union[Attribution, _Mapping]] = ...) -> None: ...
+
+class ExplainRequest(_message.Message):
+    __slots__ = ("scaler_metadata", "name", "namespace")
+    class ScalerMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SCALER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    scaler_metadata: _containers.ScalarMap[str, str]
+    name: str
+    namespace: str
+    def __init__(self, scaler_metadata: _Optional[_Mapping[str, str]] = ..., name: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
+
+class GpuContribution(_message.Message):
+    __slots__ = ("index", "uuid", "node", "included", "value", "samples", "reason", "namespace", "pod")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    INCLUDED_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    POD_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    uuid: str
+    node: str
+    included: bool
+    value: float
+    samples: int
+    reason: str
+    namespace: str
+    pod: str
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., node: _Optional[str] = ..., included: _Optional[bool] = ..., value: _Optional[float] = ..., samples: _Optional[int] = ..., reason: _Optional[str] = ..., namespace: _Optional[str] = ..., pod: _Optional[str] = ...) -> None: ...
+
+class PodContribution(_message.Message):
+    __slots__ = ("namespace", "pod", "workload", "node", "included", "value", "gpus", "reason")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    POD_FIELD_NUMBER: _ClassVar[int]
+    WORKLOAD_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    INCLUDED_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    pod: str
+    workload: str
+    node: str
+    included: bool
+    value: float
+    gpus: int
+    reason: str
+    def __init__(self, namespace: _Optional[str] = ..., pod: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., included: _Optional[bool] = ..., value: _Optional[float] = ..., gpus: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Explanation(_message.Message):
+    __slots__ = ("metric_name", "metric", "profile", "aggregation", "window_seconds", "window_function", "target", "activation_threshold", "deactivation_threshold", "gpus", "value", "active", "error_code", "error_message", "snapshot_age_seconds", "snapshot_sequence", "nodes", "pods", "nodes_expected", "pod_aggregation", "selection", "absent")
+    METRIC_NAME_FIELD_NUMBER: _ClassVar[int]
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    DEACTIVATION_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    PODS_FIELD_NUMBER: _ClassVar[int]
+    NODES_EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    POD_AGGREGATION_FIELD_NUMBER: _ClassVar[int]
+    SELECTION_FIELD_NUMBER: _ClassVar[int]
+    ABSENT_FIELD_NUMBER: _ClassVar[int]
+    metric_name: str
+    metric: str
+    profile: str
+    aggregation: str
+    window_seconds: float
+    window_function: str
+    target: float
+    activation_threshold: float
+    deactivation_threshold: float
+    gpus: _containers.RepeatedCompositeFieldContainer[GpuContribution]
+    value: float
+    active: bool
+    error_code: str
+    error_message: str
+    snapshot_age_seconds: float
+    snapshot_sequence: int
+    nodes: int
+    pods: _containers.RepeatedCompositeFieldContainer[PodContribution]
+    nodes_expected: int
+    pod_aggregation: str
+    selection: str
+    absent: _containers.RepeatedCompositeFieldContainer[AbsentNode]
+    def __init__(self, metric_name: _Optional[str] = ..., metric: _Optional[str] = ..., profile: _Optional[str] = ..., aggregation: _Optional[str] = ..., window_seconds: _Optional[float] = ..., window_function: _Optional[str] = ..., target: _Optional[float] = ..., activation_threshold: _Optional[float] = ..., deactivation_threshold: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuContribution, _Mapping]]] = ..., value: _Optional[float] = ..., active: _Optional[bool] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., snapshot_age_seconds: _Optional[float] = ..., snapshot_sequence: _Optional[int] = ..., nodes: _Optional[int] = ..., pods: _Optional[_Iterable[_Union[PodContribution, _Mapping]]] = ..., nodes_expected: _Optional[int] = ..., pod_aggregation: _Optional[str] = ..., selection: _Optional[str] = ..., absent: _Optional[_Iterable[_Union[AbsentNode, _Mapping]]] = ...) -> None: ...
+
+class AbsentNode(_message.Message):
+    __slots__ = ("agent", "node", "since_unix_seconds", "reason")
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    SINCE_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    agent: str
+    node: str
+    since_unix_seconds: float
+    reason: str
+    def __init__(self, agent: _Optional[str] = ..., node: _Optional[str] = ..., since_unix_seconds: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
