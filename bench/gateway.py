@@ -84,6 +84,8 @@ class SimulatedAgent:
         self.set_utilization(30.0)
 
     def set_utilization(self, util: float) -> None:
+        self.utilization = util
+        self.windowed: dict[tuple[tuple[str, float, str], ...], bytes] = {}
         samples = [
             GpuSample(
                 gpu=gpu,
@@ -101,17 +103,40 @@ class SimulatedAgent:
         snapshot = Snapshot(0, 0.0, 0.0, self.node, tuple(samples), attribution=ATTRIBUTION_OFF)
         self.static = bytes(snapshot_to_wire(snapshot, poll_interval_seconds=self.poll))
 
-    def message(self) -> Encoded:
-        return Encoded(self.static + b"\x10" + _varint(self.sequence) + b"\x19" + struct.pack("<d", time.time()))
+    def message(self, windows: tuple[tuple[str, float, str], ...] = ()) -> Encoded:
+        tick = self.static + b"\x10" + _varint(self.sequence) + b"\x19" + struct.pack("<d", time.time())
+        return Encoded(tick + self._windows(windows) if windows else tick)
+
+    def _windows(self, windows: tuple[tuple[str, float, str], ...]) -> bytes:
+        """The windows a gateway asked for: the simulated load is steady, so each window's value is today's."""
+        encoded = self.windowed.get(windows)
+        if encoded is None:
+            values = {"gpu_utilization": self.utilization, "temperature": 50.0, "power_draw": 300.0}
+            encoded = self.windowed[windows] = bytes(
+                pb.Snapshot(
+                    windows=[
+                        pb.WindowedValues(
+                            window=pb.WindowSpec(metric=metric, seconds=seconds, function=function),
+                            values=[
+                                pb.WindowedValue(value=values.get(metric, 10.0), samples=int(seconds / self.poll))
+                                for _ in self.identities
+                            ],
+                        )
+                        for metric, seconds, function in windows
+                    ]
+                )
+            )
+        return encoded
 
     def __mapping__(self) -> dict[str, Handler]:
         return {WATCH: Handler(self.watch, Cardinality.UNARY_STREAM, pb.WatchSnapshotsRequest, Encoded)}
 
     async def watch(self, stream: Any) -> None:
-        await stream.recv_message()
+        request = await stream.recv_message()
+        windows = tuple((w.metric, w.seconds, w.function) for w in request.windows)
         while True:
             await self.tick.wait()
-            await stream.send_message(self.message())
+            await stream.send_message(self.message(windows))
 
 
 class RawCodec(ProtoCodec):
@@ -232,12 +257,19 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         stub = keda.ExternalScalerStub(channel)
         await wait_for_nodes(stub, args.agents * args.gpus)
 
-        # Some open push streams, as KEDA would hold them while we measure.
+        # Some open push streams, as KEDA would hold them while we measure: node-wide, and windowed (the agents
+        # reduce the window, the gateway sums).
         streams = [
-            asyncio.create_task(drain(stub.stream_is_active(ref(activationThreshold=str(10 + i))))) for i in range(10)
+            asyncio.create_task(
+                drain(
+                    stub.stream_is_active(ref(activationThreshold=str(10 + i), **({"window": "30s"} if i % 2 else {})))
+                )
+            )
+            for i in range(10)
         ]
         await asyncio.sleep(3)  # let start-up settle
         total = await node_wide_sum(stub)
+        windowed_total = await node_wide_sum(stub, window="30s", windowFunction="max")
         expected = 30.0 * args.agents * args.gpus
         cpu_before, wall_before = cpu_seconds(gateway.pid), time.monotonic()
         await asyncio.sleep(args.seconds)
@@ -268,6 +300,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "push_bound_ms": round(1000 * args.poll + 100),
         "node_wide_sum": total,
         "node_wide_sum_expected": expected,
+        "windowed_sum": windowed_total,
         "machine": f"{os.cpu_count()} cores",
     }
 
@@ -305,9 +338,9 @@ async def wait_for_nodes(stub: keda.ExternalScalerStub, gpus: int) -> None:
             await asyncio.sleep(0.2)
 
 
-async def node_wide_sum(stub: keda.ExternalScalerStub) -> float:
+async def node_wide_sum(stub: keda.ExternalScalerStub, **window: str) -> float:
     """gpu_utilization summed over every GPU, as KEDA would ask for it."""
-    query = ref(metric="gpu_utilization")
+    query = ref(metric="gpu_utilization", **window)
     spec = await stub.get_metric_spec(query)
     request = keda.GetMetricsRequest(scaled_object_ref=query, metric_name=spec.metric_specs[0].metric_name)
     return float((await stub.get_metrics(request)).metric_values[0].metric_value_float)

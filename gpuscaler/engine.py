@@ -80,6 +80,12 @@ class Engine:
         """``namespace`` is the ScaledObject's: the default namespace of a pod selection."""
         return parse_metadata(metadata, self.limits, namespace=namespace)
 
+    async def prepare(self, query: Query) -> None:
+        """Make the query's window answerable before it is evaluated: a gateway asks its agents for it once."""
+        window = query.value.window
+        if window is not None:
+            await self.source.prepare([window])
+
     def evaluate(self, query: ValueQuery) -> Evaluation:
         latest = self.source.latest
         fresh = latest is not None and self._clock() - latest.monotonic <= self.stale_after

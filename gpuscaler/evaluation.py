@@ -16,7 +16,7 @@ import fnmatch
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from gpuscaler.aggregation import aggregate, reduce_window
+from gpuscaler.aggregation import aggregate
 from gpuscaler.errors import GpuscalerError, InvalidMetadata, Unavailable, Unsupported
 from gpuscaler.gpu_metrics import Metric
 from gpuscaler.pods import PodDirectory
@@ -113,8 +113,10 @@ def evaluate(
     if isinstance(gate, GpuscalerError):
         return _failed(query, snapshot, gate)
 
-    windows = _Windows(source, query.window_seconds)
-    contributions = tuple(_contribution(query, sample, windows, source) for sample in selected)
+    try:
+        contributions = tuple(_contribution(query, sample, source) for sample in selected)
+    except GpuscalerError as error:  # the source cannot tell the window (yet)
+        return _failed(query, snapshot, error)
     included = [c.value for c in contributions if c.value is not None]
     left_out = [c for c in contributions if c.value is None]
 
@@ -291,11 +293,13 @@ def _evaluate_pods(
             if matched[key]:
                 groups.setdefault(key, []).append(sample)
 
-    windows = _Windows(source, query.window_seconds)
     contributions: list[Contribution] = []
     values: list[PodValue] = []
     for key, samples in sorted(groups.items()):
-        own = [_contribution(query, sample, windows, source, pod=key) for sample in samples]
+        try:
+            own = [_contribution(query, sample, source, pod=key) for sample in samples]
+        except GpuscalerError as unknown:  # the source cannot tell the window (yet)
+            return _failed(query, snapshot, unknown)
         contributions.extend(own)
         readable = [c.value for c in own if c.value is not None]
         info = directory.lookup(*key) if directory is not None else None
@@ -376,37 +380,14 @@ def _pod_matches(pods: PodSelection, key: tuple[str, str], directory: PodDirecto
     return pods.labels is None or pods.labels.matches(info.labels)
 
 
-class _Windows:
-    """Each node's window, split into one series of samples per GPU, built once per evaluation.
-
-    Splitting once makes a windowed evaluation one pass over the window (snapshots x GPUs) instead of
-    one pass per GPU.
-    """
-
-    def __init__(self, source: SnapshotSource, seconds: float | None) -> None:
-        self.source = source
-        self.seconds = seconds
-        self._by_node: dict[str, dict[str, list[GpuSample]]] = {}
-
-    def series(self, sample: GpuSample) -> list[GpuSample]:
-        """``sample``'s GPU in every snapshot of its node's window, oldest first."""
-        assert self.seconds is not None
-        by_gpu = self._by_node.get(sample.node)
-        if by_gpu is None:
-            by_gpu = self._by_node[sample.node] = {}
-            for snapshot in self.source.window(sample.node, self.seconds):
-                for other in snapshot.samples:
-                    by_gpu.setdefault(other.gpu.uuid, []).append(other)
-        return by_gpu.get(sample.gpu.uuid, [])
-
-
 def _contribution(
     query: ValueQuery,
     sample: GpuSample,
-    windows: _Windows,
     source: SnapshotSource,
     pod: tuple[str, str] | None = None,
 ) -> Contribution:
+    """``sample``'s GPU in the query: its latest value, or its value over the window; raises Unavailable when
+    the source cannot tell the window yet."""
     latest = sample.value(query.metric)
     if latest is None:
         error = sample.error_for(query.metric)
@@ -414,10 +395,15 @@ def _contribution(
         if error is not None and error.kind is not ReadErrorKind.NOT_SUPPORTED:
             reason += f"; last read {_last_read(source, sample, query.metric)}"
         return Contribution(sample, None, 0, reason, error, pod)
-    if query.window_seconds is None:
+    window = query.window
+    if window is None:
         return Contribution(sample, latest, 1, pod=pod)
-    values = [value for other in windows.series(sample) if (value := other.value(query.metric)) is not None]
-    return Contribution(sample, reduce_window(query.window_function, values), len(values), pod=pod)
+    windowed = source.windowed(sample, window)
+    if windowed.value is None:
+        return Contribution(
+            sample, None, 0, f"no readable {query.metric.value} in the last {window.seconds:g}s", pod=pod
+        )
+    return Contribution(sample, windowed.value, windowed.samples, pod=pod)
 
 
 def _reason(metric: Metric, error: ReadError | None) -> str:

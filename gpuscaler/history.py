@@ -1,4 +1,9 @@
-"""The agent's ring buffer of its node's snapshots: the ``SnapshotSource`` every handler reads from."""
+"""The agent's ring buffer of its node's snapshots: the ``SnapshotSource`` every handler reads from.
+
+Windows are reduced here, from the ring buffer: each GPU's readable values in the window, oldest first,
+through ``aggregation.reduce_window``. The series are split once per (newest snapshot, window length), so
+a window costs one pass over the buffer however many GPUs and queries ask for it.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,8 @@ import math
 from collections import deque
 from collections.abc import Iterator
 
-from gpuscaler.samples import Snapshot
+from gpuscaler.aggregation import reduce_window
+from gpuscaler.samples import GpuSample, Snapshot, Windowed, WindowKey
 from gpuscaler.source import AnnouncedSource
 
 
@@ -19,6 +25,7 @@ class History(AnnouncedSource):
     def __init__(self, *, history_seconds: float, poll_interval_seconds: float) -> None:
         super().__init__(history_seconds=history_seconds, interval_seconds=poll_interval_seconds)
         self._snapshots: deque[Snapshot] = deque(maxlen=math.ceil(history_seconds / poll_interval_seconds) + 1)
+        self._series: tuple[int, dict[float, dict[str, list[GpuSample]]]] = (-1, {})
 
     def append(self, snapshot: Snapshot) -> None:
         self._snapshots.append(snapshot)
@@ -44,6 +51,25 @@ class History(AnnouncedSource):
             newest_first.append(snapshot)
         newest_first.reverse()
         return newest_first
+
+    def windowed(self, sample: GpuSample, window: WindowKey) -> Windowed:
+        series = self._series_of(sample.node, window.seconds).get(sample.gpu.uuid, [])
+        values = [value for other in series if (value := other.value(window.metric)) is not None]
+        return Windowed(reduce_window(window.function, values) if values else None, len(values))
+
+    def _series_of(self, node: str, seconds: float) -> dict[str, list[GpuSample]]:
+        latest = self.latest
+        sequence = latest.sequence if latest is not None else -1
+        if self._series[0] != sequence:
+            self._series = (sequence, {})
+        by_seconds = self._series[1]
+        series = by_seconds.get(seconds)
+        if series is None:
+            series = by_seconds[seconds] = {}
+            for snapshot in self.window(node, seconds):
+                for other in snapshot.samples:
+                    series.setdefault(other.gpu.uuid, []).append(other)
+        return series
 
     def newest_first(self, node: str) -> Iterator[Snapshot]:
         latest = self.latest

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from gpuscaler.aggregation import Aggregation, WindowFunction
 from gpuscaler.durations import format_duration
 from gpuscaler.gpu_metrics import Metric
+from gpuscaler.samples import WindowKey
 from gpuscaler.selectors import LabelSelector
 
 
@@ -92,6 +93,13 @@ class ValueQuery:
 
     def describe_selection(self) -> str:
         return self.pods.describe() if self.pods is not None else self.selection.describe()
+
+    @property
+    def window(self) -> WindowKey | None:
+        """The GPU-level window reduction it reads, if it has a window."""
+        if self.window_seconds is None:
+            return None
+        return WindowKey(self.metric, self.window_seconds, self.window_function)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import datetime
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from gpuscaler.aggregation import WindowFunction
+from gpuscaler.durations import format_duration
 from gpuscaler.gpu_metrics import METRICS, Metric
 
 # `ReadError.field` for a failure of the whole device rather than of one field.
@@ -115,6 +118,31 @@ def _percent(part: float | None, whole: float | None) -> float | None:
     return 100.0 * part / whole
 
 
+class WindowKey(NamedTuple):
+    """One GPU-level window reduction: ``function`` of ``metric`` over the last ``seconds``."""
+
+    metric: Metric
+    seconds: float
+    function: WindowFunction
+
+    def describe(self) -> str:
+        return f"{self.function.value} of {self.metric.value} over {format_duration(self.seconds)}"
+
+
+class Windowed(NamedTuple):
+    """One GPU's value over a window, from ``samples`` readable samples; None when none was readable."""
+
+    value: float | None
+    samples: int
+
+
+class WindowValues(NamedTuple):
+    """A window as an agent reduced it for a gateway: each GPU's value by UUID, or why it could not."""
+
+    by_uuid: Mapping[str, Windowed]
+    problem: str | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class Absence:
     """A node whose GPUs a cluster answer cannot see now, or an agent whose node is not known.
@@ -148,6 +176,9 @@ class Snapshot:
     A gateway composes one snapshot of the whole cluster (``cluster``): ``samples`` is then every fresh
     node's samples, ``parts`` the node snapshots they came from, and ``absent`` every listed agent whose
     node is silent or unknown, so that an answer can tell a share it cannot see from a share that is 0.
+
+    A node's snapshot that crossed the wire also carries ``windows``: for each window a gateway asked its
+    agent for, each GPU's windowed value by UUID (the agent keeps the history; the gateway keeps none).
     """
 
     sequence: int
@@ -159,6 +190,7 @@ class Snapshot:
     parts: tuple[Snapshot, ...] = ()
     absent: tuple[Absence, ...] = ()
     cluster: bool = False
+    windows: Mapping[WindowKey, WindowValues] = field(default_factory=dict)
 
     @property
     def nodes(self) -> tuple[Snapshot, ...]:

@@ -1,8 +1,9 @@
 """Where the engine reads snapshots from: one protocol for the agent's ring buffer and the gateway's cluster view.
 
-A source holds the newest snapshot, each node's recent snapshots (windows are per GPU, so per node), the
-age at which its newest snapshot is no longer an answer, and the one way a new snapshot is announced:
-listeners called in order, and ``wait_newer`` for those who wait (the snapshot streams).
+A source holds the newest snapshot, each GPU's value over a window (the agent from its own ring buffer, the
+gateway from what each agent computed for it), the age at which its newest snapshot is no longer an answer,
+and the one way a new snapshot is announced: listeners called in order, and ``wait_newer`` for those who
+wait (the snapshot streams).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Protocol
 
 import structlog
 
-from gpuscaler.samples import Snapshot
+from gpuscaler.samples import GpuSample, Snapshot, Windowed, WindowKey
 
 log = structlog.get_logger(__name__)
 
@@ -44,8 +45,14 @@ class SnapshotSource(Protocol):
     def latest(self) -> Snapshot | None:
         """The newest snapshot: a node's on an agent, the composed cluster's on the gateway."""
 
-    def window(self, node: str, seconds: float) -> Sequence[Snapshot]:
-        """``node``'s snapshots no older than ``seconds`` before its newest, oldest first."""
+    def windowed(self, sample: GpuSample, window: WindowKey) -> Windowed:
+        """``sample``'s GPU over ``window``, ending at its node's newest snapshot.
+
+        Raises Unavailable when the source cannot tell yet (a gateway whose agents have not computed it).
+        """
+
+    async def prepare(self, windows: Sequence[WindowKey]) -> None:
+        """Make ``windows`` answerable, waiting a little where that takes a round trip (a gateway's agents)."""
 
     def newest_first(self, node: str) -> Iterator[Snapshot]:
         """``node``'s snapshots, newest first."""
@@ -105,6 +112,9 @@ class AnnouncedSource:
     @property
     def latest(self) -> Snapshot | None:
         raise NotImplementedError
+
+    async def prepare(self, windows: Sequence[WindowKey]) -> None:
+        return None
 
     def add_listener(self, listener: SnapshotListener) -> None:
         self._announcer.add_listener(listener)

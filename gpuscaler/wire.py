@@ -8,10 +8,14 @@ faster for a message that arrives thousands of times a second; the wire format i
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+
+from gpuscaler.aggregation import WindowFunction
 from gpuscaler.evaluation import Evaluation
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
-from gpuscaler.gpu_metrics import READING_FIELDS
+from gpuscaler.gpu_metrics import READING_FIELDS, Metric
 from gpuscaler.query import Query
 from gpuscaler.samples import (
     Attribution,
@@ -22,6 +26,9 @@ from gpuscaler.samples import (
     ReadError,
     ReadErrorKind,
     Snapshot,
+    Windowed,
+    WindowKey,
+    WindowValues,
 )
 
 _KIND_TO_WIRE = {
@@ -60,7 +67,10 @@ def sample_to_wire(sample: GpuSample) -> pb.GpuSample:
     )
 
 
-def snapshot_to_wire(snapshot: Snapshot, *, poll_interval_seconds: float) -> pb.Snapshot:
+def snapshot_to_wire(
+    snapshot: Snapshot, *, poll_interval_seconds: float, windows: Mapping[WindowKey, WindowValues] | None = None
+) -> pb.Snapshot:
+    """The message; ``windows`` are the windows a subscriber asked for, reduced for this snapshot."""
     return pb.Snapshot(
         node=snapshot.node,
         sequence=snapshot.sequence,
@@ -68,6 +78,37 @@ def snapshot_to_wire(snapshot: Snapshot, *, poll_interval_seconds: float) -> pb.
         poll_interval_seconds=poll_interval_seconds,
         gpus=[sample_to_wire(sample) for sample in snapshot.samples],
         attribution=attribution_to_wire(snapshot.attribution),
+        windows=[_window_to_wire(key, values, snapshot) for key, values in (windows or {}).items()],
+    )
+
+
+def window_key_to_wire(key: WindowKey) -> pb.WindowSpec:
+    return pb.WindowSpec(metric=key.metric.value, seconds=key.seconds, function=key.function.value)
+
+
+def window_key_from_wire(spec: pb.WindowSpec | agent_pb2.WindowSpec) -> WindowKey:
+    """The window a message names; ValueError naming the field when it names no metric or function we have."""
+    try:
+        metric = Metric(spec.metric)
+    except ValueError:
+        raise ValueError(f"window metric {spec.metric!r} is not a metric") from None
+    try:
+        function = WindowFunction(spec.function)
+    except ValueError:
+        raise ValueError(f"window function {spec.function!r} is not one of avg, max, min, last") from None
+    if not math.isfinite(spec.seconds) or spec.seconds <= 0:
+        raise ValueError(f"window seconds {spec.seconds!r} must be a finite number above 0")
+    return WindowKey(metric, spec.seconds, function)
+
+
+def _window_to_wire(key: WindowKey, values: WindowValues, snapshot: Snapshot) -> pb.WindowedValues:
+    if values.problem is not None:
+        return pb.WindowedValues(window=window_key_to_wire(key), problem=values.problem)
+    missing = Windowed(None, 0)
+    per_gpu = [values.by_uuid.get(sample.gpu.uuid, missing) for sample in snapshot.samples]
+    return pb.WindowedValues(
+        window=window_key_to_wire(key),
+        values=[pb.WindowedValue(value=w.value, samples=w.samples) for w in per_gpu],
     )
 
 
@@ -104,14 +145,36 @@ class SnapshotDecoder:
             attribution = Attribution(
                 AttributionState.OFF, f"the agent on {node!r} sends no pod attribution (upgrade it)"
             )
+        samples = tuple(self._sample(gpu) for gpu in message.gpus)
         return Snapshot(
             sequence=message.sequence,
             taken_at=message.taken_at_unix_seconds,
             monotonic=monotonic,
             node=node,
-            samples=tuple(self._sample(gpu) for gpu in message.gpus),
+            samples=samples,
             attribution=attribution,
+            windows=self._windows(message, samples) if message.windows else {},
         )
+
+    @staticmethod
+    def _windows(message: agent_pb2.Snapshot, samples: tuple[GpuSample, ...]) -> dict[WindowKey, WindowValues]:
+        windows = {}
+        for window in message.windows:
+            try:
+                key = window_key_from_wire(window.window)
+            except ValueError:
+                continue  # a window from a newer agent that this gateway cannot name was not asked for by it
+            if window.problem or len(window.values) != len(samples):
+                problem = window.problem or f"{len(window.values)} values for {len(samples)} GPUs"
+                windows[key] = WindowValues({}, problem)
+                continue
+            windows[key] = WindowValues(
+                {
+                    sample.gpu.uuid: Windowed(value.value if value.HasField("value") else None, value.samples)
+                    for sample, value in zip(samples, window.values, strict=True)
+                }
+            )
+        return windows
 
     def _sample(self, gpu: agent_pb2.GpuSample) -> GpuSample:
         key = (gpu.index, gpu.uuid, gpu.name, gpu.mig_parent_uuid)

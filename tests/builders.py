@@ -14,6 +14,8 @@ from gpuscaler.samples import (
     ReadError,
     ReadErrorKind,
     Snapshot,
+    Windowed,
+    WindowKey,
 )
 from gpuscaler.source import Announcer, SnapshotListener
 
@@ -139,9 +141,12 @@ class ClusterSource:
     def latest(self) -> Snapshot:
         return self.view
 
-    def window(self, node: str, seconds: float) -> list[Snapshot]:
-        history = self._histories.get(node)
-        return history.window(node, seconds) if history is not None else []
+    def windowed(self, sample: GpuSample, window: WindowKey) -> Windowed:
+        history = self._histories.get(sample.node)
+        return history.windowed(sample, window) if history is not None else Windowed(None, 0)
+
+    async def prepare(self, windows: Sequence[WindowKey]) -> None:
+        return None
 
     def newest_first(self, node: str) -> Iterator[Snapshot]:
         history = self._histories.get(node)

@@ -96,18 +96,29 @@ class AgentSubscriber:
         )
         self.connects += 1
         try:
-            async with channel.request(
-                WATCH_METHOD, Cardinality.UNARY_STREAM, agent_pb2.WatchSnapshotsRequest, agent_pb2.Snapshot
-            ) as stream:
-                await stream.send_message(agent_pb2.WatchSnapshotsRequest(), end=True)
-                silence = FIRST_MESSAGE_TIMEOUT_SECONDS
-                while True:
-                    async with asyncio.timeout(silence):
-                        message = await stream.recv_message()
-                    if message is None:
-                        return
-                    self._receive(message)
-                    silence = 2 * stale_after_for(message.poll_interval_seconds or 1.0)
+            while True:
+                # The windows the view's queries use: when it needs another, it sets `changed`, and the stream
+                # is reopened on the same connection with the new list.
+                changed, windows = self._view.windows_changed, self._view.windows
+                request = agent_pb2.WatchSnapshotsRequest(
+                    windows=[
+                        agent_pb2.WindowSpec(metric=w.metric.value, seconds=w.seconds, function=w.function.value)
+                        for w in windows
+                    ]
+                )
+                async with channel.request(
+                    WATCH_METHOD, Cardinality.UNARY_STREAM, agent_pb2.WatchSnapshotsRequest, agent_pb2.Snapshot
+                ) as stream:
+                    await stream.send_message(request, end=True)
+                    silence = FIRST_MESSAGE_TIMEOUT_SECONDS
+                    while not changed.is_set():
+                        async with asyncio.timeout(silence):
+                            message = await stream.recv_message()
+                        if message is None:
+                            return
+                        self._receive(message)
+                        silence = 2 * stale_after_for(message.poll_interval_seconds or 1.0)
+                    await stream.cancel()
         finally:
             channel.close()
 

@@ -16,14 +16,15 @@ the view only when its agent leaves discovery (the pod is deleted, the node remo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import structlog
 
-from gpuscaler.history import History
-from gpuscaler.samples import Absence, Snapshot
+from gpuscaler.errors import Unavailable, Unsupported
+from gpuscaler.samples import Absence, GpuSample, Snapshot, Windowed, WindowKey
 from gpuscaler.source import AnnouncedSource, stale_after_for
 
 log = structlog.get_logger(__name__)
@@ -31,14 +32,19 @@ log = structlog.get_logger(__name__)
 CLUSTER_NODE = "cluster"
 DEFAULT_COMPOSE_INTERVAL_SECONDS = 0.5
 DEFAULT_COALESCE_SECONDS = 0.02
+# Distinct windows the agents reduce at once: each costs every agent one pass over its history per tick.
+MAX_WINDOWS = 32
+# A window no query used for this long is no longer asked for (KEDA asks each query every 30 s at least).
+WINDOW_IDLE_SECONDS = 15 * 60.0
+# How long a call waits for its agents to send a window it just asked for: a few of their polls.
+PREPARE_TIMEOUT_SECONDS = 3.0
 
 
 @dataclass(slots=True)
 class _Node:
-    """One node's history, and the listed agent that reports it."""
+    """One node's newest snapshot, and the listed agent that reports it."""
 
     agent: str
-    history: History
     stale_after: float
     latest: Snapshot
     arrived_wall: float  # the gateway's wall clock when ``latest`` arrived
@@ -74,7 +80,12 @@ class AgentRefused(Exception):
 
 
 class ClusterView(AnnouncedSource):
-    """The ``SnapshotSource`` of a gateway: composed cluster snapshots, and windows from each node's own history."""
+    """The ``SnapshotSource`` of a gateway: composed cluster snapshots, and the windows its agents reduce for it.
+
+    It keeps each node's newest snapshot only: memory grows with nodes x GPUs, not with history. Windows are
+    reduced by each agent over its own ring buffer; the view asks for the ones its queries use (``windows``,
+    read by every subscriber when it opens its stream) and is told when a new one is needed.
+    """
 
     def __init__(
         self,
@@ -97,6 +108,8 @@ class ClusterView(AnnouncedSource):
         self._heard: tuple[str, ...] = ()
         self._absent: tuple[str, ...] = ()
         self.on_compose: Callable[[float], None] | None = None  # seconds one composition took
+        self._windows: dict[WindowKey, float] = {}  # the windows queries use, with when each was last used
+        self.windows_changed = asyncio.Event()  # replaced (after being set) whenever the set grows
 
     # The SnapshotSource protocol (with AnnouncedSource)
 
@@ -104,13 +117,62 @@ class ClusterView(AnnouncedSource):
     def latest(self) -> Snapshot | None:
         return self._latest
 
-    def window(self, node: str, seconds: float) -> list[Snapshot]:
-        entry = self._nodes.get(node)
-        return entry.history.window(node, seconds) if entry is not None else []
-
     def newest_first(self, node: str) -> Iterator[Snapshot]:
+        """The node's newest snapshot only: the gateway keeps no history (its agents do)."""
         entry = self._nodes.get(node)
-        return entry.history.newest_first(node) if entry is not None else iter(())
+        return iter((entry.latest,)) if entry is not None else iter(())
+
+    def windowed(self, sample: GpuSample, window: WindowKey) -> Windowed:
+        """The value ``sample``'s agent reduced for ``window``; Unavailable until its agent has sent one."""
+        self.require(window)
+        entry = self._nodes.get(sample.node)
+        values = entry.latest.windows.get(window) if entry is not None else None
+        if values is None:
+            raise Unavailable(
+                f"{window.describe()} is being computed by the agent of node {sample.node!r} (the gateway asks its "
+                "agents for each window its queries use); ask again in a moment"
+            )
+        if values.problem is not None:
+            raise Unavailable(f"node {sample.node!r} cannot reduce {window.describe()}: {values.problem}")
+        return values.by_uuid.get(sample.gpu.uuid, Windowed(None, 0))
+
+    @property
+    def windows(self) -> tuple[WindowKey, ...]:
+        """The windows the agents are asked for."""
+        return tuple(self._windows)
+
+    def require(self, window: WindowKey) -> None:
+        """Ask every agent for ``window`` from now on (its subscribers reopen their streams with it)."""
+        now = self._clock()
+        if window in self._windows:
+            self._windows[window] = now
+            return
+        for old in [w for w, used in self._windows.items() if now - used > WINDOW_IDLE_SECONDS]:
+            del self._windows[old]
+        if len(self._windows) >= MAX_WINDOWS:
+            raise Unsupported(
+                f"{window.describe()} would be one window too many: the gateway asks its agents for at most "
+                f"{MAX_WINDOWS} distinct windows (each costs every agent a pass over its history per tick); use "
+                "fewer distinct window lengths and functions"
+            )
+        self._windows[window] = now
+        changed, self.windows_changed = self.windows_changed, asyncio.Event()
+        changed.set()
+        log.info("window_requested", window=window.describe(), windows=len(self._windows))
+
+    async def prepare(self, windows: Sequence[WindowKey]) -> None:
+        """Ask for ``windows`` and wait (a few polls at most) until every heard node has sent them."""
+        for window in windows:
+            self.require(window)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(PREPARE_TIMEOUT_SECONDS):
+                while True:
+                    latest = self._latest
+                    if latest is not None and all(
+                        window in part.windows for part in latest.parts for window in windows
+                    ):
+                        return
+                    await self.wait_newer(latest.sequence if latest is not None else 0)
 
     # What discovery and the subscribers tell it
 
@@ -178,10 +240,8 @@ class ClusterView(AnnouncedSource):
         state.node, state.conflict, state.trouble = name, None, "sending"
         stale_after = stale_after_for(poll_interval_seconds)
         wall = self._wall()
-        if entry is None or entry.history.interval_seconds != poll_interval_seconds:
-            history = History(history_seconds=self._history_seconds, poll_interval_seconds=poll_interval_seconds)
-            entry = self._nodes[name] = _Node(agent, history, stale_after, snapshot, wall)
-        entry.history.append(snapshot)
+        if entry is None:
+            entry = self._nodes[name] = _Node(agent, stale_after, snapshot, wall)
         entry.latest, entry.stale_after, entry.arrived_wall = snapshot, stale_after, wall
         self._compose_soon()
 

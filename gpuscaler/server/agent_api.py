@@ -1,23 +1,52 @@
-"""The agent's own API (``gpuscaler.v1.Agent``): snapshots for the gateway, explanations for ``query``."""
+"""The agent's own API (``gpuscaler.v1.Agent``): snapshots for the gateway, explanations for ``query``.
+
+A gateway keeps no history: with each snapshot, the agent sends the windows the gateway asked for, each
+GPU reduced over the agent's own ring buffer. Two gateway replicas asking for the same window share one
+reduction per tick.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
+from gpuscaler.durations import format_duration
 from gpuscaler.engine import Engine
-from gpuscaler.errors import Unavailable
+from gpuscaler.errors import InvalidRequest, Unavailable
 from gpuscaler.generated.gpuscaler import v1 as pb
-from gpuscaler.samples import Snapshot
+from gpuscaler.samples import Snapshot, WindowKey, WindowValues
 from gpuscaler.server.status import grpc_errors, status_for
-from gpuscaler.wire import explanation_to_wire, snapshot_to_wire
+from gpuscaler.wire import explanation_to_wire, snapshot_to_wire, window_key_from_wire
+
+# A subscriber asks for the distinct windows its queries use: a handful. Far more is not a gateway.
+MAX_WINDOWS = 64
 
 
 class AgentService(pb.AgentBase):
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
+        self._reduced: tuple[int, dict[WindowKey, WindowValues]] = (-1, {})
 
-    def _wire(self, snapshot: Snapshot) -> pb.Snapshot:
-        return snapshot_to_wire(snapshot, poll_interval_seconds=self._engine.source.interval_seconds)
+    def _wire(self, snapshot: Snapshot, windows: Sequence[WindowKey] = ()) -> pb.Snapshot:
+        reduced = {window: self._reduce(snapshot, window) for window in windows}
+        return snapshot_to_wire(snapshot, poll_interval_seconds=self._engine.source.interval_seconds, windows=reduced)
+
+    def _reduce(self, snapshot: Snapshot, window: WindowKey) -> WindowValues:
+        """``window`` for every GPU of ``snapshot``, once per snapshot whoever asks."""
+        if self._reduced[0] != snapshot.sequence:
+            self._reduced = (snapshot.sequence, {})
+        done = self._reduced[1].get(window)
+        if done is None:
+            source = self._engine.source
+            if window.seconds > source.history_seconds:
+                done = WindowValues(
+                    {},
+                    f"{window.describe()} is longer than this agent's --history of "
+                    f"{format_duration(source.history_seconds)}",
+                )
+            else:
+                done = WindowValues({sample.gpu.uuid: source.windowed(sample, window) for sample in snapshot.samples})
+            self._reduced[1][window] = done
+        return done
 
     async def get_snapshot(self, message: pb.GetSnapshotRequest) -> pb.Snapshot:
         async with grpc_errors("GetSnapshot"):
@@ -27,17 +56,25 @@ class AgentService(pb.AgentBase):
         return self._wire(latest)
 
     async def watch_snapshots(self, message: pb.WatchSnapshotsRequest) -> AsyncIterator[pb.Snapshot]:
+        async with grpc_errors("WatchSnapshots"):
+            if len(message.windows) > MAX_WINDOWS:
+                raise InvalidRequest(f"windows: {len(message.windows)} asked for; at most {MAX_WINDOWS} are served")
+            try:
+                windows = list(dict.fromkeys(window_key_from_wire(spec) for spec in message.windows))
+            except ValueError as error:
+                raise InvalidRequest(str(error)) from None
         sequence = 0
         while True:
             snapshot = await self._engine.source.wait_newer(sequence)
             if self._engine.closing:
                 return  # ends the stream with OK; the gateway reconnects
             sequence = snapshot.sequence
-            yield self._wire(snapshot)
+            yield self._wire(snapshot, windows)
 
     async def explain(self, message: pb.ExplainRequest) -> pb.Explanation:
         async with grpc_errors("Explain"):
             query = self._engine.parse(message.scaler_metadata, message.namespace)
+            await self._engine.prepare(query)
         evaluation = self._engine.evaluate(query.value)
         active = evaluation.value is not None and self._engine.is_active(query)
         code = status_for(evaluation.error).name if evaluation.error is not None else ""

@@ -48,7 +48,9 @@ class ExternalScalerService(ExternalScalerBase):
 
     async def is_active(self, message: ScaledObjectRef) -> IsActiveResponse:
         async with grpc_errors("IsActive"):
-            return IsActiveResponse(result=self._engine.is_active(self._query(message)))
+            query = self._query(message)
+            await self._engine.prepare(query)
+            return IsActiveResponse(result=self._engine.is_active(query))
 
     async def get_metric_spec(self, message: ScaledObjectRef) -> GetMetricSpecResponse:
         async with grpc_errors("GetMetricSpec"):
@@ -68,6 +70,7 @@ class ExternalScalerService(ExternalScalerBase):
                     f"metricName {message.metric_name!r} is not this trigger's metric; "
                     f"GetMetricSpec named it {query.metric_name!r}"
                 )
+            await self._engine.prepare(query)
             value = self._engine.value(query)
         metric = MetricValue(metric_name=query.metric_name, metric_value=round_half_up(value), metric_value_float=value)
         return GetMetricsResponse(metric_values=[metric])
@@ -75,6 +78,7 @@ class ExternalScalerService(ExternalScalerBase):
     async def stream_is_active(self, message: ScaledObjectRef) -> AsyncIterator[IsActiveResponse]:
         async with grpc_errors("StreamIsActive"):
             query = self._query(message)
+            await self._engine.prepare(query)
             refusal = self._engine.evaluate(query.value).error
             if isinstance(refusal, InvalidMetadata):
                 raise refusal  # a GPU the node lacks: refuse it as IsActive does, not with a silent stream

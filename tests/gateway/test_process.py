@@ -159,6 +159,25 @@ async def test_two_agents_claiming_one_node_are_refused(start_node: StartNode, s
     assert await value(gateway, minNodes="1") in (20.0, 60.0)
 
 
+async def test_a_windowed_query_at_the_gateway_reads_what_the_agents_reduced(
+    start_node: StartNode, start_gateway: StartGateway
+) -> None:
+    """A window is reduced by each agent over its own history; the gateway sums them and keeps no history."""
+    a, b = await start_node("node-a"), await start_node("node-b")
+    a.set(10, 20)
+    b.set(30, 40)
+    gateway = await start_gateway(a, b)
+    await view_has(gateway, 2)
+    window = {"window": "2s", "windowFunction": "max"}
+    assert await until_result(lambda: value(gateway, **window), lambda v: v == pytest.approx(100.0)) == 100.0
+    a.set(90, 20)
+    assert await until_result(lambda: value(gateway, **window), lambda v: v == pytest.approx(180.0)) == 180.0
+    a.set(10, 20)  # the max over 2 s still holds the 90 for a while: the agent's history, not the gateway's
+    assert await value(gateway, **window) == pytest.approx(180.0)
+    assert len(gateway.view.windows) == 1
+    assert all(len(list(gateway.view.newest_first(node))) == 1 for node in ("node-a", "node-b"))
+
+
 async def test_push_through_the_gateway(start_node: StartNode, start_gateway: StartGateway) -> None:
     """StreamIsActive at the gateway sends the state at once, then each transition an agent reports."""
     a = await start_node("node-a")

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from grpclib.client import Channel
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
 
 from gpuscaler.agent import Agent
 from gpuscaler.collectors.fake import Failure, FakeCollector
@@ -50,6 +53,49 @@ async def test_watch_sends_one_snapshot_per_tick(agent: Agent, channel: Channel)
             if len(sequences) == 4:
                 break
     assert sequences == list(range(sequences[0], sequences[0] + 4))
+
+
+async def first_snapshot(channel: Channel, request: pb.WatchSnapshotsRequest) -> pb.Snapshot:
+    async with asyncio.timeout(5):
+        async for message in pb.AgentStub(channel).watch_snapshots(request):
+            return message
+    raise AssertionError("the stream ended without a snapshot")
+
+
+async def test_watch_sends_the_windows_asked_for_reduced_over_the_ring_buffer(agent: Agent, channel: Channel) -> None:
+    """Each snapshot carries every asked-for window, per GPU in order, equal to the agent's own reduction."""
+    fake(agent).set_values(0, {Metric.GPU_UTILIZATION: 40.0})
+    fake(agent).fail(1, Failure.LOST)
+    await next_tick(agent)
+    windows = [
+        pb.WindowSpec(metric="gpu_utilization", seconds=1.0, function="max"),
+        pb.WindowSpec(metric="power_draw", seconds=3600.0, function="avg"),  # beyond its 10 min of history
+        pb.WindowSpec(metric="gpu_utilization", seconds=0.01, function="last"),  # the newest sample alone
+    ]
+    message = await first_snapshot(channel, pb.WatchSnapshotsRequest(windows=windows))
+    utilization, power, newest = message.windows
+    assert utilization.window == windows[0]
+    assert utilization.problem == ""
+    assert len(utilization.values) == len(message.gpus) == 4
+    assert utilization.values[0].value == 40.0
+    assert utilization.values[0].samples >= 1
+    assert (newest.values[1].value, newest.values[1].samples) == (None, 0)  # the lost GPU: absent, not 0
+    assert newest.values[0].value == 40.0
+    assert "longer than this agent's --history of 10m" in power.problem
+    assert list(power.values) == []
+
+
+async def test_watch_refuses_a_window_it_cannot_name(agent: Agent, channel: Channel) -> None:
+    """A window with an unknown metric, function or length is INVALID_ARGUMENT naming the field."""
+    for spec, complaint in (
+        (pb.WindowSpec(metric="flops", seconds=1.0, function="max"), "window metric 'flops'"),
+        (pb.WindowSpec(metric="temperature", seconds=1.0, function="mode"), "window function 'mode'"),
+        (pb.WindowSpec(metric="temperature", seconds=0.0, function="max"), "window seconds 0.0"),
+    ):
+        with pytest.raises(GRPCError) as raised:
+            await first_snapshot(channel, pb.WatchSnapshotsRequest(windows=[spec]))
+        assert raised.value.status is Status.INVALID_ARGUMENT
+        assert complaint in (raised.value.message or "")
 
 
 async def test_explain_shows_each_gpu_and_the_result(agent: Agent, channel: Channel) -> None:

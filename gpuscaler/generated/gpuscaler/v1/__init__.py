@@ -29,6 +29,9 @@ __all__ = (
     "SetRequest",
     "Snapshot",
     "WatchSnapshotsRequest",
+    "WindowSpec",
+    "WindowedValue",
+    "WindowedValues",
 )
 
 from collections.abc import AsyncIterator
@@ -540,16 +543,75 @@ class Snapshot(betterproto2.Message):
     Absent from agents older than attribution: read as OFF.
     """
 
+    windows: "list[WindowedValues]" = betterproto2.field(7, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    The windows the subscriber asked for, as of this snapshot.
+    """
+
 
 default_message_pool.register_message("gpuscaler.v1", "Snapshot", Snapshot)
 
 
 @dataclass(eq=False, repr=False)
 class WatchSnapshotsRequest(betterproto2.Message):
-    pass
+    windows: "list[WindowSpec]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    Windows to reduce on the agent, each GPU over its own ring buffer, and send with every snapshot: a
+    gateway keeps no history of its own.
+    """
 
 
 default_message_pool.register_message("gpuscaler.v1", "WatchSnapshotsRequest", WatchSnapshotsRequest)
+
+
+@dataclass(eq=False, repr=False)
+class WindowedValue(betterproto2.Message):
+    """
+    One GPU's value over a window. Unset when no sample in the window was readable: never read it as 0.
+    """
+
+    value: "float | None" = betterproto2.field(1, betterproto2.TYPE_DOUBLE, optional=True)
+
+    samples: "int" = betterproto2.field(2, betterproto2.TYPE_UINT32)
+
+
+default_message_pool.register_message("gpuscaler.v1", "WindowedValue", WindowedValue)
+
+
+@dataclass(eq=False, repr=False)
+class WindowedValues(betterproto2.Message):
+    """
+    A window's values for every GPU of the snapshot, in the order of `Snapshot.gpus`.
+    """
+
+    window: "WindowSpec | None" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, optional=True)
+
+    values: "list[WindowedValue]" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, repeated=True)
+
+    problem: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    Set when the agent cannot reduce this window (longer than its --history, an unknown metric): then
+    `values` is empty.
+    """
+
+
+default_message_pool.register_message("gpuscaler.v1", "WindowedValues", WindowedValues)
+
+
+@dataclass(eq=False, repr=False)
+class WindowSpec(betterproto2.Message):
+    """
+    One GPU-level window reduction: `function` (avg, max, min, last) of `metric` over the last `seconds`.
+    """
+
+    metric: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    seconds: "float" = betterproto2.field(2, betterproto2.TYPE_DOUBLE)
+
+    function: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+
+
+default_message_pool.register_message("gpuscaler.v1", "WindowSpec", WindowSpec)
 
 
 class AgentStub(betterproto2_grpclib.ServiceStub):
@@ -579,7 +641,7 @@ class AgentStub(betterproto2_grpclib.ServiceStub):
 
     async def watch_snapshots(
         self,
-        message: "WatchSnapshotsRequest | None" = None,
+        message: "WatchSnapshotsRequest",
         *,
         timeout: "float | None" = None,
         deadline: "Deadline | None" = None,
@@ -588,9 +650,6 @@ class AgentStub(betterproto2_grpclib.ServiceStub):
         """
         The newest snapshot at once, then one message per poll tick, until the client or the agent ends it.
         """
-
-        if message is None:
-            message = WatchSnapshotsRequest()
 
         async for response in self._unary_stream(
             "/gpuscaler.v1.Agent/WatchSnapshots",

@@ -36,8 +36,38 @@ class GetSnapshotRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WatchSnapshotsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("windows",)
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    windows: _containers.RepeatedCompositeFieldContainer[WindowSpec]
+    def __init__(self, windows: _Optional[_Iterable[_Union[WindowSpec, _Mapping]]] = ...) -> None: ...
+
+class WindowSpec(_message.Message):
+    __slots__ = ("metric", "seconds", "function")
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    metric: str
+    seconds: float
+    function: str
+    def __init__(self, metric: _Optional[str] = ..., seconds: _Optional[float] = ..., function: _Optional[str] = ...) -> None: ...
+
+class WindowedValue(_message.Message):
+    __slots__ = ("value", "samples")
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    value: float
+    samples: int
+    def __init__(self, value: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
+
+class WindowedValues(_message.Message):
+    __slots__ = ("window", "values", "problem")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    window: WindowSpec
+    values: _containers.RepeatedCompositeFieldContainer[WindowedValue]
+    problem: str
+    def __init__(self, window: _Optional[_Union[WindowSpec, _Mapping]] = ..., values: _Optional[_Iterable[_Union[WindowedValue, _Mapping]]] = ..., problem: _Optional[str] = ...) -> None: ...
 
 class ReadError(_message.Message):
     __slots__ = ("field", "kind", "detail")
@@ -100,20 +130,22 @@ class GpuSample(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., mig_parent_uuid: _Optional[str] = ..., node: _Optional[str] = ..., gpu_utilization_percent: _Optional[float] = ..., memory_utilization_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., temperature_celsius: _Optional[float] = ..., power_draw_watts: _Optional[float] = ..., power_limit_watts: _Optional[float] = ..., errors: _Optional[_Iterable[_Union[ReadError, _Mapping]]] = ..., pods: _Optional[_Iterable[_Union[PodRef, _Mapping]]] = ...) -> None: ...
 
 class Snapshot(_message.Message):
-    __slots__ = ("node", "sequence", "taken_at_unix_seconds", "poll_interval_seconds", "gpus", "attribution")
+    __slots__ = ("node", "sequence", "taken_at_unix_seconds", "poll_interval_seconds", "gpus", "attribution", "windows")
     NODE_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     TAKEN_AT_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
     POLL_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     ATTRIBUTION_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
     node: str
     sequence: int
     taken_at_unix_seconds: float
     poll_interval_seconds: float
     gpus: _containers.RepeatedCompositeFieldContainer[GpuSample]
     attribution: Attribution
-    def __init__(self, node: _Optional[str] = ..., sequence: _Optional[int] = ..., taken_at_unix_seconds: _Optional[float] = ..., poll_interval_seconds: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuSample, _Mapping]]] = ..., attribution: _Optional[_Union[Attribution, _Mapping]] = ...) -> None: ...
+    windows: _containers.RepeatedCompositeFieldContainer[WindowedValues]
+    def __init__(self, node: _Optional[str] = ..., sequence: _Optional[int] = ..., taken_at_unix_seconds: _Optional[float] = ..., poll_interval_seconds: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuSample, _Mapping]]] = ..., attribution: _Optional[_Union[Attribution, _Mapping]] = ..., windows: _Optional[_Iterable[_Union[WindowedValues, _Mapping]]] = ...) -> None: ...
 
 class ExplainRequest(_message.Message):
     __slots__ = ("scaler_metadata", "name", "namespace")
