@@ -6,9 +6,10 @@ import asyncio
 import contextlib
 import tempfile
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.target import Target
 from e2e.support.agent import AgentProcess
 from e2e.support.clients import ActiveStream, GrpcioScaler, Metadata
 from e2e.support.keda_grpcio import KedaProto, generate
@@ -19,6 +20,10 @@ class Options:
     tries: int = 20  # push latency and start-up samples
     seconds: float = 5.0  # per unary cell
     idle_seconds: float = 30.0  # per idle CPU measurement
+    target: Target = field(default_factory=Target.ours)  # what unary, idle and startup measure
+    streams: tuple[int, ...] = (0, 1_000, 10_000)  # open StreamIsActive streams, per unary row group
+    callers: tuple[int, ...] = (1, 10, 50)  # concurrent GetMetrics callers, per unary row
+    poll_intervals: tuple[float, ...] = (0.1, 0.5, 1.0)  # push latency rows
 
 
 @dataclass
