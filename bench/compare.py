@@ -106,6 +106,11 @@ async def run(bench: Bench, options: Options, rounds: int) -> dict[str, Any]:
             "theirs_rounds": theirs_rounds,
         }
     figures["push_p99_ms_poll_0_5"]["tries"] = len(push_samples)
+    for streams in (1_000, 10_000):
+        for side in raw:
+            figures[f"getmetrics_p50_streams_{streams}_over_none"][f"{side}_streams_without_first_message"] = [
+                unary.row(record["unary"], streams, 1)["streams_without_first_message"] for record in raw[side]
+            ]
     return {
         "benchmark": "ours beside another ExternalScaler server, alternating runs, medians over rounds",
         "ours": ours.name,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from bench.target import Target
 from e2e.support.agent import AgentProcess
-from e2e.support.clients import ActiveStream, GrpcioScaler, Metadata
+from e2e.support.clients import ActiveStream, GrpcioScaler, Metadata, RpcFailure
 from e2e.support.keda_grpcio import KedaProto, generate
 
 
@@ -64,9 +64,28 @@ def bench_folder() -> Iterator[Bench]:
 
 async def open_streams(client: GrpcioScaler, queries: list[Metadata]) -> list[ActiveStream]:
     """One stream per query, all on the client's channel; returns once each has its first message."""
-    streams = [client.stream_is_active(query, name=f"app-{i}") for i, query in enumerate(queries)]
+    streams = start_streams(client, queries)
     await asyncio.gather(*(stream.next(timeout=600) for stream in streams))
     return streams
+
+
+def start_streams(client: GrpcioScaler, queries: list[Metadata]) -> list[ActiveStream]:
+    """One stream per query, all on the client's channel, without waiting for anything."""
+    return [client.stream_is_active(query, name=f"app-{i}") for i, query in enumerate(queries)]
+
+
+async def silent_streams(streams: list[ActiveStream], seconds: float) -> int:
+    """Wait up to ``seconds`` for every stream's first message; how many sent none (or ended instead)."""
+
+    async def first(stream: ActiveStream) -> bool:
+        try:
+            await stream.next(timeout=seconds)
+        except (TimeoutError, RpcFailure):
+            return False
+        return True
+
+    answered = await asyncio.gather(*(first(stream) for stream in streams))
+    return answered.count(False)
 
 
 async def close_streams(streams: list[ActiveStream]) -> None:
