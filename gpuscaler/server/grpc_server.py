@@ -29,6 +29,7 @@ from collections.abc import Callable, Collection
 from typing import Any, Literal, cast
 
 from grpclib.const import Status
+from grpclib.encoding.proto import ProtoCodec, ProtoStatusDetailsCodec, _googleapis_available
 from grpclib.events import RecvRequest, listen
 from grpclib.exceptions import GRPCError
 from grpclib.protocol import Connection, EventsProcessor, H2Protocol, Stream, _set_nodelay
@@ -39,6 +40,8 @@ from h2.errors import ErrorCodes
 from h2.events import UnknownFrameReceived, WindowUpdated
 from h2.settings import SettingCodes
 
+from gpuscaler.generated.externalscaler import GetMetricsRequest, ScaledObjectRef
+
 MAX_CONCURRENT_STREAMS = 16_384
 # gRPC's usual default. grpclib has no limit: it would take in a message of any declared length and
 # decode it on the loop (64 MiB stalls it for over a second). KEDA's requests are a few hundred bytes.
@@ -47,6 +50,10 @@ MAX_RECEIVE_MESSAGE_BYTES = 4 * 1024 * 1024
 # how many finished request tasks may wait between two rebuilds of grpclib's task table (_RefusingHandler).
 SWEEP_EVERY_STREAMS = 512
 GC_EVERY_REQUESTS = 512
+# KEDA's requests, decoded once per distinct bytes (see _ReusingCodec): at most this many, each at most this long.
+REUSED_REQUESTS: frozenset[type[Any]] = frozenset({ScaledObjectRef, GetMetricsRequest})
+REUSE_ENTRIES = 1024
+REUSE_MAX_BYTES = 4096
 
 
 class _H2Connection(H2Connection):
@@ -263,11 +270,43 @@ def _limit_message_size(stream: ServerStream[Any, Any]) -> None:
     h2_stream.recv_data = recv_data  # type: ignore[method-assign]
 
 
+class _ReusingCodec(ProtoCodec):
+    """grpclib's protobuf codec, decoding each distinct KEDA request once.
+
+    KEDA sends every ScaledObject's IsActive, GetMetricSpec and GetMetrics requests with the same
+    bytes at every poll, and decoding one with betterproto2 took about 90 us of a call's 900 on
+    the 2-core machine. Equal bytes decode to equal messages, so those requests (up to
+    REUSE_MAX_BYTES) are kept, the oldest of REUSE_ENTRIES dropped first. The handlers that get
+    them only read them (ExternalScalerService), so one message can serve many calls.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._decoded: dict[tuple[type[Any], bytes], Any] = {}
+
+    def decode(self, data: bytes, message_type: type[Any]) -> Any:
+        if message_type not in REUSED_REQUESTS or len(data) > REUSE_MAX_BYTES:
+            return super().decode(data, message_type)
+        key = (message_type, bytes(data))
+        message = self._decoded.get(key)
+        if message is None:
+            message = super().decode(data, message_type)
+            if len(self._decoded) >= REUSE_ENTRIES:
+                del self._decoded[next(iter(self._decoded))]
+            self._decoded[key] = message
+        return message
+
+
 class ManyStreamsServer(Server):
     """``grpclib.server.Server`` announcing ``MAX_CONCURRENT_STREAMS`` per connection."""
 
     def __init__(self, handlers: Collection[Any]) -> None:
-        super().__init__(handlers)
+        # grpclib's defaults when it picks the codec, with ours in place of its ProtoCodec.
+        super().__init__(
+            handlers,
+            codec=_ReusingCodec(),
+            status_details_codec=ProtoStatusDetailsCodec() if _googleapis_available() else None,
+        )
         listen(self, RecvRequest, _guard_framing)
 
     def _protocol_factory(self) -> H2Protocol:

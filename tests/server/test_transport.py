@@ -145,3 +145,21 @@ async def test_finished_calls_leave_a_bounded_task_table(start_agent: StartAgent
             assert len(handler._tasks) <= grpc_server.GC_EVERY_REQUESTS + 1
     finally:
         channel.close()
+
+
+def test_keda_requests_decode_once_per_distinct_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Equal request bytes give an equal message, decoded once; the kept ones stay bounded in count and size."""
+    monkeypatch.setattr(grpc_server, "REUSE_ENTRIES", 4)
+    codec = grpc_server._ReusingCodec()
+    ref = ScaledObjectRef(name="app", namespace="ml", scaler_metadata={"gpuIndex": "0"})
+    data = bytes(ref)
+    first = codec.decode(data, ScaledObjectRef)
+    assert first == ref
+    assert codec.decode(bytes(bytearray(data)), ScaledObjectRef) is first  # equal bytes, another object
+    for index in range(10):
+        other = ScaledObjectRef(name=f"app-{index}", namespace="ml", scaler_metadata={"gpuIndex": "0"})
+        assert codec.decode(bytes(other), ScaledObjectRef) == other
+    assert len(codec._decoded) == 4
+    big = ScaledObjectRef(name="app", scaler_metadata={"podSelector": "a" * grpc_server.REUSE_MAX_BYTES})
+    assert codec.decode(bytes(big), ScaledObjectRef) == big
+    assert all(len(key[1]) <= grpc_server.REUSE_MAX_BYTES for key in codec._decoded)
