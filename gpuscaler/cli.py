@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import ssl
 import sys
@@ -172,6 +173,10 @@ def _serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
 
     settings = settings_from_args(args, environ)
     logs.configure(log_format=settings.log_format, level=settings.log_level, node=settings.node_name)
+    # The ~35,000 objects made by the imports (modules, classes, functions) live as long as the process;
+    # left in the collector, every full collection walks them again: 0.1-0.2 s each on the 2-core machine
+    # under GetMetrics load. Frozen, the collector leaves them alone.
+    gc.freeze()
     return asyncio.run(serve(settings))
 
 
