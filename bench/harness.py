@@ -6,11 +6,12 @@ import asyncio
 import contextlib
 import tempfile
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.target import Target
 from e2e.support.agent import AgentProcess
-from e2e.support.clients import ActiveStream, GrpcioScaler, Metadata
+from e2e.support.clients import ActiveStream, GrpcioScaler, Metadata, RpcFailure
 from e2e.support.keda_grpcio import KedaProto, generate
 
 
@@ -19,6 +20,10 @@ class Options:
     tries: int = 20  # push latency and start-up samples
     seconds: float = 5.0  # per unary cell
     idle_seconds: float = 30.0  # per idle CPU measurement
+    target: Target = field(default_factory=Target.ours)  # what unary, idle and startup measure
+    streams: tuple[int, ...] = (0, 1_000, 10_000)  # open StreamIsActive streams, per unary row group
+    callers: tuple[int, ...] = (1, 10, 50)  # concurrent GetMetrics callers, per unary row
+    poll_intervals: tuple[float, ...] = (0.1, 0.5, 1.0)  # push latency rows
 
 
 @dataclass
@@ -59,9 +64,28 @@ def bench_folder() -> Iterator[Bench]:
 
 async def open_streams(client: GrpcioScaler, queries: list[Metadata]) -> list[ActiveStream]:
     """One stream per query, all on the client's channel; returns once each has its first message."""
-    streams = [client.stream_is_active(query, name=f"app-{i}") for i, query in enumerate(queries)]
+    streams = start_streams(client, queries)
     await asyncio.gather(*(stream.next(timeout=600) for stream in streams))
     return streams
+
+
+def start_streams(client: GrpcioScaler, queries: list[Metadata]) -> list[ActiveStream]:
+    """One stream per query, all on the client's channel, without waiting for anything."""
+    return [client.stream_is_active(query, name=f"app-{i}") for i, query in enumerate(queries)]
+
+
+async def silent_streams(streams: list[ActiveStream], seconds: float) -> int:
+    """Wait up to ``seconds`` for every stream's first message; how many sent none (or ended instead)."""
+
+    async def first(stream: ActiveStream) -> bool:
+        try:
+            await stream.next(timeout=seconds)
+        except (TimeoutError, RpcFailure):
+            return False
+        return True
+
+    answered = await asyncio.gather(*(first(stream) for stream in streams))
+    return answered.count(False)
 
 
 async def close_streams(streams: list[ActiveStream]) -> None:

@@ -17,28 +17,33 @@ from bench.common import print_table, summary_ms
 from bench.harness import Bench, Options
 from e2e.support.control import Control
 
-POLL_INTERVALS = (0.1, 0.5, 1.0)
 QUERY = {"gpuIndex": "0", "activationThreshold": "50"}
 
 
 async def run(bench: Bench, options: Options) -> dict[str, Any]:
     rows = []
-    for poll in POLL_INTERVALS:
-        async with bench.agent(poll_interval=poll) as agent, bench.client(agent) as client, Control(agent) as control:
-            stream = client.stream_is_active(QUERY)
-            assert await stream.next() is False
-            latencies = []
-            for _ in range(options.tries):
-                await asyncio.sleep(random.uniform(0, poll))  # spread where in the tick the change lands
-                started = time.monotonic()
-                await control.set(0, {"gpu_utilization": 90})
-                assert await stream.next(timeout=10) is True
-                latencies.append(stream.received[-1][0] - started)
-                await control.set(0, {"gpu_utilization": 0})
-                assert await stream.next(timeout=10) is False
-            await stream.close()
-        rows.append({"poll_interval_seconds": poll, **summary_ms(latencies)})
+    for poll in options.poll_intervals:
+        samples = await latencies(bench, poll, options.tries)
+        rows.append({"poll_interval_seconds": poll, **summary_ms(samples)})
     return {"benchmark": "push latency: fake set crossing the threshold -> true at a grpcio stream", "rows": rows}
+
+
+async def latencies(bench: Bench, poll: float, tries: int) -> list[float]:
+    """``tries`` push latencies, in seconds, from one agent polling every ``poll`` seconds."""
+    samples = []
+    async with bench.agent(poll_interval=poll) as agent, bench.client(agent) as client, Control(agent) as control:
+        stream = client.stream_is_active(QUERY)
+        assert await stream.next() is False
+        for _ in range(tries):
+            await asyncio.sleep(random.uniform(0, poll))  # spread where in the tick the change lands
+            started = time.monotonic()
+            await control.set(0, {"gpu_utilization": 90})
+            assert await stream.next(timeout=10) is True
+            samples.append(stream.received[-1][0] - started)
+            await control.set(0, {"gpu_utilization": 0})
+            assert await stream.next(timeout=10) is False
+        await stream.close()
+    return samples
 
 
 def show(result: dict[str, Any]) -> None:

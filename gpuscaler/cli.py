@@ -8,26 +8,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import ssl
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
-from rich.console import Console
-from rich.live import Live
 
 from gpuscaler import __version__, logs
-from gpuscaler.client import ClientOptions, client_address, open_channel
 from gpuscaler.collectors.base import CollectorUnavailable
 from gpuscaler.errors import ConfigError, StartupError
 from gpuscaler.gateway.settings import add_gateway_flags, gateway_settings_from_args
 from gpuscaler.generated.gpuscaler import v1 as pb
-from gpuscaler.report import collect, render_table, report_renderable
 from gpuscaler.settings import add_serve_flags, settings_from_args
+
+# The client commands' modules (rich, the report, the client channel) load only for those commands:
+# `serve` starts in less time and memory without them.
+if TYPE_CHECKING:
+    from grpclib.client import Channel
+
+    from gpuscaler.client import ClientOptions
 
 CLIENT_TIMEOUT_SECONDS = 5.0
 FAILURES = {
@@ -169,10 +173,16 @@ def _serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
 
     settings = settings_from_args(args, environ)
     logs.configure(log_format=settings.server.log_format, level=settings.server.log_level, node=settings.node_name)
+    # The ~35,000 objects made by the imports (modules, classes, functions) live as long as the process;
+    # left in the collector, every full collection walks them again: 0.1-0.2 s each on the 2-core machine
+    # under GetMetrics load. Frozen, the collector leaves them alone.
+    gc.freeze()
     return asyncio.run(serve(settings))
 
 
 def _client_options(args: argparse.Namespace) -> ClientOptions:
+    from gpuscaler.client import ClientOptions, client_address
+
     return ClientOptions(
         address=client_address(args.address),
         tls_ca=args.tls_ca,
@@ -183,6 +193,8 @@ def _client_options(args: argparse.Namespace) -> ClientOptions:
 
 
 async def _client_command(args: argparse.Namespace) -> int:
+    from gpuscaler.client import open_channel
+
     options = _client_options(args)
     async with open_channel(options) as channel:
         if args.command == "query":
@@ -191,6 +203,11 @@ async def _client_command(args: argparse.Namespace) -> int:
 
 
 async def _query(args: argparse.Namespace, channel: Channel) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    from gpuscaler.report import collect, render_table, report_renderable
+
     metadata = dict(_pairs(args.metadata, "KEY=VALUE"))
     if args.replicas < 1:
         raise ConfigError(f"--replicas {args.replicas}: the HPA's arithmetic needs at least 1 current replica")

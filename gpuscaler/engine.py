@@ -26,6 +26,13 @@ log = structlog.get_logger(__name__)
 
 # Activation states of queries nobody asked about for this long are forgotten (KEDA polls every 30 s).
 ACTIVATION_IDLE_SECONDS = 15 * 60.0
+# KEDA sends each ScaledObject's same metadata on every call; parsed queries are kept for that many
+# distinct metadata of at most that many keys and characters, so a client sending ever new metadata
+# costs at most about PARSE_CACHE_ENTRIES * PARSE_CACHE_MAX_CHARS characters, and a huge request
+# costs no more than parsing it did. There are 28 known keys.
+PARSE_CACHE_ENTRIES = 1024
+PARSE_CACHE_MAX_KEYS = 32
+PARSE_CACHE_MAX_CHARS = 2048
 
 
 @dataclass(eq=False, slots=True)
@@ -61,6 +68,7 @@ class Engine:
         self.source = source
         self.directory = directory
         self.limits = Limits(history_seconds=source.history_seconds, cluster=cluster)
+        self._parsed: dict[tuple[str, tuple[tuple[str, str], ...]], Query] = {}
         self.stale_after = source.stale_after
         self._clock = clock or asyncio.get_running_loop().time
         self._states = ActivationStates(idle_seconds=ACTIVATION_IDLE_SECONDS)
@@ -77,8 +85,23 @@ class Engine:
         return self._clock()
 
     def parse(self, metadata: Mapping[str, str], namespace: str = "") -> Query:
-        """``namespace`` is the ScaledObject's: the default namespace of a pod selection."""
-        return parse_metadata(metadata, self.limits, namespace=namespace)
+        """``namespace`` is the ScaledObject's: the default namespace of a pod selection.
+
+        Parsing is a pure function of the metadata (in its order: the first unknown key is the one
+        named), the namespace and the limits, and a Query is immutable, so a parsed one is reused.
+        Refusals are not kept: each raises afresh, with the same message.
+        """
+        items = tuple(metadata.items()) if len(metadata) <= PARSE_CACHE_MAX_KEYS else None
+        if items is None or len(namespace) + sum(len(key) + len(value) for key, value in items) > PARSE_CACHE_MAX_CHARS:
+            return parse_metadata(metadata, self.limits, namespace=namespace)  # too big to keep
+        key = (namespace, items)
+        query = self._parsed.get(key)
+        if query is None:
+            query = parse_metadata(metadata, self.limits, namespace=namespace)
+            if len(self._parsed) >= PARSE_CACHE_ENTRIES:
+                del self._parsed[next(iter(self._parsed))]  # the oldest entry
+            self._parsed[key] = query
+        return query
 
     async def prepare(self, query: Query) -> None:
         """Make the query's window answerable before it is evaluated: a gateway asks its agents for it once."""

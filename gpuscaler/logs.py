@@ -6,7 +6,18 @@ import logging
 import sys
 from typing import Literal
 
-import structlog
+# structlog imports rich whenever it is installed (it is, for `gpuscaler query`), to render exceptions
+# on a console: 5 MiB and 50 ms of the agent's start. Our processors format exceptions as text before
+# any renderer sees them (format_exc_info), so structlog never uses rich here: import it with rich
+# hidden. The CLI imports this module before any other of ours that uses structlog.
+_rich_was_loaded = "rich" in sys.modules
+if not _rich_was_loaded:
+    sys.modules["rich"] = None  # type: ignore[assignment]  # makes `import rich` raise ImportError
+try:
+    import structlog
+finally:
+    if not _rich_was_loaded:
+        del sys.modules["rich"]
 
 LogFormat = Literal["json", "console"]
 LOG_LEVELS = ("debug", "info", "warning", "error")

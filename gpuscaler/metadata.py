@@ -7,7 +7,6 @@ defaults apply instead, so ``profile: training`` with ``metric: power_draw`` doe
 
 from __future__ import annotations
 
-import difflib
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -203,6 +202,8 @@ def _resolve_keys(metadata: Mapping[str, str]) -> dict[str, str]:
 
 
 def _unknown_key_message(key: str) -> str:
+    import difflib  # only for a refusal: the agent starts smaller without it
+
     candidates = {known.lower(): known for known in QUERY_KEYS}
     close = difflib.get_close_matches(key.lower(), list(candidates), n=1, cutoff=0.6)
     hint = f"did you mean {candidates[close[0]]!r}?" if close else "known keys: " + ", ".join(QUERY_KEYS)

@@ -26,8 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import yaml
-
 from gpuscaler.durations import parse_duration
 from gpuscaler.errors import ConfigError
 from gpuscaler.gpu_metrics import METRICS, Metric
@@ -119,6 +117,8 @@ class Scenario:
 
 def load_scenario(path: Path, *, gpu_count: int) -> Scenario:
     """Read and check a scenario file; ConfigError names the file and the bad entry."""
+    import yaml  # only here: the agent starts faster and smaller without it
+
     try:
         document = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as error:

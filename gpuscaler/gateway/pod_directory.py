@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import structlog
-import yaml
 
 from gpuscaler.errors import ConfigError
 from gpuscaler.pods import PodDirectory, PodInfo
@@ -103,6 +102,8 @@ class StaticPodDirectory:
 
 def parse_static_pods(text: str, *, source: str) -> dict[tuple[str, str], PodInfo]:
     """The pods of a static directory file; ConfigError names the entry and the field."""
+    import yaml  # only here: the agent starts faster and smaller without it
+
     try:
         document = yaml.safe_load(text)
     except yaml.YAMLError as error:

@@ -37,6 +37,8 @@ def round_half_up(value: float) -> int:
 
 
 class ExternalScalerService(ExternalScalerBase):
+    """KEDA's four calls. Requests are only read: calls with the same request bytes share one message."""
+
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self.open_streams = 0

@@ -1,0 +1,165 @@
+"""The agent's HTTP/2 transport: flow control, the stream limit and bounded bookkeeping on one connection."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import h2.settings
+import pytest
+from grpclib.client import Channel
+
+import gpuscaler.server.grpc_server as grpc_server
+from gpuscaler.agent import Agent
+from gpuscaler.generated.externalscaler import ExternalScalerStub, ScaledObjectRef
+from gpuscaler.server.grpc_server import _H2Connection
+from tests.conftest import StartAgent
+
+WATCH_SNAPSHOTS = "/gpuscaler.v1.Agent/WatchSnapshots"
+CONNECTION_WINDOW = 65_535  # HTTP/2's initial window, which only a WINDOW_UPDATE raises
+
+
+def request_headers(path: str) -> list[tuple[str, str]]:
+    return [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", path),
+        (":authority", "test"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ]
+
+
+async def test_a_stream_held_by_the_connection_window_resumes_when_the_client_opens_it(
+    start_agent: StartAgent,
+) -> None:
+    """Snapshots that fill the connection's flow-control window wait; a WINDOW_UPDATE on stream 0 resumes them."""
+    agent: Agent = await start_agent("--poll-interval", "0.05", gpus=64)
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    client.initiate_connection()
+    # Only the connection's window may hold the stream back: its own window is as large as allowed.
+    client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
+    client.send_headers(1, request_headers(WATCH_SNAPSHOTS))
+    client.send_data(1, struct.pack(">?I", False, 0), end_stream=True)
+    reader, writer = await asyncio.open_connection("127.0.0.1", agent.port)
+    received = 0
+
+    async def read_until(condition: float) -> None:
+        nonlocal received
+        async with asyncio.timeout(10):
+            while received < condition:
+                data = await reader.read(65_536)
+                assert data, "the agent closed the connection"
+                for event in client.receive_data(data):
+                    if isinstance(event, h2.events.DataReceived):
+                        received += event.flow_controlled_length  # never acknowledged: the window only shrinks
+                writer.write(client.data_to_send())
+
+    try:
+        writer.write(client.data_to_send())
+        snapshot_size = 1024  # a 64-GPU snapshot is larger: the window fills within a few ticks
+        await read_until(CONNECTION_WINDOW - snapshot_size)
+        await asyncio.sleep(0.3)  # several ticks: anything the window allowed has arrived by now
+        while data := await _read_now(reader):
+            received += sum(
+                e.flow_controlled_length for e in client.receive_data(data) if isinstance(e, h2.events.DataReceived)
+            )
+        assert received <= CONNECTION_WINDOW
+        held = received
+
+        client.increment_flow_control_window(1_000_000)  # stream 0: the whole connection
+        writer.write(client.data_to_send())
+        await read_until(held + 10 * snapshot_size)
+    finally:
+        writer.close()
+
+
+async def _read_now(reader: asyncio.StreamReader) -> bytes:
+    try:
+        async with asyncio.timeout(0.05):
+            return await reader.read(65_536)
+    except TimeoutError:
+        return b""
+
+
+def _pair(max_streams: int) -> tuple[h2.connection.H2Connection, _H2Connection]:
+    """A client and our server connection, connected in memory, the server allowing ``max_streams`` streams."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    server = _H2Connection(h2.config.H2Configuration(client_side=False, header_encoding="utf-8"))
+    client.initiate_connection()
+    server.initiate_connection()
+    server.update_settings({h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: max_streams})
+    for _ in range(3):  # prefaces, settings, acknowledgements
+        server.receive_data(client.data_to_send())
+        client.receive_data(server.data_to_send())
+    return client, server
+
+
+def _call(client: h2.connection.H2Connection, server: _H2Connection, stream_id: int, *, end: bool) -> None:
+    """Open a stream (a request); with ``end`` the server answers and both sides close it."""
+    client.send_headers(stream_id, request_headers("/x"), end_stream=end)
+    server.receive_data(client.data_to_send())
+    if end:
+        server.send_headers(stream_id, [(":status", "200")], end_stream=True)
+        client.receive_data(server.data_to_send())
+
+
+def test_the_stream_limit_holds_as_in_h2() -> None:
+    """Open streams up to MAX_CONCURRENT_STREAMS pass, one more is a protocol error, closed ones do not count."""
+    client, server = _pair(max_streams=3)
+    for stream_id in range(1, 2 * grpc_server.SWEEP_EVERY_STREAMS, 2):
+        _call(client, server, stream_id, end=True)  # finished calls never count against the limit
+    first = 2 * grpc_server.SWEEP_EVERY_STREAMS + 1
+    for stream_id in (first, first + 2, first + 4):
+        _call(client, server, stream_id, end=False)
+    assert server.open_inbound_streams == 3
+    # A client that ignores the limit loses the connection (h2's client keeps it: make it forget).
+    client.remote_settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] = 1000
+    client.remote_settings.acknowledge()
+    client.send_headers(first + 6, request_headers("/x"))
+    with pytest.raises(h2.exceptions.TooManyStreamsError):
+        server.receive_data(client.data_to_send())
+
+
+def test_closed_streams_do_not_pile_up() -> None:
+    """Thousands of finished calls on one connection leave at most SWEEP_EVERY_STREAMS closed streams held."""
+    client, server = _pair(max_streams=grpc_server.MAX_CONCURRENT_STREAMS)
+    for stream_id in range(1, 20_000, 2):
+        _call(client, server, stream_id, end=True)
+        assert len(server.streams) <= grpc_server.SWEEP_EVERY_STREAMS + 1
+
+
+async def test_finished_calls_leave_a_bounded_task_table(start_agent: StartAgent) -> None:
+    """Many calls on one connection keep at most GC_EVERY_REQUESTS finished request tasks in grpclib's table."""
+    agent: Agent = await start_agent()
+    channel = Channel("127.0.0.1", agent.port)
+    stub = ExternalScalerStub(channel)
+    try:
+        for _ in range(3 * grpc_server.GC_EVERY_REQUESTS):
+            assert (await stub.is_active(ScaledObjectRef(scaler_metadata={}))).result is False
+            [handler] = agent.frontend.server._handlers
+            assert len(handler._tasks) <= grpc_server.GC_EVERY_REQUESTS + 1
+    finally:
+        channel.close()
+
+
+def test_keda_requests_decode_once_per_distinct_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Equal request bytes give an equal message, decoded once; the kept ones stay bounded in count and size."""
+    monkeypatch.setattr(grpc_server, "REUSE_ENTRIES", 4)
+    codec = grpc_server._ReusingCodec()
+    ref = ScaledObjectRef(name="app", namespace="ml", scaler_metadata={"gpuIndex": "0"})
+    data = bytes(ref)
+    first = codec.decode(data, ScaledObjectRef)
+    assert first == ref
+    assert codec.decode(bytes(bytearray(data)), ScaledObjectRef) is first  # equal bytes, another object
+    for index in range(10):
+        other = ScaledObjectRef(name=f"app-{index}", namespace="ml", scaler_metadata={"gpuIndex": "0"})
+        assert codec.decode(bytes(other), ScaledObjectRef) == other
+    assert len(codec._decoded) == 4
+    big = ScaledObjectRef(name="app", scaler_metadata={"podSelector": "a" * grpc_server.REUSE_MAX_BYTES})
+    assert codec.decode(bytes(big), ScaledObjectRef) == big
+    assert all(len(key[1]) <= grpc_server.REUSE_MAX_BYTES for key in codec._decoded)
