@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 from gpuscaler.aggregation import aggregate, reduce_window
 from gpuscaler.errors import GpuscalerError, InvalidMetadata, Unavailable, Unsupported
-from gpuscaler.gpu_metrics import Metric
+from gpuscaler.gpu_metrics import METRICS, Metric
 from gpuscaler.pods import PodDirectory
 from gpuscaler.query import GpuSelection, PodSelection, ValueQuery
+from gpuscaler.rates import rate_over
 from gpuscaler.samples import Absence, AttributionState, GpuSample, ReadError, ReadErrorKind, Snapshot
 from gpuscaler.source import SnapshotSource
 
@@ -407,6 +408,9 @@ def _contribution(
     source: SnapshotSource,
     pod: tuple[str, str] | None = None,
 ) -> Contribution:
+    if METRICS[query.metric].rate and getattr(sample, METRICS[query.metric].reading) is not None:
+        rate = rate_over(query.metric, sample, source, query.window_seconds)
+        return Contribution(sample, rate.value, rate.samples, rate.reason, pod=pod)
     latest = sample.value(query.metric)
     if latest is None:
         error = sample.error_for(query.metric)

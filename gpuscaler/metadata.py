@@ -135,6 +135,12 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: st
         )
     if "windowFunction" in raw:
         window_function = _parse_enum("windowFunction", raw["windowFunction"], WindowFunction)
+        if METRICS[metric].rate and window_function is not WindowFunction.AVG:
+            raise InvalidMetadata(
+                f"windowFunction {raw['windowFunction']!r} does not apply to {metric.value}, which is the average over "
+                "the window by definition (the energy used divided by the time); leave windowFunction out, or use "
+                "power_draw for the highest reading"
+            )
     if "pollIntervalSeconds" in raw:
         # Accepted for ScaledObjects written for the prior art; the agent's own loop sets the pace.
         _parse_float("pollIntervalSeconds", raw["pollIntervalSeconds"], minimum=0.0, exclusive=True)

@@ -13,6 +13,8 @@ from gpuscaler.gpu_metrics import METRICS, Metric
 
 # `ReadError.field` for a failure of the whole device rather than of one field.
 DEVICE_FIELD = "device"
+# `ReadError.field` for per-process reads (the process list, and the pods they run in).
+PROCESSES_FIELD = "processes"
 
 
 class ReadErrorKind(enum.Enum):
@@ -74,8 +76,30 @@ class GpuIdentity:
 
 
 @dataclass(frozen=True, slots=True)
+class ProcessUsage:
+    """One process on a GPU at one tick, and the pod it runs in, from NVML and ``/proc/<pid>/cgroup``.
+
+    ``pod_uid`` is the Kubernetes pod UID its cgroup names, ``""`` for a process outside any pod (a host
+    daemon), and None when its cgroup could not be read (it exited, or the agent cannot see host PIDs).
+    A utilisation of None is unknown (NVML gave no per-process figures); 0.0 is a process NVML lists that
+    ran no kernel in the last sample period.
+    """
+
+    pid: int
+    pod_uid: str | None = None
+    container_id: str | None = None
+    sm_percent: float | None = None
+    memory_utilization_percent: float | None = None
+    memory_used_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class GpuSample:
-    """One device's readings at one tick. Percentages are 0-100, memory in bytes, power in watts."""
+    """One device's readings at one tick. Percentages are 0-100, memory in bytes, power in watts, energy in joules.
+
+    ``processes`` is None when the agent does not read processes (``--processes`` is off, or the read failed:
+    see ``errors``), and a tuple, maybe empty, when it read them.
+    """
 
     gpu: GpuIdentity
     node: str
@@ -86,12 +110,23 @@ class GpuSample:
     temperature_celsius: float | None = None
     power_draw_watts: float | None = None
     power_limit_watts: float | None = None
+    sm_active_percent: float | None = None
+    sm_occupancy_percent: float | None = None
+    tensor_active_percent: float | None = None
+    dram_bandwidth_percent: float | None = None
+    energy_joules: float | None = None
     errors: tuple[ReadError, ...] = ()
     pods: tuple[PodRef, ...] = ()
+    processes: tuple[ProcessUsage, ...] | None = None
 
     def value(self, metric: Metric) -> float | None:
-        """The metric in its documented unit, or None when a field it needs was not read."""
+        """The metric in its documented unit, or None when a field it needs was not read.
+
+        A rate (``power_average``) has no value in one sample: it needs two (see ``rates.py``).
+        """
         info = METRICS[metric]
+        if info.rate:
+            return None
         reading = getattr(self, info.reading)
         if info.of is None:
             return None if reading is None else float(reading)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gpuscaler import __version__
@@ -34,7 +34,10 @@ class _GpuCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         latest = self._source.latest
-        families = {r.series: GaugeMetricFamily(r.series, r.help, labels=_GPU_LABELS) for r in READINGS}
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+            r.series: (CounterMetricFamily if r.counter else GaugeMetricFamily)(r.series, r.help, labels=_GPU_LABELS)
+            for r in READINGS
+        }
         up = GaugeMetricFamily(
             "gpuscaler_gpu_up",
             "1 when the GPU's last read succeeded, 0 when the whole device failed.",

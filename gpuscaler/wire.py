@@ -15,6 +15,7 @@ from gpuscaler.samples import (
     GpuIdentity,
     GpuSample,
     PodRef,
+    ProcessUsage,
     ReadError,
     ReadErrorKind,
     Snapshot,
@@ -63,6 +64,35 @@ def sample_to_wire(sample: GpuSample) -> pb.GpuSample:
         power_limit_watts=sample.power_limit_watts,
         errors=[pb.ReadError(field=e.field, kind=_KIND_TO_WIRE[e.kind], detail=e.detail) for e in sample.errors],
         pods=[pb.PodRef(namespace=p.namespace, pod=p.pod, container=p.container) for p in sample.pods],
+        sm_active_percent=sample.sm_active_percent,
+        sm_occupancy_percent=sample.sm_occupancy_percent,
+        tensor_active_percent=sample.tensor_active_percent,
+        dram_bandwidth_percent=sample.dram_bandwidth_percent,
+        energy_joules=sample.energy_joules,
+        processes=[_process_to_wire(p) for p in sample.processes or ()],
+        processes_read=sample.processes is not None,
+    )
+
+
+def _process_to_wire(process: ProcessUsage) -> pb.ProcessUsage:
+    return pb.ProcessUsage(
+        pid=process.pid,
+        pod_uid=process.pod_uid,
+        container_id=process.container_id,
+        sm_percent=process.sm_percent,
+        memory_utilization_percent=process.memory_utilization_percent,
+        memory_used_bytes=process.memory_used_bytes,
+    )
+
+
+def _process_from_wire(message: pb.ProcessUsage) -> ProcessUsage:
+    return ProcessUsage(
+        pid=message.pid,
+        pod_uid=message.pod_uid,
+        container_id=message.container_id,
+        sm_percent=message.sm_percent,
+        memory_utilization_percent=message.memory_utilization_percent,
+        memory_used_bytes=message.memory_used_bytes,
     )
 
 
@@ -86,6 +116,13 @@ def sample_from_wire(message: pb.GpuSample) -> GpuSample:
             ReadError(e.field, _KIND_FROM_WIRE.get(e.kind, ReadErrorKind.OTHER), e.detail) for e in message.errors
         ),
         pods=tuple(PodRef(p.namespace, p.pod, p.container) for p in message.pods),
+        sm_active_percent=message.sm_active_percent,
+        sm_occupancy_percent=message.sm_occupancy_percent,
+        tensor_active_percent=message.tensor_active_percent,
+        dram_bandwidth_percent=message.dram_bandwidth_percent,
+        energy_joules=message.energy_joules,
+        # An agent older than per-process reads sends neither: not read, which is not "no processes".
+        processes=tuple(_process_from_wire(p) for p in message.processes) if message.processes_read else None,
     )
 
 

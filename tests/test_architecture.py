@@ -50,6 +50,7 @@ ROOMS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "gpuscaler.profiles",
             "gpuscaler.metadata",
             "gpuscaler.evaluation",
+            "gpuscaler.rates",
             "gpuscaler.activation",
             "gpuscaler.engine",
         ),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpuscaler.generated.gpuscaler import v1 as pb
-from gpuscaler.samples import DEVICE_FIELD, GpuSample, PodRef, ReadError, ReadErrorKind
+from gpuscaler.samples import DEVICE_FIELD, GpuSample, PodRef, ProcessUsage, ReadError, ReadErrorKind
 from gpuscaler.wire import sample_from_wire, sample_to_wire, snapshot_from_wire, snapshot_to_wire
 from tests.builders import gpu_sample, snapshot
 
@@ -66,6 +66,23 @@ SAMPLES = [
         ),
         id="mig-instance",
     ),
+    pytest.param(
+        gpu_sample(0, sm_active=35.5, sm_occupancy=0.0, tensor_active=12.25, dram_bandwidth=48.0, energy=123456.789),
+        id="gpm-and-energy",
+    ),
+    pytest.param(gpu_sample(0, util=50.0, processes=()), id="processes-read-none-running"),
+    pytest.param(
+        gpu_sample(
+            0,
+            util=70.0,
+            processes=(
+                ProcessUsage(101, "1b4e2a3c-1111-2222-3333-444455556666", "a" * 64, 30.0, 12.0, 2 * 1024**3),
+                ProcessUsage(301, "", None, 0.0, 0.0, 64 * 1024**2),
+                ProcessUsage(999, None, None, None, None, None),
+            ),
+        ),
+        id="processes-pod-host-unknown",
+    ),
 ]
 
 
@@ -83,6 +100,14 @@ def test_absent_value_is_absent_on_the_wire() -> None:
     assert message.temperature_celsius is None
     assert message.is_set("gpu_utilization_percent")
     assert not message.is_set("temperature_celsius")
+
+
+def test_processes_not_read_differ_from_none_running() -> None:
+    """An agent that read no processes sends processes_read false; the receiver keeps None, not an empty tuple."""
+    assert sample_from_wire(sample_to_wire(gpu_sample(0))).processes is None
+    message = sample_to_wire(gpu_sample(0, processes=()))
+    assert message.processes_read is True
+    assert sample_from_wire(message).processes == ()
 
 
 def test_whole_gpu_has_no_mig_parent_on_either_side() -> None:

@@ -24,6 +24,7 @@ __all__ = (
     "HealRequest",
     "PodContribution",
     "PodRef",
+    "ProcessUsage",
     "ReadError",
     "ReadErrorKind",
     "SetRequest",
@@ -368,6 +369,12 @@ class GpuContribution(betterproto2.Message):
 
     pod: "str" = betterproto2.field(9, betterproto2.TYPE_STRING)
 
+    share: "str" = betterproto2.field(10, betterproto2.TYPE_STRING)
+    """
+    What the value is, in a query that selects pods: the whole GPU's, or the pod's own share of a shared GPU
+    (from per-process figures), in words; empty otherwise.
+    """
+
 
 default_message_pool.register_message("gpuscaler.v1", "GpuContribution", GpuContribution)
 
@@ -413,6 +420,29 @@ class GpuSample(betterproto2.Message):
     """
     The pods the kubelet assigned this GPU to, where attribution is on.
     """
+
+    sm_active_percent: "float | None" = betterproto2.field(15, betterproto2.TYPE_DOUBLE, optional=True)
+    """
+    GPM (Hopper and newer), rates between two GPM samples, 0-100; absent on the first tick and where unsupported.
+    """
+
+    sm_occupancy_percent: "float | None" = betterproto2.field(16, betterproto2.TYPE_DOUBLE, optional=True)
+
+    tensor_active_percent: "float | None" = betterproto2.field(17, betterproto2.TYPE_DOUBLE, optional=True)
+
+    dram_bandwidth_percent: "float | None" = betterproto2.field(18, betterproto2.TYPE_DOUBLE, optional=True)
+
+    energy_joules: "float | None" = betterproto2.field(19, betterproto2.TYPE_DOUBLE, optional=True)
+    """
+    The board's energy counter since the driver loaded, in joules.
+    """
+
+    processes: "list[ProcessUsage]" = betterproto2.field(20, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    Every compute process on the GPU, where the agent reads them (`processes_read`); see `errors` when it could not.
+    """
+
+    processes_read: "bool" = betterproto2.field(21, betterproto2.TYPE_BOOL)
 
 
 default_message_pool.register_message("gpuscaler.v1", "GpuSample", GpuSample)
@@ -485,6 +515,35 @@ class PodRef(betterproto2.Message):
 
 
 default_message_pool.register_message("gpuscaler.v1", "PodRef", PodRef)
+
+
+@dataclass(eq=False, repr=False)
+class ProcessUsage(betterproto2.Message):
+    """
+    One process on a GPU, and the pod it runs in (from /proc/<pid>/cgroup), where the agent reads processes.
+    """
+
+    pid: "int" = betterproto2.field(1, betterproto2.TYPE_UINT32)
+
+    pod_uid: "str | None" = betterproto2.field(2, betterproto2.TYPE_STRING, optional=True)
+    """
+    The Kubernetes pod UID its cgroup names; empty for a process outside every pod. Absent: unknown (the
+    process exited, or the agent cannot see the host's PIDs).
+    """
+
+    container_id: "str | None" = betterproto2.field(3, betterproto2.TYPE_STRING, optional=True)
+
+    sm_percent: "float | None" = betterproto2.field(4, betterproto2.TYPE_DOUBLE, optional=True)
+    """
+    Its share of the GPU's SM time and memory-controller time, 0-100; absent when NVML gave no per-process figures.
+    """
+
+    memory_utilization_percent: "float | None" = betterproto2.field(5, betterproto2.TYPE_DOUBLE, optional=True)
+
+    memory_used_bytes: "int | None" = betterproto2.field(6, betterproto2.TYPE_UINT64, optional=True)
+
+
+default_message_pool.register_message("gpuscaler.v1", "ProcessUsage", ProcessUsage)
 
 
 @dataclass(eq=False, repr=False)
