@@ -23,6 +23,7 @@ from gpuscaler.pods import PodDirectory
 from gpuscaler.query import GpuSelection, PodSelection, ValueQuery
 from gpuscaler.rates import rate_over
 from gpuscaler.samples import Absence, AttributionState, GpuSample, ReadError, ReadErrorKind, Snapshot
+from gpuscaler.shares import Share, pod_share, share_basis
 from gpuscaler.source import SnapshotSource
 
 
@@ -39,6 +40,7 @@ class Contribution:
     reason: str | None = None
     error: ReadError | None = None
     pod: tuple[str, str] | None = None  # (namespace, pod)
+    share: str | None = None  # in a pod query: the whole GPU's value or the pod's own share, in words
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,10 +298,13 @@ def _evaluate_pods(
     contributions: list[Contribution] = []
     values: list[PodValue] = []
     for key, samples in sorted(groups.items()):
-        own = [_contribution(query, sample, windows, source, pod=key) for sample in samples]
+        info = directory.lookup(*key) if directory is not None else None
+        own = [
+            _contribution(query, sample, windows, source, pod=key, share=share_basis(sample, query.metric, info))
+            for sample in samples
+        ]
         contributions.extend(own)
         readable = [c.value for c in own if c.value is not None]
-        info = directory.lookup(*key) if directory is not None else None
         nodes = sorted({sample.node for sample in samples})
         values.append(
             PodValue(
@@ -407,21 +412,28 @@ def _contribution(
     windows: _Windows,
     source: SnapshotSource,
     pod: tuple[str, str] | None = None,
+    share: Share | None = None,
 ) -> Contribution:
+    basis = share.basis if share is not None else None
     if METRICS[query.metric].rate and getattr(sample, METRICS[query.metric].reading) is not None:
         rate = rate_over(query.metric, sample, source, query.window_seconds)
-        return Contribution(sample, rate.value, rate.samples, rate.reason, pod=pod)
-    latest = sample.value(query.metric)
+        return Contribution(sample, rate.value, rate.samples, rate.reason, pod=pod, share=basis)
+    own_uid = share.pod_uid if share is not None else None
+    latest = sample.value(query.metric) if own_uid is None else pod_share(sample, query.metric, own_uid)
     if latest is None:
         error = sample.error_for(query.metric)
         reason = _reason(query.metric, error)
         if error is not None and error.kind is not ReadErrorKind.NOT_SUPPORTED:
             reason += f"; last read {_last_read(source, sample, query.metric)}"
-        return Contribution(sample, None, 0, reason, error, pod)
+        return Contribution(sample, None, 0, reason, error, pod, share=basis)
     if query.window_seconds is None:
-        return Contribution(sample, latest, 1, pod=pod)
-    values = [value for other in windows.series(sample) if (value := other.value(query.metric)) is not None]
-    return Contribution(sample, reduce_window(query.window_function, values), len(values), pod=pod)
+        return Contribution(sample, latest, 1, pod=pod, share=basis)
+    if own_uid is None:
+        values = [value for other in windows.series(sample) if (value := other.value(query.metric)) is not None]
+    else:  # ticks without per-process figures are left out of the pod's window, as unread values are
+        series = windows.series(sample)
+        values = [v for other in series if (v := pod_share(other, query.metric, own_uid)) is not None]
+    return Contribution(sample, reduce_window(query.window_function, values), len(values), pod=pod, share=basis)
 
 
 def _reason(metric: Metric, error: ReadError | None) -> str:

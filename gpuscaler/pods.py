@@ -29,6 +29,8 @@ class PodInfo:
     workload_kind: str | None = None
     node: str | None = None
     holds_gpus: bool | None = None
+    # The pod's UID: what its processes' cgroups name, so per-process figures can be tied to it (shares.py).
+    uid: str | None = None
 
 
 class PodDirectory(Protocol):

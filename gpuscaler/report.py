@@ -207,18 +207,25 @@ def _gpus_table(report: Report) -> Table:
         f"{explanation.get('deactivationThreshold', 0):g}"
     )
     table = Table(title=title, title_justify="left")
-    for column in ("node", "index", "uuid", "value", "samples", "left out because"):
+    pods = bool(explanation.get("podAggregation"))
+    columns = ["node", "index", "uuid", "value", "samples", "left out because"]
+    if pods:  # a pod query: whose GPU it is, and whether the pod's own share or the whole GPU counted
+        columns[3:3] = ["pod", "counted as"]
+    for column in columns:
         table.add_column(column)
     for gpu in explanation.get("gpus", []):
         value = gpu.get("value")
-        table.add_row(
+        cells = [
             gpu.get("node", ""),
             str(gpu.get("index", 0)),
             gpu.get("uuid", ""),
             "" if value is None else f"{float(value):.3f}",
             str(gpu.get("samples", 0)),
             gpu.get("reason", ""),
-        )
+        ]
+        if pods:
+            cells[3:3] = [f"{gpu.get('namespace', '')}/{gpu.get('pod', '')}", gpu.get("share", "")]
+        table.add_row(*cells)
     return table
 
 

@@ -176,6 +176,7 @@ def explanation_to_wire(
                 reason=c.reason or "",
                 namespace=c.pod[0] if c.pod else "",
                 pod=c.pod[1] if c.pod else "",
+                share=c.share or "",
             )
             for c in evaluation.contributions
         ],

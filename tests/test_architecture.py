@@ -51,6 +51,7 @@ ROOMS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "gpuscaler.metadata",
             "gpuscaler.evaluation",
             "gpuscaler.rates",
+            "gpuscaler.shares",
             "gpuscaler.activation",
             "gpuscaler.engine",
         ),

@@ -10,6 +10,7 @@ The file is re-read when it changes::
         workloadKind: Deployment   # optional, for people
         node: gpu-node-1           # optional: where it runs (spec.nodeName)
         gpus: true                 # optional: whether it asks for a GPU
+        uid: 1b4e2a3c-...          # optional: metadata.uid, which ties its processes to it on a shared GPU
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def parse_static_pods(text: str, *, source: str) -> dict[tuple[str, str], PodInf
     return pods
 
 
-_ENTRY_KEYS = {"namespace", "pod", "labels", "workload", "workloadKind", "node", "gpus"}
+_ENTRY_KEYS = {"namespace", "pod", "labels", "workload", "workloadKind", "node", "gpus", "uid"}
 
 
 def _static_entry(entry: Any, where: str) -> PodInfo:
@@ -139,7 +140,8 @@ def _static_entry(entry: Any, where: str) -> PodInfo:
     workload = entry.get("workload")
     kind = entry.get("workloadKind")
     node = entry.get("node")
-    for key, value in (("workload", workload), ("workloadKind", kind), ("node", node)):
+    uid = entry.get("uid")
+    for key, value in (("workload", workload), ("workloadKind", kind), ("node", node), ("uid", uid)):
         if value is not None and not isinstance(value, str):
             raise ConfigError(f"{where}: {key} must be a string")
     gpus = entry.get("gpus")
@@ -153,4 +155,5 @@ def _static_entry(entry: Any, where: str) -> PodInfo:
         workload_kind=kind,
         node=node,
         holds_gpus=gpus,
+        uid=uid,
     )

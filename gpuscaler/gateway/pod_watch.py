@@ -74,6 +74,7 @@ def pod_info(pod: Mapping[str, Any]) -> PodInfo | None:
         workload_kind=kind,
         node=node if isinstance(node, str) and node else None,
         holds_gpus=_asks_for_gpus(spec),
+        uid=uid if isinstance(uid := metadata.get("uid"), str) and uid else None,
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -66,6 +67,8 @@ class FakeProcess:
     used_bytes: int | None = 1024**3
     # (timestamp in microseconds since the epoch, SM %, memory %), oldest first
     samples: list[tuple[int, int, int]] = field(default_factory=list)
+    # (SM %, memory %) of a sample newer than any timestamp asked for: a process that keeps running
+    live: tuple[int, int] | None = None
 
 
 class FakeGpmSample:
@@ -124,6 +127,8 @@ class FakeDevice:
     mig_instances: list[FakeDevice | None] | None = None  # None: MIG off; None entries are empty slots
     mig_mode_error: int | None = None
     energy_mj: int = 123_456_789
+    # Draws this many watts: the energy counter is then watts x the wall clock, so it grows between reads.
+    watts: float | None = None
     gpm_supported: bool = True  # Hopper or newer (of a MIG instance: its parent's)
     gpm: dict[int, float] = field(default_factory=default_gpm)
     gpm_metric_errors: dict[int, int] = field(default_factory=dict)  # metric id -> the nvmlReturn it gets
@@ -236,7 +241,10 @@ class FakeNvml:
         return self._device("nvmlDeviceGetEnforcedPowerLimit", handle).limit_mw
 
     def nvmlDeviceGetTotalEnergyConsumption(self, handle: FakeDevice) -> int:
-        return self._device("nvmlDeviceGetTotalEnergyConsumption", handle).energy_mj
+        device = self._device("nvmlDeviceGetTotalEnergyConsumption", handle)
+        if device.watts is not None:
+            return int(device.watts * time.time() * 1000)
+        return device.energy_mj
 
     def nvmlDeviceGetGpuInstanceId(self, handle: FakeDevice) -> int:
         return self._device("nvmlDeviceGetGpuInstanceId", handle).gpu_instance_id
@@ -322,7 +330,7 @@ class FakeNvml:
         found = [
             SimpleNamespace(pid=p.pid, timeStamp=stamp, smUtil=sm, memUtil=mem, encUtil=0, decUtil=0)
             for p in device.processes
-            for stamp, sm, mem in p.samples
+            for stamp, sm, mem in [*p.samples, *([(since + 1, *p.live)] if p.live else [])]
             if stamp > since
         ]
         if not found:

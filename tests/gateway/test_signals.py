@@ -1,0 +1,140 @@
+"""GPM, energy and per-pod shares through every path: fake NVML -> agent -> wire -> gateway -> KEDA and `query`."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from grpclib.client import Channel
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+
+from gpuscaler.agent import Agent
+from gpuscaler.attribution.processes import ProcReader
+from gpuscaler.collectors.nvml import NvmlCollector
+from gpuscaler.gateway.process import Gateway
+from gpuscaler.generated.gpuscaler import v1 as pb
+from gpuscaler.report import collect
+from tests.conftest import serve_settings
+from tests.fakes.fake_kubelet import Assignment, FakeKubelet, short_socket_path
+from tests.fakes.fake_nvml import FakeDevice, FakeNvml, FakeProcess
+from tests.gateway.conftest import gateway_settings
+from tests.gateway.test_process import explain, value, view_has
+from tests.waiting import until_result
+
+UID_A = "1b4e2a3c-1111-2222-3333-444455556666"
+UID_B = "9f8e7d6c-aaaa-bbbb-cccc-ddddeeeeffff"
+
+StartPair = Callable[..., Coroutine[Any, Any, tuple[Agent, Gateway]]]
+
+
+@pytest.fixture
+async def start_pair(tmp_path: Path) -> AsyncIterator[StartPair]:
+    """Starts one agent over fake NVML (processes read from a fixture /proc) and a gateway over it."""
+    started: list[tuple[Agent, Gateway, FakeKubelet]] = []
+
+    async def start(nvml: FakeNvml, *assignments: Assignment, pods: str = "") -> tuple[Agent, Gateway]:
+        kubelet = await FakeKubelet(short_socket_path()).start()
+        kubelet.assign(list(assignments))
+        proc = tmp_path / "proc"
+        for pid, uid in ((101, UID_A), (201, UID_B)):
+            (proc / str(pid)).mkdir(parents=True)
+            (proc / str(pid) / "cgroup").write_text(f"0::/kubepods/burstable/pod{uid}/{'c' * 64}\n")
+        settings = replace(
+            serve_settings(
+                *("--collector", "nvml", "--poll-interval", "0.1", "--drain-timeout", "0.5"),
+                *("--pod-resources-socket", str(kubelet.socket_path), "--processes", "true"),
+            ),
+            pod_resources_interval_seconds=0.1,
+            proc_root=proc,
+        )
+        collector = NvmlCollector(node="node-a", nvml=nvml, processes=ProcReader(settings.proc_root))
+        agent = await Agent.start(settings, collector)
+        directory = tmp_path / "pods.yaml"
+        directory.write_text(pods or "pods: []\n")
+        flags = ["--agents", f"127.0.0.1:{agent.port}", "--drain-timeout", "0.5", "--pod-directory", str(directory)]
+        gateway = await Gateway.start(gateway_settings(*flags))
+        started.append((agent, gateway, kubelet))
+        await view_has(gateway, 1)
+        return agent, gateway
+
+    yield start
+    for agent, gateway, kubelet in started:
+        await gateway.stop()
+        await agent.stop()
+        await kubelet.stop()
+
+
+@pytest.mark.parametrize(
+    ("metric", "expected"),
+    [
+        pytest.param("sm_active", 71.0, id="sm_active"),
+        pytest.param("sm_occupancy", 44.5, id="sm_occupancy"),
+        pytest.param("tensor_active", 25.0, id="tensor_active"),
+        pytest.param("dram_bandwidth", 96.0, id="dram_bandwidth"),
+    ],
+)
+async def test_gpm_metrics_reach_keda_through_the_gateway(start_pair: StartPair, metric: str, expected: float) -> None:
+    """Each GPM metric, read on the node, is what the gateway answers KEDA: the sum over the node's two GPUs."""
+    _, gateway = await start_pair(FakeNvml([FakeDevice("GPU-0"), FakeDevice("GPU-1")]))
+
+    async def answer() -> float:
+        return await value(gateway, metric=metric)
+
+    assert await until_result(answer, lambda v: v == pytest.approx(expected)) == pytest.approx(expected)
+
+
+async def test_power_average_is_the_energy_counters_rate_at_the_gateway(start_pair: StartPair) -> None:
+    """power_average over a window is the energy counter's increase per second, summed over GPUs (300 W + 450 W)."""
+    nvml = FakeNvml([FakeDevice("GPU-0", watts=300.0), FakeDevice("GPU-1", watts=450.0)])
+    _, gateway = await start_pair(nvml)
+
+    async def answer() -> float | None:
+        try:
+            return await value(gateway, metric="power_average", window="1s")
+        except GRPCError as error:  # UNAVAILABLE until the window holds two readings: never a made-up 0
+            if error.status is not Status.UNAVAILABLE:
+                raise
+            return None
+
+    watts = await until_result(answer, lambda v: v is not None and v == pytest.approx(750.0, rel=0.05))
+    assert watts == pytest.approx(750.0, rel=0.05)
+
+
+async def test_pods_sharing_a_gpu_each_count_their_own_share_and_query_says_so(start_pair: StartPair) -> None:
+    """Two pods on one time-sliced GPU: each counts its own process (30 and 50), `gpuscaler query` names the basis."""
+    device = FakeDevice(
+        "GPU-shared", gpu_percent=90, processes=[FakeProcess(101, live=(30, 10)), FakeProcess(201, live=(50, 20))]
+    )
+    pods = (
+        "pods:\n"
+        f"  - {{namespace: ml, pod: vllm-a, workload: vllm, uid: {UID_A}}}\n"
+        f"  - {{namespace: ml, pod: vllm-b, workload: vllm, uid: {UID_B}}}\n"
+    )
+    _, gateway = await start_pair(
+        FakeNvml([device]),
+        Assignment("ml", "vllm-a", ("GPU-shared::0",)),
+        Assignment("ml", "vllm-b", ("GPU-shared::1",)),
+        pods=pods,
+    )
+
+    async def answer() -> float:
+        return await value(gateway, workload="vllm")
+
+    assert await until_result(answer, lambda v: v == pytest.approx(80.0)) == pytest.approx(80.0)  # not 90 + 90
+    explanation: pb.Explanation = await explain(gateway, workload="vllm")
+    assert {(g.pod, g.value) for g in explanation.gpus} == {("vllm-a", 30.0), ("vllm-b", 50.0)}
+    assert all(g.share.startswith("own share: 1 of its 2 processes") for g in explanation.gpus)
+
+    channel = Channel("127.0.0.1", gateway.port)
+    try:
+        report = await collect(channel, {"workload": "vllm", "namespace": "ml"}, stream_wait_seconds=0.5)
+    finally:
+        channel.close()
+    assert report.explanation is not None
+    assert {g["share"] for g in report.explanation["gpus"]} == {
+        "own share: 1 of its 2 processes, on a GPU shared by 2 pods"
+    }
