@@ -125,8 +125,39 @@ def report_renderable(report: Report) -> Group:
     left_out = left_out_lines(report)
     if left_out:
         parts.append(Text("\n".join(left_out), style="yellow"))
+    for line in (selection_line(report), idle_energy_line(report)):
+        if line:
+            parts.append(Text(line))
     parts.append(_replicas_text(report))
     return Group(*parts)
+
+
+def selection_line(report: Report) -> str:
+    """Which GPUs or pods the answer read, as the server resolved the metadata."""
+    selection = (report.explanation or {}).get("selection", "")
+    return f"Selection: {selection}" if selection else ""
+
+
+def idle_energy_line(report: Report) -> str:
+    """The energy the selected GPUs used while idle (docs/metrics.md defines idle), or "" without a figure."""
+    idle = (report.explanation or {}).get("idleEnergy")
+    if not idle or not int(idle.get("gpus", 0)):
+        return ""
+    idle_joules, busy = float(idle.get("idleJoules", 0.0)), float(idle.get("busyJoules", 0.0))
+    share = f" ({100 * idle_joules / (idle_joules + busy):.0f}% of the energy)" if idle_joules + busy > 0 else ""
+    unknown = float(idle.get("unknownSeconds", 0.0))
+    line = (
+        f"Energy while idle: {_joules(idle_joules)} of {_joules(idle_joules + busy)}{share} on {idle['gpus']} GPU(s) "
+        f"over the last {float(idle.get('seconds', 0.0)):.0f}s"
+    )
+    return line + (f"; {unknown:.1f} GPU-seconds unknown" if unknown else "")
+
+
+def _joules(joules: float) -> str:
+    for unit, size in (("MJ", 1e6), ("kJ", 1e3)):
+        if joules >= size:
+            return f"{joules / size:.2f} {unit}"
+    return f"{joules:.1f} J"
 
 
 def left_out_lines(report: Report) -> list[str]:

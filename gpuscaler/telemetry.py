@@ -15,10 +15,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gpuscaler import __version__
+from gpuscaler.energy import IdleEnergyCounter, pods_of
 from gpuscaler.engine import Engine
 from gpuscaler.evaluation import Evaluation
 from gpuscaler.gpu_metrics import READINGS
-from gpuscaler.samples import DEVICE_FIELD
+from gpuscaler.samples import DEVICE_FIELD, GpuSample
 from gpuscaler.source import SnapshotSource
 
 UNARY_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -47,13 +48,7 @@ class _GpuCollector(Collector):
         if latest is not None:
             age.add_metric([], max(0.0, self._clock() - latest.monotonic))
             for sample in latest.samples:
-                labels = [
-                    sample.node,
-                    str(sample.gpu.index),
-                    sample.gpu.uuid,
-                    sample.gpu.name,
-                    sample.gpu.mig_parent_uuid or "",
-                ]
+                labels = _labels(sample)
                 up.add_metric(labels, 0.0 if any(e.field == DEVICE_FIELD for e in sample.errors) else 1.0)
                 for reading in READINGS:
                     value = getattr(sample, reading.field)
@@ -62,6 +57,35 @@ class _GpuCollector(Collector):
         yield up
         yield from families.values()
         yield age
+
+
+class _IdleEnergyCollector(Collector):
+    """Energy while idle since the agent started, per GPU and per pod that holds it (``energy.py`` defines it)."""
+
+    def __init__(self, counter: IdleEnergyCounter) -> None:
+        self._counter = counter
+
+    def collect(self) -> Iterator[Metric]:
+        gpus = CounterMetricFamily(
+            "gpuscaler_gpu_idle_energy_joules",
+            "Energy the GPU used in poll intervals that closed with gpu_utilization 0, since the agent started.",
+            labels=_GPU_LABELS,
+        )
+        for sample, joules in self._counter.gpu_totals():
+            gpus.add_metric(_labels(sample), joules)
+        pods = CounterMetricFamily(
+            "gpuscaler_pod_idle_energy_joules",
+            "Energy while idle of the GPUs the kubelet assigned to the pod (each in full), since the agent started.",
+            labels=["namespace", "pod"],
+        )
+        for (namespace, pod), total in sorted(self._counter.by_owner.items()):
+            pods.add_metric([namespace, pod], total.joules)
+        yield gpus
+        yield pods
+
+
+def _labels(sample: GpuSample) -> list[str]:
+    return [sample.node, str(sample.gpu.index), sample.gpu.uuid, sample.gpu.name, sample.gpu.mig_parent_uuid or ""]
 
 
 class ServerTelemetry:
@@ -145,6 +169,9 @@ class Telemetry(ServerTelemetry):
         super().__init__()
         registry = self.registry
         registry.register(_GpuCollector(source, clock))
+        self.idle_energy = IdleEnergyCounter(pods_of)
+        source.add_listener(self.idle_energy.observe)
+        registry.register(_IdleEnergyCollector(self.idle_energy))
         self.nvml_call_seconds = Histogram(
             "gpuscaler_nvml_call_duration_seconds",
             "Duration of NVML calls, by call.",

@@ -6,6 +6,7 @@ directions must stay each other's inverse (a test checks the round trip).
 
 from __future__ import annotations
 
+from gpuscaler.energy import IdleEnergy
 from gpuscaler.evaluation import Evaluation
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.query import Query
@@ -150,11 +151,28 @@ def snapshot_from_wire(message: pb.Snapshot, *, monotonic: float) -> Snapshot:
 
 
 def explanation_to_wire(
-    query: Query, evaluation: Evaluation, *, active: bool, now: float, error_code: str
+    query: Query,
+    evaluation: Evaluation,
+    *,
+    active: bool,
+    now: float,
+    error_code: str,
+    idle_energy: IdleEnergy | None = None,
 ) -> pb.Explanation:
     """``error_code`` is the gRPC status name KEDA gets for ``evaluation.error`` (the server's table says which)."""
     snapshot = evaluation.snapshot
     value = query.value
+    idle = (
+        pb.IdleEnergy(
+            idle_joules=idle_energy.idle_joules,
+            busy_joules=idle_energy.busy_joules,
+            seconds=idle_energy.seconds,
+            unknown_seconds=idle_energy.unknown_seconds,
+            gpus=idle_energy.gpus,
+        )
+        if idle_energy is not None and idle_energy.gpus
+        else None
+    )
     return pb.Explanation(
         metric_name=query.metric_name,
         metric=value.metric.value,
@@ -207,4 +225,5 @@ def explanation_to_wire(
             pb.AbsentNode(agent=a.agent, node=a.node or "", since_unix_seconds=a.since, reason=a.reason)
             for a in evaluation.absent
         ],
+        idle_energy=idle,
     )

@@ -52,6 +52,7 @@ ROOMS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "gpuscaler.evaluation",
             "gpuscaler.rates",
             "gpuscaler.shares",
+            "gpuscaler.energy",
             "gpuscaler.activation",
             "gpuscaler.engine",
         ),

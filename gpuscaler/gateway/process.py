@@ -109,6 +109,7 @@ class Gateway:
             view,
             lambda: {str(endpoint): subscriber for endpoint, (subscriber, _) in subscribers.items()},
             partial(_pod_counts, directory),
+            directory,
         )
         frontend = await Frontend.start(settings.server, engine, telemetry, health_every_seconds=HEALTH_CHECK_SECONDS)
         if isinstance(directory, ManagedDirectory):

@@ -12,8 +12,10 @@ from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gpuscaler.gateway.idle_energy import WorkloadIdleEnergy
 from gpuscaler.gateway.subscriber import AgentSubscriber
 from gpuscaler.gateway.view import ClusterView
+from gpuscaler.pods import PodDirectory
 from gpuscaler.telemetry import ServerTelemetry
 
 AGENT_STATES = ("heard", "silent", "unheard", "refused", "replaced")
@@ -91,10 +93,15 @@ class _ViewCollector(Collector):
 class GatewayTelemetry(ServerTelemetry):
     """The gateway's registry."""
 
-    def __init__(self, view: ClusterView, subscribers: Subscribers, pods: PodCounts) -> None:
+    def __init__(
+        self, view: ClusterView, subscribers: Subscribers, pods: PodCounts, directory: PodDirectory | None = None
+    ) -> None:
         """``pods()`` gives (pods, lists, watch events) of a Kubernetes pod directory, or None without one."""
         super().__init__()
         self.registry.register(_ViewCollector(view, subscribers, pods))
+        self.idle_energy = WorkloadIdleEnergy(view, directory)
+        view.add_listener(self.idle_energy.on_snapshot)
+        self.registry.register(self.idle_energy)
         self.compose_seconds = Histogram(
             "gpuscaler_gateway_compose_duration_seconds",
             "Time one composition of the cluster view took, the open streams' re-evaluation included.",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from gpuscaler.energy import idle_energy
 from gpuscaler.engine import Engine
 from gpuscaler.errors import Unavailable
 from gpuscaler.generated.gpuscaler import v1 as pb
@@ -41,4 +42,9 @@ class AgentService(pb.AgentBase):
         evaluation = self._engine.evaluate(query.value)
         active = evaluation.value is not None and self._engine.is_active(query)
         code = status_for(evaluation.error).name if evaluation.error is not None else ""
-        return explanation_to_wire(query, evaluation, active=active, now=self._engine.now(), error_code=code)
+        idle = idle_energy(
+            self._engine.source, (c.sample for c in evaluation.contributions), query.value.window_seconds
+        )
+        return explanation_to_wire(
+            query, evaluation, active=active, now=self._engine.now(), error_code=code, idle_energy=idle
+        )

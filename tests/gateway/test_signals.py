@@ -7,17 +7,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from gpuscaler.agent import Agent
 from gpuscaler.attribution.processes import ProcReader
 from gpuscaler.collectors.nvml import NvmlCollector
 from gpuscaler.gateway.process import Gateway
 from gpuscaler.generated.gpuscaler import v1 as pb
-from gpuscaler.report import collect
+from gpuscaler.report import collect, idle_energy_line
 from tests.conftest import serve_settings
 from tests.fakes.fake_kubelet import Assignment, FakeKubelet, short_socket_path
 from tests.fakes.fake_nvml import FakeDevice, FakeNvml, FakeProcess
@@ -138,3 +141,61 @@ async def test_pods_sharing_a_gpu_each_count_their_own_share_and_query_says_so(s
     assert {g["share"] for g in report.explanation["gpus"]} == {
         "own share: 1 of its 2 processes, on a GPU shared by 2 pods"
     }
+
+
+async def scrape(port: int | None) -> dict[str, list[Sample]]:
+    assert port is not None
+    async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/metrics") as response:
+        text = await response.text()
+    found: dict[str, list[Sample]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found.setdefault(sample.name, []).append(sample)
+    return found
+
+
+async def test_energy_while_idle_reaches_metrics_and_query(start_pair: StartPair) -> None:
+    """An idle 100 W GPU's energy counts on the agent's /metrics (GPU, pod), the gateway's (workload) and in `query`."""
+    idle = FakeDevice("GPU-idle", gpu_percent=0, watts=100.0)
+    busy = FakeDevice("GPU-busy", gpu_percent=80, watts=400.0)
+    agent, gateway = await start_pair(
+        FakeNvml([idle, busy]),
+        Assignment("ml", "vllm-a", ("GPU-idle",)),
+        Assignment("ml", "web-1", ("GPU-busy",)),
+        pods="pods:\n  - {namespace: ml, pod: vllm-a, workload: vllm}\n  - {namespace: ml, pod: web-1, workload: web}",
+    )
+    assert agent.frontend.metrics is not None
+    assert gateway.frontend.metrics is not None
+
+    async def joules(port: int | None, series: str, label: str) -> dict[str, float]:
+        return {s.labels[label]: s.value for s in (await scrape(port)).get(series, [])}
+
+    agent_port, gateway_port = agent.frontend.metrics.port, gateway.frontend.metrics.port
+
+    async def agent_gpus() -> dict[str, float]:
+        return await joules(agent_port, "gpuscaler_gpu_idle_energy_joules_total", "uuid")
+
+    found = await until_result(agent_gpus, lambda v: v.get("GPU-idle", 0.0) > 10.0)
+    assert found["GPU-busy"] == 0.0
+    pods = await joules(agent_port, "gpuscaler_pod_idle_energy_joules_total", "pod")
+    assert pods["vllm-a"] > 0.0
+    assert pods.get("web-1", 0.0) == 0.0
+
+    async def workloads() -> dict[str, float]:
+        return await joules(gateway_port, "gpuscaler_workload_idle_energy_joules_total", "workload")
+
+    by_workload = await until_result(workloads, lambda v: v.get("vllm", 0.0) > 10.0)
+    assert by_workload.get("web", 0.0) == 0.0
+
+    channel = Channel("127.0.0.1", gateway.port)
+    try:
+
+        async def report_line() -> str:
+            report = await collect(channel, {"workload": "vllm", "namespace": "ml"}, stream_wait_seconds=0.5)
+            return idle_energy_line(report)
+
+        line = await until_result(report_line, lambda text: "100% of the energy" in text)
+    finally:
+        channel.close()
+    assert line.startswith("Energy while idle: ")
+    assert "on 1 GPU(s)" in line

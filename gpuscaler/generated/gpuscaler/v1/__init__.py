@@ -22,6 +22,7 @@ __all__ = (
     "GpuSample",
     "GpuSelector",
     "HealRequest",
+    "IdleEnergy",
     "PodContribution",
     "PodRef",
     "ProcessUsage",
@@ -288,6 +289,12 @@ class Explanation(betterproto2.Message):
     Nodes the answer left out because minNodes allowed it (without minNodes they make it UNAVAILABLE).
     """
 
+    idle_energy: "IdleEnergy | None" = betterproto2.field(23, betterproto2.TYPE_MESSAGE, optional=True)
+    """
+    Energy while idle of the GPUs that went into the answer (each once), over the query's window or, without
+    one, all the history the server keeps; absent when no GPU went in.
+    """
+
 
 default_message_pool.register_message("gpuscaler.v1", "Explanation", Explanation)
 
@@ -471,6 +478,32 @@ class HealRequest(betterproto2.Message):
 
 
 default_message_pool.register_message("gpuscaler.v1", "HealRequest", HealRequest)
+
+
+@dataclass(eq=False, repr=False)
+class IdleEnergy(betterproto2.Message):
+    """
+    Energy a set of GPUs used in poll intervals that closed with gpu_utilization 0 (docs/metrics.md defines it).
+    """
+
+    idle_joules: "float" = betterproto2.field(1, betterproto2.TYPE_DOUBLE)
+
+    busy_joules: "float" = betterproto2.field(2, betterproto2.TYPE_DOUBLE)
+    """
+    Energy in the intervals in which a kernel ran.
+    """
+
+    seconds: "float" = betterproto2.field(3, betterproto2.TYPE_DOUBLE)
+    """
+    The span the figures cover, and how much of it was neither (an energy or utilisation reading absent).
+    """
+
+    unknown_seconds: "float" = betterproto2.field(4, betterproto2.TYPE_DOUBLE)
+
+    gpus: "int" = betterproto2.field(5, betterproto2.TYPE_UINT32)
+
+
+default_message_pool.register_message("gpuscaler.v1", "IdleEnergy", IdleEnergy)
 
 
 @dataclass(eq=False, repr=False)
