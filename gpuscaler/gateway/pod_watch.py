@@ -190,6 +190,10 @@ class KubernetesPodDirectory:
         # The raw answer: a cluster's pods as plain dicts, without building a model object per field.
         response: Any = await core.list_pod_for_all_namespaces(_preload_content=False)
         try:
+            # A raw answer is not checked for us: a 403 (RBAC) or 500 would otherwise read as "no pods", and every
+            # workload as scaled to zero.
+            if response.status >= 300:
+                raise ApiException(status=response.status, reason=response.reason)
             document = await response.json()
         finally:
             response.release()
