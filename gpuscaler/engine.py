@@ -76,9 +76,9 @@ class Engine:
     def now(self) -> float:
         return self._clock()
 
-    def parse(self, metadata: Mapping[str, str], namespace: str = "") -> Query:
-        """``namespace`` is the ScaledObject's: the default namespace of a pod selection."""
-        return parse_metadata(metadata, self.limits, namespace=namespace)
+    def parse(self, metadata: Mapping[str, str], namespace: str = "", name: str = "") -> Query:
+        """``namespace`` and ``name`` are the ScaledObject's: a pod selection's default namespace, scaleTargetPods'."""
+        return parse_metadata(metadata, self.limits, namespace=namespace, name=name)
 
     def evaluate(self, query: ValueQuery) -> Evaluation:
         latest = self.source.latest

@@ -23,6 +23,7 @@ from gpuscaler.pods import PodDirectory
 from gpuscaler.query import GpuSelection, PodSelection, ValueQuery
 from gpuscaler.rates import rate_over
 from gpuscaler.samples import Absence, AttributionState, GpuSample, ReadError, ReadErrorKind, Snapshot
+from gpuscaler.scale_targets import resolve as resolve_scale_target
 from gpuscaler.shares import Share, pod_share, share_basis
 from gpuscaler.source import SnapshotSource
 
@@ -68,6 +69,8 @@ class Evaluation:
     pods: tuple[PodValue, ...] = ()
     # Nodes the value left out because minNodes allowed it (without minNodes, an absent node is an error).
     absent: tuple[Absence, ...] = ()
+    # The selection as evaluated, where it differs from the query's words (scaleTargetPods resolved to a workload).
+    selection: str | None = None
 
     def value_or_raise(self) -> float:
         if self.error is not None:
@@ -270,6 +273,11 @@ def _evaluate_pods(
     source: SnapshotSource,
     directory: PodDirectory | None,
 ) -> Evaluation:
+    if pods.scale_target is not None:  # scaleTargetPods: the ScaledObject's target, as a workload selection
+        resolved = resolve_scale_target(pods, directory)
+        if isinstance(resolved, GpuscalerError):
+            return _failed(query, snapshot, resolved)
+        pods = resolved
     if snapshot.cluster and not snapshot.parts:
         # A gateway that hears from no node knows nothing about the workload: not zero, not unsupported.
         return _failed(query, snapshot, Unavailable(_no_gpus(snapshot)))
@@ -337,7 +345,9 @@ def _evaluate_pods(
         value, error = None, _unreadable(query.metric, [c for c in contributions if c.value is None])
     else:
         value = aggregate(query.aggregation, included)
-    return Evaluation(query, tuple(contributions), value, error, snapshot, tuple(values), absent=gate)
+    return Evaluation(
+        query, tuple(contributions), value, error, snapshot, tuple(values), absent=gate, selection=pods.describe()
+    )
 
 
 def _attribution_failure(
@@ -378,6 +388,8 @@ def _pod_matches(pods: PodSelection, key: tuple[str, str], directory: PodDirecto
     if info is None:
         return False  # a pod the directory has not seen yet: it joins at the next evaluation
     if pods.workload is not None and info.workload != pods.workload:
+        return False
+    if pods.workload_kind is not None and info.workload_kind != pods.workload_kind:
         return False
     return pods.labels is None or pods.labels.matches(info.labels)
 

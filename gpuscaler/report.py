@@ -22,6 +22,9 @@ from gpuscaler.generated import externalscaler as keda
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.hpa import MetricType, desired_replicas
 
+# The ScaledObject `gpuscaler query` speaks for unless told (--scaled-object): the default namespace's pods.
+DEFAULT_SCALED_OBJECT = ("default", "gpuscaler-query")
+
 
 @dataclass(frozen=True, slots=True)
 class Answer:
@@ -63,9 +66,12 @@ async def collect(
     current_replicas: int = 1,
     stream_wait_seconds: float = 2.0,
     call_timeout: float = 5.0,
+    scaled_object: tuple[str, str] = DEFAULT_SCALED_OBJECT,
 ) -> Report:
+    """Ask as KEDA would for the ScaledObject ``scaled_object`` (namespace, name) with this trigger ``metadata``."""
     scaler = keda.ExternalScalerStub(channel)
-    ref = keda.ScaledObjectRef(name="gpuscaler-query", namespace="default", scaler_metadata=dict(metadata))
+    namespace, name = scaled_object
+    ref = keda.ScaledObjectRef(name=name, namespace=namespace, scaler_metadata=dict(metadata))
     spec = await _answer(scaler.get_metric_spec(ref, timeout=call_timeout))
     name = spec.fields["metricSpecs"][0]["metricName"] if spec.ok else ""
     metrics = await _answer(

@@ -212,7 +212,7 @@ def explanation_to_wire(
             for p in evaluation.pods
         ],
         pod_aggregation=value.pods.pod_aggregation.value if value.pods else "",
-        selection=value.describe_selection(),
+        selection=_selection(query, evaluation),
         value=evaluation.value,
         active=active,
         error_code=error_code,
@@ -227,3 +227,11 @@ def explanation_to_wire(
         ],
         idle_energy=idle,
     )
+
+
+def _selection(query: Query, evaluation: Evaluation) -> str:
+    """What the answer read: scaleTargetPods as the workload it resolved to, else the query's own selection."""
+    pods = query.value.pods
+    if pods is not None and pods.scale_target is not None and evaluation.selection:
+        return evaluation.selection
+    return query.value.describe_selection()

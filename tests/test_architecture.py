@@ -53,6 +53,7 @@ ROOMS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "gpuscaler.rates",
             "gpuscaler.shares",
             "gpuscaler.energy",
+            "gpuscaler.scale_targets",
             "gpuscaler.activation",
             "gpuscaler.engine",
         ),

@@ -184,7 +184,8 @@ def test_scaled_object_metadata_parses(source: YamlSource) -> None:
             assert all(key.removesuffix(FROM_ENV_SUFFIX) in KNOWN_KEYS for key in from_env), from_env
             resolved = {key: value for key, value in metadata.items() if key not in from_env}
             namespace = scaled_object.get("metadata", {}).get("namespace", "default")
-            parse_metadata(resolved, LIMITS, namespace=namespace)
+            name = scaled_object.get("metadata", {}).get("name", "")  # KEDA sends both with every call
+            parse_metadata(resolved, LIMITS, namespace=namespace, name=name)
 
 
 def test_metadata_doc_lists_every_key() -> None:

@@ -124,6 +124,11 @@ class KubernetesPodDirectory:
             ) from None
         return cls(lambda: client.ApiClient(configuration))
 
+    @property
+    def api_client_factory(self) -> Callable[[], client.ApiClient]:
+        """How this directory reaches the API, for another watch on the same service account."""
+        return self._factory
+
     def lookup(self, namespace: str, pod: str) -> PodInfo | None:
         return self._pods.get((namespace, pod))
 

@@ -38,7 +38,7 @@ class AgentService(pb.AgentBase):
 
     async def explain(self, message: pb.ExplainRequest) -> pb.Explanation:
         async with grpc_errors("Explain"):
-            query = self._engine.parse(message.scaler_metadata, message.namespace)
+            query = self._engine.parse(message.scaler_metadata, message.namespace, message.name)
         evaluation = self._engine.evaluate(query.value)
         active = evaluation.value is not None and self._engine.is_active(query)
         code = status_for(evaluation.error).name if evaluation.error is not None else ""
