@@ -19,7 +19,7 @@ from typing import Any
 
 from gpuscaler.attribution.processes import ProcReader
 from gpuscaler.collectors.base import CollectorUnavailable
-from gpuscaler.collectors.gpm import GRAPHICS_PERCENT, GpmReader
+from gpuscaler.collectors.gpm import GPM_FIELDS, GRAPHICS_PERCENT, GpmReader
 from gpuscaler.samples import (
     DEVICE_FIELD,
     PROCESSES_FIELD,
@@ -208,7 +208,11 @@ class NvmlCollector:
                 "nvmlDeviceGetTotalEnergyConsumption",
                 lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(handle),
             )
-        gpm = self._gpm.read(gpu, handle, physical, reader) if not reader.device_gone else {}
+        if reader.device_gone:  # asking a lost GPU for more would only repeat NVML's answer
+            reader.absent(GPM_FIELDS, ReadErrorKind.GPU_LOST, f"{_where(gpu)} was lost during this read")
+            gpm: dict[str, float] = {}
+        else:
+            gpm = self._gpm.read(gpu, handle, physical, reader)
         if is_mig and utilization is None and gpm.get(GRAPHICS_PERCENT) is not None:
             # NVML has no utilisation per MIG instance; GPM's graphics activity is the same duty cycle, per
             # instance. Keep NVML's refusal out of the errors: the value is there.

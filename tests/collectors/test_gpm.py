@@ -130,6 +130,9 @@ def test_a_lost_gpu_frees_its_samples_and_starts_over_when_back() -> None:
     device.errors["nvmlDeviceGetUtilizationRates"] = GPU_IS_LOST
     lost = collector.read(gpu)
     assert lost.value(Metric.SM_ACTIVE) is None
+    lost_error = lost.error_for(Metric.SM_ACTIVE)
+    assert lost_error is not None
+    assert lost_error.kind is ReadErrorKind.GPU_LOST
     assert nvml.gpm_live == {}
     assert nvml.gpm_freed == 2
 

@@ -81,13 +81,21 @@ async def start_pair(tmp_path: Path) -> AsyncIterator[StartPair]:
     ],
 )
 async def test_gpm_metrics_reach_keda_through_the_gateway(start_pair: StartPair, metric: str, expected: float) -> None:
-    """Each GPM metric, read on the node, is what the gateway answers KEDA: the sum over the node's two GPUs."""
+    """Each GPM metric, read on the node, is what the gateway answers KEDA and `query`: the sum over two GPUs."""
     _, gateway = await start_pair(FakeNvml([FakeDevice("GPU-0"), FakeDevice("GPU-1")]))
 
     async def answer() -> float:
         return await value(gateway, metric=metric)
 
     assert await until_result(answer, lambda v: v == pytest.approx(expected)) == pytest.approx(expected)
+    channel = Channel("127.0.0.1", gateway.port)
+    try:
+        report = await collect(channel, {"metric": metric}, stream_wait_seconds=0.5)
+    finally:
+        channel.close()
+    assert report.get_metrics.fields["metricValues"][0]["metricValueFloat"] == pytest.approx(expected)
+    assert report.explanation is not None
+    assert sorted(g["value"] for g in report.explanation["gpus"]) == [pytest.approx(expected / 2)] * 2
 
 
 async def test_power_average_is_the_energy_counters_rate_at_the_gateway(start_pair: StartPair) -> None:
