@@ -14,6 +14,7 @@ import structlog
 
 from gpuscaler import __version__
 from gpuscaler.attribution.podresources import PodResourcesWatcher
+from gpuscaler.attribution.processes import ProcReader
 from gpuscaler.collectors.base import Collector
 from gpuscaler.collectors.fake import FakeCollector
 from gpuscaler.collectors.nvml import NvmlCollector
@@ -36,7 +37,8 @@ def build_collector(settings: ServeSettings) -> Collector:
             load_scenario(settings.fake_scenario, gpu_count=settings.fake_gpus) if settings.fake_scenario else None
         )
         return FakeCollector(node=settings.node_name, gpu_count=settings.fake_gpus, scenario=scenario)
-    return NvmlCollector(node=settings.node_name)
+    processes = ProcReader(settings.proc_root) if settings.processes else None
+    return NvmlCollector(node=settings.node_name, processes=processes)
 
 
 @dataclass
@@ -113,6 +115,7 @@ class Agent:
             tls=frontend.tls is not None,
             mtls=settings.server.tls_client_ca is not None,
             attribution=pod_resources.state.state.value if pod_resources else "off",
+            processes=settings.processes,
         )
         return agent
 

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import gc
 import os
+import re
 import ssl
 import sys
 from collections.abc import Mapping, Sequence
@@ -81,6 +82,12 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     query.add_argument("--output", choices=("table", "json"), default="table", help="output format")
     query.add_argument("--replicas", type=int, default=1, help="current replicas, for the HPA's arithmetic")
     query.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    query.add_argument(
+        "--scaled-object",
+        metavar="NAMESPACE/NAME",
+        help="the ScaledObject to ask for, as KEDA sends it: the default namespace of pod keys, and the one "
+        "scaleTargetPods reads (default default/gpuscaler-query)",
+    )
 
     commands.add_parser("version", help="print the version", description="Print the version.")
     return parser
@@ -206,16 +213,21 @@ async def _query(args: argparse.Namespace, channel: Channel) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from gpuscaler.report import collect, render_table, report_renderable
+    from gpuscaler.report import DEFAULT_SCALED_OBJECT, Report, collect, render_table, report_renderable
 
     metadata = dict(_pairs(args.metadata, "KEY=VALUE"))
     if args.replicas < 1:
         raise ConfigError(f"--replicas {args.replicas}: the HPA's arithmetic needs at least 1 current replica")
     if args.watch is not None and not 0.1 <= args.watch <= 3600:
         raise ConfigError(f"--watch {args.watch:g}: refresh between 0.1 and 3600 seconds")
+    scaled_object = _scaled_object(args.scaled_object) if args.scaled_object is not None else DEFAULT_SCALED_OBJECT
     console = Console()
+
+    async def report_now() -> Report:
+        return await collect(channel, metadata, current_replicas=args.replicas, scaled_object=scaled_object)
+
     if args.watch is None:
-        report = await collect(channel, metadata, current_replicas=args.replicas)
+        report = await report_now()
         if args.output == "json":
             print(report.to_json())
         else:
@@ -223,12 +235,12 @@ async def _query(args: argparse.Namespace, channel: Channel) -> int:
         return 0 if report.get_metrics.ok else 1
     if args.output == "json":  # one JSON document per line, for jq and logs
         while True:
-            report = await collect(channel, metadata, current_replicas=args.replicas)
+            report = await report_now()
             print(report.to_json(indent=None), flush=True)
             await asyncio.sleep(args.watch)
     with Live(console=console, auto_refresh=False) as live:
         while True:
-            report = await collect(channel, metadata, current_replicas=args.replicas)
+            report = await report_now()
             live.update(report_renderable(report), refresh=True)
             await asyncio.sleep(args.watch)
 
@@ -267,6 +279,18 @@ async def _drive_fake(args: argparse.Namespace, channel: Channel) -> int:
         values = " ".join(f"{name}={value:g}" for name, value in sorted(gpu.values.items()))
         print(f"gpu {gpu.index} {gpu.uuid}{failure} {values}")
     return 0
+
+
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+def _scaled_object(text: str) -> tuple[str, str]:
+    namespace, sep, name = text.partition("/")
+    if not sep or not _NAME.match(namespace) or not _NAME.match(name):
+        raise ConfigError(
+            f"--scaled-object {text!r}: use NAMESPACE/NAME of a ScaledObject, lowercase letters, digits, '-' and '.'"
+        )
+    return namespace, name
 
 
 def _pairs(items: Sequence[str], form: str) -> list[tuple[str, str]]:

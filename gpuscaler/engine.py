@@ -68,7 +68,7 @@ class Engine:
         self.source = source
         self.directory = directory
         self.limits = Limits(history_seconds=source.history_seconds, cluster=cluster)
-        self._parsed: dict[tuple[str, tuple[tuple[str, str], ...]], Query] = {}
+        self._parsed: dict[tuple[str, str, tuple[tuple[str, str], ...]], Query] = {}
         self.stale_after = source.stale_after
         self._clock = clock or asyncio.get_running_loop().time
         self._states = ActivationStates(idle_seconds=ACTIVATION_IDLE_SECONDS)
@@ -84,20 +84,21 @@ class Engine:
     def now(self) -> float:
         return self._clock()
 
-    def parse(self, metadata: Mapping[str, str], namespace: str = "") -> Query:
-        """``namespace`` is the ScaledObject's: the default namespace of a pod selection.
+    def parse(self, metadata: Mapping[str, str], namespace: str = "", name: str = "") -> Query:
+        """``namespace`` and ``name`` are the ScaledObject's: a pod selection's default namespace, scaleTargetPods'.
 
         Parsing is a pure function of the metadata (in its order: the first unknown key is the one
-        named), the namespace and the limits, and a Query is immutable, so a parsed one is reused.
+        named), the ScaledObject and the limits, and a Query is immutable, so a parsed one is reused.
         Refusals are not kept: each raises afresh, with the same message.
         """
         items = tuple(metadata.items()) if len(metadata) <= PARSE_CACHE_MAX_KEYS else None
-        if items is None or len(namespace) + sum(len(key) + len(value) for key, value in items) > PARSE_CACHE_MAX_CHARS:
-            return parse_metadata(metadata, self.limits, namespace=namespace)  # too big to keep
-        key = (namespace, items)
+        size = len(namespace) + len(name) + sum(len(key) + len(value) for key, value in items or ())
+        if items is None or size > PARSE_CACHE_MAX_CHARS:
+            return parse_metadata(metadata, self.limits, namespace=namespace, name=name)  # too big to keep
+        key = (namespace, name, items)
         query = self._parsed.get(key)
         if query is None:
-            query = parse_metadata(metadata, self.limits, namespace=namespace)
+            query = parse_metadata(metadata, self.limits, namespace=namespace, name=name)
             if len(self._parsed) >= PARSE_CACHE_ENTRIES:
                 del self._parsed[next(iter(self._parsed))]  # the oldest entry
             self._parsed[key] = query

@@ -18,10 +18,12 @@ from dataclasses import dataclass
 
 from gpuscaler.aggregation import aggregate
 from gpuscaler.errors import GpuscalerError, InvalidMetadata, Unavailable, Unsupported
-from gpuscaler.gpu_metrics import Metric
-from gpuscaler.pods import PodDirectory
+from gpuscaler.gpu_metrics import METRICS, Metric
+from gpuscaler.pods import PodDirectory, uid_key
 from gpuscaler.query import GpuSelection, PodSelection, ValueQuery
-from gpuscaler.samples import Absence, AttributionState, GpuSample, ReadError, ReadErrorKind, Snapshot
+from gpuscaler.samples import Absence, AttributionState, GpuSample, ReadError, ReadErrorKind, Snapshot, Windowed
+from gpuscaler.scale_targets import resolve as resolve_scale_target
+from gpuscaler.shares import Share, pod_share, share_basis
 from gpuscaler.source import SnapshotSource
 
 
@@ -38,6 +40,7 @@ class Contribution:
     reason: str | None = None
     error: ReadError | None = None
     pod: tuple[str, str] | None = None  # (namespace, pod)
+    share: str | None = None  # in a pod query: the whole GPU's value or the pod's own share, in words
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +68,8 @@ class Evaluation:
     pods: tuple[PodValue, ...] = ()
     # Nodes the value left out because minNodes allowed it (without minNodes, an absent node is an error).
     absent: tuple[Absence, ...] = ()
+    # The selection as evaluated, where it differs from the query's words (scaleTargetPods resolved to a workload).
+    selection: str | None = None
 
     def value_or_raise(self) -> float:
         if self.error is not None:
@@ -269,6 +274,11 @@ def _evaluate_pods(
     source: SnapshotSource,
     directory: PodDirectory | None,
 ) -> Evaluation:
+    if pods.scale_target is not None:  # scaleTargetPods: the ScaledObject's target, as a workload selection
+        resolved = resolve_scale_target(pods, directory)
+        if isinstance(resolved, GpuscalerError):
+            return _failed(query, snapshot, resolved)
+        pods = resolved
     if snapshot.cluster and not snapshot.parts:
         # A gateway that hears from no node knows nothing about the workload: not zero, not unsupported.
         return _failed(query, snapshot, Unavailable(_no_gpus(snapshot)))
@@ -296,13 +306,16 @@ def _evaluate_pods(
     contributions: list[Contribution] = []
     values: list[PodValue] = []
     for key, samples in sorted(groups.items()):
+        info = directory.lookup(*key) if directory is not None else None
         try:
-            own = [_contribution(query, sample, source, pod=key) for sample in samples]
+            own = [
+                _contribution(query, sample, source, pod=key, share=share_basis(sample, query.metric, info))
+                for sample in samples
+            ]
         except GpuscalerError as unknown:  # the source cannot tell the window (yet)
             return _failed(query, snapshot, unknown)
         contributions.extend(own)
         readable = [c.value for c in own if c.value is not None]
-        info = directory.lookup(*key) if directory is not None else None
         nodes = sorted({sample.node for sample in samples})
         values.append(
             PodValue(
@@ -335,7 +348,9 @@ def _evaluate_pods(
         value, error = None, _unreadable(query.metric, [c for c in contributions if c.value is None])
     else:
         value = aggregate(query.aggregation, included)
-    return Evaluation(query, tuple(contributions), value, error, snapshot, tuple(values), absent=gate)
+    return Evaluation(
+        query, tuple(contributions), value, error, snapshot, tuple(values), absent=gate, selection=pods.describe()
+    )
 
 
 def _attribution_failure(
@@ -377,6 +392,8 @@ def _pod_matches(pods: PodSelection, key: tuple[str, str], directory: PodDirecto
         return False  # a pod the directory has not seen yet: it joins at the next evaluation
     if pods.workload is not None and info.workload != pods.workload:
         return False
+    if pods.workload_kind is not None and info.workload_kind != pods.workload_kind:
+        return False
     return pods.labels is None or pods.labels.matches(info.labels)
 
 
@@ -385,25 +402,36 @@ def _contribution(
     sample: GpuSample,
     source: SnapshotSource,
     pod: tuple[str, str] | None = None,
+    share: Share | None = None,
 ) -> Contribution:
-    """``sample``'s GPU in the query: its latest value, or its value over the window; raises Unavailable when
-    the source cannot tell the window yet."""
-    latest = sample.value(query.metric)
-    if latest is None:
+    """``sample``'s GPU in the query: its latest value, or its value over the window (a rate always has one);
+    raises Unavailable when the source cannot tell the window yet. ``share`` says whether a pod reads its own
+    processes' share of the GPU or the whole GPU."""
+    basis = share.basis if share is not None else None
+    own_uid = share.pod_uid if share is not None else None
+    info = METRICS[query.metric]
+    latest: float | None = None
+    if info.rate:  # no value in one sample: its window (at least the newest two samples) has it
+        readable = getattr(sample, info.reading) is not None
+    else:
+        latest = sample.value(query.metric) if own_uid is None else pod_share(sample, query.metric, own_uid)
+        readable = latest is not None
+    if not readable:
         error = sample.error_for(query.metric)
         reason = _reason(query.metric, error)
         if error is not None and error.kind is not ReadErrorKind.NOT_SUPPORTED:
             reason += f"; last read {_last_read(source, sample, query.metric)}"
-        return Contribution(sample, None, 0, reason, error, pod)
+        return Contribution(sample, None, 0, reason, error, pod, share=basis)
     window = query.window
     if window is None:
-        return Contribution(sample, latest, 1, pod=pod)
+        return Contribution(sample, latest, 1, pod=pod, share=basis)
     windowed = source.windowed(sample, window)
+    if own_uid is not None:
+        windowed = windowed.shares.get(uid_key(own_uid), Windowed(None, 0))
     if windowed.value is None:
-        return Contribution(
-            sample, None, 0, f"no readable {query.metric.value} in the last {window.seconds:g}s", pod=pod
-        )
-    return Contribution(sample, windowed.value, windowed.samples, pod=pod)
+        reason = windowed.reason or f"no readable {query.metric.value} in {window.describe_span()}"
+        return Contribution(sample, None, 0, reason, pod=pod, share=basis)
+    return Contribution(sample, windowed.value, windowed.samples, pod=pod, share=basis)
 
 
 def _reason(metric: Metric, error: ReadError | None) -> str:

@@ -25,6 +25,11 @@ class Metric(enum.StrEnum):
     TEMPERATURE = "temperature"
     POWER_DRAW = "power_draw"
     POWER_PERCENT = "power_percent"
+    SM_ACTIVE = "sm_active"
+    SM_OCCUPANCY = "sm_occupancy"
+    TENSOR_ACTIVE = "tensor_active"
+    DRAM_BANDWIDTH = "dram_bandwidth"
+    POWER_AVERAGE = "power_average"
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,9 +38,19 @@ class Reading:
 
     field: str  # the GpuSample attribute, unit in its name
     nvml: str  # the call it comes from
-    series: str  # the Prometheus gauge, in base units
+    series: str  # the Prometheus series, in base units: a gauge, or a counter (``_total`` added on export)
     help: str
     scale: float = 1.0  # from the field's unit to the series' (percent to ratio: 0.01)
+    counter: bool = False  # a value that only grows (energy since the driver loaded)
+    gpm_metric: int | None = None  # the NVML_GPM_METRIC_* id of a GPM reading: a rate between two GPM samples
+
+
+# NVML_GPM_METRIC_* ids (nvml.h); named here so that the collector and the fake NVML share them.
+GPM_GRAPHICS_UTIL = 1
+GPM_SM_UTIL = 2
+GPM_SM_OCCUPANCY = 3
+GPM_ANY_TENSOR_UTIL = 5
+GPM_DRAM_BW_UTIL = 10
 
 
 READINGS: tuple[Reading, ...] = (
@@ -70,8 +85,50 @@ READINGS: tuple[Reading, ...] = (
         "gpuscaler_gpu_power_limit_watts",
         "Enforced power limit.",
     ),
+    Reading(
+        "sm_active_percent",
+        "nvmlGpmMetricsGet",
+        "gpuscaler_gpu_sm_active_ratio",
+        "Share of the SMs that were busy between the last two GPM samples (NVML_GPM_METRIC_SM_UTIL / 100).",
+        0.01,
+        gpm_metric=GPM_SM_UTIL,
+    ),
+    Reading(
+        "sm_occupancy_percent",
+        "nvmlGpmMetricsGet",
+        "gpuscaler_gpu_sm_occupancy_ratio",
+        "Resident warps against the SMs' maximum between the last two GPM samples "
+        "(NVML_GPM_METRIC_SM_OCCUPANCY / 100).",
+        0.01,
+        gpm_metric=GPM_SM_OCCUPANCY,
+    ),
+    Reading(
+        "tensor_active_percent",
+        "nvmlGpmMetricsGet",
+        "gpuscaler_gpu_tensor_active_ratio",
+        "Share of the time the SMs ran any tensor-core instruction (NVML_GPM_METRIC_ANY_TENSOR_UTIL / 100).",
+        0.01,
+        gpm_metric=GPM_ANY_TENSOR_UTIL,
+    ),
+    Reading(
+        "dram_bandwidth_percent",
+        "nvmlGpmMetricsGet",
+        "gpuscaler_gpu_dram_bandwidth_ratio",
+        "DRAM bandwidth used against the GPU's maximum between the last two GPM samples "
+        "(NVML_GPM_METRIC_DRAM_BW_UTIL / 100).",
+        0.01,
+        gpm_metric=GPM_DRAM_BW_UTIL,
+    ),
+    Reading(
+        "energy_joules",
+        "nvmlDeviceGetTotalEnergyConsumption",
+        "gpuscaler_gpu_energy_joules",
+        "Energy the board used since the driver loaded (NVML total energy consumption, mJ / 1000).",
+        counter=True,
+    ),
 )
 READING_FIELDS: tuple[str, ...] = tuple(reading.field for reading in READINGS)
+GPM_READINGS: tuple[Reading, ...] = tuple(reading for reading in READINGS if reading.gpm_metric is not None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,10 +146,16 @@ class MetricInfo:
     """A metric a trigger can scale on: its reading, or the share one reading is of another."""
 
     unit: str
-    reading: str  # the field it is, or the part of ``of``
+    reading: str  # the field it is, or the part of ``of``, or the counter of a rate
     of: str | None  # for a percentage of another field: the whole
     fake_idle: float | None  # an idle fake GPU's value; None for one computed from others
     defaults: MetricDefaults
+    # A rate: the reading's increase per second between two samples (energy in J -> average W), so one
+    # sample has no value; the evaluation takes it over the window (``rates.py``).
+    rate: bool = False
+    # The ``ProcessUsage`` field that gives one pod's own share of a shared GPU (``shares.py``); None when
+    # NVML has no per-process figure for it and a pod reads the whole GPU's value.
+    per_process: str | None = None
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -114,6 +177,7 @@ METRICS: Mapping[Metric, MetricInfo] = {
         None,
         0.0,
         MetricDefaults(Aggregation.SUM, 70.0, 5.0, "sum of SM busy %; one replica per 70% of a GPU"),
+        per_process="sm_percent",
     ),
     Metric.MEMORY_UTILIZATION: MetricInfo(
         "%",
@@ -121,6 +185,7 @@ METRICS: Mapping[Metric, MetricInfo] = {
         None,
         0.0,
         MetricDefaults(Aggregation.SUM, 60.0, 5.0, "sum of memory-controller busy %; bandwidth-bound work"),
+        per_process="memory_utilization_percent",
     ),
     Metric.MEMORY_USED_PERCENT: MetricInfo(
         "%",
@@ -128,6 +193,7 @@ METRICS: Mapping[Metric, MetricInfo] = {
         "memory_total_bytes",
         0.0,
         MetricDefaults(Aggregation.SUM, 80.0, 1.0, "sum of VRAM used %; for jobs whose memory grows with load"),
+        per_process="memory_used_bytes",
     ),
     Metric.TEMPERATURE: MetricInfo(
         "°C",
@@ -151,5 +217,48 @@ METRICS: Mapping[Metric, MetricInfo] = {
         MetricDefaults(
             Aggregation.SUM, 70.0, 0.0, "sum of % of each GPU's enforced power limit; portable across models"
         ),
+    ),
+    # GPM (Hopper and newer): what share of the GPU works, where gpu_utilization says only whether anything does.
+    Metric.SM_ACTIVE: MetricInfo(
+        "%",
+        "sm_active_percent",
+        None,
+        0.0,
+        MetricDefaults(
+            Aggregation.SUM, 60.0, 5.0, "sum of SM-active %: the share of SMs at work, not the duty cycle; GPM"
+        ),
+    ),
+    Metric.SM_OCCUPANCY: MetricInfo(
+        "%",
+        "sm_occupancy_percent",
+        None,
+        0.0,
+        MetricDefaults(Aggregation.SUM, 50.0, 5.0, "sum of warp occupancy %: how full the busy SMs are; GPM"),
+    ),
+    Metric.TENSOR_ACTIVE: MetricInfo(
+        "%",
+        "tensor_active_percent",
+        None,
+        0.0,
+        MetricDefaults(Aggregation.SUM, 50.0, 5.0, "sum of tensor-core active %: matrix math, the work of AI; GPM"),
+    ),
+    Metric.DRAM_BANDWIDTH: MetricInfo(
+        "%",
+        "dram_bandwidth_percent",
+        None,
+        0.0,
+        MetricDefaults(
+            Aggregation.SUM, 60.0, 5.0, "sum of DRAM bandwidth %: what bounds LLM decoding and other memory-bound work"
+        ),
+    ),
+    Metric.POWER_AVERAGE: MetricInfo(
+        "W",
+        "energy_joules",
+        None,
+        None,
+        MetricDefaults(
+            Aggregation.SUM, 300.0, 0.0, "sum of each GPU's average watts over the window, from its energy counter"
+        ),
+        rate=True,
     ),
 }

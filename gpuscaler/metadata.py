@@ -56,8 +56,10 @@ QUERY_KEYS = (
     "podSelector",
     "podAggregation",
     "minNodes",
+    "scaleTargetPods",
 )
 POD_KEYS = ("namespace", "pod", "workload", "podSelector")
+SELECTOR_KEYS = (*POD_KEYS, "gpuIndex", "gpuUUID")
 KNOWN_KEYS = frozenset(QUERY_KEYS) | KEDA_KEYS
 
 FROM_ENV_SUFFIX = "FromEnv"
@@ -80,12 +82,15 @@ class Limits:
     cluster: bool = False
 
 
-def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: str = "") -> Query:
+def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: str = "", name: str = "") -> Query:
     """The query the metadata asks for. Raises InvalidMetadata naming the key, the value and what is allowed.
 
-    ``namespace`` is the ScaledObject's: the default namespace of a pod selection.
+    ``namespace`` and ``name`` are the ScaledObject's: the default namespace of a pod selection, and with
+    ``scaleTargetPods`` the ScaledObject whose scale target's pods the query reads.
     """
     raw = _resolve_keys(metadata)
+    scale_target_pods = _parse_bool("scaleTargetPods", raw["scaleTargetPods"]) if "scaleTargetPods" in raw else False
+    explicit = [key for key in SELECTOR_KEYS if key in raw]
 
     profile = None
     if "profile" in raw:
@@ -134,6 +139,12 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: st
         )
     if "windowFunction" in raw:
         window_function = _parse_enum("windowFunction", raw["windowFunction"], WindowFunction)
+        if METRICS[metric].rate and window_function is not WindowFunction.AVG:
+            raise InvalidMetadata(
+                f"windowFunction {raw['windowFunction']!r} does not apply to {metric.value}, which is the average over "
+                "the window by definition (the energy used divided by the time); leave windowFunction out, or use "
+                "power_draw for the highest reading"
+            )
     if "pollIntervalSeconds" in raw:
         # Accepted for ScaledObjects written for the prior art; the agent's own loop sets the pace.
         _parse_float("pollIntervalSeconds", raw["pollIntervalSeconds"], minimum=0.0, exclusive=True)
@@ -144,14 +155,18 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: st
             f"gpuIndex {raw['gpuIndex']!r} names a GPU by its index on one node, and the gateway answers for "
             "every node, where indices repeat; select by gpuUUID, or by pod, workload or podSelector"
         )
+    pods = _parse_pods(raw, namespace)
+    if scale_target_pods and not explicit:
+        pods = _scale_target_pods(raw, namespace, name)
     value = ValueQuery(
         metric=metric,
         aggregation=aggregation,
         selection=selection,
         window_seconds=window_seconds,
         window_function=window_function,
-        pods=_parse_pods(raw, namespace),
+        pods=pods,
         min_nodes=_parse_min_nodes(raw["minNodes"]) if "minNodes" in raw else None,
+        scale_target_ignored=scale_target_pods and bool(explicit),
     )
     metric_name = _parse_metric_name(raw["metricName"]) if "metricName" in raw else default_metric_name(value)
     return Query(
@@ -188,10 +203,11 @@ def _resolve_keys(metadata: Mapping[str, str]) -> dict[str, str]:
             f"keys {gpu_keys[0]!r} and {pod_keys[0]!r} are both set; select GPUs either by GPU or by the pods "
             "that hold them"
         )
-    if "podAggregation" in resolved and not pod_keys:
+    scale_target_pods = resolved.get("scaleTargetPods", "").strip().lower() == "true" and not gpu_keys
+    if "podAggregation" in resolved and not pod_keys and not scale_target_pods:
         raise InvalidMetadata(
             "podAggregation is set, but no pods are selected; it says how one pod's GPUs reduce, so it needs "
-            "pod, workload, podSelector or namespace"
+            "pod, workload, podSelector, namespace or scaleTargetPods"
         )
     if "targetGpuUtilization" in resolved and "targetMemoryUtilization" in resolved:
         raise InvalidMetadata(
@@ -315,6 +331,26 @@ def _parse_pods(raw: Mapping[str, str], scaled_object_namespace: str) -> PodSele
     if "podAggregation" in raw:
         pod_aggregation = _parse_enum("podAggregation", raw["podAggregation"], Aggregation)
     return PodSelection(namespace=namespace, pod=pod, workload=workload, labels=labels, pod_aggregation=pod_aggregation)
+
+
+def _scale_target_pods(raw: Mapping[str, str], namespace: str, name: str) -> PodSelection:
+    """The pods of the ScaledObject's own scale target: resolved by the gateway, which reads ScaledObjects."""
+    if not namespace or not name:
+        raise InvalidMetadata(
+            "scaleTargetPods 'true' selects the pods of the ScaledObject's scaleTargetRef, and this request names no "
+            "ScaledObject (KEDA always does; `gpuscaler query` needs --scaled-object NAMESPACE/NAME)"
+        )
+    pod_aggregation = Aggregation.AVG
+    if "podAggregation" in raw:
+        pod_aggregation = _parse_enum("podAggregation", raw["podAggregation"], Aggregation)
+    return PodSelection(namespace=namespace, scale_target=name, pod_aggregation=pod_aggregation)
+
+
+def _parse_bool(key: str, text: str) -> bool:
+    value = text.strip().lower()
+    if value not in ("true", "false"):
+        raise InvalidMetadata(f"{key} {text!r} is not allowed; use 'true' or 'false'")
+    return value == "true"
 
 
 def _parse_name(key: str, text: str, pattern: re.Pattern[str], allowed: str) -> str:

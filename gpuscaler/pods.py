@@ -2,13 +2,15 @@
 
 The pod directory is the interface; the gateway has two (``gateway/pod_watch.py``, the Kubernetes API,
 and ``gateway/pod_directory.py``, a static file). A directory is the authority on which pods exist.
+A directory that also knows KEDA's ScaledObjects (``ScaleTargets``) lets a trigger with ``scaleTargetPods``
+select the pods of its own scale target.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 # Extended resources of the NVIDIA device plugin: nvidia.com/gpu, nvidia.com/gpu.shared, nvidia.com/mig-1g.5gb, ...
 NVIDIA_RESOURCE_PREFIX = "nvidia.com/"
@@ -29,6 +31,8 @@ class PodInfo:
     workload_kind: str | None = None
     node: str | None = None
     holds_gpus: bool | None = None
+    # The pod's UID: what its processes' cgroups name, so per-process figures can be tied to it (shares.py).
+    uid: str | None = None
 
 
 class PodDirectory(Protocol):
@@ -42,3 +46,35 @@ class PodDirectory(Protocol):
 
     def problem(self) -> str | None:
         """Why the directory cannot answer now (not synced, API unreachable), or None when it can."""
+
+
+# The workload kinds whose pods a directory can name (a pod's owner, with Deployments through their
+# ReplicaSets); a scale target of another kind (an Argo Rollout, a custom resource) cannot be resolved to pods.
+SCALE_TARGET_KINDS = frozenset({"Deployment", "StatefulSet"})
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleTarget:
+    """A ScaledObject's ``spec.scaleTargetRef``: what KEDA scales, in the ScaledObject's namespace."""
+
+    namespace: str
+    scaled_object: str
+    kind: str
+    name: str
+    api_version: str = "apps/v1"
+
+
+@runtime_checkable
+class ScaleTargets(Protocol):
+    """KEDA's ScaledObjects by (namespace, name)."""
+
+    def scale_target(self, namespace: str, scaled_object: str) -> ScaleTarget | None:
+        """The ScaledObject's scale target, or None when the directory does not know the ScaledObject."""
+
+    def scale_targets_problem(self) -> str | None:
+        """Why the ScaledObjects cannot be read now (not listed yet, API unreachable, no KEDA CRD), or None."""
+
+
+def uid_key(uid: str) -> str:
+    """A pod UID as both the cgroup and the API spell it: lowercase, without dashes or underscores."""
+    return uid.replace("-", "").replace("_", "").lower()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from gpuscaler.aggregation import Aggregation, WindowFunction
 from gpuscaler.durations import format_duration
-from gpuscaler.gpu_metrics import Metric
+from gpuscaler.gpu_metrics import METRICS, Metric
 from gpuscaler.samples import WindowKey
 from gpuscaler.selectors import LabelSelector
 
@@ -45,21 +45,28 @@ class PodSelection:
     workload: str | None = None  # the owning Deployment / StatefulSet / ... name
     labels: LabelSelector | None = None
     pod_aggregation: Aggregation = Aggregation.AVG
+    # scaleTargetPods: the pods of this ScaledObject's scaleTargetRef, resolved at evaluation (scale_targets.py)
+    scale_target: str | None = None
+    workload_kind: str | None = None  # with workload: only owners of this kind
+    origin: str | None = None  # where a resolved selection came from, for people
 
     @property
     def needs_directory(self) -> bool:
         """Whether matching needs pod labels or owners, which only a pod directory knows."""
-        return self.workload is not None or self.labels is not None
+        return self.workload is not None or self.labels is not None or self.scale_target is not None
 
     def describe(self) -> str:
+        if self.scale_target is not None:
+            return f"pods of the scaleTargetRef of ScaledObject {self.namespace}/{self.scale_target} (scaleTargetPods)"
         parts = [f"namespace {self.namespace}"]
         if self.pod is not None:
             parts.append(f"pod {self.pod}")
         if self.workload is not None:
-            parts.append(f"workload {self.workload}")
+            parts.append(f"workload {self.workload_kind + '/' if self.workload_kind else ''}{self.workload}")
         if self.labels is not None:
             parts.append(f"podSelector {self.labels.text}")
-        return "pods in " + ", ".join(parts)
+        described = "pods in " + ", ".join(parts)
+        return f"{described}: {self.origin}" if self.origin else described
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,15 +97,21 @@ class ValueQuery:
     window_function: WindowFunction
     pods: PodSelection | None = None
     min_nodes: NodeQuorum | None = None
+    # scaleTargetPods was set beside an explicit selector, which wins; the description says so.
+    scale_target_ignored: bool = False
 
     def describe_selection(self) -> str:
-        return self.pods.describe() if self.pods is not None else self.selection.describe()
+        described = self.pods.describe() if self.pods is not None else self.selection.describe()
+        if self.scale_target_ignored:
+            described += " (an explicit selector: scaleTargetPods is not used)"
+        return described
 
     @property
     def window(self) -> WindowKey | None:
-        """The GPU-level window reduction it reads, if it has a window."""
+        """The GPU-level window reduction it reads, if it has a window. A rate always has one: without
+        ``window`` it is the rate between the newest two samples (``seconds`` 0)."""
         if self.window_seconds is None:
-            return None
+            return WindowKey(self.metric, 0.0, self.window_function) if METRICS[self.metric].rate else None
         return WindowKey(self.metric, self.window_seconds, self.window_function)
 
 
@@ -140,6 +153,7 @@ def default_metric_name(value: ValueQuery) -> str:
         pods = value.pods
         selection = "\x00".join(
             [pods.namespace, pods.pod or "", pods.workload or "", pods.labels.text if pods.labels else ""]
+            + ([f"scaleTarget:{pods.scale_target}"] if pods.scale_target is not None else [])
         )
         parts.append(f"pods{pods.pod_aggregation.value}{hashlib.sha256(selection.encode()).hexdigest()[:10]}")
     if value.window_seconds is not None:

@@ -22,6 +22,9 @@ from gpuscaler.generated import externalscaler as keda
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.hpa import MetricType, desired_replicas
 
+# The ScaledObject `gpuscaler query` speaks for unless told (--scaled-object): the default namespace's pods.
+DEFAULT_SCALED_OBJECT = ("default", "gpuscaler-query")
+
 
 @dataclass(frozen=True, slots=True)
 class Answer:
@@ -63,9 +66,12 @@ async def collect(
     current_replicas: int = 1,
     stream_wait_seconds: float = 2.0,
     call_timeout: float = 5.0,
+    scaled_object: tuple[str, str] = DEFAULT_SCALED_OBJECT,
 ) -> Report:
+    """Ask as KEDA would for the ScaledObject ``scaled_object`` (namespace, name) with this trigger ``metadata``."""
     scaler = keda.ExternalScalerStub(channel)
-    ref = keda.ScaledObjectRef(name="gpuscaler-query", namespace="default", scaler_metadata=dict(metadata))
+    namespace, name = scaled_object
+    ref = keda.ScaledObjectRef(name=name, namespace=namespace, scaler_metadata=dict(metadata))
     spec = await _answer(scaler.get_metric_spec(ref, timeout=call_timeout))
     name = spec.fields["metricSpecs"][0]["metricName"] if spec.ok else ""
     metrics = await _answer(
@@ -125,8 +131,39 @@ def report_renderable(report: Report) -> Group:
     left_out = left_out_lines(report)
     if left_out:
         parts.append(Text("\n".join(left_out), style="yellow"))
+    for line in (selection_line(report), idle_energy_line(report)):
+        if line:
+            parts.append(Text(line))
     parts.append(_replicas_text(report))
     return Group(*parts)
+
+
+def selection_line(report: Report) -> str:
+    """Which GPUs or pods the answer read, as the server resolved the metadata."""
+    selection = (report.explanation or {}).get("selection", "")
+    return f"Selection: {selection}" if selection else ""
+
+
+def idle_energy_line(report: Report) -> str:
+    """The energy the selected GPUs used while idle (docs/metrics.md defines idle), or "" without a figure."""
+    idle = (report.explanation or {}).get("idleEnergy")
+    if not idle or not int(idle.get("gpus", 0)):
+        return ""
+    idle_joules, busy = float(idle.get("idleJoules", 0.0)), float(idle.get("busyJoules", 0.0))
+    share = f" ({100 * idle_joules / (idle_joules + busy):.0f}% of the energy)" if idle_joules + busy > 0 else ""
+    unknown = float(idle.get("unknownSeconds", 0.0))
+    line = (
+        f"Energy while idle: {_joules(idle_joules)} of {_joules(idle_joules + busy)}{share} on {idle['gpus']} GPU(s) "
+        f"over the last {float(idle.get('seconds', 0.0)):.0f}s"
+    )
+    return line + (f"; {unknown:.1f} GPU-seconds unknown" if unknown else "")
+
+
+def _joules(joules: float) -> str:
+    for unit, size in (("MJ", 1e6), ("kJ", 1e3)):
+        if joules >= size:
+            return f"{joules / size:.2f} {unit}"
+    return f"{joules:.1f} J"
 
 
 def left_out_lines(report: Report) -> list[str]:
@@ -207,18 +244,25 @@ def _gpus_table(report: Report) -> Table:
         f"{explanation.get('deactivationThreshold', 0):g}"
     )
     table = Table(title=title, title_justify="left")
-    for column in ("node", "index", "uuid", "value", "samples", "left out because"):
+    pods = bool(explanation.get("podAggregation"))
+    columns = ["node", "index", "uuid", "value", "samples", "left out because"]
+    if pods:  # a pod query: whose GPU it is, and whether the pod's own share or the whole GPU counted
+        columns[3:3] = ["pod", "counted as"]
+    for column in columns:
         table.add_column(column)
     for gpu in explanation.get("gpus", []):
         value = gpu.get("value")
-        table.add_row(
+        cells = [
             gpu.get("node", ""),
             str(gpu.get("index", 0)),
             gpu.get("uuid", ""),
             "" if value is None else f"{float(value):.3f}",
             str(gpu.get("samples", 0)),
             gpu.get("reason", ""),
-        )
+        ]
+        if pods:
+            cells[3:3] = [f"{gpu.get('namespace', '')}/{gpu.get('pod', '')}", gpu.get("share", "")]
+        table.add_row(*cells)
     return table
 
 

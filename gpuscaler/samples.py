@@ -11,6 +11,7 @@ import datetime
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import NamedTuple
 
 from gpuscaler.aggregation import WindowFunction
@@ -19,6 +20,8 @@ from gpuscaler.gpu_metrics import METRICS, Metric
 
 # `ReadError.field` for a failure of the whole device rather than of one field.
 DEVICE_FIELD = "device"
+# `ReadError.field` for per-process reads (the process list, and the pods they run in).
+PROCESSES_FIELD = "processes"
 
 
 class ReadErrorKind(enum.Enum):
@@ -77,8 +80,29 @@ class GpuIdentity:
     mig_parent_uuid: str | None = None
 
 
+class ProcessUsage(NamedTuple):
+    """One process on a GPU at one tick, and the pod it runs in, from NVML and ``/proc/<pid>/cgroup``.
+
+    ``pod_uid`` is the Kubernetes pod UID its cgroup names, ``""`` for a process outside any pod (a host
+    daemon), and None when its cgroup could not be read (it exited, or the agent cannot see host PIDs).
+    A utilisation of None is unknown (NVML gave no per-process figures); 0.0 is a process NVML lists that
+    ran no kernel in the last sample period.
+    """
+
+    pid: int
+    pod_uid: str | None = None
+    container_id: str | None = None
+    sm_percent: float | None = None
+    memory_utilization_percent: float | None = None
+    memory_used_bytes: int | None = None
+
+
 class GpuSample(NamedTuple):
-    """One device's readings at one tick. Percentages are 0-100, memory in bytes, power in watts."""
+    """One device's readings at one tick. Percentages are 0-100, memory in bytes, power in watts, energy in joules.
+
+    ``processes`` is None when the agent does not read processes (``--processes`` is off, or the read failed:
+    see ``errors``), and a tuple, maybe empty, when it read them.
+    """
 
     gpu: GpuIdentity
     node: str
@@ -89,12 +113,23 @@ class GpuSample(NamedTuple):
     temperature_celsius: float | None = None
     power_draw_watts: float | None = None
     power_limit_watts: float | None = None
+    sm_active_percent: float | None = None
+    sm_occupancy_percent: float | None = None
+    tensor_active_percent: float | None = None
+    dram_bandwidth_percent: float | None = None
+    energy_joules: float | None = None
     errors: tuple[ReadError, ...] = ()
     pods: tuple[PodRef, ...] = ()
+    processes: tuple[ProcessUsage, ...] | None = None
 
     def value(self, metric: Metric) -> float | None:
-        """The metric in its documented unit, or None when a field it needs was not read."""
+        """The metric in its documented unit, or None when a field it needs was not read.
+
+        A rate (``power_average``) has no value in one sample: it needs two (see ``rates.py``).
+        """
         info = METRICS[metric]
+        if info.rate:
+            return None
         reading = getattr(self, info.reading)
         if info.of is None:
             return None if reading is None else float(reading)
@@ -118,22 +153,43 @@ def _percent(part: float | None, whole: float | None) -> float | None:
     return 100.0 * part / whole
 
 
+# The shares of a window on a GPU that one pod or none holds: shared, never written.
+EMPTY_SHARES: Mapping[str, Windowed] = MappingProxyType({})
+
+
 class WindowKey(NamedTuple):
-    """One GPU-level window reduction: ``function`` of ``metric`` over the last ``seconds``."""
+    """One GPU-level window reduction: ``function`` of ``metric`` over the last ``seconds``.
+
+    A rate (``power_average``) is the counter's increase over the window; ``seconds`` 0 is the rate between
+    the newest two samples, a rate's window when a query names none.
+    """
 
     metric: Metric
     seconds: float
     function: WindowFunction
 
     def describe(self) -> str:
-        return f"{self.function.value} of {self.metric.value} over {format_duration(self.seconds)}"
+        if METRICS[self.metric].rate:
+            return f"{self.metric.value} {self.describe_span()}"
+        return f"{self.function.value} of {self.metric.value} {self.describe_span()}"
+
+    def describe_span(self) -> str:
+        """The samples it reads, in words."""
+        return "between the newest two samples" if self.seconds == 0 else f"over {format_duration(self.seconds)}"
 
 
 class Windowed(NamedTuple):
-    """One GPU's value over a window, from ``samples`` readable samples; None when none was readable."""
+    """One GPU's value over a window, from ``samples`` readable samples; None when none was readable.
+
+    ``reason`` says more than "nothing readable" where there is more to say (a counter that restarted).
+    ``shares`` are, on a GPU several pods hold, each pod's own share over the window, by pod UID key
+    (``attribution.processes.uid_key``), where the agent read processes.
+    """
 
     value: float | None
     samples: int
+    reason: str | None = None
+    shares: Mapping[str, Windowed] = EMPTY_SHARES
 
 
 class WindowValues(NamedTuple):

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from gpuscaler.attribution.processes import DEFAULT_PROC_ROOT
 from gpuscaler.flags import (
     ENV_PREFIX,
     SERVER_FLAGS,
+    Fail,
     FlagTable,
     ServerFlags,
     add_flags,
@@ -53,6 +55,9 @@ class ServeSettings:
     pod_resources_socket: Path | None = None
     # Not a flag: a kubelet List is cheap, and one second is "within one refresh" for every use we know.
     pod_resources_interval_seconds: float = DEFAULT_POD_RESOURCES_INTERVAL_SECONDS
+    processes: bool = False
+    # Not a flag: in the host's PID namespace the container's /proc is the host's. Tests point it at a fixture tree.
+    proc_root: Path = DEFAULT_PROC_ROOT
 
 
 SERVE_FLAGS: FlagTable = {
@@ -69,6 +74,12 @@ SERVE_FLAGS: FlagTable = {
         "POD_RESOURCES_SOCKET",
         DEFAULT_POD_RESOURCES_SOCKET,
         "the kubelet's PodResources socket, for which pods hold which GPUs; empty turns attribution off",
+    ),
+    "--processes": (
+        "PROCESSES",
+        "false",
+        "true reads each GPU's processes (utilisation, memory, pod) so that pods sharing a GPU each get their own "
+        "share; needs the host's PID namespace (the chart's agent.processes.enabled)",
     ),
     **SERVER_FLAGS,
 }
@@ -104,6 +115,9 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         raise fail("--fake-gpus", args.fake_gpus, f"must be between 0 and {MAX_FAKE_GPUS}")
     if args.fake_scenario and collector != "fake":
         raise fail("--fake-scenario", args.fake_scenario, "needs --collector fake")
+    processes = _boolean(args.processes, "--processes", fail)
+    if processes and collector != "nvml":
+        raise fail("--processes", args.processes, "needs --collector nvml: fake GPUs run no processes")
 
     return ServeSettings(
         collector=collector,
@@ -116,4 +130,12 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         # apart, where a shared constant made a gateway merge their GPUs into one node.
         node_name=environ.get("NODE_NAME") or socket.gethostname(),
         pod_resources_socket=optional_path(args.pod_resources_socket),
+        processes=processes,
     )
+
+
+def _boolean(text: str, flag: str, fail: Fail) -> bool:
+    value = text.strip().lower()
+    if value not in ("true", "false"):
+        raise fail(flag, text, "use true or false")
+    return value == "true"

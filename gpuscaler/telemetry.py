@@ -8,17 +8,19 @@ Names follow Prometheus conventions: base units, ``_ratio`` for 0-1, ``_total`` 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gpuscaler import __version__
+from gpuscaler.energy import IdleEnergy, IdleEnergyCounter, idle_energy, pods_of
 from gpuscaler.engine import Engine
 from gpuscaler.evaluation import Evaluation
 from gpuscaler.gpu_metrics import READINGS
-from gpuscaler.samples import DEVICE_FIELD
+from gpuscaler.history import History
+from gpuscaler.samples import DEVICE_FIELD, GpuSample
 from gpuscaler.source import SnapshotSource
 
 UNARY_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -34,7 +36,10 @@ class _GpuCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         latest = self._source.latest
-        families = {r.series: GaugeMetricFamily(r.series, r.help, labels=_GPU_LABELS) for r in READINGS}
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+            r.series: (CounterMetricFamily if r.counter else GaugeMetricFamily)(r.series, r.help, labels=_GPU_LABELS)
+            for r in READINGS
+        }
         up = GaugeMetricFamily(
             "gpuscaler_gpu_up",
             "1 when the GPU's last read succeeded, 0 when the whole device failed.",
@@ -44,13 +49,7 @@ class _GpuCollector(Collector):
         if latest is not None:
             age.add_metric([], max(0.0, self._clock() - latest.monotonic))
             for sample in latest.samples:
-                labels = [
-                    sample.node,
-                    str(sample.gpu.index),
-                    sample.gpu.uuid,
-                    sample.gpu.name,
-                    sample.gpu.mig_parent_uuid or "",
-                ]
+                labels = _labels(sample)
                 up.add_metric(labels, 0.0 if any(e.field == DEVICE_FIELD for e in sample.errors) else 1.0)
                 for reading in READINGS:
                     value = getattr(sample, reading.field)
@@ -59,6 +58,35 @@ class _GpuCollector(Collector):
         yield up
         yield from families.values()
         yield age
+
+
+class _IdleEnergyCollector(Collector):
+    """Energy while idle since the agent started, per GPU and per pod that holds it (``energy.py`` defines it)."""
+
+    def __init__(self, counter: IdleEnergyCounter) -> None:
+        self._counter = counter
+
+    def collect(self) -> Iterator[Metric]:
+        gpus = CounterMetricFamily(
+            "gpuscaler_gpu_idle_energy_joules",
+            "Energy the GPU used in poll intervals that closed with gpu_utilization 0, since the agent started.",
+            labels=_GPU_LABELS,
+        )
+        for sample, joules in self._counter.gpu_totals():
+            gpus.add_metric(_labels(sample), joules)
+        pods = CounterMetricFamily(
+            "gpuscaler_pod_idle_energy_joules",
+            "Energy while idle of the GPUs the kubelet assigned to the pod (each in full), since the agent started.",
+            labels=["namespace", "pod"],
+        )
+        for (namespace, pod), total in sorted(self._counter.by_owner.items()):
+            pods.add_metric([namespace, pod], total.joules)
+        yield gpus
+        yield pods
+
+
+def _labels(sample: GpuSample) -> list[str]:
+    return [sample.node, str(sample.gpu.index), sample.gpu.uuid, sample.gpu.name, sample.gpu.mig_parent_uuid or ""]
 
 
 class ServerTelemetry:
@@ -116,6 +144,10 @@ class ServerTelemetry:
         engine.on_partial.append(self.observe_partial)
         self.distinct_queries.set_function(lambda: engine.distinct_stream_queries)
 
+    def idle_energy_of(self, samples: Iterable[GpuSample], window_seconds: float | None) -> IdleEnergy | None:
+        """Energy while idle of ``samples``' GPUs for Explain, over the window where the server can tell."""
+        return None
+
     def observe_rpc_started(self, method: str) -> None:
         self.rpc_in_flight.labels(method).inc()
 
@@ -138,10 +170,14 @@ class ServerTelemetry:
 class Telemetry(ServerTelemetry):
     """The agent's registry: the shared series, every GPU reading, NVML calls and the poll loop."""
 
-    def __init__(self, source: SnapshotSource, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, source: History, *, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         registry = self.registry
         registry.register(_GpuCollector(source, clock))
+        self._history = source
+        self.idle_energy = IdleEnergyCounter(pods_of)
+        source.add_listener(self.idle_energy.observe)
+        registry.register(_IdleEnergyCollector(self.idle_energy))
         self.nvml_call_seconds = Histogram(
             "gpuscaler_nvml_call_duration_seconds",
             "Duration of NVML calls, by call.",
@@ -161,6 +197,9 @@ class Telemetry(ServerTelemetry):
         self.poll_lag = Gauge(
             "gpuscaler_poll_lag_seconds", "How late the last poll tick started against its schedule.", registry=registry
         )
+
+    def idle_energy_of(self, samples: Iterable[GpuSample], window_seconds: float | None) -> IdleEnergy | None:
+        return idle_energy(self._history, samples, window_seconds)
 
     def observe_nvml_call(self, call: str, seconds: float, error_code: int | None) -> None:
         self.nvml_call_seconds.labels(call).observe(seconds)

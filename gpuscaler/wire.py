@@ -10,19 +10,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 from gpuscaler.aggregation import WindowFunction
+from gpuscaler.energy import IdleEnergy
 from gpuscaler.evaluation import Evaluation
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
-from gpuscaler.gpu_metrics import READING_FIELDS, Metric
+from gpuscaler.gpu_metrics import METRICS, READING_FIELDS, Metric
 from gpuscaler.query import Query
 from gpuscaler.samples import (
+    EMPTY_SHARES,
     Attribution,
     AttributionState,
     GpuIdentity,
     GpuSample,
     PodRef,
+    ProcessUsage,
     ReadError,
     ReadErrorKind,
     Snapshot,
@@ -64,6 +68,38 @@ def sample_to_wire(sample: GpuSample) -> pb.GpuSample:
         power_limit_watts=sample.power_limit_watts,
         errors=[pb.ReadError(field=e.field, kind=_KIND_TO_WIRE[e.kind], detail=e.detail) for e in sample.errors],
         pods=[pb.PodRef(namespace=p.namespace, pod=p.pod, container=p.container) for p in sample.pods],
+        sm_active_percent=sample.sm_active_percent,
+        sm_occupancy_percent=sample.sm_occupancy_percent,
+        tensor_active_percent=sample.tensor_active_percent,
+        dram_bandwidth_percent=sample.dram_bandwidth_percent,
+        energy_joules=sample.energy_joules,
+        processes=[_process_to_wire(p) for p in sample.processes or ()],
+        processes_read=sample.processes is not None,
+    )
+
+
+def _process_to_wire(process: ProcessUsage) -> pb.ProcessUsage:
+    return pb.ProcessUsage(
+        pid=process.pid,
+        pod_uid=process.pod_uid,
+        container_id=process.container_id,
+        sm_percent=process.sm_percent,
+        memory_utilization_percent=process.memory_utilization_percent,
+        memory_used_bytes=process.memory_used_bytes,
+    )
+
+
+def _process_from_pb2(message: agent_pb2.ProcessUsage) -> ProcessUsage:
+    def optional(name: str) -> Any:
+        return getattr(message, name) if message.HasField(name) else None
+
+    return ProcessUsage(
+        message.pid,
+        optional("pod_uid"),
+        optional("container_id"),
+        optional("sm_percent"),
+        optional("memory_utilization_percent"),
+        optional("memory_used_bytes"),
     )
 
 
@@ -96,8 +132,8 @@ def window_key_from_wire(spec: pb.WindowSpec | agent_pb2.WindowSpec) -> WindowKe
         function = WindowFunction(spec.function)
     except ValueError:
         raise ValueError(f"window function {spec.function!r} is not one of avg, max, min, last") from None
-    if not math.isfinite(spec.seconds) or spec.seconds <= 0:
-        raise ValueError(f"window seconds {spec.seconds!r} must be a finite number above 0")
+    if not math.isfinite(spec.seconds) or spec.seconds < 0 or (spec.seconds == 0 and not METRICS[metric].rate):
+        raise ValueError(f"window seconds {spec.seconds!r} must be a finite number above 0 (0 only for a rate)")
     return WindowKey(metric, spec.seconds, function)
 
 
@@ -108,7 +144,18 @@ def _window_to_wire(key: WindowKey, values: WindowValues, snapshot: Snapshot) ->
     per_gpu = [values.by_uuid.get(sample.gpu.uuid, missing) for sample in snapshot.samples]
     return pb.WindowedValues(
         window=window_key_to_wire(key),
-        values=[pb.WindowedValue(value=w.value, samples=w.samples) for w in per_gpu],
+        values=[
+            pb.WindowedValue(
+                value=w.value,
+                samples=w.samples,
+                reason=w.reason or "",
+                shares=[
+                    pb.PodWindowedValue(pod_uid=uid, value=share.value, samples=share.samples)
+                    for uid, share in w.shares.items()
+                ],
+            )
+            for w in per_gpu
+        ],
     )
 
 
@@ -123,6 +170,16 @@ _ATTRIBUTION_FROM_PB2 = {
     agent_pb2.ATTRIBUTION_STATE_UNAVAILABLE: AttributionState.UNAVAILABLE,
     agent_pb2.ATTRIBUTION_STATE_OK: AttributionState.OK,
 }
+
+
+def _windowed_from_pb2(value: agent_pb2.WindowedValue) -> Windowed:
+    shares = {
+        share.pod_uid: Windowed(share.value if share.HasField("value") else None, share.samples)
+        for share in value.shares
+    }
+    return Windowed(
+        value.value if value.HasField("value") else None, value.samples, value.reason or None, shares or EMPTY_SHARES
+    )
 
 
 class SnapshotDecoder:
@@ -170,7 +227,7 @@ class SnapshotDecoder:
                 continue
             windows[key] = WindowValues(
                 {
-                    sample.gpu.uuid: Windowed(value.value if value.HasField("value") else None, value.samples)
+                    sample.gpu.uuid: _windowed_from_pb2(value)
                     for sample, value in zip(samples, window.values, strict=True)
                 }
             )
@@ -187,9 +244,12 @@ class SnapshotDecoder:
             if gpu.errors
             else ()
         )
-        # By position: GpuSample's fields are (gpu, node, the readings in READINGS' order, errors, pods), which
-        # tests/test_wire.py holds to; a named tuple built from a tuple is the cheapest record Python makes.
-        return GpuSample._make((identity, gpu.node, *readings, errors, self._pod_refs(gpu)))
+        # An agent older than per-process reads sends neither: not read, which is not "no processes".
+        processes = tuple(_process_from_pb2(p) for p in gpu.processes) if gpu.processes_read else None
+        # By position: GpuSample's fields are (gpu, node, the readings in READINGS' order, errors, pods,
+        # processes), which tests/test_wire.py holds to; a named tuple built from a tuple is the cheapest
+        # record Python makes.
+        return GpuSample._make((identity, gpu.node, *readings, errors, self._pod_refs(gpu), processes))
 
     def _pod_refs(self, gpu: agent_pb2.GpuSample) -> tuple[PodRef, ...]:
         if not gpu.pods:
@@ -204,11 +264,28 @@ class SnapshotDecoder:
 
 
 def explanation_to_wire(
-    query: Query, evaluation: Evaluation, *, active: bool, now: float, error_code: str
+    query: Query,
+    evaluation: Evaluation,
+    *,
+    active: bool,
+    now: float,
+    error_code: str,
+    idle_energy: IdleEnergy | None = None,
 ) -> pb.Explanation:
     """``error_code`` is the gRPC status name KEDA gets for ``evaluation.error`` (the server's table says which)."""
     snapshot = evaluation.snapshot
     value = query.value
+    idle = (
+        pb.IdleEnergy(
+            idle_joules=idle_energy.idle_joules,
+            busy_joules=idle_energy.busy_joules,
+            seconds=idle_energy.seconds,
+            unknown_seconds=idle_energy.unknown_seconds,
+            gpus=idle_energy.gpus,
+        )
+        if idle_energy is not None and idle_energy.gpus
+        else None
+    )
     return pb.Explanation(
         metric_name=query.metric_name,
         metric=value.metric.value,
@@ -230,6 +307,7 @@ def explanation_to_wire(
                 reason=c.reason or "",
                 namespace=c.pod[0] if c.pod else "",
                 pod=c.pod[1] if c.pod else "",
+                share=c.share or "",
             )
             for c in evaluation.contributions
         ],
@@ -247,7 +325,7 @@ def explanation_to_wire(
             for p in evaluation.pods
         ],
         pod_aggregation=value.pods.pod_aggregation.value if value.pods else "",
-        selection=value.describe_selection(),
+        selection=_selection(query, evaluation),
         value=evaluation.value,
         active=active,
         error_code=error_code,
@@ -260,4 +338,13 @@ def explanation_to_wire(
             pb.AbsentNode(agent=a.agent, node=a.node or "", since_unix_seconds=a.since, reason=a.reason)
             for a in evaluation.absent
         ],
+        idle_energy=idle,
     )
+
+
+def _selection(query: Query, evaluation: Evaluation) -> str:
+    """What the answer read: scaleTargetPods as the workload it resolved to, else the query's own selection."""
+    pods = query.value.pods
+    if pods is not None and pods.scale_target is not None and evaluation.selection:
+        return evaluation.selection
+    return query.value.describe_selection()

@@ -11,6 +11,7 @@ from gpuscaler.samples import (
     GpuIdentity,
     GpuSample,
     PodRef,
+    ProcessUsage,
     ReadError,
     ReadErrorKind,
     Snapshot,
@@ -43,6 +44,12 @@ def gpu_sample(
     uuid: str | None = None,
     mig_parent: str | None = None,
     node: str = NODE,
+    sm_active: float | None = None,
+    sm_occupancy: float | None = None,
+    tensor_active: float | None = None,
+    dram_bandwidth: float | None = None,
+    energy: float | None = None,
+    processes: tuple[ProcessUsage, ...] | None = None,
 ) -> GpuSample:
     """A sample of GPU ``index``; every value not given is absent."""
     return GpuSample(
@@ -55,8 +62,14 @@ def gpu_sample(
         temperature_celsius=temperature,
         power_draw_watts=power,
         power_limit_watts=limit,
+        sm_active_percent=sm_active,
+        sm_occupancy_percent=sm_occupancy,
+        tensor_active_percent=tensor_active,
+        dram_bandwidth_percent=dram_bandwidth,
+        energy_joules=energy,
         errors=errors,
         pods=pods,
+        processes=processes,
     )
 
 

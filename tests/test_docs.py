@@ -184,7 +184,8 @@ def test_scaled_object_metadata_parses(source: YamlSource) -> None:
             assert all(key.removesuffix(FROM_ENV_SUFFIX) in KNOWN_KEYS for key in from_env), from_env
             resolved = {key: value for key, value in metadata.items() if key not in from_env}
             namespace = scaled_object.get("metadata", {}).get("namespace", "default")
-            parse_metadata(resolved, LIMITS, namespace=namespace)
+            name = scaled_object.get("metadata", {}).get("name", "")  # KEDA sends both with every call
+            parse_metadata(resolved, LIMITS, namespace=namespace, name=name)
 
 
 def test_metadata_doc_lists_every_key() -> None:
@@ -225,6 +226,34 @@ def test_metrics_doc_table_matches_the_metric_table() -> None:
         assert row["unit"].strip() == info.unit, metric
         for field in info.fields:
             assert calls[field] in row["NVML source"] or f"`{_other(field)}`" in row["NVML source"], (metric, field)
+
+
+def test_metadata_doc_allows_every_metric() -> None:
+    """docs/metadata.md's `metric` row lists every metric a trigger can name, and no other."""
+    text = (DOCS / "metadata.md").read_text(encoding="utf-8")
+    [row] = [row for row in _markdown_table(text, "key", "type", "default") if _name(row["key"]) == "metric"]
+    listed = set(re.findall(r"`([a-z_]+)`", row["allowed"]))
+    assert listed == {metric.value for metric in Metric}
+
+
+def test_metrics_doc_series_table_has_each_reading_with_its_type() -> None:
+    """Each reading's Prometheus series is a row of docs/metrics.md's table, as a gauge or (energy) a counter."""
+    text = _section(
+        (DOCS / "metrics.md").read_text(encoding="utf-8"),
+        "Prometheus (`--metrics-listen`, default `0.0.0.0:9402`, path `/metrics`)",
+    )
+    rows = {_name(row["series"]): row for row in _markdown_table(text, "series", "type", "unit")}
+    for reading in READINGS:
+        name = reading.series + ("_total" if reading.counter else "")
+        assert name in rows, name
+        assert rows[name]["type"] == ("counter" if reading.counter else "gauge"), name
+
+
+def test_mig_doc_says_what_every_metric_is_on_a_mig_instance() -> None:
+    """docs/mig.md's MIG table names every metric: a new metric must say what it reads on a MIG instance."""
+    text = _section((DOCS / "mig.md").read_text(encoding="utf-8"), "MIG (Multi-Instance GPU)")
+    fields = " ".join(row["field"] for row in _markdown_table(text, "field", "on a MIG instance"))
+    assert sorted(metric.value for metric in Metric if f"`{metric.value}`" not in fields) == []
 
 
 def _other(field: str) -> str:

@@ -39,6 +39,7 @@ def test_defaults() -> None:
     assert built.server.log_level == "info"
     assert built.server.drain_timeout_seconds == 5.0
     assert built.node_name == socket.gethostname()
+    assert built.processes is False
 
 
 def field_of(built: ServeSettings, name: str) -> object:
@@ -72,6 +73,8 @@ def field_of(built: ServeSettings, name: str) -> object:
         pytest.param(["--log-format", "console"], "log_format", "console", id="log-format"),
         pytest.param(["--log-level", "debug"], "log_level", "debug", id="log-level"),
         pytest.param(["--drain-timeout", "300"], "drain_timeout_seconds", 300.0, id="drain-max"),
+        pytest.param(["--processes", "true"], "processes", True, id="processes"),
+        pytest.param(["--processes", "FALSE"], "processes", False, id="processes-off"),
     ],
 )
 def test_each_flag_sets_its_field(flags: list[str], field: str, expected: object) -> None:
@@ -96,6 +99,7 @@ def test_ipv6_address_prints_with_brackets() -> None:
         pytest.param("GPUSCALER_LOG_LEVEL", "warning", "log_level", "warning", id="log-level"),
         pytest.param("GPUSCALER_DRAIN_TIMEOUT", "1.5", "drain_timeout_seconds", 1.5, id="drain"),
         pytest.param("NODE_NAME", "gpu-node-7", "node_name", "gpu-node-7", id="node-name"),
+        pytest.param("GPUSCALER_PROCESSES", "true", "processes", True, id="processes"),
     ],
 )
 def test_environment_variables_set_the_defaults(variable: str, value: str, field: str, expected: object) -> None:
@@ -143,6 +147,8 @@ BAD_FLAGS: list[tuple[list[str], str]] = [
     (["--drain-timeout", "soon"], "--drain-timeout 'soon': must be a number of seconds"),
     (["--metrics-listen", "9402"], "--metrics-listen '9402': use HOST:PORT"),
     (["--tls-reload-interval", "0.01"], "--tls-reload-interval '0.01': must be between 0.1 and 3600 seconds"),
+    (["--processes", "yes"], "--processes 'yes': use true or false"),
+    (["--collector", "fake", "--processes", "true"], "--processes 'true': needs --collector nvml"),
 ]
 
 

@@ -72,6 +72,26 @@ async def test_gpu_series_have_labels_and_base_units(nvml_agent: tuple[Agent, Fa
     assert 0 <= series["gpuscaler_sample_age_seconds"][0].value < 2
 
 
+async def test_energy_is_a_counter_and_gpm_values_are_ratios(nvml_agent: tuple[Agent, FakeNvml]) -> None:
+    """The energy counter is a Prometheus counter in joules; GPM metrics are 0-1 ratios once two ticks are in."""
+    agent, _ = nvml_agent
+    await next_tick(agent)
+    assert agent.frontend.metrics is not None
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://127.0.0.1:{agent.frontend.metrics.port}/metrics") as response,
+    ):
+        families = {family.name: family for family in text_string_to_metric_families(await response.text())}
+    energy = families["gpuscaler_gpu_energy_joules"]
+    assert energy.type == "counter"
+    assert {s.labels["uuid"]: s.value for s in energy.samples if s.name.endswith("_total")} == {
+        "GPU-one": 123_456.789,
+        "GPU-two": 123_456.789,
+    }
+    assert {s.value for s in families["gpuscaler_gpu_sm_active_ratio"].samples} == {0.355}
+    assert {s.value for s in families["gpuscaler_gpu_dram_bandwidth_ratio"].samples} == {0.48}
+
+
 async def test_nvml_calls_are_timed_and_errors_counted(nvml_agent: tuple[Agent, FakeNvml]) -> None:
     """NVML call durations are a histogram by call; failures count by call and NVML return code."""
     agent, _ = nvml_agent

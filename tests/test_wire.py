@@ -7,7 +7,16 @@ import pytest
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
 from gpuscaler.gpu_metrics import READING_FIELDS
-from gpuscaler.samples import DEVICE_FIELD, AttributionState, GpuSample, PodRef, ReadError, ReadErrorKind, Snapshot
+from gpuscaler.samples import (
+    DEVICE_FIELD,
+    AttributionState,
+    GpuSample,
+    PodRef,
+    ProcessUsage,
+    ReadError,
+    ReadErrorKind,
+    Snapshot,
+)
 from gpuscaler.wire import SnapshotDecoder, sample_to_wire, snapshot_to_wire
 from tests.builders import gpu_sample, snapshot
 
@@ -80,6 +89,23 @@ SAMPLES = [
         ),
         id="mig-instance",
     ),
+    pytest.param(
+        gpu_sample(0, sm_active=35.5, sm_occupancy=0.0, tensor_active=12.25, dram_bandwidth=48.0, energy=123456.789),
+        id="gpm-and-energy",
+    ),
+    pytest.param(gpu_sample(0, util=50.0, processes=()), id="processes-read-none-running"),
+    pytest.param(
+        gpu_sample(
+            0,
+            util=70.0,
+            processes=(
+                ProcessUsage(101, "1b4e2a3c-1111-2222-3333-444455556666", "a" * 64, 30.0, 12.0, 2 * 1024**3),
+                ProcessUsage(301, "", None, 0.0, 0.0, 64 * 1024**2),
+                ProcessUsage(999, None, None, None, None, None),
+            ),
+        ),
+        id="processes-pod-host-unknown",
+    ),
 ]
 
 
@@ -96,6 +122,13 @@ def test_absent_value_is_absent_on_the_wire() -> None:
     assert message.temperature_celsius is None
     assert message.is_set("gpu_utilization_percent")
     assert not message.is_set("temperature_celsius")
+
+
+def test_processes_not_read_differ_from_none_running() -> None:
+    """An agent that read no processes sends processes_read false; the receiver keeps None, not an empty tuple."""
+    assert round_trip(gpu_sample(0)).processes is None
+    assert sample_to_wire(gpu_sample(0, processes=())).processes_read is True
+    assert round_trip(gpu_sample(0, processes=())).processes == ()
 
 
 def test_whole_gpu_has_no_mig_parent_on_either_side() -> None:
@@ -147,4 +180,4 @@ def test_the_decoder_reuses_a_nodes_gpus_and_pods_between_ticks() -> None:
 
 def test_a_sample_lists_its_readings_in_the_metric_tables_order() -> None:
     """The decoder builds samples by position: GpuSample's readings follow gpu_metrics.READINGS."""
-    assert GpuSample._fields[2:-2] == READING_FIELDS
+    assert GpuSample._fields[2:-3] == READING_FIELDS

@@ -1,7 +1,9 @@
 """Fake GPUs that behave like NVML ones: values from a scenario or set live, and NVML's failures on demand.
 
 A ``timeout`` failure blocks the read the way a hung NVML call blocks its thread, so the poll loop's
-timeout path is the one under test, not a shortcut.
+timeout path is the one under test, not a shortcut. GPM metrics are absent on a GPU's first read (and on
+the first after it was lost), as NVML's rates between two samples are; the energy counter grows by the
+power drawn between two reads.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpuscaler.collectors.scenario import (
     DEFAULT_MEMORY_TOTAL_BYTES,
@@ -21,11 +24,15 @@ from gpuscaler.collectors.scenario import (
     Scenario,
     Shape,
 )
-from gpuscaler.gpu_metrics import READING_FIELDS, Metric
+from gpuscaler.gpu_metrics import GPM_READINGS, METRICS, READING_FIELDS, Metric
 from gpuscaler.samples import DEVICE_FIELD, GpuIdentity, GpuSample, ReadError, ReadErrorKind
 
 # A hung read gives up after this long even if nobody heals it, so no thread is stuck forever.
 HUNG_READ_LIMIT_SECONDS = 60.0
+# Each GPM reading with the metric a scenario sets it by.
+_GPM_METRICS = tuple(
+    (metric, reading) for reading in GPM_READINGS for metric, info in METRICS.items() if info.reading == reading.field
+)
 
 
 class Failure(enum.Enum):
@@ -42,6 +49,9 @@ class FakeGpu:
     shapes: dict[Metric, Shape]
     failure: Failure | None = None
     healed: threading.Event = field(default_factory=threading.Event)
+    energy_joules: float = 0.0
+    energy_read_at: float | None = None  # monotonic seconds of the last read that counted energy
+    gpm_primed: bool = False  # a previous GPM sample exists
 
 
 class FakeCollector:
@@ -100,6 +110,13 @@ class FakeCollector:
             failure = fake.failure
             healed = fake.healed
             values = self._values_locked(fake)
+            first_gpm = not fake.gpm_primed
+            if failure is None:
+                fake.gpm_primed = True
+            elif failure is Failure.LOST:
+                fake.gpm_primed = False  # the collector frees a lost GPU's GPM samples
+            if failure is None:
+                energy = self._count_energy_locked(fake, self._power(fake, values))
         if failure is Failure.TIMEOUT:
             healed.wait(HUNG_READ_LIMIT_SECONDS)
             return GpuSample(
@@ -119,11 +136,21 @@ class FakeCollector:
             )
             return GpuSample(gpu=gpu, node=self._node, errors=errors)
         used_percent = values[Metric.MEMORY_USED_PERCENT]
-        if Metric.POWER_PERCENT in values:
-            power = values[Metric.POWER_PERCENT] / 100.0 * fake.power_limit_watts
-        else:
-            power = values[Metric.POWER_DRAW]
-        return GpuSample(
+        # Any: the fields are named at run time, from the metric table.
+        gpm: dict[str, Any] = {reading.field: values[metric] for metric, reading in _GPM_METRICS}
+        gpm_errors: tuple[ReadError, ...] = ()
+        if first_gpm:
+            gpm = {}
+            gpm_errors = tuple(
+                ReadError(
+                    reading.field,
+                    ReadErrorKind.OTHER,
+                    f"GPM metrics are rates between two samples, and this is gpu {gpu.index}'s first: they are "
+                    "read from the next tick on (fake)",
+                )
+                for reading in GPM_READINGS
+            )
+        sample = GpuSample(
             gpu=gpu,
             node=self._node,
             gpu_utilization_percent=values[Metric.GPU_UTILIZATION],
@@ -131,9 +158,27 @@ class FakeCollector:
             memory_used_bytes=round(used_percent / 100.0 * fake.memory_total_bytes),
             memory_total_bytes=fake.memory_total_bytes,
             temperature_celsius=values[Metric.TEMPERATURE],
-            power_draw_watts=power,
+            power_draw_watts=self._power(fake, values),
             power_limit_watts=fake.power_limit_watts,
+            energy_joules=energy,
+            errors=gpm_errors,
         )
+        return sample._replace(**gpm)
+
+    @staticmethod
+    def _power(fake: FakeGpu, values: Mapping[Metric, float]) -> float:
+        if Metric.POWER_PERCENT in values:
+            return values[Metric.POWER_PERCENT] / 100.0 * fake.power_limit_watts
+        return values[Metric.POWER_DRAW]
+
+    def _count_energy_locked(self, fake: FakeGpu, watts: float) -> float:
+        """The energy counter after ``watts`` drawn since the previous read (since the start, at the first)."""
+        now = time.monotonic()
+        fake.energy_joules += watts * (
+            now - (fake.energy_read_at if fake.energy_read_at is not None else self._started)
+        )
+        fake.energy_read_at = now
+        return fake.energy_joules
 
     def _values_locked(self, fake: FakeGpu) -> dict[Metric, float]:
         elapsed = time.monotonic() - self._started

@@ -14,8 +14,11 @@
           temperature: {shape: ramp, from: 35, to: 80, duration: 5m}
           memory_utilization: {shape: triangle, min: 5, max: 70, period: 60s}
           memory_used_percent: 40
+          sm_active: {shape: sine, min: 10, max: 60, period: 120s}    # GPM metrics, as on Hopper
+          tensor_active: 30
 
-Shapes take their time from the agent's start. Every error names the path of the bad entry.
+Shapes take their time from the agent's start. Every error names the path of the bad entry. ``power_average``
+is not set: it is computed from the energy counter, which a fake GPU counts from its power draw.
 """
 
 from __future__ import annotations
@@ -229,11 +232,17 @@ def _mapping(document: Any, path: str, allowed: set[str] | None) -> Mapping[Any,
 
 
 def _metric(name: Any, path: str) -> Metric:
+    settable = [metric.value for metric, info in METRICS.items() if not info.rate]
     try:
-        return Metric(name)
+        metric = Metric(name)
     except ValueError:
-        allowed = ", ".join(metric.value for metric in Metric)
-        raise ConfigError(f"{path}: {name!r} is not a metric; use one of: {allowed}") from None
+        raise ConfigError(f"{path}: {name!r} is not a metric; use one of: {', '.join(settable)}") from None
+    if METRICS[metric].rate:
+        raise ConfigError(
+            f"{path}: {name!r} is computed from the energy counter, which a fake GPU counts from its power draw; "
+            "set power_draw or power_percent"
+        )
+    return metric
 
 
 def _number(value: Any, path: str, metric: Metric) -> float:

@@ -10,6 +10,11 @@ The file is re-read when it changes::
         workloadKind: Deployment   # optional, for people
         node: gpu-node-1           # optional: where it runs (spec.nodeName)
         gpus: true                 # optional: whether it asks for a GPU
+        uid: 1b4e2a3c-...          # optional: metadata.uid, which ties its processes to it on a shared GPU
+    scaledObjects:                 # optional: KEDA's ScaledObjects, for triggers with scaleTargetPods
+      - namespace: ml
+        name: trainer
+        scaleTargetRef: {name: trainer, kind: Deployment}   # kind defaults to Deployment, as in KEDA
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 import structlog
 
 from gpuscaler.errors import ConfigError
-from gpuscaler.pods import PodDirectory, PodInfo
+from gpuscaler.pods import PodDirectory, PodInfo, ScaleTarget
 
 log = structlog.get_logger(__name__)
 
@@ -44,6 +49,7 @@ class StaticPodDirectory:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._pods: dict[tuple[str, str], PodInfo] = {}
+        self._targets: dict[tuple[str, str], ScaleTarget] = {}
         self._mtime: float | None = None
         self._checked = 0.0
         self._problem: str | None = None
@@ -60,6 +66,13 @@ class StaticPodDirectory:
     def problem(self) -> str | None:
         self._maybe_reload()
         return self._problem
+
+    def scale_target(self, namespace: str, scaled_object: str) -> ScaleTarget | None:
+        self._maybe_reload()
+        return self._targets.get((namespace, scaled_object))
+
+    def scale_targets_problem(self) -> str | None:
+        return self.problem()
 
     def __len__(self) -> int:
         return len(self._pods)
@@ -94,7 +107,7 @@ class StaticPodDirectory:
             text = self.path.read_text(encoding="utf-8")
         except OSError as error:
             raise ConfigError(f"pod directory {str(self.path)!r}: {error.strerror}") from None
-        self._pods = parse_static_pods(text, source=str(self.path))
+        self._pods, self._targets = parse_static_file(text, source=str(self.path))
         self._mtime = mtime
         self._problem = None
         log.info("pod_directory_loaded", path=str(self.path), pods=len(self._pods))
@@ -102,6 +115,13 @@ class StaticPodDirectory:
 
 def parse_static_pods(text: str, *, source: str) -> dict[tuple[str, str], PodInfo]:
     """The pods of a static directory file; ConfigError names the entry and the field."""
+    return parse_static_file(text, source=source)[0]
+
+
+def parse_static_file(
+    text: str, *, source: str
+) -> tuple[dict[tuple[str, str], PodInfo], dict[tuple[str, str], ScaleTarget]]:
+    """The pods and ScaledObjects of a static directory file; ConfigError names the entry and the field."""
     import yaml  # only here: the agent starts faster and smaller without it
 
     try:
@@ -109,20 +129,53 @@ def parse_static_pods(text: str, *, source: str) -> dict[tuple[str, str], PodInf
     except yaml.YAMLError as error:
         raise ConfigError(f"pod directory {source}: not YAML: {error}") from None
     if document is None:
-        return {}
-    if not isinstance(document, dict) or not isinstance(document.get("pods", []), list):
-        raise ConfigError(f"pod directory {source}: expected a mapping with a 'pods' list")
-    unknown = set(document) - {"pods"}
+        return {}, {}
+    lists = ("pods", "scaledObjects")
+    if not isinstance(document, dict) or not all(isinstance(document.get(key, []), list) for key in lists):
+        raise ConfigError(f"pod directory {source}: expected a mapping with a 'pods' list (and a 'scaledObjects' one)")
+    unknown = set(document) - set(lists)
     if unknown:
-        raise ConfigError(f"pod directory {source}: unknown top-level keys {sorted(unknown)}; only 'pods'")
+        raise ConfigError(
+            f"pod directory {source}: unknown top-level keys {sorted(unknown)}; only 'pods', 'scaledObjects'"
+        )
     pods: dict[tuple[str, str], PodInfo] = {}
     for number, entry in enumerate(document.get("pods") or [], start=1):
         info = _static_entry(entry, f"pod directory {source}: pods[{number}]")
         pods[(info.namespace, info.pod)] = info
-    return pods
+    targets: dict[tuple[str, str], ScaleTarget] = {}
+    for number, entry in enumerate(document.get("scaledObjects") or [], start=1):
+        target = _static_target(entry, f"pod directory {source}: scaledObjects[{number}]")
+        targets[(target.namespace, target.scaled_object)] = target
+    return pods, targets
 
 
-_ENTRY_KEYS = {"namespace", "pod", "labels", "workload", "workloadKind", "node", "gpus"}
+def _static_target(entry: Any, where: str) -> ScaleTarget:
+    if not isinstance(entry, dict) or set(entry) - {"namespace", "name", "scaleTargetRef"}:
+        raise ConfigError(f"{where}: expected a mapping with namespace, name and scaleTargetRef")
+    ref = entry.get("scaleTargetRef")
+    if not isinstance(ref, dict) or set(ref) - {"name", "kind", "apiVersion"}:
+        raise ConfigError(f"{where}: scaleTargetRef must be a mapping with name (and kind, apiVersion)")
+    fields = {  # KEDA's defaults for kind and apiVersion
+        "namespace": entry.get("namespace"),
+        "name": entry.get("name"),
+        "scaleTargetRef.name": ref.get("name"),
+        "scaleTargetRef.kind": ref.get("kind", "Deployment"),
+        "scaleTargetRef.apiVersion": ref.get("apiVersion", "apps/v1"),
+    }
+    for key, value in fields.items():
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{where}: {key} is missing or not a string")
+    text = {key: str(value) for key, value in fields.items()}
+    return ScaleTarget(
+        namespace=text["namespace"],
+        scaled_object=text["name"],
+        kind=text["scaleTargetRef.kind"],
+        name=text["scaleTargetRef.name"],
+        api_version=text["scaleTargetRef.apiVersion"],
+    )
+
+
+_ENTRY_KEYS = {"namespace", "pod", "labels", "workload", "workloadKind", "node", "gpus", "uid"}
 
 
 def _static_entry(entry: Any, where: str) -> PodInfo:
@@ -140,7 +193,8 @@ def _static_entry(entry: Any, where: str) -> PodInfo:
     workload = entry.get("workload")
     kind = entry.get("workloadKind")
     node = entry.get("node")
-    for key, value in (("workload", workload), ("workloadKind", kind), ("node", node)):
+    uid = entry.get("uid")
+    for key, value in (("workload", workload), ("workloadKind", kind), ("node", node), ("uid", uid)):
         if value is not None and not isinstance(value, str):
             raise ConfigError(f"{where}: {key} must be a string")
     gpus = entry.get("gpus")
@@ -154,4 +208,5 @@ def _static_entry(entry: Any, where: str) -> PodInfo:
         workload_kind=kind,
         node=node,
         holds_gpus=gpus,
+        uid=uid,
     )

@@ -74,6 +74,7 @@ def pod_info(pod: Mapping[str, Any]) -> PodInfo | None:
         workload_kind=kind,
         node=node if isinstance(node, str) and node else None,
         holds_gpus=_asks_for_gpus(spec),
+        uid=uid if isinstance(uid := metadata.get("uid"), str) and uid else None,
     )
 
 
@@ -122,6 +123,11 @@ class KubernetesPodDirectory:
                 "give a static pod directory file"
             ) from None
         return cls(lambda: client.ApiClient(configuration))
+
+    @property
+    def api_client_factory(self) -> Callable[[], client.ApiClient]:
+        """How this directory reaches the API, for another watch on the same service account."""
+        return self._factory
 
     def lookup(self, namespace: str, pod: str) -> PodInfo | None:
         return self._pods.get((namespace, pod))
@@ -189,6 +195,10 @@ class KubernetesPodDirectory:
         # The raw answer: a cluster's pods as plain dicts, without building a model object per field.
         response: Any = await core.list_pod_for_all_namespaces(_preload_content=False)
         try:
+            # A raw answer is not checked for us: a 403 (RBAC) or 500 would otherwise read as "no pods", and every
+            # workload as scaled to zero.
+            if response.status >= 300:
+                raise ApiException(status=response.status, reason=response.reason)
             document = await response.json()
         finally:
             response.release()

@@ -43,9 +43,9 @@ def build_directory(settings: GatewaySettings) -> PodDirectory | None:
     if settings.pod_directory is None:
         return None
     if settings.pod_directory == POD_DIRECTORY_KUBERNETES:
-        from gpuscaler.gateway.pod_watch import KubernetesPodDirectory
+        from gpuscaler.gateway.scaled_objects import KubernetesDirectory
 
-        return KubernetesPodDirectory.in_cluster()
+        return KubernetesDirectory.in_cluster()
     try:
         return StaticPodDirectory(Path(settings.pod_directory))
     except ConfigError as error:
@@ -109,6 +109,7 @@ class Gateway:
             view,
             lambda: {str(endpoint): subscriber for endpoint, (subscriber, _) in subscribers.items()},
             partial(_pod_counts, directory),
+            directory,
         )
         frontend = await Frontend.start(settings.server, engine, telemetry, health_every_seconds=HEALTH_CHECK_SECONDS)
         if isinstance(directory, ManagedDirectory):
@@ -169,7 +170,10 @@ class Gateway:
 
 def _pod_counts(directory: PodDirectory | None) -> tuple[int, int, int] | None:
     from gpuscaler.gateway.pod_watch import KubernetesPodDirectory
+    from gpuscaler.gateway.scaled_objects import KubernetesDirectory
 
+    if isinstance(directory, KubernetesDirectory):
+        directory = directory.pod_watch
     if not isinstance(directory, KubernetesPodDirectory):
         return None
     return len(directory), directory.lists, directory.events

@@ -6,14 +6,18 @@ takes its series with it. Label values are agent addresses and node names: one s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gpuscaler.energy import IdleEnergy
+from gpuscaler.gateway.idle_energy import WorkloadIdleEnergy
 from gpuscaler.gateway.subscriber import AgentSubscriber
 from gpuscaler.gateway.view import ClusterView
+from gpuscaler.pods import PodDirectory
+from gpuscaler.samples import GpuSample
 from gpuscaler.telemetry import ServerTelemetry
 
 AGENT_STATES = ("heard", "silent", "unheard", "refused", "replaced")
@@ -91,10 +95,15 @@ class _ViewCollector(Collector):
 class GatewayTelemetry(ServerTelemetry):
     """The gateway's registry."""
 
-    def __init__(self, view: ClusterView, subscribers: Subscribers, pods: PodCounts) -> None:
+    def __init__(
+        self, view: ClusterView, subscribers: Subscribers, pods: PodCounts, directory: PodDirectory | None = None
+    ) -> None:
         """``pods()`` gives (pods, lists, watch events) of a Kubernetes pod directory, or None without one."""
         super().__init__()
         self.registry.register(_ViewCollector(view, subscribers, pods))
+        self.idle_energy = WorkloadIdleEnergy(view, directory)
+        view.add_listener(self.idle_energy.on_snapshot)
+        self.registry.register(self.idle_energy)
         self.compose_seconds = Histogram(
             "gpuscaler_gateway_compose_duration_seconds",
             "Time one composition of the cluster view took, the open streams' re-evaluation included.",
@@ -102,3 +111,7 @@ class GatewayTelemetry(ServerTelemetry):
             registry=self.registry,
         )
         view.on_compose = self.compose_seconds.observe
+
+    def idle_energy_of(self, samples: Iterable[GpuSample], window_seconds: float | None) -> IdleEnergy | None:
+        """Since this gateway first saw each GPU, whatever the window: the gateway keeps no history."""
+        return self.idle_energy.counter.summary(samples)

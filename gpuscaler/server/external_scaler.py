@@ -46,7 +46,7 @@ class ExternalScalerService(ExternalScalerBase):
     def _query(self, ref: ScaledObjectRef | None) -> Query:
         if ref is None:
             raise InvalidMetadata("scaledObjectRef is missing; KEDA always sends it, so is this client KEDA?")
-        return self._engine.parse(ref.scaler_metadata, ref.namespace)
+        return self._engine.parse(ref.scaler_metadata, ref.namespace, ref.name)
 
     async def is_active(self, message: ScaledObjectRef) -> IsActiveResponse:
         async with grpc_errors("IsActive"):

@@ -74,7 +74,7 @@ class Frontend:
         scaler = ExternalScalerService(engine)
         health = ServiceStatus()
         health.set(engine.healthy())
-        services: list[Any] = [scaler, AgentService(engine), *extra_services]
+        services: list[Any] = [scaler, AgentService(engine, telemetry.idle_energy_of), *extra_services]
         services.append(Health({scaler: [health], OVERALL: [health]}))
         server = ManyStreamsServer(services)
         tracker = RpcTracker()

@@ -85,6 +85,16 @@ def test_notes_warn_when_host_mounts_make_the_agent_privileged(helm: Helm) -> No
     assert "PRIVILEGED" in result.stdout.split("NOTES:", 1)[1]
 
 
+def test_notes_say_when_the_agents_share_the_host_pid_namespace(helm: Helm) -> None:
+    """With agent.processes the install output names hostPID and the Pod Security level it needs."""
+    processes = CHART / "ci" / "processes-values.yaml"
+    result = helm.run("install", RELEASE, str(CHART), "-n", NAMESPACE, "--dry-run=client", "-f", str(processes))
+    assert result.returncode == 0, result.stderr
+    notes = result.stdout.split("NOTES:", 1)[1]
+    assert "HOST PID NAMESPACE" in notes
+    assert '"privileged"' in notes
+
+
 def test_readme_explains_the_one_node_limit() -> None:
     """The README says that KEDA reads one node until the gateway exists."""
     readme = (CHART / "README.md").read_text()

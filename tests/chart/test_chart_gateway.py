@@ -139,11 +139,14 @@ def test_agent_tls_mounts_the_agents_secret_read_only(helm: Helm) -> None:
     assert mount in container(gateway)["volumeMounts"]
 
 
-def test_rbac_is_pods_get_list_watch_only(helm: Helm) -> None:
-    """The ClusterRole allows get/list/watch on pods and nothing else, bound to the gateway's ServiceAccount."""
+def test_rbac_is_get_list_watch_on_pods_and_scaledobjects_only(helm: Helm) -> None:
+    """The ClusterRole allows get/list/watch on pods and KEDA's ScaledObjects, nothing else, for the gateway."""
     manifests = helm.template(CI["defaults"])
     role = find(manifests, "ClusterRole", GATEWAY)
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["keda.sh"], "resources": ["scaledobjects"], "verbs": ["get", "list", "watch"]},
+    ]
     binding = find(manifests, "ClusterRoleBinding", GATEWAY)
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": GATEWAY}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": GATEWAY, "namespace": NAMESPACE}]

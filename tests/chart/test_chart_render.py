@@ -41,7 +41,7 @@ pytestmark = pytest.mark.timeout(TOOL_BUILD_TIMEOUT_SECONDS)
 CI = {path.name.removesuffix("-values.yaml"): path for path in CI_VALUES}
 FULLNAME = RELEASE  # the release name contains the chart name, so it is the prefix as it is
 # Announced by the CLI contract and set by the chart ahead of the agent reading them.
-ANNOUNCED_SETTINGS = {"GPUSCALER_METRICS_LISTEN", "GPUSCALER_POD_RESOURCES_SOCKET"}
+ANNOUNCED_SETTINGS = {"GPUSCALER_METRICS_LISTEN", "GPUSCALER_POD_RESOURCES_SOCKET", "GPUSCALER_PROCESSES"}
 
 
 def daemonset(helm: Helm, scenario: str = "defaults", sets: tuple[str, ...] = ()) -> Manifest:
@@ -117,6 +117,28 @@ def test_other_scenarios_stay_restricted_except_where_documented(helm: Helm, sce
         assert problems == ["volume pod-resources: ['hostPath']"]
     else:
         assert problems == []
+
+
+def test_processes_add_the_host_pid_namespace_and_nothing_else(helm: Helm) -> None:
+    """agent.processes.enabled sets hostPID and --processes; the agent stays non-root, capability-free, read-only."""
+    ds = daemonset(helm, "processes")
+    spec = pod_spec(ds)
+    assert spec["hostPID"] is True
+    assert restricted_violations(spec) == ["hostPID", "volume pod-resources: ['hostPath']"]
+    container = agent_container(ds)
+    assert env_values(container)["GPUSCALER_PROCESSES"] == "true"
+    context = container["securityContext"]
+    assert context == agent_container(daemonset(helm))["securityContext"]
+    assert context["capabilities"] == {"drop": ["ALL"]}
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert [v["name"] for v in spec["volumes"]] == ["tmp", "pod-resources"]  # no host /proc
+
+
+def test_processes_are_off_by_default_without_host_pid(helm: Helm) -> None:
+    """By default there is no hostPID, and the agent is told not to read processes."""
+    ds = daemonset(helm)
+    assert "hostPID" not in pod_spec(ds)
+    assert env_values(agent_container(ds))["GPUSCALER_PROCESSES"] == "false"
 
 
 def test_host_mounts_grant_privileged_only_in_that_mode(helm: Helm) -> None:
@@ -237,6 +259,7 @@ def test_default_settings_are_the_documented_ones(helm: Helm) -> None:
         "GPUSCALER_DRAIN_TIMEOUT": "5",
         "GPUSCALER_METRICS_LISTEN": "0.0.0.0:9402",
         "GPUSCALER_POD_RESOURCES_SOCKET": "",
+        "GPUSCALER_PROCESSES": "false",
     }
 
 
@@ -257,6 +280,7 @@ SETTABLE = [
         "/var/lib/kubelet/pod-resources/kubelet.sock",
     ),
     ("agent.collector=fake,agent.fake.gpus=16", "GPUSCALER_FAKE_GPUS", "16"),
+    ("agent.processes.enabled=true", "GPUSCALER_PROCESSES", "true"),
     ("agent.tls.secretName=t", "GPUSCALER_TLS_CERT", "/etc/gpuscaler/tls/tls.crt"),
     ("agent.tls.secretName=t", "GPUSCALER_TLS_KEY", "/etc/gpuscaler/tls/tls.key"),
     ("agent.tls.secretName=t,agent.tls.reloadInterval=30", "GPUSCALER_TLS_RELOAD_INTERVAL", "30"),

@@ -3,27 +3,20 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
 
 from gpuscaler.collectors.fake import Failure, FakeCollector
-from gpuscaler.gpu_metrics import Metric
+from gpuscaler.gpu_metrics import GPM_READINGS, METRICS, READING_FIELDS, Metric, Reading
 from gpuscaler.samples import DEVICE_FIELD, GpuIdentity, GpuSample, ReadErrorKind
 
 # How long a read must stay blocked to count as hung, and how long a released one may take (generous).
 STILL_BLOCKED_SECONDS = 0.2
 RELEASED_WITHIN_SECONDS = 10.0
 
-FIELDS = (
-    "gpu_utilization_percent",
-    "memory_utilization_percent",
-    "memory_used_bytes",
-    "memory_total_bytes",
-    "temperature_celsius",
-    "power_draw_watts",
-    "power_limit_watts",
-)
+FIELDS = READING_FIELDS
 
 
 @pytest.fixture
@@ -88,11 +81,51 @@ def test_set_values_on_one_gpu(
     collector: FakeCollector, values: dict[Metric, float], check: Callable[[GpuSample], object], expected: float
 ) -> None:
     """Setting a metric on one GPU changes that GPU's reading, in the field's unit, and no other GPU's."""
-    idle = values_of(read(collector, 0))
+    for index in range(3):
+        read(collector, index)  # the first read has no GPM values, as on NVML
+    idle = _without_energy(values_of(read(collector, 0)))
     collector.set_values(1, values)
     assert check(read(collector, 1)) == pytest.approx(expected)
-    assert values_of(read(collector, 0)) == idle
-    assert values_of(read(collector, 2)) == idle
+    assert _without_energy(values_of(read(collector, 0))) == idle
+    assert _without_energy(values_of(read(collector, 2))) == idle
+
+
+def _without_energy(values: list[object]) -> list[object]:
+    """The readings but the energy counter, which grows between any two reads."""
+    return [value for name, value in zip(FIELDS, values, strict=True) if name != "energy_joules"]
+
+
+@pytest.mark.parametrize("reading", GPM_READINGS, ids=lambda reading: reading.field)
+def test_gpm_metrics_are_absent_on_the_first_read_then_follow_their_setting(
+    collector: FakeCollector, reading: Reading
+) -> None:
+    """A GPM reading is absent with its reason on a GPU's first read (a rate needs two samples), then has its value."""
+    metric = next(m for m, info in METRICS.items() if info.reading == reading.field)
+    collector.set_values(0, {metric: 42.5})
+    first = read(collector, 0)
+    assert getattr(first, reading.field) is None
+    error = first.error_for(metric)
+    assert error is not None
+    assert "first" in error.detail
+    assert getattr(read(collector, 0), reading.field) == 42.5
+    collector.fail(0, Failure.LOST)
+    read(collector, 0)
+    collector.heal(0)
+    assert getattr(read(collector, 0), reading.field) is None  # after a loss, NVML's previous sample is gone too
+
+
+def test_energy_counts_the_power_drawn_between_reads(collector: FakeCollector) -> None:
+    """The energy counter grows by at least power x the time between two reads, and never falls."""
+    collector.set_values(0, {Metric.POWER_DRAW: 500.0})
+    first = read(collector, 0).energy_joules
+    started = time.monotonic()
+    time.sleep(0.05)
+    second = read(collector, 0).energy_joules
+    elapsed = time.monotonic() - started
+    assert first is not None
+    assert second is not None
+    assert second - first >= 500.0 * 0.05
+    assert second - first <= 500.0 * (elapsed + 0.05)
 
 
 def test_set_values_on_every_gpu(collector: FakeCollector) -> None:
@@ -123,6 +156,7 @@ def test_lost_gpu_reads_as_a_device_error(collector: FakeCollector) -> None:
     for metric in Metric:
         assert sample.value(metric) is None
         assert sample.error_for(metric) == error
+    read(collector, 0)  # GPM needs a previous sample
     assert read(collector, 0).errors == ()
 
 
@@ -143,12 +177,13 @@ def test_not_supported_gpu_reads_every_field_as_not_supported(collector: FakeCol
 def test_heal_restores_the_values(collector: FakeCollector, failure: Failure) -> None:
     """After heal a GPU reads as before it failed, set values included."""
     collector.set_values(2, {Metric.GPU_UTILIZATION: 33.0})
-    before = values_of(read(collector, 2))
+    read(collector, 2)  # GPM needs a previous sample
+    before = _without_energy(values_of(read(collector, 2)))
     collector.fail(2, failure)
     collector.heal(2)
     sample = read(collector, 2)
     assert sample.errors == ()
-    assert values_of(sample) == before
+    assert _without_energy(values_of(sample)) == before
 
 
 def test_timeout_read_blocks_until_healed(collector: FakeCollector) -> None:
@@ -156,12 +191,14 @@ def test_timeout_read_blocks_until_healed(collector: FakeCollector) -> None:
     collector.fail(1, Failure.TIMEOUT)
     hung = BackgroundRead(collector, collector.discover()[1])
     assert not hung.done_within(STILL_BLOCKED_SECONDS)
+    read(collector, 0)  # GPM needs a previous sample
     assert read(collector, 0).errors == ()  # other GPUs still answer at once
     collector.heal(1)
     assert hung.done_within(RELEASED_WITHIN_SECONDS)
     assert hung.result is not None
     [error] = hung.result.errors
     assert (error.field, error.kind) == (DEVICE_FIELD, ReadErrorKind.TIMEOUT)
+    read(collector, 1)
     assert read(collector, 1).errors == ()
 
 

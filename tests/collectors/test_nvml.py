@@ -25,9 +25,10 @@ def started(nvml: FakeNvml) -> NvmlCollector:
 
 
 def test_reads_every_metric_in_its_unit() -> None:
-    """A healthy GPU reads utilisation %, VRAM bytes (v2), °C and watts as floats, not truncated."""
+    """A healthy GPU reads utilisation %, VRAM bytes (v2), °C, watts, joules and GPM %, as floats, not truncated."""
     collector = started(FakeNvml([FakeDevice("GPU-aaa")]))
     [gpu] = collector.discover()
+    collector.read(gpu)  # GPM metrics are rates between two samples
     sample = collector.read(gpu)
 
     assert (gpu.index, gpu.uuid, gpu.name, gpu.mig_parent_uuid) == (0, "GPU-aaa", "NVIDIA H100 80GB HBM3", None)
@@ -38,6 +39,12 @@ def test_reads_every_metric_in_its_unit() -> None:
     assert sample.value(Metric.TEMPERATURE) == 55.0
     assert sample.value(Metric.POWER_DRAW) == 350.5
     assert sample.value(Metric.POWER_PERCENT) == pytest.approx(50.07, abs=0.01)
+    assert sample.energy_joules == 123_456.789
+    assert sample.value(Metric.SM_ACTIVE) == 35.5
+    assert sample.value(Metric.SM_OCCUPANCY) == 22.25
+    assert sample.value(Metric.TENSOR_ACTIVE) == 12.5
+    assert sample.value(Metric.DRAM_BANDWIDTH) == 48.0
+    assert sample.processes is None  # per-process reads are off unless asked for
 
 
 def test_not_supported_field_is_absent_with_reason() -> None:
@@ -104,7 +111,7 @@ def test_handle_lookup_failure_is_a_device_error() -> None:
     assert "nvmlDeviceGetHandleByUUID(GPU-lost)" in sample.errors[0].detail
 
 
-def test_mig_instances_are_devices_without_utilisation() -> None:
+def test_mig_instances_are_devices_without_nvml_utilisation_or_power() -> None:
     """A MIG GPU is sampled as its instances: memory per instance, no utilisation or power, never 0."""
     instance_a = FakeDevice("MIG-a", name="NVIDIA H100 1g.10gb", used_bytes=5 * 1024**3, total_bytes=10 * 1024**3)
     instance_a.errors["nvmlDeviceGetUtilizationRates"] = NOT_SUPPORTED
@@ -131,6 +138,7 @@ def test_mig_instances_are_devices_without_utilisation() -> None:
     assert power_error is not None
     assert "per physical GPU" in power_error.detail
     assert sample.value(Metric.TEMPERATURE) == 61.0  # the parent's sensor
+    assert sample.energy_joules is None  # the board's counter, like its power
 
 
 def test_mig_mode_unsupported_means_plain_gpu() -> None:
@@ -175,6 +183,8 @@ _READS = (
     "nvmlDeviceGetTemperatureV",
     "nvmlDeviceGetPowerUsage",
     "nvmlDeviceGetEnforcedPowerLimit",
+    "nvmlDeviceGetTotalEnergyConsumption",
+    "nvmlGpmQueryDeviceSupport",
 )
 
 

@@ -103,10 +103,13 @@ def test_defaults_apply_to_every_gpu_and_entries_override_them() -> None:
 
 
 def test_unset_values_are_an_idle_gpu() -> None:
-    """A GPU the scenario does not mention reads as idle: 0% busy, 30 °C, 60 W of a 700 W limit, 80 GiB."""
+    """A GPU the scenario does not mention is idle: 0% busy, 30 °C, 60 W of a 700 W limit, 80 GiB, no SM at work."""
     collector = FakeCollector(node="n", gpu_count=1)
     [gpu] = collector.discover()
+    collector.read(gpu)  # GPM metrics are rates: the first read has none
     sample = collector.read(gpu)
+    assert sample.sm_active_percent == 0.0
+    assert sample.tensor_active_percent == 0.0
     assert sample.gpu_utilization_percent == 0.0
     assert sample.memory_utilization_percent == 0.0
     assert sample.memory_used_bytes == 0
@@ -146,6 +149,13 @@ BAD: list[tuple[Any, int, str]] = [
         "defaults.values sets both power_draw and power_percent; set one",
     ),
     ({"gpus": {0: {"values": {"gpu_util": 5}}}}, 1, "gpus.0.values: 'gpu_util' is not a metric; use one of: gpu_"),
+    ({"gpus": {0: {"values": {"sm_active": 120}}}}, 1, "gpus.0.values.sm_active 120 is a percentage"),
+    (
+        {"gpus": {0: {"values": {"power_average": 300}}}},
+        1,
+        "gpus.0.values: 'power_average' is computed from the energy counter, which a fake GPU counts from its power "
+        "draw; set power_draw or power_percent",
+    ),
     (
         {"gpus": {0: {"values": {"gpu_utilization": {"shape": "saw"}}}}},
         1,
@@ -239,6 +249,8 @@ def test_load_scenario_errors_name_the_flag_and_file(tmp_path: Path, text: str |
         pytest.param("gpu_utilization", "95", (Metric.GPU_UTILIZATION, 95.0), id="percent"),
         pytest.param("power_draw", "650.5", (Metric.POWER_DRAW, 650.5), id="watts"),
         pytest.param("temperature", "0", (Metric.TEMPERATURE, 0.0), id="zero"),
+        pytest.param("sm_active", "62.5", (Metric.SM_ACTIVE, 62.5), id="gpm"),
+        pytest.param("dram_bandwidth", "80", (Metric.DRAM_BANDWIDTH, 80.0), id="gpm-bandwidth"),
     ],
 )
 def test_parse_value_from_the_command_line(name: str, text: str, expected: tuple[Metric, float]) -> None:
@@ -253,6 +265,7 @@ def test_parse_value_from_the_command_line(name: str, text: str, expected: tuple
         pytest.param("gpu_utilization", "-1", "gpu_utilization '-1' must be a finite number >= 0", id="negative"),
         pytest.param("gpu", "1", "METRIC: 'gpu' is not a metric; use one of", id="unknown-metric"),
         pytest.param("power_draw", "x", "power_draw 'x' is not a number", id="not-a-number"),
+        pytest.param("power_average", "300", "METRIC: 'power_average' is computed", id="computed"),
     ],
 )
 def test_parse_value_errors(name: str, text: str, message: str) -> None:

@@ -2,14 +2,29 @@
 
 Each device can be told to raise an NVML error per call (by NVML return code), to hang, or to be
 MIG-enabled with instances. Codes are NVML's own (3 NotSupported, 13 FunctionNotFound, 15 GpuIsLost...).
+
+GPM is modelled as NVML has it: samples are allocated and freed by the caller (the fake counts both and
+refuses a sample freed twice or used after its free), a metric is computed from two samples of one device,
+and a device that is not Hopper or newer says so through ``nvmlGpmQueryDeviceSupport``. Per-process
+utilisation returns the samples newer than the caller's timestamp, and NOT_FOUND when there are none.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
+
+from gpuscaler.gpu_metrics import (
+    GPM_ANY_TENSOR_UTIL,
+    GPM_DRAM_BW_UTIL,
+    GPM_GRAPHICS_UTIL,
+    GPM_SM_OCCUPANCY,
+    GPM_SM_UTIL,
+)
 
 NOT_SUPPORTED = 3
 NOT_FOUND = 6
@@ -17,6 +32,10 @@ TIMEOUT = 10
 LIBRARY_NOT_FOUND = 12
 FUNCTION_NOT_FOUND = 13
 GPU_IS_LOST = 15
+NO_DATA = 21
+
+NVML_GPM_METRICS_GET_VERSION = 1
+NVML_GPM_METRIC_MAX = 477
 
 _MESSAGES = {
     NOT_SUPPORTED: "Not Supported",
@@ -25,7 +44,59 @@ _MESSAGES = {
     LIBRARY_NOT_FOUND: "NVML Shared Library Not Found",
     FUNCTION_NOT_FOUND: "Function Not Found",
     GPU_IS_LOST: "GPU is lost",
+    NO_DATA: "No data",
 }
+
+
+def default_gpm() -> dict[int, float]:
+    """A busy Hopper GPU's GPM metrics (by NVML_GPM_METRIC_* id), in percent."""
+    return {
+        GPM_GRAPHICS_UTIL: 88.0,
+        GPM_SM_UTIL: 35.5,
+        GPM_SM_OCCUPANCY: 22.25,
+        GPM_ANY_TENSOR_UTIL: 12.5,
+        GPM_DRAM_BW_UTIL: 48.0,
+    }
+
+
+@dataclass
+class FakeProcess:
+    """A compute process on a device; its utilisation samples are NVML's (microsecond timestamps)."""
+
+    pid: int
+    used_bytes: int | None = 1024**3
+    # (timestamp in microseconds since the epoch, SM %, memory %), oldest first
+    samples: list[tuple[int, int, int]] = field(default_factory=list)
+    # (SM %, memory %) of a sample newer than any timestamp asked for: a process that keeps running
+    live: tuple[int, int] | None = None
+
+
+class FakeGpmSample:
+    """An opaque GPM sample: which device filled it, with what, and in which order."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.device: FakeDevice | None = None
+        self.values: dict[int, float] = {}
+        self.taken = 0
+
+
+class FakeGpmMetric:
+    def __init__(self) -> None:
+        self.metricId = 0
+        self.nvmlReturn = -1
+        self.value = 0.0
+
+
+class FakeGpmMetricsGet:
+    """``c_nvmlGpmMetricsGet_t``: the request the caller fills and nvmlGpmMetricsGet answers in place."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.numMetrics = 0
+        self.sample1: FakeGpmSample | None = None
+        self.sample2: FakeGpmSample | None = None
+        self.metrics = [FakeGpmMetric() for _ in range(NVML_GPM_METRIC_MAX)]
 
 
 class NVMLError(Exception):
@@ -55,12 +126,22 @@ class FakeDevice:
     release: threading.Event = field(default_factory=threading.Event)
     mig_instances: list[FakeDevice | None] | None = None  # None: MIG off; None entries are empty slots
     mig_mode_error: int | None = None
+    energy_mj: int = 123_456_789
+    # Draws this many watts: the energy counter is then watts x the wall clock, so it grows between reads.
+    watts: float | None = None
+    gpm_supported: bool = True  # Hopper or newer (of a MIG instance: its parent's)
+    gpm: dict[int, float] = field(default_factory=default_gpm)
+    gpm_metric_errors: dict[int, int] = field(default_factory=dict)  # metric id -> the nvmlReturn it gets
+    gpu_instance_id: int = 0  # of a MIG instance
+    processes: list[FakeProcess] = field(default_factory=list)
 
 
 class FakeNvml:
     """The subset of pynvml that NvmlCollector uses; calls are counted per function name."""
 
     NVMLError = NVMLError
+    NVML_GPM_METRICS_GET_VERSION = NVML_GPM_METRICS_GET_VERSION
+    c_nvmlGpmMetricsGet_t = FakeGpmMetricsGet  # noqa: N815 - pynvml's own name for the struct
 
     def __init__(self, devices: list[FakeDevice], *, init_error: int | None = None) -> None:
         self.devices = devices
@@ -68,6 +149,14 @@ class FakeNvml:
         self.initialised = False
         self.calls: dict[str, int] = {}
         self._lock = threading.Lock()
+        self.gpm_live: dict[int, FakeGpmSample] = {}
+        self.gpm_allocated = 0
+        self.gpm_freed = 0
+        self._numbers = itertools.count(1)
+        self._taken = itertools.count(1)
+        # Holds nvmlGpmSampleGet until set, for tests of a GPM read that hangs while its device goes away.
+        self.gpm_release: threading.Event | None = None
+        self.gpm_waiting = threading.Event()
 
     def _device(self, function: str, handle: FakeDevice) -> FakeDevice:
         with self._lock:
@@ -150,3 +239,106 @@ class FakeNvml:
 
     def nvmlDeviceGetEnforcedPowerLimit(self, handle: FakeDevice) -> int:
         return self._device("nvmlDeviceGetEnforcedPowerLimit", handle).limit_mw
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: FakeDevice) -> int:
+        device = self._device("nvmlDeviceGetTotalEnergyConsumption", handle)
+        if device.watts is not None:
+            return int(device.watts * time.time() * 1000)
+        return device.energy_mj
+
+    def nvmlDeviceGetGpuInstanceId(self, handle: FakeDevice) -> int:
+        return self._device("nvmlDeviceGetGpuInstanceId", handle).gpu_instance_id
+
+    # GPM
+
+    def nvmlGpmQueryDeviceSupport(self, handle: FakeDevice) -> Any:
+        device = self._device("nvmlGpmQueryDeviceSupport", handle)
+        return SimpleNamespace(version=1, isSupportedDevice=1 if device.gpm_supported else 0)
+
+    def nvmlGpmSampleAlloc(self) -> FakeGpmSample:
+        with self._lock:
+            self.calls["nvmlGpmSampleAlloc"] = self.calls.get("nvmlGpmSampleAlloc", 0) + 1
+            sample = FakeGpmSample(next(self._numbers))
+            self.gpm_live[sample.number] = sample
+            self.gpm_allocated += 1
+        return sample
+
+    def nvmlGpmSampleFree(self, sample: FakeGpmSample) -> None:
+        with self._lock:
+            if self.gpm_live.pop(sample.number, None) is None:
+                raise AssertionError(f"GPM sample {sample.number} freed twice, or never allocated")
+            self.gpm_freed += 1
+
+    def _live(self, sample: FakeGpmSample | None) -> FakeGpmSample:
+        with self._lock:
+            if sample is None or sample.number not in self.gpm_live:
+                raise AssertionError("a GPM sample used after its free, or never allocated")
+        return sample
+
+    def _fill(self, sample: FakeGpmSample, device: FakeDevice) -> FakeGpmSample:
+        if self.gpm_release is not None:
+            self.gpm_waiting.set()
+            self.gpm_release.wait(10)
+        self._live(sample)
+        sample.device, sample.values, sample.taken = device, dict(device.gpm), next(self._taken)
+        return sample
+
+    def nvmlGpmSampleGet(self, handle: FakeDevice, sample: FakeGpmSample) -> FakeGpmSample:
+        device = self._device("nvmlGpmSampleGet", handle)
+        if not device.gpm_supported:
+            raise NVMLError(NOT_SUPPORTED)
+        return self._fill(sample, device)
+
+    def nvmlGpmMigSampleGet(self, handle: FakeDevice, gpu_instance_id: int, sample: FakeGpmSample) -> FakeGpmSample:
+        parent = self._device("nvmlGpmMigSampleGet", handle)
+        if not parent.gpm_supported:
+            raise NVMLError(NOT_SUPPORTED)
+        for instance in parent.mig_instances or []:
+            if instance is not None and instance.gpu_instance_id == gpu_instance_id:
+                return self._fill(sample, self._device("nvmlGpmMigSampleGet", instance))
+        raise NVMLError(NOT_FOUND)
+
+    def nvmlGpmMetricsGet(self, request: FakeGpmMetricsGet) -> FakeGpmMetricsGet:
+        with self._lock:
+            self.calls["nvmlGpmMetricsGet"] = self.calls.get("nvmlGpmMetricsGet", 0) + 1
+        first, second = self._live(request.sample1), self._live(request.sample2)
+        if request.version != NVML_GPM_METRICS_GET_VERSION:
+            raise NVMLError(25)  # ARGUMENT_VERSION_MISMATCH
+        if first.device is None or first.device is not second.device or first.taken >= second.taken:
+            raise NVMLError(2)  # INVALID_ARGUMENT: two samples of one device, the older first
+        for metric in request.metrics[: request.numMetrics]:
+            code = second.device.gpm_metric_errors.get(metric.metricId)
+            if code is not None:
+                metric.nvmlReturn, metric.value = code, 0.0
+            elif metric.metricId in second.values:
+                metric.nvmlReturn, metric.value = 0, second.values[metric.metricId]
+            else:
+                metric.nvmlReturn, metric.value = NOT_SUPPORTED, 0.0
+        return request
+
+    # Processes
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeDevice) -> list[Any]:
+        device = self._device("nvmlDeviceGetComputeRunningProcesses", handle)
+        return [
+            SimpleNamespace(pid=p.pid, usedGpuMemory=p.used_bytes, gpuInstanceId=0, computeInstanceId=0)
+            for p in device.processes
+        ]
+
+    def _utilization(self, function: str, handle: FakeDevice, since: int) -> list[Any]:
+        device = self._device(function, handle)
+        found = [
+            SimpleNamespace(pid=p.pid, timeStamp=stamp, smUtil=sm, memUtil=mem, encUtil=0, decUtil=0)
+            for p in device.processes
+            for stamp, sm, mem in [*p.samples, *([(since + 1, *p.live)] if p.live else [])]
+            if stamp > since
+        ]
+        if not found:
+            raise NVMLError(NOT_FOUND)  # NVML's answer when no process ran since the timestamp
+        return found
+
+    def nvmlDeviceGetProcessesUtilizationInfo(self, handle: FakeDevice, since: int) -> list[Any]:
+        return self._utilization("nvmlDeviceGetProcessesUtilizationInfo", handle, since)
+
+    def nvmlDeviceGetProcessUtilization(self, handle: FakeDevice, since: int) -> list[Any]:
+        return self._utilization("nvmlDeviceGetProcessUtilization", handle, since)

@@ -9,7 +9,7 @@ import pytest
 
 from gpuscaler.errors import ConfigError
 from gpuscaler.gateway.pod_directory import StaticPodDirectory, parse_static_pods
-from gpuscaler.gateway.pod_watch import owner_workload
+from gpuscaler.gateway.pod_watch import owner_workload, pod_info
 
 
 @pytest.mark.parametrize(
@@ -36,18 +36,30 @@ def test_static_file_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "pods.yaml"
     path.write_text(
         "pods:\n"
-        "  - {namespace: ml, pod: trainer-0, labels: {app: trainer}, workload: trainer, workloadKind: Deployment}\n"
+        "  - {namespace: ml, pod: trainer-0, labels: {app: trainer}, workload: trainer, workloadKind: Deployment,\n"
+        "     uid: 1b4e2a3c-1111-2222-3333-444455556666}\n"
         "  - {namespace: ml, pod: loose}\n"
     )
     directory = StaticPodDirectory(path)
     info = directory.lookup("ml", "trainer-0")
     assert info is not None
     assert (info.labels, info.workload, info.workload_kind) == ({"app": "trainer"}, "trainer", "Deployment")
+    assert info.uid == "1b4e2a3c-1111-2222-3333-444455556666"
     loose = directory.lookup("ml", "loose")
     assert loose is not None
     assert loose.workload is None
     assert directory.lookup("other", "trainer-0") is None
     assert directory.problem() is None
+
+
+def test_the_pod_watch_keeps_each_pods_uid() -> None:
+    """A pod from the API keeps metadata.uid, which ties its processes' cgroups to it on a shared GPU."""
+    info = pod_info({"metadata": {"namespace": "ml", "name": "vllm-0", "uid": "1b4e2a3c-1111-2222-3333-444455556666"}})
+    assert info is not None
+    assert info.uid == "1b4e2a3c-1111-2222-3333-444455556666"
+    bare = pod_info({"metadata": {"namespace": "ml", "name": "vllm-1"}})
+    assert bare is not None
+    assert bare.uid is None
 
 
 def test_static_file_is_reread_when_it_changes(tmp_path: Path) -> None:
@@ -92,6 +104,7 @@ def test_a_missing_file_is_a_problem_after_start(tmp_path: Path) -> None:
         ("pods: [{namespace: ml, pod: a, owner: x}]", "pods[1]: unknown keys ['owner']"),
         ("pods: [{namespace: ml, pod: a, labels: [x]}]", "labels must be a mapping"),
         ("pods: [{namespace: ml, pod: a, workload: 3}]", "workload must be a string"),
+        ("pods: [{namespace: ml, pod: a, uid: 7}]", "uid must be a string"),
         ("pods: [{", "not YAML"),
     ],
 )

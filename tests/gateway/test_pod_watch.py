@@ -29,6 +29,7 @@ class FakeApiServer:
         self.items: list[dict[str, Any]] = []
         self.events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         self.lists = 0
+        self.list_status = 200
         self.watches: list[str] = []
         self.runner: web.AppRunner | None = None
         self.port = 0
@@ -50,6 +51,9 @@ class FakeApiServer:
     async def pods(self, request: web.Request) -> web.StreamResponse:
         if request.query.get("watch", "").lower() != "true":
             self.lists += 1
+            if self.list_status != 200:
+                status = {"kind": "Status", "code": self.list_status, "reason": "Forbidden", "message": "forbidden"}
+                return web.json_response(status, status=self.list_status)
             return web.json_response(
                 {"kind": "PodList", "metadata": {"resourceVersion": str(10 * self.lists)}, "items": self.items}
             )
@@ -128,3 +132,16 @@ async def test_an_unreachable_api_is_a_problem_until_it_answers() -> None:
         await until(lambda: "has not listed" in (directory.problem() or "") and "Error" in (directory.problem() or ""))
     finally:
         await directory.stop()
+
+
+async def test_a_refused_list_is_a_problem_not_an_empty_cluster(
+    api: FakeApiServer, directory: KubernetesPodDirectory
+) -> None:
+    """A list the API refuses (403: RBAC) leaves the directory unsynced: workload queries fail, never read 0."""
+    api.list_status = 403
+    await directory.start()
+    await until(lambda: api.lists >= 2)  # retried, and still not synced
+    assert "has not listed the pods yet: HTTP 403" in (directory.problem() or "")
+    api.list_status = 200
+    api.items = [pod("ml", "trainer-0", {"app": "trainer"})]
+    await until(lambda: directory.problem() is None and directory.lookup("ml", "trainer-0") is not None, timeout=10)

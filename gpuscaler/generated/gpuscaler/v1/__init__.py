@@ -22,8 +22,11 @@ __all__ = (
     "GpuSample",
     "GpuSelector",
     "HealRequest",
+    "IdleEnergy",
     "PodContribution",
     "PodRef",
+    "PodWindowedValue",
+    "ProcessUsage",
     "ReadError",
     "ReadErrorKind",
     "SetRequest",
@@ -290,6 +293,12 @@ class Explanation(betterproto2.Message):
     Nodes the answer left out because minNodes allowed it (without minNodes they make it UNAVAILABLE).
     """
 
+    idle_energy: "IdleEnergy | None" = betterproto2.field(23, betterproto2.TYPE_MESSAGE, optional=True)
+    """
+    Energy while idle of the GPUs that went into the answer (each once), over the query's window or, without
+    one, all the history the server keeps; absent when no GPU went in.
+    """
+
 
 default_message_pool.register_message("gpuscaler.v1", "Explanation", Explanation)
 
@@ -371,6 +380,12 @@ class GpuContribution(betterproto2.Message):
 
     pod: "str" = betterproto2.field(9, betterproto2.TYPE_STRING)
 
+    share: "str" = betterproto2.field(10, betterproto2.TYPE_STRING)
+    """
+    What the value is, in a query that selects pods: the whole GPU's, or the pod's own share of a shared GPU
+    (from per-process figures), in words; empty otherwise.
+    """
+
 
 default_message_pool.register_message("gpuscaler.v1", "GpuContribution", GpuContribution)
 
@@ -417,6 +432,29 @@ class GpuSample(betterproto2.Message):
     The pods the kubelet assigned this GPU to, where attribution is on.
     """
 
+    sm_active_percent: "float | None" = betterproto2.field(15, betterproto2.TYPE_DOUBLE, optional=True)
+    """
+    GPM (Hopper and newer), rates between two GPM samples, 0-100; absent on the first tick and where unsupported.
+    """
+
+    sm_occupancy_percent: "float | None" = betterproto2.field(16, betterproto2.TYPE_DOUBLE, optional=True)
+
+    tensor_active_percent: "float | None" = betterproto2.field(17, betterproto2.TYPE_DOUBLE, optional=True)
+
+    dram_bandwidth_percent: "float | None" = betterproto2.field(18, betterproto2.TYPE_DOUBLE, optional=True)
+
+    energy_joules: "float | None" = betterproto2.field(19, betterproto2.TYPE_DOUBLE, optional=True)
+    """
+    The board's energy counter since the driver loaded, in joules.
+    """
+
+    processes: "list[ProcessUsage]" = betterproto2.field(20, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    Every compute process on the GPU, where the agent reads them (`processes_read`); see `errors` when it could not.
+    """
+
+    processes_read: "bool" = betterproto2.field(21, betterproto2.TYPE_BOOL)
+
 
 default_message_pool.register_message("gpuscaler.v1", "GpuSample", GpuSample)
 
@@ -444,6 +482,32 @@ class HealRequest(betterproto2.Message):
 
 
 default_message_pool.register_message("gpuscaler.v1", "HealRequest", HealRequest)
+
+
+@dataclass(eq=False, repr=False)
+class IdleEnergy(betterproto2.Message):
+    """
+    Energy a set of GPUs used in poll intervals that closed with gpu_utilization 0 (docs/metrics.md defines it).
+    """
+
+    idle_joules: "float" = betterproto2.field(1, betterproto2.TYPE_DOUBLE)
+
+    busy_joules: "float" = betterproto2.field(2, betterproto2.TYPE_DOUBLE)
+    """
+    Energy in the intervals in which a kernel ran.
+    """
+
+    seconds: "float" = betterproto2.field(3, betterproto2.TYPE_DOUBLE)
+    """
+    The span the figures cover, and how much of it was neither (an energy or utilisation reading absent).
+    """
+
+    unknown_seconds: "float" = betterproto2.field(4, betterproto2.TYPE_DOUBLE)
+
+    gpus: "int" = betterproto2.field(5, betterproto2.TYPE_UINT32)
+
+
+default_message_pool.register_message("gpuscaler.v1", "IdleEnergy", IdleEnergy)
 
 
 @dataclass(eq=False, repr=False)
@@ -488,6 +552,54 @@ class PodRef(betterproto2.Message):
 
 
 default_message_pool.register_message("gpuscaler.v1", "PodRef", PodRef)
+
+
+@dataclass(eq=False, repr=False)
+class PodWindowedValue(betterproto2.Message):
+    """
+    One pod's own share of a GPU over a window. Unset when no tick in the window had its per-process figures.
+    """
+
+    pod_uid: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The pod's UID as both the API and the cgroup spell it: lowercase, without dashes or underscores.
+    """
+
+    value: "float | None" = betterproto2.field(2, betterproto2.TYPE_DOUBLE, optional=True)
+
+    samples: "int" = betterproto2.field(3, betterproto2.TYPE_UINT32)
+
+
+default_message_pool.register_message("gpuscaler.v1", "PodWindowedValue", PodWindowedValue)
+
+
+@dataclass(eq=False, repr=False)
+class ProcessUsage(betterproto2.Message):
+    """
+    One process on a GPU, and the pod it runs in (from /proc/<pid>/cgroup), where the agent reads processes.
+    """
+
+    pid: "int" = betterproto2.field(1, betterproto2.TYPE_UINT32)
+
+    pod_uid: "str | None" = betterproto2.field(2, betterproto2.TYPE_STRING, optional=True)
+    """
+    The Kubernetes pod UID its cgroup names; empty for a process outside every pod. Absent: unknown (the
+    process exited, or the agent cannot see the host's PIDs).
+    """
+
+    container_id: "str | None" = betterproto2.field(3, betterproto2.TYPE_STRING, optional=True)
+
+    sm_percent: "float | None" = betterproto2.field(4, betterproto2.TYPE_DOUBLE, optional=True)
+    """
+    Its share of the GPU's SM time and memory-controller time, 0-100; absent when NVML gave no per-process figures.
+    """
+
+    memory_utilization_percent: "float | None" = betterproto2.field(5, betterproto2.TYPE_DOUBLE, optional=True)
+
+    memory_used_bytes: "int | None" = betterproto2.field(6, betterproto2.TYPE_UINT64, optional=True)
+
+
+default_message_pool.register_message("gpuscaler.v1", "ProcessUsage", ProcessUsage)
 
 
 @dataclass(eq=False, repr=False)
@@ -574,6 +686,16 @@ class WindowedValue(betterproto2.Message):
 
     samples: "int" = betterproto2.field(2, betterproto2.TYPE_UINT32)
 
+    reason: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    Why `value` is unset, where there is more to say than "nothing readable" (a counter that restarted).
+    """
+
+    shares: "list[PodWindowedValue]" = betterproto2.field(4, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    On a GPU several pods hold, each pod's own share over the window, where the agent reads processes.
+    """
+
 
 default_message_pool.register_message("gpuscaler.v1", "WindowedValue", WindowedValue)
 
@@ -602,6 +724,8 @@ default_message_pool.register_message("gpuscaler.v1", "WindowedValues", Windowed
 class WindowSpec(betterproto2.Message):
     """
     One GPU-level window reduction: `function` (avg, max, min, last) of `metric` over the last `seconds`.
+    A rate (`power_average`) is the counter's increase per second over the window; `seconds` 0 is the rate
+    between the newest two samples.
     """
 
     metric: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)

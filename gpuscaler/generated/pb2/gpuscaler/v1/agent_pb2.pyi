@@ -52,12 +52,26 @@ class WindowSpec(_message.Message):
     def __init__(self, metric: _Optional[str] = ..., seconds: _Optional[float] = ..., function: _Optional[str] = ...) -> None: ...
 
 class WindowedValue(_message.Message):
-    __slots__ = ("value", "samples")
+    __slots__ = ("value", "samples", "reason", "shares")
     VALUE_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
     value: float
     samples: int
-    def __init__(self, value: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
+    reason: str
+    shares: _containers.RepeatedCompositeFieldContainer[PodWindowedValue]
+    def __init__(self, value: _Optional[float] = ..., samples: _Optional[int] = ..., reason: _Optional[str] = ..., shares: _Optional[_Iterable[_Union[PodWindowedValue, _Mapping]]] = ...) -> None: ...
+
+class PodWindowedValue(_message.Message):
+    __slots__ = ("pod_uid", "value", "samples")
+    POD_UID_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    pod_uid: str
+    value: float
+    samples: int
+    def __init__(self, pod_uid: _Optional[str] = ..., value: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class WindowedValues(_message.Message):
     __slots__ = ("window", "values", "problem")
@@ -97,8 +111,24 @@ class PodRef(_message.Message):
     container: str
     def __init__(self, namespace: _Optional[str] = ..., pod: _Optional[str] = ..., container: _Optional[str] = ...) -> None: ...
 
+class ProcessUsage(_message.Message):
+    __slots__ = ("pid", "pod_uid", "container_id", "sm_percent", "memory_utilization_percent", "memory_used_bytes")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    POD_UID_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    SM_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_UTILIZATION_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    pod_uid: str
+    container_id: str
+    sm_percent: float
+    memory_utilization_percent: float
+    memory_used_bytes: int
+    def __init__(self, pid: _Optional[int] = ..., pod_uid: _Optional[str] = ..., container_id: _Optional[str] = ..., sm_percent: _Optional[float] = ..., memory_utilization_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ...) -> None: ...
+
 class GpuSample(_message.Message):
-    __slots__ = ("index", "uuid", "name", "mig_parent_uuid", "node", "gpu_utilization_percent", "memory_utilization_percent", "memory_used_bytes", "memory_total_bytes", "temperature_celsius", "power_draw_watts", "power_limit_watts", "errors", "pods")
+    __slots__ = ("index", "uuid", "name", "mig_parent_uuid", "node", "gpu_utilization_percent", "memory_utilization_percent", "memory_used_bytes", "memory_total_bytes", "temperature_celsius", "power_draw_watts", "power_limit_watts", "errors", "pods", "sm_active_percent", "sm_occupancy_percent", "tensor_active_percent", "dram_bandwidth_percent", "energy_joules", "processes", "processes_read")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +143,13 @@ class GpuSample(_message.Message):
     POWER_LIMIT_WATTS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     PODS_FIELD_NUMBER: _ClassVar[int]
+    SM_ACTIVE_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    SM_OCCUPANCY_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ACTIVE_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    DRAM_BANDWIDTH_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    ENERGY_JOULES_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_READ_FIELD_NUMBER: _ClassVar[int]
     index: int
     uuid: str
     name: str
@@ -127,7 +164,14 @@ class GpuSample(_message.Message):
     power_limit_watts: float
     errors: _containers.RepeatedCompositeFieldContainer[ReadError]
     pods: _containers.RepeatedCompositeFieldContainer[PodRef]
-    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., mig_parent_uuid: _Optional[str] = ..., node: _Optional[str] = ..., gpu_utilization_percent: _Optional[float] = ..., memory_utilization_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., temperature_celsius: _Optional[float] = ..., power_draw_watts: _Optional[float] = ..., power_limit_watts: _Optional[float] = ..., errors: _Optional[_Iterable[_Union[ReadError, _Mapping]]] = ..., pods: _Optional[_Iterable[_Union[PodRef, _Mapping]]] = ...) -> None: ...
+    sm_active_percent: float
+    sm_occupancy_percent: float
+    tensor_active_percent: float
+    dram_bandwidth_percent: float
+    energy_joules: float
+    processes: _containers.RepeatedCompositeFieldContainer[ProcessUsage]
+    processes_read: bool
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., mig_parent_uuid: _Optional[str] = ..., node: _Optional[str] = ..., gpu_utilization_percent: _Optional[float] = ..., memory_utilization_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., temperature_celsius: _Optional[float] = ..., power_draw_watts: _Optional[float] = ..., power_limit_watts: _Optional[float] = ..., errors: _Optional[_Iterable[_Union[ReadError, _Mapping]]] = ..., pods: _Optional[_Iterable[_Union[PodRef, _Mapping]]] = ..., sm_active_percent: _Optional[float] = ..., sm_occupancy_percent: _Optional[float] = ..., tensor_active_percent: _Optional[float] = ..., dram_bandwidth_percent: _Optional[float] = ..., energy_joules: _Optional[float] = ..., processes: _Optional[_Iterable[_Union[ProcessUsage, _Mapping]]] = ..., processes_read: _Optional[bool] = ...) -> None: ...
 
 class Snapshot(_message.Message):
     __slots__ = ("node", "sequence", "taken_at_unix_seconds", "poll_interval_seconds", "gpus", "attribution", "windows")
@@ -165,7 +209,7 @@ class ExplainRequest(_message.Message):
     def __init__(self, scaler_metadata: _Optional[_Mapping[str, str]] = ..., name: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class GpuContribution(_message.Message):
-    __slots__ = ("index", "uuid", "node", "included", "value", "samples", "reason", "namespace", "pod")
+    __slots__ = ("index", "uuid", "node", "included", "value", "samples", "reason", "namespace", "pod", "share")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +219,7 @@ class GpuContribution(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     POD_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
     index: int
     uuid: str
     node: str
@@ -184,7 +229,8 @@ class GpuContribution(_message.Message):
     reason: str
     namespace: str
     pod: str
-    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., node: _Optional[str] = ..., included: _Optional[bool] = ..., value: _Optional[float] = ..., samples: _Optional[int] = ..., reason: _Optional[str] = ..., namespace: _Optional[str] = ..., pod: _Optional[str] = ...) -> None: ...
+    share: str
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., node: _Optional[str] = ..., included: _Optional[bool] = ..., value: _Optional[float] = ..., samples: _Optional[int] = ..., reason: _Optional[str] = ..., namespace: _Optional[str] = ..., pod: _Optional[str] = ..., share: _Optional[str] = ...) -> None: ...
 
 class PodContribution(_message.Message):
     __slots__ = ("namespace", "pod", "workload", "node", "included", "value", "gpus", "reason")
@@ -207,7 +253,7 @@ class PodContribution(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., pod: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., included: _Optional[bool] = ..., value: _Optional[float] = ..., gpus: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Explanation(_message.Message):
-    __slots__ = ("metric_name", "metric", "profile", "aggregation", "window_seconds", "window_function", "target", "activation_threshold", "deactivation_threshold", "gpus", "value", "active", "error_code", "error_message", "snapshot_age_seconds", "snapshot_sequence", "nodes", "pods", "nodes_expected", "pod_aggregation", "selection", "absent")
+    __slots__ = ("metric_name", "metric", "profile", "aggregation", "window_seconds", "window_function", "target", "activation_threshold", "deactivation_threshold", "gpus", "value", "active", "error_code", "error_message", "snapshot_age_seconds", "snapshot_sequence", "nodes", "pods", "nodes_expected", "pod_aggregation", "selection", "absent", "idle_energy")
     METRIC_NAME_FIELD_NUMBER: _ClassVar[int]
     METRIC_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +276,7 @@ class Explanation(_message.Message):
     POD_AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     SELECTION_FIELD_NUMBER: _ClassVar[int]
     ABSENT_FIELD_NUMBER: _ClassVar[int]
+    IDLE_ENERGY_FIELD_NUMBER: _ClassVar[int]
     metric_name: str
     metric: str
     profile: str
@@ -252,7 +299,22 @@ class Explanation(_message.Message):
     pod_aggregation: str
     selection: str
     absent: _containers.RepeatedCompositeFieldContainer[AbsentNode]
-    def __init__(self, metric_name: _Optional[str] = ..., metric: _Optional[str] = ..., profile: _Optional[str] = ..., aggregation: _Optional[str] = ..., window_seconds: _Optional[float] = ..., window_function: _Optional[str] = ..., target: _Optional[float] = ..., activation_threshold: _Optional[float] = ..., deactivation_threshold: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuContribution, _Mapping]]] = ..., value: _Optional[float] = ..., active: _Optional[bool] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., snapshot_age_seconds: _Optional[float] = ..., snapshot_sequence: _Optional[int] = ..., nodes: _Optional[int] = ..., pods: _Optional[_Iterable[_Union[PodContribution, _Mapping]]] = ..., nodes_expected: _Optional[int] = ..., pod_aggregation: _Optional[str] = ..., selection: _Optional[str] = ..., absent: _Optional[_Iterable[_Union[AbsentNode, _Mapping]]] = ...) -> None: ...
+    idle_energy: IdleEnergy
+    def __init__(self, metric_name: _Optional[str] = ..., metric: _Optional[str] = ..., profile: _Optional[str] = ..., aggregation: _Optional[str] = ..., window_seconds: _Optional[float] = ..., window_function: _Optional[str] = ..., target: _Optional[float] = ..., activation_threshold: _Optional[float] = ..., deactivation_threshold: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuContribution, _Mapping]]] = ..., value: _Optional[float] = ..., active: _Optional[bool] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., snapshot_age_seconds: _Optional[float] = ..., snapshot_sequence: _Optional[int] = ..., nodes: _Optional[int] = ..., pods: _Optional[_Iterable[_Union[PodContribution, _Mapping]]] = ..., nodes_expected: _Optional[int] = ..., pod_aggregation: _Optional[str] = ..., selection: _Optional[str] = ..., absent: _Optional[_Iterable[_Union[AbsentNode, _Mapping]]] = ..., idle_energy: _Optional[_Union[IdleEnergy, _Mapping]] = ...) -> None: ...
+
+class IdleEnergy(_message.Message):
+    __slots__ = ("idle_joules", "busy_joules", "seconds", "unknown_seconds", "gpus")
+    IDLE_JOULES_FIELD_NUMBER: _ClassVar[int]
+    BUSY_JOULES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    idle_joules: float
+    busy_joules: float
+    seconds: float
+    unknown_seconds: float
+    gpus: int
+    def __init__(self, idle_joules: _Optional[float] = ..., busy_joules: _Optional[float] = ..., seconds: _Optional[float] = ..., unknown_seconds: _Optional[float] = ..., gpus: _Optional[int] = ...) -> None: ...
 
 class AbsentNode(_message.Message):
     __slots__ = ("agent", "node", "since_unix_seconds", "reason")

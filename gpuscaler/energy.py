@@ -1,0 +1,182 @@
+"""Energy while idle: what a GPU's board used in the poll intervals in which it ran nothing.
+
+The definition, once. An *interval* is the time between two consecutive samples of one GPU (one poll
+interval, 0.5 s by default). Its *energy* is the increase of the GPU's energy counter between the two
+samples. It is *idle* when the closing sample's ``gpu_utilization`` is 0: NVML's duty cycle saw no kernel
+run in its sample period (1/6 s to 1 s, which covers the interval at the default poll). An interval whose
+energy or utilisation is unknown (a reading absent, the counter restarted) counts in neither sum: its
+seconds are reported as unknown, never as idle and never as 0 J.
+
+*Energy while idle* of a set of GPUs is the sum over their idle intervals, each GPU once: a GPU two pods
+share is wasted for both, but counts once per workload. Idle power is what a GPU costs with nothing to do
+(60-100 W for a data-centre GPU), which is the waste autoscaling to zero removes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gpuscaler.samples import GpuSample, Snapshot
+
+# How long a pod's or workload's counter is kept after its last interval, so that rate() spans a pause.
+FORGET_AFTER_SECONDS = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    """One GPU's energy between two of its samples, and whether it ran nothing meanwhile; None fields: unknown."""
+
+    seconds: float
+    joules: float | None
+    idle: bool | None
+
+
+def interval(before: GpuSample, before_at: float, after: GpuSample, after_at: float) -> Interval:
+    """The interval between two samples of one GPU taken at ``before_at`` and ``after_at`` (seconds)."""
+    seconds = max(0.0, after_at - before_at)
+    start, end = before.energy_joules, after.energy_joules
+    if start is None or end is None or end < start:
+        return Interval(seconds, None, None)
+    utilization = after.gpu_utilization_percent
+    return Interval(seconds, end - start, None if utilization is None else utilization == 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class IdleEnergy:
+    """Energy while idle and while busy over ``seconds`` on ``gpus`` GPUs; ``unknown_seconds`` were neither."""
+
+    idle_joules: float
+    busy_joules: float
+    seconds: float
+    unknown_seconds: float
+    gpus: int
+
+    @property
+    def idle_share(self) -> float | None:
+        """Idle joules over all known joules, 0-1; None when nothing was known."""
+        total = self.idle_joules + self.busy_joules
+        return None if total <= 0 else self.idle_joules / total
+
+
+class NodeHistory(Protocol):
+    """A history of each node's snapshots (the agent's ring buffer)."""
+
+    @property
+    def history_seconds(self) -> float: ...
+
+    def window(self, node: str, seconds: float) -> Sequence[Snapshot]: ...
+
+
+def idle_energy(source: NodeHistory, samples: Iterable[GpuSample], window_seconds: float | None) -> IdleEnergy:
+    """Energy while idle of ``samples``' GPUs (each once) over the window, or over all the history ``source`` keeps."""
+    seconds = window_seconds if window_seconds is not None else source.history_seconds
+    idle = busy = unknown = covered = 0.0
+    gpus = 0
+    for node, uuid in sorted({(sample.node, sample.gpu.uuid) for sample in samples}):
+        series = [
+            (snapshot.taken_at, other)
+            for snapshot in source.window(node, seconds)
+            for other in snapshot.samples
+            if other.gpu.uuid == uuid
+        ]
+        gpus += 1
+        for (before_at, before), (after_at, after) in itertools.pairwise(series):
+            part = interval(before, before_at, after, after_at)
+            covered = max(covered, after_at - series[0][0])
+            if part.joules is None or part.idle is None:
+                unknown += part.seconds
+            elif part.idle:
+                idle += part.joules
+            else:
+                busy += part.joules
+    return IdleEnergy(idle, busy, covered, unknown, gpus)
+
+
+@dataclass(slots=True)
+class _Total:
+    joules: float = 0.0  # while idle
+    last_seen: float = -math.inf
+    busy_joules: float = 0.0
+    unknown_seconds: float = 0.0
+    first_at: float | None = None  # the tick time of the first sample counted
+
+
+@dataclass
+class IdleEnergyCounter:
+    """Counts energy while idle as snapshots arrive: per GPU, and per owner of the GPU (a pod, a workload).
+
+    ``owners`` turns a sample into the owners its idle energy counts for (each once): on an agent the pods
+    the kubelet assigned the GPU to, at the gateway their workloads.
+    """
+
+    owners: Callable[[GpuSample], Iterable[tuple[str, str]]]
+    gpus: dict[tuple[str, str], _Total] = field(default_factory=dict)  # (node, uuid)
+    by_owner: dict[tuple[str, str], _Total] = field(default_factory=dict)
+    _last: dict[tuple[str, str], tuple[float, GpuSample]] = field(default_factory=dict)
+
+    def observe(self, snapshot: Snapshot) -> None:
+        """Count one node's snapshot: each GPU's interval since its previous sample."""
+        now = snapshot.monotonic
+        present = set()
+        for sample in snapshot.samples:
+            key = (sample.node, sample.gpu.uuid)
+            present.add(key)
+            previous = self._last.get(key)
+            self._last[key] = (snapshot.taken_at, sample)
+            total = self.gpus.setdefault(key, _Total())
+            total.last_seen = now
+            if previous is None:
+                total.first_at = snapshot.taken_at
+                continue
+            part = interval(previous[1], previous[0], sample, snapshot.taken_at)
+            if part.joules is None or part.idle is None:
+                total.unknown_seconds += part.seconds
+                continue
+            if not part.idle:
+                total.busy_joules += part.joules
+                continue
+            total.joules += part.joules
+            for owner in set(self.owners(sample)):
+                owned = self.by_owner.setdefault(owner, _Total())
+                owned.joules += part.joules
+                owned.last_seen = now
+        for key in [k for k in self._last if k[0] == snapshot.node and k not in present]:
+            del self._last[key]  # the GPU left its node: its series ends with it
+            self.gpus.pop(key, None)
+        for owner in [o for o, t in self.by_owner.items() if now - t.last_seen > FORGET_AFTER_SECONDS]:
+            del self.by_owner[owner]
+
+    def gpu_totals(self) -> list[tuple[GpuSample, float]]:
+        """Each GPU still present, by its newest sample, with its energy while idle so far."""
+        return [(self._last[key][1], total.joules) for key, total in sorted(self.gpus.items()) if key in self._last]
+
+    def summary(self, samples: Iterable[GpuSample]) -> IdleEnergy:
+        """Energy while idle of ``samples``' GPUs (each once), over all this counter has seen of them."""
+        idle = busy = unknown = covered = 0.0
+        gpus = 0
+        for key in sorted({(sample.node, sample.gpu.uuid) for sample in samples}):
+            total, last = self.gpus.get(key), self._last.get(key)
+            if total is None or last is None or total.first_at is None:
+                continue
+            gpus += 1
+            idle += total.joules
+            busy += total.busy_joules
+            unknown += total.unknown_seconds
+            covered = max(covered, last[0] - total.first_at)
+        return IdleEnergy(idle, busy, covered, unknown, gpus)
+
+    def forget_node(self, node: str) -> None:
+        """A node that left (its agent left discovery) takes its GPUs' counters with it."""
+        for key in [k for k in self._last if k[0] == node]:
+            del self._last[key]
+        for key in [k for k in self.gpus if k[0] == node]:
+            del self.gpus[key]
+
+
+def pods_of(sample: GpuSample) -> set[tuple[str, str]]:
+    """The (namespace, pod) pairs that hold ``sample``'s GPU."""
+    return {(ref.namespace, ref.pod) for ref in sample.pods}
