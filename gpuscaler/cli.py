@@ -249,8 +249,8 @@ async def _fake(args: argparse.Namespace, channel: Channel) -> int:
     try:
         return await _drive_fake(args, channel)
     except GRPCError as error:
-        # An agent without fake GPUs does not serve FakeControl. grpclib's server answers an unknown
-        # method without a content-type, which grpclib's own client reports as UNKNOWN.
+        # An agent without fake GPUs does not serve FakeControl: UNIMPLEMENTED (older agents
+        # answered without a content-type, which grpclib's client reports as UNKNOWN).
         unknown_method = error.status is Status.UNIMPLEMENTED or (
             error.status is Status.UNKNOWN and "content-type" in (error.message or "")
         )

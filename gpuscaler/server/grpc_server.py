@@ -26,15 +26,17 @@ and send one write per turn of the event loop; bench/results/compare*.json have 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Collection
 from typing import Any, Literal, cast
 
-from grpclib.const import Status
+from grpclib.const import Cardinality, Handler, Status
 from grpclib.encoding.proto import ProtoCodec, ProtoStatusDetailsCodec, _googleapis_available
 from grpclib.events import RecvRequest, listen
 from grpclib.exceptions import GRPCError
 from grpclib.protocol import Connection, EventsProcessor, H2Protocol, Stream, _set_nodelay
-from grpclib.server import Handler, Server
+from grpclib.server import Handler as ConnectionHandler
+from grpclib.server import Server
 from grpclib.server import Stream as ServerStream
 from h2.connection import H2Connection
 from h2.errors import ErrorCodes
@@ -211,7 +213,7 @@ def _ignore(event: object) -> None:
     pass
 
 
-class _RefusingHandler(Handler):
+class _RefusingHandler(ConnectionHandler):
     """grpclib's per-connection handler, refusing new requests once the server is closing.
 
     grpclib also rebuilds its table of request tasks every 10 requests to drop finished ones: with
@@ -312,6 +314,25 @@ class _ReusingCodec(ProtoCodec):
         return message
 
 
+async def _unimplemented(method_name: str, stream: ServerStream[Any, Any]) -> None:
+    raise GRPCError(Status.UNIMPLEMENTED, f"Method not found: {method_name}")
+
+
+class _AnswerUnknownMethods(dict[str, Handler]):
+    """The method table, answering a method it lacks with a handler that says UNIMPLEMENTED.
+
+    grpclib answers an unknown method itself, but without a content-type, which grpc-go clients (KEDA,
+    which opens StreamMetricSpec on every external scaler since 2.21) read as UNKNOWN "malformed header".
+    Through a handler the answer is a proper gRPC one. The request is never read.
+    """
+
+    def get(self, method_name: str, default: Handler | None = None) -> Handler:  # type: ignore[override]  # never None
+        found = super().get(method_name)
+        if found is not None:
+            return found
+        return Handler(functools.partial(_unimplemented, method_name), Cardinality.UNARY_UNARY, object, object)
+
+
 class ManyStreamsServer(Server):
     """``grpclib.server.Server`` announcing ``MAX_CONCURRENT_STREAMS`` per connection."""
 
@@ -322,6 +343,7 @@ class ManyStreamsServer(Server):
             codec=_ReusingCodec(),
             status_details_codec=ProtoStatusDetailsCodec() if _googleapis_available() else None,
         )
+        self._mapping = _AnswerUnknownMethods(self._mapping)
         listen(self, RecvRequest, _guard_framing)
 
     def _protocol_factory(self) -> H2Protocol:

@@ -17,6 +17,9 @@ from grpclib.events import RecvRequest, listen
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.server import Server, Stream
 
+# The method label of a call to a method no service has (answered UNIMPLEMENTED).
+UNKNOWN_METHOD = "unknown"
+
 StartObserver = Callable[[str], None]  # method
 FinishObserver = Callable[[str, str, float, bool], None]  # method, status code name, seconds, streaming
 
@@ -30,6 +33,7 @@ class RpcTracker:
         self._idle = asyncio.Event()
         self._idle.set()
         self._streaming: frozenset[str] = frozenset()
+        self._known: frozenset[str] = frozenset()
         self._on_start: list[StartObserver] = []
         self._on_finish: list[FinishObserver] = []
 
@@ -39,16 +43,17 @@ class RpcTracker:
 
     def attach(self, server: Server, services: Iterable[IServable]) -> None:
         """Track every call ``server`` receives; ``services`` tell which methods are server streams."""
+        mappings = [service.__mapping__() for service in services]
+        self._known = frozenset(name for mapping in mappings for name in mapping)
         self._streaming = frozenset(
-            name
-            for service in services
-            for name, handler in service.__mapping__().items()
-            if handler.cardinality.server_streaming
+            name for mapping in mappings for name, handler in mapping.items() if handler.cardinality.server_streaming
         )
         listen(server, RecvRequest, self._on_request)
 
     async def _on_request(self, event: RecvRequest) -> None:
-        method = event.method_name
+        # A method no service has is answered UNIMPLEMENTED; its path is the client's to choose, so it is
+        # counted under one name (a label per path would let any client grow the series without bound).
+        method = event.method_name if event.method_name in self._known else UNKNOWN_METHOD
         handler = event.method_func
 
         async def tracked(stream: Stream[Any, Any]) -> None:

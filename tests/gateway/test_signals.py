@@ -165,7 +165,8 @@ async def test_a_window_over_a_shared_gpu_reads_each_pods_own_share(start_pair: 
         }
 
     explanation = await until_result(explained, both_pods)
-    assert explanation is not None and explanation.value == pytest.approx(80.0)
+    assert explanation is not None
+    assert explanation.value == pytest.approx(80.0)
     assert all(g.samples > 1 for g in explanation.gpus)  # reduced over the window, not one tick
     assert all(g.share.startswith("own share") for g in explanation.gpus)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import struct
 
+import grpclib.const
 import h2.config
 import h2.connection
 import h2.events
@@ -163,3 +164,33 @@ def test_keda_requests_decode_once_per_distinct_bytes(monkeypatch: pytest.Monkey
     big = ScaledObjectRef(name="app", scaler_metadata={"podSelector": "a" * grpc_server.REUSE_MAX_BYTES})
     assert codec.decode(bytes(big), ScaledObjectRef) == big
     assert all(len(key[1]) <= grpc_server.REUSE_MAX_BYTES for key in codec._decoded)
+
+
+async def test_an_unknown_method_is_answered_unimplemented_as_grpc_go_expects(start_agent: StartAgent) -> None:
+    """KEDA 2.21 opens StreamMetricSpec: the answer carries a gRPC content-type, so grpc-go reads UNIMPLEMENTED.
+
+    grpclib's own answer lacks the content-type, which grpc-go reports as UNKNOWN "malformed header".
+    """
+    agent: Agent = await start_agent()
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    client.initiate_connection()
+    client.send_headers(1, request_headers("/externalscaler.ExternalScaler/StreamMetricSpec"))
+    client.send_data(1, struct.pack(">?I", False, 0), end_stream=True)
+    reader, writer = await asyncio.open_connection("127.0.0.1", agent.port)
+    headers: dict[str, str] = {}
+    try:
+        writer.write(client.data_to_send())
+        async with asyncio.timeout(10):
+            while "grpc-status" not in headers:
+                data = await reader.read(65_536)
+                assert data, "the agent closed the connection"
+                for event in client.receive_data(data):
+                    if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                        headers.update((str(k), str(v)) for k, v in event.headers)
+                writer.write(client.data_to_send())
+    finally:
+        writer.close()
+    assert headers["content-type"].startswith("application/grpc")
+    assert headers["grpc-status"] == str(grpclib.const.Status.UNIMPLEMENTED.value)
+    assert "StreamMetricSpec" in headers["grpc-message"]
+    assert agent.frontend.tracker.finished[("unknown", "UNIMPLEMENTED")] == 1  # one label for any unknown path
