@@ -96,7 +96,7 @@ class Agent:
             engine,
             telemetry,
             health_every_seconds=settings.poll_interval_seconds,
-            extra_services=[FakeControlService(collector)] if isinstance(collector, FakeCollector) else [],
+            extra_services=[FakeControlService(collector, history)] if isinstance(collector, FakeCollector) else [],
         )
 
         agent = cls(settings, collector, engine, poller, frontend, telemetry, pod_resources)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from gpuscaler.activation import ActivationStates
-from gpuscaler.evaluation import Evaluation, evaluate
+from gpuscaler.evaluation import Evaluation, NodeMemo, evaluate
 from gpuscaler.metadata import Limits, parse_metadata
 from gpuscaler.pods import PodDirectory
 from gpuscaler.query import Query, ValueQuery
@@ -75,6 +75,8 @@ class Engine:
         self._groups: dict[Hashable, _Group] = {}
         self._cache_sequence = -1
         self._cache: dict[ValueQuery, Evaluation] = {}
+        # A cluster's nodes mostly send nothing new between two compositions: their parts are kept.
+        self._memo = NodeMemo() if cluster else None
         self.closing = False
         self.on_transition: list[Callable[[bool], None]] = []
         # Called with every answer that left out GPUs or nodes (an all-GPU query with a lost GPU, minNodes).
@@ -118,11 +120,18 @@ class Engine:
                 query, self.source, now=self._clock(), stale_after=self.stale_after, directory=self.directory
             )
         if latest.sequence != self._cache_sequence:
+            if self._memo is not None and len(self._cache) > 0:
+                self._memo.keep_only(self._cache, (part.node for part in latest.parts))
             self._cache_sequence, self._cache = latest.sequence, {}
         cached = self._cache.get(query)
         if cached is None:
             cached = self._cache[query] = evaluate(
-                query, self.source, now=latest.monotonic, stale_after=self.stale_after, directory=self.directory
+                query,
+                self.source,
+                now=latest.monotonic,
+                stale_after=self.stale_after,
+                directory=self.directory,
+                memo=self._memo,
             )
         return cached
 

@@ -83,6 +83,41 @@ class Evaluation:
         return len({c.sample.node for c in self.contributions if c.value is not None})
 
 
+class NodeMemo:
+    """Each node's contributions to each all-GPU query, kept while the node's snapshot is the same object.
+
+    A gateway composes the cluster many times a second, and most nodes have not sent anything new since the
+    last composition: their GPUs' contributions are the ones computed then. Contributions depend only on
+    the query and the node's snapshot (its readings and the windows its agent reduced), so they are reused
+    exactly, and the answer is the one a fresh evaluation gives.
+    """
+
+    def __init__(self) -> None:
+        self._by_query: dict[ValueQuery, dict[str, tuple[Snapshot, tuple[Contribution, ...]]]] = {}
+
+    def contributions(self, query: ValueQuery, part: Snapshot, source: SnapshotSource) -> tuple[Contribution, ...]:
+        """``part``'s GPUs in ``query``; raises as ``_contribution`` does (and keeps nothing then)."""
+        nodes = self._by_query.get(query)
+        if nodes is None:
+            nodes = self._by_query[query] = {}
+        kept = nodes.get(part.node)
+        if kept is not None and kept[0] is part:
+            return kept[1]
+        found = tuple(_contribution(query, sample, source) for sample in part.samples)
+        nodes[part.node] = (part, found)
+        return found
+
+    def keep_only(self, queries: Iterable[ValueQuery], nodes: Iterable[str]) -> None:
+        """Forget queries no longer asked and nodes no longer in the view."""
+        wanted = set(queries)
+        for query in [q for q in self._by_query if q not in wanted]:
+            del self._by_query[query]
+        listed = set(nodes)
+        for by_node in self._by_query.values():
+            for node in [n for n in by_node if n not in listed]:
+                del by_node[node]
+
+
 def evaluate(
     query: ValueQuery,
     source: SnapshotSource,
@@ -90,8 +125,9 @@ def evaluate(
     now: float,
     stale_after: float,
     directory: PodDirectory | None = None,
+    memo: NodeMemo | None = None,
 ) -> Evaluation:
-    """Evaluate ``query`` over ``source`` as of the monotonic time ``now``."""
+    """Evaluate ``query`` over ``source`` as of the monotonic time ``now``; ``memo`` keeps nodes' parts."""
     snapshot = source.latest
     if snapshot is None:
         return _failed(query, None, Unavailable("no sample yet: the agent has not finished its first poll"))
@@ -119,7 +155,10 @@ def evaluate(
         return _failed(query, snapshot, gate)
 
     try:
-        contributions = tuple(_contribution(query, sample, source) for sample in selected)
+        if memo is not None and snapshot.cluster and query.selection.everything:
+            contributions = tuple(c for part in snapshot.parts for c in memo.contributions(query, part, source))
+        else:
+            contributions = tuple(_contribution(query, sample, source) for sample in selected)
     except GpuscalerError as error:  # the source cannot tell the window (yet)
         return _failed(query, snapshot, error)
     included = [c.value for c in contributions if c.value is not None]

@@ -9,6 +9,7 @@ import pytest
 
 from gpuscaler.agent import Agent
 from gpuscaler.cli import main
+from tests.conftest import StartAgent
 from tests.server.test_external_scaler import next_tick
 
 
@@ -85,3 +86,17 @@ async def test_unreachable_agent_is_one_line(capsys: pytest.CaptureFixture[str])
     """A client command against a closed port exits 1 saying which address it could not reach."""
     assert await run_cli("query", "--address", "127.0.0.1:9", "profile=batch") == 1
     assert "cannot reach 127.0.0.1:9" in capsys.readouterr().err
+
+
+async def test_a_fake_change_answers_once_a_tick_has_read_it(start_agent: StartAgent) -> None:
+    """`fake set` and `fake fail` return after a tick read the change, so a `query` right after sees it."""
+    agent = await start_agent("--poll-interval", "1")
+    address = f"127.0.0.1:{agent.port}"
+    assert await run_cli("fake", "set", "--address", address, "--gpu", "all", "gpu_utilization=42") == 0
+    latest = agent.engine.source.latest
+    assert latest is not None
+    assert [sample.gpu_utilization_percent for sample in latest.samples] == [42.0] * 4
+    assert await run_cli("fake", "fail", "--address", address, "--gpu", "1", "--error", "lost") == 0
+    latest = agent.engine.source.latest
+    assert latest is not None
+    assert latest.samples[1].errors

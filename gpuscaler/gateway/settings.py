@@ -68,7 +68,7 @@ GATEWAY_FLAGS: FlagTable = {
         str(DEFAULT_RESOLVE_INTERVAL_SECONDS),
         "seconds between DNS lookups of --agents-dns (and checks of --agents-file), 0.5 to 300",
     ),
-    "--history": ("HISTORY", DEFAULT_GATEWAY_HISTORY, "how much of each node's history to keep for windows"),
+    "--history": ("HISTORY", DEFAULT_GATEWAY_HISTORY, "the longest window a query may ask for (each agent reduces it)"),
     "--pod-directory": (
         "POD_DIRECTORY",
         None,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable
 
 from gpuscaler.collectors.fake import Failure, FakeCollector
@@ -9,6 +11,10 @@ from gpuscaler.collectors.scenario import parse_value
 from gpuscaler.errors import ConfigError, InvalidRequest
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.server.status import grpc_errors
+from gpuscaler.source import SnapshotSource
+
+# How many poll intervals a change waits at most for the tick that reads it (a stalled poll loop answers anyway).
+APPLIED_WAIT_INTERVALS = 4
 
 _FAILURES = {
     pb.FakeFailure.LOST: Failure.LOST,
@@ -19,8 +25,19 @@ _FAILURES_TO_WIRE = {failure: wire for wire, failure in _FAILURES.items()}
 
 
 class FakeControlService(pb.FakeControlBase):
-    def __init__(self, collector: FakeCollector) -> None:
+    """Each change answers once a tick that started after it is in ``source``: a query right after sees it."""
+
+    def __init__(self, collector: FakeCollector, source: SnapshotSource) -> None:
         self._collector = collector
+        self._source = source
+
+    async def _read_by_a_tick(self) -> None:
+        applied = asyncio.get_running_loop().time()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(APPLIED_WAIT_INTERVALS * self._source.interval_seconds):
+                latest = self._source.latest
+                while latest is None or latest.monotonic < applied:
+                    latest = await self._source.wait_newer(latest.sequence if latest is not None else 0)
 
     def _state(self) -> pb.FakeGpus:
         return pb.FakeGpus(
@@ -53,6 +70,7 @@ class FakeControlService(pb.FakeControlBase):
             if not values:
                 raise InvalidRequest("values is empty; give METRIC=VALUE pairs")
             self._apply(lambda: self._collector.set_values(index, values))
+        await self._read_by_a_tick()
         return self._state()
 
     async def fail(self, message: pb.FailRequest) -> pb.FakeGpus:
@@ -62,12 +80,14 @@ class FakeControlService(pb.FakeControlBase):
                 allowed = ", ".join(f.value for f in Failure)
                 raise InvalidRequest(f"failure is missing; use one of: {allowed}")
             self._apply(lambda: self._collector.fail(message.index, failure))
+        await self._read_by_a_tick()
         return self._state()
 
     async def heal(self, message: pb.HealRequest) -> pb.FakeGpus:
         async with grpc_errors("Heal"):
             index = self._index(message.gpu)
             self._apply(lambda: self._collector.heal(index))
+        await self._read_by_a_tick()
         return self._state()
 
     @staticmethod
