@@ -24,12 +24,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from grpclib.client import Channel
-from grpclib.const import Cardinality, Handler
+from grpclib.const import Cardinality, Handler, Status
 from grpclib.encoding.proto import ProtoCodec
+from grpclib.exceptions import GRPCError
 from grpclib.server import Server
 
 from gpuscaler.generated import externalscaler as keda
@@ -269,7 +271,10 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         ]
         await asyncio.sleep(3)  # let start-up settle
         total = await node_wide_sum(stub)
-        windowed_total = await node_wide_sum(stub, window="30s", windowFunction="max")
+        # A window no query asked for yet: every agent is asked for it, and the answer waits for all of them.
+        asked = time.monotonic()
+        windowed_total = await until_answered(lambda: node_wide_sum(stub, window="30s", windowFunction="max"))
+        new_window_seconds = time.monotonic() - asked
         expected = 30.0 * args.agents * args.gpus
         cpu_before, wall_before = cpu_seconds(gateway.pid), time.monotonic()
         await asyncio.sleep(args.seconds)
@@ -298,6 +303,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "push_from_request_ms": summary(from_request),
         "push_from_agent_tick_ms": summary(from_tick),
         "push_bound_ms": round(1000 * args.poll + 100),
+        "new_window_answer_seconds": round(new_window_seconds, 2),
         "node_wide_sum": total,
         "node_wide_sum_expected": expected,
         "windowed_sum": windowed_total,
@@ -336,6 +342,18 @@ async def wait_for_nodes(stub: keda.ExternalScalerStub, gpus: int) -> None:
             except Exception:
                 pass
             await asyncio.sleep(0.2)
+
+
+async def until_answered(ask: Callable[[], Awaitable[float]], *, seconds: float = 60.0) -> float:
+    """``ask()``'s answer, asking again every 0.5 s while it is UNAVAILABLE (as KEDA's next poll would)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return await ask()
+        except GRPCError as error:
+            if error.status is not Status.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.5)
 
 
 async def node_wide_sum(stub: keda.ExternalScalerStub, **window: str) -> float:

@@ -116,18 +116,24 @@ class IdleEnergyCounter:
     owners: Callable[[GpuSample], Iterable[tuple[str, str]]]
     gpus: dict[tuple[str, str], _Total] = field(default_factory=dict)  # (node, uuid)
     by_owner: dict[tuple[str, str], _Total] = field(default_factory=dict)
-    _last: dict[tuple[str, str], tuple[float, GpuSample]] = field(default_factory=dict)
+    # Each node's GPUs' newest samples, by node first: a gateway counts thousands of nodes, each on its own.
+    _last: dict[str, dict[str, tuple[float, GpuSample]]] = field(default_factory=dict)
+    _next_expiry: float = -math.inf
 
     def observe(self, snapshot: Snapshot) -> None:
         """Count one node's snapshot: each GPU's interval since its previous sample."""
         now = snapshot.monotonic
+        node = snapshot.node
+        last = self._last.setdefault(node, {})
         present = set()
         for sample in snapshot.samples:
-            key = (sample.node, sample.gpu.uuid)
-            present.add(key)
-            previous = self._last.get(key)
-            self._last[key] = (snapshot.taken_at, sample)
-            total = self.gpus.setdefault(key, _Total())
+            uuid = sample.gpu.uuid
+            present.add(uuid)
+            previous = last.get(uuid)
+            last[uuid] = (snapshot.taken_at, sample)
+            total = self.gpus.get((node, uuid))
+            if total is None:
+                total = self.gpus[(node, uuid)] = _Total()
             total.last_seen = now
             if previous is None:
                 total.first_at = snapshot.taken_at
@@ -141,25 +147,34 @@ class IdleEnergyCounter:
                 continue
             total.joules += part.joules
             for owner in set(self.owners(sample)):
-                owned = self.by_owner.setdefault(owner, _Total())
+                owned = self.by_owner.get(owner)
+                if owned is None:
+                    owned = self.by_owner[owner] = _Total()
                 owned.joules += part.joules
                 owned.last_seen = now
-        for key in [k for k in self._last if k[0] == snapshot.node and k not in present]:
-            del self._last[key]  # the GPU left its node: its series ends with it
-            self.gpus.pop(key, None)
-        for owner in [o for o, t in self.by_owner.items() if now - t.last_seen > FORGET_AFTER_SECONDS]:
-            del self.by_owner[owner]
+        if len(last) > len(present):
+            for uuid in [u for u in last if u not in present]:
+                del last[uuid]  # the GPU left its node: its series ends with it
+                self.gpus.pop((node, uuid), None)
+        if now >= self._next_expiry:  # owners are few and expire slowly: a sweep a minute is enough
+            self._next_expiry = now + 60.0
+            for owner in [o for o, t in self.by_owner.items() if now - t.last_seen > FORGET_AFTER_SECONDS]:
+                del self.by_owner[owner]
 
     def gpu_totals(self) -> list[tuple[GpuSample, float]]:
         """Each GPU still present, by its newest sample, with its energy while idle so far."""
-        return [(self._last[key][1], total.joules) for key, total in sorted(self.gpus.items()) if key in self._last]
+        return [
+            (self._last[node][uuid][1], total.joules)
+            for (node, uuid), total in sorted(self.gpus.items())
+            if uuid in self._last.get(node, {})
+        ]
 
     def summary(self, samples: Iterable[GpuSample]) -> IdleEnergy:
         """Energy while idle of ``samples``' GPUs (each once), over all this counter has seen of them."""
         idle = busy = unknown = covered = 0.0
         gpus = 0
-        for key in sorted({(sample.node, sample.gpu.uuid) for sample in samples}):
-            total, last = self.gpus.get(key), self._last.get(key)
+        for node, uuid in sorted({(sample.node, sample.gpu.uuid) for sample in samples}):
+            total, last = self.gpus.get((node, uuid)), self._last.get(node, {}).get(uuid)
             if total is None or last is None or total.first_at is None:
                 continue
             gpus += 1
@@ -171,10 +186,8 @@ class IdleEnergyCounter:
 
     def forget_node(self, node: str) -> None:
         """A node that left (its agent left discovery) takes its GPUs' counters with it."""
-        for key in [k for k in self._last if k[0] == node]:
-            del self._last[key]
-        for key in [k for k in self.gpus if k[0] == node]:
-            del self.gpus[key]
+        for uuid in self._last.pop(node, {}):
+            self.gpus.pop((node, uuid), None)
 
 
 def pods_of(sample: GpuSample) -> set[tuple[str, str]]:

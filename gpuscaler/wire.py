@@ -9,7 +9,7 @@ faster for a message that arrives thousands of times a second; the wire format i
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from gpuscaler.aggregation import WindowFunction
@@ -75,6 +75,7 @@ def sample_to_wire(sample: GpuSample) -> pb.GpuSample:
         energy_joules=sample.energy_joules,
         processes=[_process_to_wire(p) for p in sample.processes or ()],
         processes_read=sample.processes is not None,
+        readings=[_NAN if (value := getattr(sample, name)) is None else float(value) for name in READING_FIELDS],
     )
 
 
@@ -173,13 +174,56 @@ _ATTRIBUTION_FROM_PB2 = {
 
 
 def _windowed_from_pb2(value: agent_pb2.WindowedValue) -> Windowed:
-    shares = {
-        share.pod_uid: Windowed(share.value if share.HasField("value") else None, share.samples)
-        for share in value.shares
-    }
-    return Windowed(
-        value.value if value.HasField("value") else None, value.samples, value.reason or None, shares or EMPTY_SHARES
+    shares = (
+        {
+            share.pod_uid: Windowed(share.value if share.HasField("value") else None, share.samples)
+            for share in value.shares
+        }
+        if value.shares
+        else EMPTY_SHARES
     )
+    return Windowed(value.value if value.HasField("value") else None, value.samples, value.reason or None, shares)
+
+
+_NAN = math.nan
+# The readings counted in bytes: integers in a sample, doubles in the packed array (exact below 2**53).
+_BYTES_POSITIONS = tuple(position for position, name in enumerate(READING_FIELDS) if name.endswith("_bytes"))
+
+
+class _WireWindows(Mapping[WindowKey, WindowValues]):
+    """A snapshot's windows, each decoded when first read.
+
+    Every window a gateway's queries use arrives with every snapshot, but a polled query reads it once per
+    KEDA poll (30 s by default) while snapshots arrive every agent poll: most are never read.
+    """
+
+    def __init__(self, by_key: dict[WindowKey, agent_pb2.WindowedValues], samples: tuple[GpuSample, ...]) -> None:
+        self._wire = by_key
+        self._samples = samples
+        self._decoded: dict[WindowKey, WindowValues] = {}
+
+    def __getitem__(self, key: WindowKey) -> WindowValues:
+        values = self._decoded.get(key)
+        if values is None:
+            values = self._decoded[key] = self._decode(self._wire[key])
+        return values
+
+    def _decode(self, window: agent_pb2.WindowedValues) -> WindowValues:
+        samples = self._samples
+        if window.problem or len(window.values) != len(samples):
+            return WindowValues({}, window.problem or f"{len(window.values)} values for {len(samples)} GPUs")
+        return WindowValues(
+            {sample.gpu.uuid: _windowed_from_pb2(value) for sample, value in zip(samples, window.values, strict=True)}
+        )
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._wire
+
+    def __iter__(self) -> Iterator[WindowKey]:
+        return iter(self._wire)
+
+    def __len__(self) -> int:
+        return len(self._wire)
 
 
 class SnapshotDecoder:
@@ -190,8 +234,9 @@ class SnapshotDecoder:
     """
 
     def __init__(self) -> None:
-        self._identities: dict[tuple[int, str, str, str], GpuIdentity] = {}
+        self._identities: dict[tuple[int, str], GpuIdentity] = {}
         self._pods: dict[tuple[tuple[str, str, str], ...], tuple[PodRef, ...]] = {}
+        self._window_keys: dict[tuple[str, float, str], WindowKey | None] = {}
 
     def decode(self, message: agent_pb2.Snapshot, *, monotonic: float) -> Snapshot:
         """The domain snapshot; ``monotonic`` is the receiver's clock at arrival (clocks differ between hosts)."""
@@ -213,32 +258,36 @@ class SnapshotDecoder:
             windows=self._windows(message, samples) if message.windows else {},
         )
 
-    @staticmethod
-    def _windows(message: agent_pb2.Snapshot, samples: tuple[GpuSample, ...]) -> dict[WindowKey, WindowValues]:
-        windows = {}
+    def _windows(self, message: agent_pb2.Snapshot, samples: tuple[GpuSample, ...]) -> _WireWindows:
+        by_key = {}
         for window in message.windows:
-            try:
-                key = window_key_from_wire(window.window)
-            except ValueError:
-                continue  # a window from a newer agent that this gateway cannot name was not asked for by it
-            if window.problem or len(window.values) != len(samples):
-                problem = window.problem or f"{len(window.values)} values for {len(samples)} GPUs"
-                windows[key] = WindowValues({}, problem)
-                continue
-            windows[key] = WindowValues(
-                {
-                    sample.gpu.uuid: _windowed_from_pb2(value)
-                    for sample, value in zip(samples, window.values, strict=True)
-                }
-            )
-        return windows
+            spec = window.window
+            named = (spec.metric, spec.seconds, spec.function)
+            if named not in self._window_keys:
+                if len(self._window_keys) > 256:  # windows asked for come and go; a handful are in use
+                    self._window_keys.clear()
+                try:
+                    self._window_keys[named] = window_key_from_wire(spec)
+                except ValueError:  # a window from a newer agent that this gateway cannot name: not asked for by it
+                    self._window_keys[named] = None
+            key = self._window_keys[named]
+            if key is not None:
+                by_key[key] = window
+        return _WireWindows(by_key, samples)
 
     def _sample(self, gpu: agent_pb2.GpuSample) -> GpuSample:
-        key = (gpu.index, gpu.uuid, gpu.name, gpu.mig_parent_uuid)
+        key = (gpu.index, gpu.uuid)  # a UUID's name and MIG parent are its own for life
         identity = self._identities.get(key)
         if identity is None:
             identity = self._identities[key] = GpuIdentity(gpu.index, gpu.uuid, gpu.name, gpu.mig_parent_uuid or None)
-        readings = [getattr(gpu, name) if gpu.HasField(name) else None for name in READING_FIELDS]
+        packed = gpu.readings
+        if len(packed) == len(READING_FIELDS):
+            readings: list[float | int | None] = [None if value != value else value for value in packed]  # NaN: absent
+            for position in _BYTES_POSITIONS:
+                if (value := readings[position]) is not None:
+                    readings[position] = int(value)
+        else:  # an agent that sends only the fields (older, or another implementation)
+            readings = [getattr(gpu, name) if gpu.HasField(name) else None for name in READING_FIELDS]
         errors = (
             tuple(ReadError(e.field, _KIND_FROM_PB2.get(e.kind, ReadErrorKind.OTHER), e.detail) for e in gpu.errors)
             if gpu.errors

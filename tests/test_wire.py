@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import re
+from pathlib import Path
+
 import pytest
 
 from gpuscaler.generated.gpuscaler import v1 as pb
@@ -181,3 +185,36 @@ def test_the_decoder_reuses_a_nodes_gpus_and_pods_between_ticks() -> None:
 def test_a_sample_lists_its_readings_in_the_metric_tables_order() -> None:
     """The decoder builds samples by position: GpuSample's readings follow gpu_metrics.READINGS."""
     assert GpuSample._fields[2:-3] == READING_FIELDS
+
+
+@pytest.mark.parametrize("sample", SAMPLES)
+def test_an_agent_that_sends_only_the_fields_reads_the_same(sample: GpuSample) -> None:
+    """Without the packed readings (an older agent, another implementation) the optional fields give the same sample."""
+    message = snapshot_to_wire(snapshot(1, 0.0, (sample,)), poll_interval_seconds=0.5)
+    for gpu in message.gpus:
+        gpu.readings = []
+    decoded = SnapshotDecoder().decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=999.0)
+    assert decoded.samples == (sample,)
+    assert [type(getattr(decoded.samples[0], name)) for name in READING_FIELDS] == [
+        type(getattr(sample, name)) for name in READING_FIELDS
+    ]
+
+
+def test_packed_readings_are_nan_where_absent_and_keep_bytes_whole() -> None:
+    """The packed array has one value per reading, NaN for an absent one; bytes come back as integers."""
+    sample = gpu_sample(0, util=0.0, used=12 * 1024**3, total=80 * 1024**3)
+    message = sample_to_wire(sample)
+    assert len(message.readings) == len(READING_FIELDS)
+    assert message.readings[READING_FIELDS.index("gpu_utilization_percent")] == 0.0
+    assert math.isnan(message.readings[READING_FIELDS.index("temperature_celsius")])
+    received = round_trip(sample)
+    assert received.memory_used_bytes == 12 * 1024**3
+    assert isinstance(received.memory_used_bytes, int)
+
+
+def test_the_protos_packed_order_is_the_metric_tables() -> None:
+    """agent.proto names the packed readings' order in words; it is gpu_metrics.READINGS' order."""
+    proto = (Path(__file__).parents[1] / "protos" / "gpuscaler" / "v1" / "agent.proto").read_text()
+    words = re.search(r"in the order of the fields above \((.*?)\)", proto, re.S)
+    assert words is not None
+    assert tuple(name.strip(" /\n") for name in re.sub(r"\s*//\s*", " ", words[1]).split(",")) == READING_FIELDS

@@ -4,7 +4,7 @@ Reconnects wait 0.1 s, doubling to at most 5 s, with jitter so that a restarted 
 every agent in lockstep; any snapshot received resets the wait. This is a dozen lines by hand, on
 purpose: retry libraries (tenacity, stamina, backoff) retry a call until it succeeds, while this stream
 never "succeeds", it runs until it breaks, and the wait must reset whenever it delivered data.
-A stream that stays silent for longer than the agent's staleness bound (twice over) is dropped and
+A stream that stays silent for one to two times the agent's staleness bound is dropped and
 dialled again, so a half-open connection does not hold a node out of the view.
 """
 
@@ -110,14 +110,20 @@ class AgentSubscriber:
                     WATCH_METHOD, Cardinality.UNARY_STREAM, agent_pb2.WatchSnapshotsRequest, agent_pb2.Snapshot
                 ) as stream:
                     await stream.send_message(request, end=True)
-                    silence = FIRST_MESSAGE_TIMEOUT_SECONDS
-                    while not changed.is_set():
-                        async with asyncio.timeout(silence):
+                    loop = asyncio.get_running_loop()
+                    # One deadline per stream: a stream silent for it is redialled. It is moved on only once
+                    # half of it has passed (a timer per message would be thousands a second on a big
+                    # cluster), so a silent stream is redialled after one to two staleness bounds.
+                    async with asyncio.timeout(FIRST_MESSAGE_TIMEOUT_SECONDS) as silence:
+                        while not changed.is_set():
                             message = await stream.recv_message()
-                        if message is None:
-                            return
-                        self._receive(message)
-                        silence = 2 * stale_after_for(message.poll_interval_seconds or 1.0)
+                            if message is None:
+                                return
+                            self._receive(message)
+                            bound = stale_after_for(message.poll_interval_seconds or 1.0)
+                            now = loop.time()
+                            if (silence.when() or now) - now < bound:
+                                silence.reschedule(now + 2 * bound)
                     await stream.cancel()
         finally:
             channel.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -31,7 +32,9 @@ log = structlog.get_logger(__name__)
 
 CLUSTER_NODE = "cluster"
 DEFAULT_COMPOSE_INTERVAL_SECONDS = 0.5
-DEFAULT_COALESCE_SECONDS = 0.02
+# Updates within this long of the first make one composition: at 2,000 agents, 20 a second instead of 4,000,
+# for at most 50 ms of the push budget (one agent poll + 100 ms).
+DEFAULT_COALESCE_SECONDS = 0.05
 # Distinct windows the agents reduce at once: each costs every agent one pass over its history per tick.
 MAX_WINDOWS = 32
 # A window no query used for this long is no longer asked for (KEDA asks each query every 30 s at least).
@@ -109,6 +112,7 @@ class ClusterView(AnnouncedSource):
         self._absent: tuple[str, ...] = ()
         self.on_compose: Callable[[float], None] | None = None  # seconds one composition took
         self._windows: dict[WindowKey, float] = {}  # the windows queries use, with when each was last used
+        self._used_since_compose: set[WindowKey] = set()
         self.windows_changed = asyncio.Event()  # replaced (after being set) whenever the set grows
 
     # The SnapshotSource protocol (with AnnouncedSource)
@@ -124,7 +128,9 @@ class ClusterView(AnnouncedSource):
 
     def windowed(self, sample: GpuSample, window: WindowKey) -> Windowed:
         """The value ``sample``'s agent reduced for ``window``; Unavailable until its agent has sent one."""
-        self.require(window)
+        if window not in self._used_since_compose:  # once per composition, not once per GPU
+            self.require(window)
+            self._used_since_compose.add(window)
         entry = self._nodes.get(sample.node)
         values = entry.latest.windows.get(window) if entry is not None else None
         if values is None:
@@ -256,6 +262,7 @@ class ClusterView(AnnouncedSource):
     def compose(self) -> Snapshot:
         """Announce the cluster snapshot as of now: every fresh node, and every listed agent it cannot hear."""
         started = time.perf_counter()
+        self._used_since_compose.clear()
         now = self._clock()
         wall = self._wall()
         parts: list[Snapshot] = []
@@ -282,7 +289,7 @@ class ClusterView(AnnouncedSource):
             taken_at=wall,
             monotonic=now,
             node=CLUSTER_NODE,
-            samples=tuple(sample for part in parts for sample in part.samples),
+            samples=tuple(itertools.chain.from_iterable(part.samples for part in parts)),
             parts=tuple(parts),
             absent=tuple(absent),
             cluster=True,

@@ -455,6 +455,15 @@ class GpuSample(betterproto2.Message):
 
     processes_read: "bool" = betterproto2.field(21, betterproto2.TYPE_BOOL)
 
+    readings: "list[float]" = betterproto2.field(22, betterproto2.TYPE_DOUBLE, repeated=True)
+    """
+    The readings above again, packed: one per reading in the order of the fields above (gpu_utilization_percent,
+    memory_utilization_percent, memory_used_bytes, memory_total_bytes, temperature_celsius, power_draw_watts,
+    power_limit_watts, sm_active_percent, sm_occupancy_percent, tensor_active_percent, dram_bandwidth_percent,
+    energy_joules), NaN where that field is absent. A gateway reads thousands of samples a second, and one packed
+    array decodes many times faster than twelve optional fields; the fields stay for every other reader.
+    """
+
 
 default_message_pool.register_message("gpuscaler.v1", "GpuSample", GpuSample)
 

@@ -128,7 +128,7 @@ class ProcessUsage(_message.Message):
     def __init__(self, pid: _Optional[int] = ..., pod_uid: _Optional[str] = ..., container_id: _Optional[str] = ..., sm_percent: _Optional[float] = ..., memory_utilization_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ...) -> None: ...
 
 class GpuSample(_message.Message):
-    __slots__ = ("index", "uuid", "name", "mig_parent_uuid", "node", "gpu_utilization_percent", "memory_utilization_percent", "memory_used_bytes", "memory_total_bytes", "temperature_celsius", "power_draw_watts", "power_limit_watts", "errors", "pods", "sm_active_percent", "sm_occupancy_percent", "tensor_active_percent", "dram_bandwidth_percent", "energy_joules", "processes", "processes_read")
+    __slots__ = ("index", "uuid", "name", "mig_parent_uuid", "node", "gpu_utilization_percent", "memory_utilization_percent", "memory_used_bytes", "memory_total_bytes", "temperature_celsius", "power_draw_watts", "power_limit_watts", "errors", "pods", "sm_active_percent", "sm_occupancy_percent", "tensor_active_percent", "dram_bandwidth_percent", "energy_joules", "processes", "processes_read", "readings")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,7 @@ class GpuSample(_message.Message):
     ENERGY_JOULES_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_READ_FIELD_NUMBER: _ClassVar[int]
+    READINGS_FIELD_NUMBER: _ClassVar[int]
     index: int
     uuid: str
     name: str
@@ -171,7 +172,8 @@ class GpuSample(_message.Message):
     energy_joules: float
     processes: _containers.RepeatedCompositeFieldContainer[ProcessUsage]
     processes_read: bool
-    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., mig_parent_uuid: _Optional[str] = ..., node: _Optional[str] = ..., gpu_utilization_percent: _Optional[float] = ..., memory_utilization_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., temperature_celsius: _Optional[float] = ..., power_draw_watts: _Optional[float] = ..., power_limit_watts: _Optional[float] = ..., errors: _Optional[_Iterable[_Union[ReadError, _Mapping]]] = ..., pods: _Optional[_Iterable[_Union[PodRef, _Mapping]]] = ..., sm_active_percent: _Optional[float] = ..., sm_occupancy_percent: _Optional[float] = ..., tensor_active_percent: _Optional[float] = ..., dram_bandwidth_percent: _Optional[float] = ..., energy_joules: _Optional[float] = ..., processes: _Optional[_Iterable[_Union[ProcessUsage, _Mapping]]] = ..., processes_read: _Optional[bool] = ...) -> None: ...
+    readings: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., mig_parent_uuid: _Optional[str] = ..., node: _Optional[str] = ..., gpu_utilization_percent: _Optional[float] = ..., memory_utilization_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., temperature_celsius: _Optional[float] = ..., power_draw_watts: _Optional[float] = ..., power_limit_watts: _Optional[float] = ..., errors: _Optional[_Iterable[_Union[ReadError, _Mapping]]] = ..., pods: _Optional[_Iterable[_Union[PodRef, _Mapping]]] = ..., sm_active_percent: _Optional[float] = ..., sm_occupancy_percent: _Optional[float] = ..., tensor_active_percent: _Optional[float] = ..., dram_bandwidth_percent: _Optional[float] = ..., energy_joules: _Optional[float] = ..., processes: _Optional[_Iterable[_Union[ProcessUsage, _Mapping]]] = ..., processes_read: _Optional[bool] = ..., readings: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Snapshot(_message.Message):
     __slots__ = ("node", "sequence", "taken_at_unix_seconds", "poll_interval_seconds", "gpus", "attribution", "windows")
