@@ -137,6 +137,7 @@ def _gateway(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
 
     settings = gateway_settings_from_args(args, environ)
     logs.configure(log_format=settings.server.log_format, level=settings.server.log_level)
+    gc.freeze()  # as for serve: the imports' objects live as long as the process
     return asyncio.run(run_gateway(settings))
 
 
