@@ -1,4 +1,4 @@
-"""The gateway under 100 simulated agents x 8 GPUs: push latency through it, and its CPU and memory.
+"""The gateway under simulated agents (100 x 8 GPUs unless told): push latency through it, its CPU and memory.
 
     .venv/bin/python -m bench.gateway [--agents 100] [--gpus 8] [--poll 0.5] [--seconds 60] [--tries 20]
 
@@ -299,6 +299,9 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "gateway_cpu_seconds_per_minute": round(60 * cpu_used / wall, 2),
         "gateway_cpu_percent_of_one_core": round(100 * cpu_used / wall, 1),
         "gateway_rss_mib": round(rss, 1),
+        # The cost model's unit: every agent sends a snapshot per poll, and each costs the gateway this much.
+        "snapshots_per_second": round(args.agents / args.poll),
+        "gateway_cpu_us_per_snapshot": round(1e6 * cpu_used / wall / (args.agents / args.poll), 1),
         "push_tries": args.tries,
         "push_from_request_ms": summary(from_request),
         "push_from_agent_tick_ms": summary(from_tick),
