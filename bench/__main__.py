@@ -42,6 +42,7 @@ def _pair(text: str) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the named benchmarks (push, unary, idle and startup by default), write each result file, print its table."""
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", metavar="NAME", help="push, unary, idle, startup, compare, gateway")
     defaults = Options()

@@ -79,6 +79,7 @@ def write_result(name: str, result: dict[str, Any]) -> Path:
 
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """Print ``rows`` under ``columns`` as a table, its title noting this machine's core count."""
     table = Table(title=f"{title} ({os.cpu_count()} cores)", title_justify="left")
     for column in columns:
         table.add_column(column, justify="right" if column != columns[0] else "left")

@@ -54,6 +54,7 @@ def _per_round(record: dict[str, Any]) -> dict[str, float]:
 
 
 async def run(bench: Bench, options: Options, rounds: int) -> dict[str, Any]:
+    """Every measure of both servers, alternating which goes first, ``rounds`` times; medians and the goals met."""
     theirs = options.target
     if not theirs.startable:
         raise ValueError("compare needs --command: the other server, started by the benchmark")
@@ -126,6 +127,7 @@ async def run(bench: Bench, options: Options, rounds: int) -> dict[str, Any]:
 
 
 def show(result: dict[str, Any]) -> None:
+    """Print each figure for both servers, their ratio, its goal, and whether it was met."""
     print_table(
         f"{result['ours']} beside {result['theirs']}, medians of {result['rounds']} rounds",
         ["figure", "ours", "theirs", "ours/theirs", "goal", "met"],

@@ -196,11 +196,13 @@ async def simulate(agents: int, gpus: int, poll: float) -> None:
 
 
 def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds process ``pid`` has used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 def rss_mib(pid: int) -> float:
+    """Process ``pid``'s resident memory now (VmRSS), MiB; NaN when /proc does not say."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
@@ -208,6 +210,7 @@ def rss_mib(pid: int) -> float:
 
 
 async def read_line(stream: asyncio.StreamReader, prefix: str) -> str:
+    """The rest of the simulator's next output line that starts with ``prefix``; RuntimeError if it has ended."""
     while True:
         line = (await stream.readline()).decode()
         if not line:
@@ -217,6 +220,7 @@ async def read_line(stream: asyncio.StreamReader, prefix: str) -> str:
 
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
+    """Start the simulated agents and a real gateway over them; measure its CPU, memory, answers and push latency."""
     simulator = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -315,15 +319,18 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
 
 
 def ref(**metadata: str) -> keda.ScaledObjectRef:
+    """The ScaledObject every bench query comes from, with ``metadata`` as its trigger's."""
     return keda.ScaledObjectRef(name="bench", namespace="bench", scaler_metadata=metadata)
 
 
 async def drain(stream: object) -> None:
+    """Read a push stream until it ends, as KEDA holds one open, ignoring what it says."""
     async for _ in stream:  # type: ignore[attr-defined]
         pass
 
 
 async def gateway_port(log_path: Path) -> int:
+    """The gRPC port the gateway logged when it started (it listens on port 0), within 30 s."""
     async with asyncio.timeout(30):
         while True:
             for line in log_path.read_text().splitlines():  # noqa: ASYNC240 - a small local log
@@ -333,6 +340,7 @@ async def gateway_port(log_path: Path) -> int:
 
 
 async def wait_for_nodes(stub: keda.ExternalScalerStub, gpus: int) -> None:
+    """Wait (up to 60 s) until the gateway's summed temperature counts all ``gpus`` simulated GPUs (50 °C each)."""
     async with asyncio.timeout(60):
         while True:
             try:
@@ -404,6 +412,7 @@ async def push_latency(
 
 
 def summary(seconds: list[float]) -> dict[str, float]:
+    """Median, p99, max and min of durations given in seconds, in milliseconds."""
     ms = sorted(1000 * s for s in seconds)
     p99 = ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]
     return {
@@ -415,6 +424,7 @@ def summary(seconds: list[float]) -> dict[str, float]:
 
 
 def main() -> None:
+    """Run the bench and write its result; with the hidden ``--simulate``, be the simulated agents instead."""
     parser = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__.splitlines()[0])
     parser.add_argument("--agents", type=int, default=100)
     parser.add_argument("--gpus", type=int, default=8)

@@ -17,6 +17,8 @@ from e2e.support.keda_grpcio import KedaProto, generate
 
 @dataclass(frozen=True, slots=True)
 class Options:
+    """What every benchmark takes from the command line: tries, durations, the server to measure, the grid."""
+
     tries: int = 20  # push latency and start-up samples
     seconds: float = 5.0  # per unary cell
     idle_seconds: float = 30.0  # per idle CPU measurement
@@ -57,6 +59,7 @@ class Bench:
 
 @contextlib.contextmanager
 def bench_folder() -> Iterator[Bench]:
+    """A Bench in a scratch folder, with the grpcio stubs generated into it; the folder goes at the end."""
     with tempfile.TemporaryDirectory(prefix="gpuscaler-bench-") as folder:
         path = Path(folder)
         yield Bench(path, generate(path / "stubs"))
@@ -89,6 +92,7 @@ async def silent_streams(streams: list[ActiveStream], seconds: float) -> int:
 
 
 async def close_streams(streams: list[ActiveStream]) -> None:
+    """Close every stream at once."""
     await asyncio.gather(*(stream.close() for stream in streams))
 
 

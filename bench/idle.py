@@ -71,6 +71,7 @@ def derive(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def show(result: dict[str, Any]) -> None:
+    """Print each case's CPU seconds per minute and memory, then the cost per stream and per query if derived."""
     print_table(
         f"Idle server, 8 fake GPUs ({result['target']})",
         ["streams", "queries", "CPU s/min", "RSS MiB"],

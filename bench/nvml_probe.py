@@ -142,6 +142,7 @@ def _fmt(value: object) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Probe this machine's GPUs and print the summary; exit status 1 when there is no NVML here."""
     parser = argparse.ArgumentParser(prog="python -m bench.nvml_probe", description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=5.0, help="seconds per phase (5)")
     parser.add_argument("--interval", type=float, default=0.5, help="seconds between reads, as --poll-interval (0.5)")

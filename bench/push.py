@@ -21,6 +21,7 @@ QUERY = {"gpuIndex": "0", "activationThreshold": "50"}
 
 
 async def run(bench: Bench, options: Options) -> dict[str, Any]:
+    """Push latency at each of ``options``' poll intervals, ``options.tries`` tries each."""
     rows = []
     for poll in options.poll_intervals:
         samples = await latencies(bench, poll, options.tries)
@@ -47,6 +48,7 @@ async def latencies(bench: Bench, poll: float, tries: int) -> list[float]:
 
 
 def show(result: dict[str, Any]) -> None:
+    """Print the median, p99 and max latency per poll interval."""
     print_table(
         "Push latency, set -> true",
         ["poll interval", "tries", "median ms", "p99 ms", "max ms"],

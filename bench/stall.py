@@ -215,6 +215,7 @@ def _shifted(latest: Snapshot, back: int) -> Snapshot:
 
 
 async def measure(count: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Send each kind of request ``count`` times to an in-process agent: each kind's stall, and the GC's pauses."""
     settings = serve_settings(
         "--fake-gpus", str(GPUS), "--poll-interval", str(POLL_SECONDS), "--history", HISTORY, "--metrics-listen", ""
     )
@@ -274,6 +275,7 @@ def _run_client(port: int, kind: str, count: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Measure and write the result; with the hidden ``--client``, be the process that sends the requests."""
     parser = argparse.ArgumentParser(prog="python -m bench.stall", description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20, help="requests of each kind (20)")
     parser.add_argument("--under-load", action="store_true", help="two busy processes run beside it")
@@ -313,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def show(result: dict[str, Any]) -> None:
+    """Print each kind's statuses, its longest callback and the probe's delays."""
     print_table(
         "Event-loop stall per kind of request" + (" (two busy processes beside it)" if result["under_load"] else ""),
         ["kind", "statuses", "longest callback CPU ms", "probe median ms", "probe p99 ms", "probe max ms"],

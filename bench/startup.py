@@ -17,6 +17,7 @@ SPANS = ("start_to_serving", "sigterm_to_exit")
 
 
 async def run(bench: Bench, options: Options) -> dict[str, Any]:
+    """``options.tries`` starts and stops of the target server: spawn to SERVING, and SIGTERM to exit."""
     target = options.target
     if not target.startable:
         raise ValueError("startup needs a server it starts (--command)")
@@ -38,5 +39,6 @@ async def run(bench: Bench, options: Options) -> dict[str, Any]:
 
 
 def show(result: dict[str, Any]) -> None:
+    """Print the median, p99 and max of both spans."""
     rows = [(name, r["n"], r["median_ms"], r["p99_ms"], r["max_ms"]) for name, r in result.items() if name in SPANS]
     print_table(f"Start-up and stop ({result['target']})", ["span", "tries", "median ms", "p99 ms", "max ms"], rows)

@@ -113,6 +113,7 @@ class Server:
 
 
 def free_port() -> int:
+    """A loopback port nothing listens on now."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])

@@ -28,6 +28,7 @@ def stream_queries(count: int) -> list[Metadata]:
 
 
 async def run(bench: Bench, options: Options) -> dict[str, Any]:
+    """GetMetrics latency and calls per second for each number of open streams and of concurrent callers."""
     target = options.target
     rows = []
     for stream_count in options.streams:
@@ -100,6 +101,7 @@ def row(result: dict[str, Any], open_streams: int, callers: int) -> dict[str, An
 
 
 def show(result: dict[str, Any]) -> None:
+    """Print calls per second and latency for each number of open streams and of callers."""
     print_table(
         f"GetMetrics, one channel ({result['target']})",
         ["open streams", "callers", "calls/s", "median ms", "p99 ms", "max ms"],

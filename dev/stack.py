@@ -152,6 +152,7 @@ async def _stop(child: asyncio.subprocess.Process) -> None:
 
 
 def main() -> int:
+    """Run the stack until Ctrl-C or a service exits; the exit status is 0 when every service stopped cleanly."""
     parser = argparse.ArgumentParser(description="Run compose.yaml's services as local processes.")
     parser.add_argument(
         "--port-offset", type=int, default=0, help="add N to every published port, to run beside another stack"

@@ -55,6 +55,7 @@ metadata_maps = st.dictionaries(keys, values, max_size=6)
 
 
 def check_refusal(failure: RpcFailure) -> None:
+    """A refusal has an answered code (not UNKNOWN or INTERNAL), a message, and fits in grpcio's trailer limit."""
     assert failure.code in ANSWERED_CODES, failure
     assert failure.message, failure.code
     assert len(failure.message.encode()) <= MAX_MESSAGE_BYTES, (failure.code, len(failure.message))

@@ -66,6 +66,8 @@ class NodeTruth:
 
 @dataclass(frozen=True)
 class Truth:
+    """What the cluster really does at one moment: each node's truth, by name."""
+
     nodes: dict[str, NodeTruth]
 
     def share(self, query: str, name: str) -> float:
@@ -91,6 +93,8 @@ def lowest(query: str, truths: list[Truth]) -> float:
 
 @dataclass
 class Answer:
+    """One answer a client got: for which query, of which kind, when it was sent and received, and what it said."""
+
     query: str
     kind: str  # "value", "active" or "push"
     sent: float

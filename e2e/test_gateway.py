@@ -34,6 +34,7 @@ pods:
 
 
 def uuid(node: str, index: int) -> str:
+    """The UUID of fake GPU ``index`` of the agent on ``node``."""
     return f"GPU-fake-{node}-{index}"
 
 
@@ -66,6 +67,7 @@ def _equals(expected: float, got: object) -> bool:
 
 
 def assign(cluster: Cluster, node: str, assignments: Sequence[Assignment]) -> None:
+    """Tell ``node``'s fake kubelet which pods hold which of its GPUs."""
     cluster.kubelets[node].assign(assignments)
 
 
@@ -128,6 +130,7 @@ class Pushes:
 
 
 async def is_active(gateway: Process, **metadata: str) -> bool:
+    """The gateway's IsActive answer for ``metadata`` from namespace ml."""
     channel = Channel("127.0.0.1", gateway.port)
     try:
         ref = keda.ScaledObjectRef(name="so", namespace="ml", scaler_metadata=metadata)
@@ -147,6 +150,7 @@ def names_node(node: str) -> Callable[[object], bool]:
 
 
 async def pushed(push: Pushes) -> list[bool]:
+    """What ``push`` has received so far, as a call for ``eventually`` to repeat."""
     return push.seen
 
 

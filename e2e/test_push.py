@@ -21,6 +21,7 @@ SLACK_SECONDS = 0.5
 
 
 async def close_all(streams: list[ActiveStream]) -> None:
+    """Close every stream at once."""
     await asyncio.gather(*(stream.close() for stream in streams))
 
 

@@ -43,6 +43,7 @@ FAILURES = {
 
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    """Every command and its flags; ``serve``'s and ``gateway``'s default to their variables in ``environ``."""
     parser = argparse.ArgumentParser(
         prog="gpuscaler", description="NVIDIA GPU telemetry as autoscaling signals for KEDA."
     )
@@ -102,6 +103,7 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    """Run one ``gpuscaler`` command; the exit status is 0, 1 when it failed, 2 for a bad flag and 130 on Ctrl-C."""
     environ = os.environ if environ is None else environ
     parser = build_parser(environ)
     args = parser.parse_args(argv)

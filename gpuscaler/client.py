@@ -17,6 +17,8 @@ from gpuscaler.tls import client_context
 
 @dataclass(frozen=True, slots=True)
 class ClientOptions:
+    """Where a client command connects, and its TLS files: TLS is on when a CA or a client certificate is given."""
+
     address: Address
     tls_ca: Path | None = None
     tls_cert: Path | None = None
@@ -29,11 +31,13 @@ class ClientOptions:
 
 
 def client_address(text: str) -> Address:
+    """The ``--address`` value as an Address; ConfigError naming the flag when it is not HOST:PORT."""
     return parse_address(text, lambda allowed: ConfigError(f"--address {text!r}: {allowed}"))
 
 
 @contextlib.asynccontextmanager
 async def open_channel(options: ClientOptions) -> AsyncIterator[Channel]:
+    """A channel to ``options.address``, over TLS when the options ask for it, closed on leaving."""
     ssl = client_context(options.tls_ca, options.tls_cert, options.tls_key) if options.tls else None
     config = Configuration(ssl_target_name_override=options.server_name) if options.server_name else None
     channel = Channel(options.address.host, options.address.port, ssl=ssl, config=config)

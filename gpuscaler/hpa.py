@@ -14,6 +14,8 @@ HPA_TOLERANCE = 0.1
 
 
 class MetricType(enum.StrEnum):
+    """The two target types of an HPA external metric, spelled as a ScaledObject's ``metricType`` spells them."""
+
     AVERAGE_VALUE = "AverageValue"
     VALUE = "Value"
 

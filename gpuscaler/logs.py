@@ -24,6 +24,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def default_format() -> LogFormat:
+    """JSON when stderr is not a terminal (a container's log), console when a person is watching it."""
     return "console" if sys.stderr.isatty() else "json"
 
 

@@ -38,6 +38,8 @@ class Answer:
 
 @dataclass(frozen=True, slots=True)
 class Report:
+    """All ``query`` shows for one trigger: the four answers, Explain's explanation and the HPA's replica counts."""
+
     metadata: Mapping[str, str]
     get_metric_spec: Answer
     get_metrics: Answer
@@ -189,6 +191,7 @@ def left_out_lines(report: Report) -> list[str]:
 
 
 def render_table(report: Report, console: Console) -> None:
+    """Print the report for a person, as tables, on ``console``."""
     console.print(report_renderable(report))
 
 

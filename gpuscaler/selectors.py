@@ -17,6 +17,8 @@ _EQUALITY = re.compile(r"^(?P<key>[^\s!=()]+)\s*(?P<op>==|=|!=)\s*(?P<value>[^\s
 
 
 class Operator(enum.Enum):
+    """How a requirement tests its key: its value in or not in a set, the key present, or the key absent (``!key``)."""
+
     IN = "in"
     NOT_IN = "notin"
     EXISTS = "exists"
@@ -25,6 +27,8 @@ class Operator(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Requirement:
+    """One comma-separated clause of a selector: ``key`` tested by ``operator`` against ``values``."""
+
     key: str
     operator: Operator
     values: frozenset[str] = frozenset()

@@ -86,10 +86,12 @@ SERVE_FLAGS: FlagTable = {
 
 
 def env_name(flag: str) -> str:
+    """The environment variable (GPUSCALER_*) that sets a ``serve`` flag."""
     return ENV_PREFIX + SERVE_FLAGS[flag][0]
 
 
 def add_serve_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    """Add the ``serve`` command's flags to ``parser``, each defaulting to its GPUSCALER_* variable in ``environ``."""
     add_flags(parser, SERVE_FLAGS, environ)
 
 

@@ -49,10 +49,12 @@ _ATTRIBUTION_TO_WIRE = {
 
 
 def attribution_to_wire(attribution: Attribution) -> pb.Attribution:
+    """A node's attribution state, and why it is not OK, as the message."""
     return pb.Attribution(state=_ATTRIBUTION_TO_WIRE[attribution.state], detail=attribution.detail)
 
 
 def sample_to_wire(sample: GpuSample) -> pb.GpuSample:
+    """One GPU's sample as the message: unread values left unset, and the readings also packed in order (NaN unread)."""
     return pb.GpuSample(
         index=sample.gpu.index,
         uuid=sample.gpu.uuid,
@@ -120,6 +122,7 @@ def snapshot_to_wire(
 
 
 def window_key_to_wire(key: WindowKey) -> pb.WindowSpec:
+    """A window as the WindowSpec a subscriber sends to ask an agent for it."""
     return pb.WindowSpec(metric=key.metric.value, seconds=key.seconds, function=key.function.value)
 
 

@@ -26,6 +26,7 @@ EPOCH = 1_700_000_000.0
 
 
 def uuid_of(index: int) -> str:
+    """The UUID a built sample's GPU gets from its index unless one is given."""
     return f"GPU-{index:08x}-test"
 
 

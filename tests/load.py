@@ -36,6 +36,7 @@ def _spin() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command after ``--`` beside the busy processes; its exit code is ours."""
     parser = argparse.ArgumentParser(prog="python -m tests.load", description=__doc__.splitlines()[0])
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 2, help="busy processes (one per core)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")

@@ -11,12 +11,14 @@ from tests.conftest import serve_settings
 
 
 def free_port() -> int:
+    """A loopback port nothing listens on now."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
 
 
 async def connects(port: int) -> bool:
+    """Whether a TCP connection to loopback ``port`` is accepted (it is closed again at once)."""
     try:
         _, writer = await asyncio.open_connection("127.0.0.1", port)
     except ConnectionRefusedError:

@@ -76,6 +76,7 @@ ROOMS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def module_name(path: Path) -> str:
+    """The dotted module name of a file of the package (a package's ``__init__`` is the package)."""
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -96,6 +97,7 @@ def imports(path: Path) -> Iterator[str]:
 
 
 def room_of(module: str) -> int:
+    """The index in ROOMS of the room ``module`` belongs to; fails if it is in none."""
     for index, (_, members) in enumerate(ROOMS):
         for member in members:
             if module == member or (member.endswith(".") and module.startswith(member)):
@@ -104,6 +106,7 @@ def room_of(module: str) -> int:
 
 
 def graph() -> dict[str, set[str]]:
+    """Each module of the package with the gpuscaler modules it imports."""
     return {name: set(imports(path)) for name, path in modules().items()}
 
 

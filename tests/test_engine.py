@@ -241,6 +241,7 @@ def test_close_streams_wakes_every_stream_with_closing(node: Node) -> None:
 
 
 def healthy_after(*samples: GpuSample, age: float = 0.0) -> bool:
+    """Whether an engine is healthy after one tick of ``samples``, ``age`` seconds later."""
     node = Node()
     node.tick(*samples)
     node.clock.now += age

@@ -34,6 +34,7 @@ def query(
     window: float | None = None,
     function: WindowFunction = WindowFunction.AVG,
 ) -> ValueQuery:
+    """A value query: by default the sum of gpu_utilization over every GPU, latest sample."""
     return ValueQuery(metric, aggregation, selection or GpuSelection(), window, function)
 
 
@@ -45,6 +46,7 @@ def run(value_query: ValueQuery, history: History, *, now: float | None = None) 
 
 
 def failure(evaluation: Evaluation) -> GpuscalerError:
+    """The error of an evaluation that has no value, checking that value_or_raise raises it."""
     assert evaluation.value is None
     assert evaluation.error is not None
     with pytest.raises(GpuscalerError):
@@ -304,6 +306,7 @@ def mig_instance(slot: int, *, used: int) -> GpuSample:
 
 
 def mig_history() -> History:
+    """One snapshot: a MIG GPU's two instances (250 and 500 of 1000 bytes used) beside a whole GPU."""
     samples = (mig_instance(0, used=250), mig_instance(1, used=500), gpu_sample(1, util=30.0, power=200.0, limit=400.0))
     return history_of(snapshot(1, 0.0, samples))
 

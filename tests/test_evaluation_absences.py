@@ -57,11 +57,13 @@ TRAINERS = (
 
 
 def run(view: Snapshot, directory: Directory | None = None, **metadata: str) -> Evaluation:
+    """Evaluate ``metadata``, from a ScaledObject in ml, over the cluster ``view`` at time 0."""
     query = parse_metadata(metadata, LIMITS, namespace="ml")
     return evaluate(query.value, source_of(view), now=0.0, stale_after=5.0, directory=directory)
 
 
 def unavailable(evaluation: Evaluation) -> str:
+    """The message of the UNAVAILABLE error an evaluation must have, with no value."""
     assert isinstance(evaluation.error, Unavailable), evaluation.error
     assert evaluation.value is None
     return evaluation.error.message

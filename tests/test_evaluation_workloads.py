@@ -20,10 +20,12 @@ LIMITS = Limits(history_seconds=600)
 
 
 def parse(scaled_object_namespace: str = "ml", limits: Limits = LIMITS, **metadata: str) -> Query:
+    """Parse ``metadata`` as the gateway does for a ScaledObject in ``scaled_object_namespace``."""
     return parse_metadata(metadata, limits, namespace=scaled_object_namespace)
 
 
 def parse_dict(metadata: dict[str, str]) -> Query:
+    """Parse ``metadata`` from a ScaledObject in ml, for keys given as a dict (parametrized cases)."""
     return parse_metadata(metadata, LIMITS, namespace="ml")
 
 
@@ -45,10 +47,12 @@ class Directory:
 
 
 def pod(name: str, namespace: str = "ml", container: str = "main") -> PodRef:
+    """The PodRef of pod ``name``'s ``container`` in ``namespace``."""
     return PodRef(namespace, name, container)
 
 
 def node(name: str, *samples_: tuple[float, tuple[PodRef, ...]], first_index: int = 0) -> Snapshot:
+    """Node ``name``'s snapshot: one GPU per (utilisation, pods holding it), with attribution OK."""
     samples = tuple(
         gpu_sample(first_index + i, util=util, pods=pods, node=name, uuid=f"GPU-{name}-{first_index + i}")
         for i, (util, pods) in enumerate(samples_)
@@ -75,6 +79,7 @@ DIRECTORY = Directory(
 
 
 def value_of(query: Query, view: Snapshot = VIEW, directory: Directory | None = DIRECTORY) -> float:
+    """The value of ``query`` over ``view`` with ``directory``'s pods; raises if there is none."""
     return evaluate(query.value, source_of(view), now=0.0, stale_after=5.0, directory=directory).value_or_raise()
 
 

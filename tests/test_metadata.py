@@ -18,10 +18,12 @@ URL_SAFE_LOWERCASE = re.compile(r"^[a-z0-9][a-z0-9._-]*[a-z0-9]$")
 
 
 def parse(metadata: dict[str, str]) -> Query:
+    """Parse ``metadata`` as an agent does, with its default --history of 10m."""
     return parse_metadata(metadata, LIMITS)
 
 
 def refusal(metadata: dict[str, str]) -> str:
+    """The message of the InvalidMetadata that ``metadata`` is refused with."""
     with pytest.raises(InvalidMetadata) as caught:
         parse(metadata)
     return caught.value.message

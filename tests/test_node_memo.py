@@ -20,6 +20,7 @@ QUERIES = [
 
 
 def node(name: str, tick: int, rng: random.Random) -> Snapshot:
+    """Node ``name``'s snapshot at ``tick``: four GPUs at random loads, each lost about one time in twenty."""
     samples = tuple(
         failed_sample(index, ReadErrorKind.GPU_LOST)
         if rng.random() < 0.05
@@ -30,6 +31,7 @@ def node(name: str, tick: int, rng: random.Random) -> Snapshot:
 
 
 def outcome(query: dict[str, str], view: Snapshot, source: ClusterSource, memo: NodeMemo | None) -> object:
+    """All that an evaluation answers (value, error, contributions), to compare with the memo and without."""
     value = parse_metadata(query, LIMITS).value
     evaluation = evaluate(value, source, now=view.monotonic, stale_after=5.0, memo=memo)
     error = (type(evaluation.error), str(evaluation.error)) if isinstance(evaluation.error, GpuscalerError) else None

@@ -13,6 +13,7 @@ from gpuscaler.samples import DEVICE_FIELD, ReadErrorKind, Snapshot
 
 
 async def started_poller(collector: FakeCollector, interval: float = 0.1) -> tuple[Poller, History]:
+    """A started poller over ``collector``, every ``interval`` seconds, into a new 60 s history."""
     history = History(history_seconds=60, poll_interval_seconds=interval)
     poller = Poller(collector, history, poll_interval_seconds=interval)
     await poller.start()

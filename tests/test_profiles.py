@@ -24,10 +24,12 @@ PLAIN = sorted(name for name in PROFILES if not name.endswith(GPM_SUFFIX))
 
 
 def hopper(uuid: str) -> FakeDevice:
+    """A Hopper GPU (GPM supported), 97% busy."""
     return FakeDevice(uuid, name="NVIDIA H100 80GB HBM3", gpu_percent=97)
 
 
 def ampere(uuid: str) -> FakeDevice:
+    """An Ampere GPU, 97% busy, without GPM (which needs Hopper or newer)."""
     return FakeDevice(uuid, name="NVIDIA A100-SXM4-80GB", gpu_percent=97, gpm_supported=False)
 
 
@@ -66,6 +68,7 @@ async def settled(agent: Agent, **metadata: str) -> Evaluation:
 
 
 async def value(agent: Agent, **metadata: str) -> float:
+    """The query's value on ``agent`` once it has settled (see ``settled``)."""
     return (await settled(agent, **metadata)).value_or_raise()
 
 

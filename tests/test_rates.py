@@ -17,6 +17,7 @@ from tests.builders import gpu_sample, history_of, snapshot
 
 
 def power_average(window: float | None = None) -> ValueQuery:
+    """power_average summed over every GPU, over ``window`` seconds (None: each GPU's newest two samples)."""
     return ValueQuery(Metric.POWER_AVERAGE, Aggregation.SUM, GpuSelection(), window, WindowFunction.AVG)
 
 

@@ -35,6 +35,7 @@ class Targets(Directory):
 
 
 def parse(name: str = "trainer-so", **metadata: str) -> Query:
+    """Parse ``metadata`` as the gateway does for ScaledObject ``name`` in namespace ml."""
     return parse_metadata(metadata, CLUSTER, namespace="ml", name=name)
 
 
@@ -69,6 +70,7 @@ TRAINER = ScaleTarget("ml", "trainer-so", "Deployment", "trainer")
 
 
 def run(query: Query, directory: Directory | None, view: Snapshot = VIEW) -> Evaluation:
+    """Evaluate ``query`` over ``view`` at time 0, with ``directory`` as the gateway's pod directory."""
     return evaluate(query.value, source_of(view), now=0.0, stale_after=5.0, directory=directory)
 
 

@@ -21,6 +21,7 @@ def settings(*flags: str, environ: dict[str, str] | None = None) -> ServeSetting
 
 
 def refusal(*flags: str, environ: dict[str, str] | None = None) -> str:
+    """The ConfigError message that ``gpuscaler serve FLAGS...`` is refused with."""
     with pytest.raises(ConfigError) as caught:
         settings(*flags, environ=environ)
     return str(caught.value)

@@ -57,12 +57,14 @@ def node_view(*ticks: tuple[GpuSample, ...]) -> ClusterSource:
 
 
 def run(metadata: dict[str, str], *ticks: tuple[GpuSample, ...], directory: Directory | None = DIRECTORY) -> Evaluation:
+    """Evaluate ``metadata``, from a ScaledObject in ml, over a node whose history holds ``ticks``."""
     source = node_view(*ticks)
     query = parse_metadata(metadata, Limits(history_seconds=600, cluster=True), namespace="ml")
     return evaluate(query.value, source, now=source.latest.monotonic, stale_after=5.0, directory=directory)
 
 
 def pods_of(evaluation: Evaluation) -> dict[str, float | None]:
+    """Each selected pod's value, by pod name (None: a pod left out, with its reason)."""
     return {p.pod: p.value for p in evaluation.pods}
 
 

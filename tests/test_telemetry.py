@@ -22,6 +22,7 @@ from tests.waiting import until, until_result
 
 
 async def scrape(agent: Agent) -> dict[str, list[Sample]]:
+    """Every sample on the agent's /metrics, by series name; the scrape must answer 200."""
     assert agent.frontend.metrics is not None
     async with (
         aiohttp.ClientSession() as session,

@@ -24,6 +24,7 @@ REF = ScaledObjectRef(name="app", namespace="ml", scaler_metadata={"gpuIndex": "
 
 
 def write_pair(cert: trustme.LeafCert, directory: Path, name: str) -> tuple[Path, Path]:
+    """Write ``cert``'s chain and key as PEM files ``name``.crt and ``name``.key in ``directory``."""
     chain, key = directory / f"{name}.crt", directory / f"{name}.key"
     cert.private_key_pem.write_to_path(str(key))
     chain.write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
@@ -31,12 +32,14 @@ def write_pair(cert: trustme.LeafCert, directory: Path, name: str) -> tuple[Path
 
 
 def ca_file(ca: trustme.CA, directory: Path, name: str) -> Path:
+    """Write ``ca``'s certificate as ``name``.pem in ``directory``: the bundle a peer verifies with."""
     path = directory / f"{name}.pem"
     ca.cert_pem.write_to_path(str(path))
     return path
 
 
 def channel(agent: Agent, context: ssl.SSLContext) -> Channel:
+    """A channel to the agent over TLS with the client ``context``."""
     return Channel("127.0.0.1", agent.port, ssl=context)
 
 

@@ -32,6 +32,7 @@ def through_the_wire(original: Snapshot, decoder: SnapshotDecoder | None = None)
 
 
 def round_trip(sample: GpuSample) -> GpuSample:
+    """``sample`` after a trip through the wire in a snapshot of its own."""
     (received,) = through_the_wire(snapshot(1, 0.0, (sample,))).samples
     return received
 

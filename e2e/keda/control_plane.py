@@ -630,6 +630,7 @@ class PodStandIn:
 
 
 def namespace(name: str) -> Json:
+    """The manifest of the Namespace ``name``, to apply before what lives in it."""
     return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
 
 
@@ -655,6 +656,7 @@ def deployment(name: str, namespace_name: str, *, replicas: int = 0, labels: Map
 
 
 def secret(name: str, namespace_name: str, files: Mapping[str, bytes]) -> Json:
+    """A Secret manifest in ``namespace_name`` holding ``files``, base64-encoded as the API wants them."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",

@@ -45,6 +45,7 @@ async def scale_up_then_lose(scenario: Scenario, scaler: Process, metadata: dict
 
 
 async def expect_fallback(scenario: Scenario, since: float) -> None:
+    """The Deployment reaches the fallback count within 60 s of ``since`` and holds it past the cooldown."""
     history = scenario.histories[0]
     reached = await history.wait_equal(FALLBACK_REPLICAS, 60, after=since)
     await history.hold(FALLBACK_REPLICAS, HOLD_SECONDS)

@@ -39,6 +39,7 @@ def directory_entry(pod: Json, workload: str) -> Json:
 
 
 async def wait_pods(scenario: Scenario, app: str, count: int) -> list[Json]:
+    """The oldest ``count`` pods of Deployment ``app``, once it has that many; fails after 60 s."""
     deadline = time.monotonic() + 60
     while True:
         pods = await scenario.pods(app)

@@ -41,6 +41,8 @@ class RpcFailure(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Spec:
+    """One metric spec GetMetricSpec answered, the same whichever client library asked."""
+
     metric_name: str
     target_size: int
     target_size_float: float
@@ -48,6 +50,8 @@ class Spec:
 
 @dataclass(frozen=True, slots=True)
 class Value:
+    """One metric value GetMetrics answered, the same whichever client library asked."""
+
     metric_name: str
     metric_value: int
     metric_value_float: float
@@ -297,6 +301,7 @@ class GrpcioScaler(ScalerClient):
 
 
 async def connect(kind: ClientKind, agent: AgentProcess, proto: KedaProto) -> ScalerClient:
+    """A client of ``agent``'s ExternalScaler over the library ``kind`` names: grpclib, or grpcio (``proto``)."""
     if kind == "grpclib":
         return await GrpclibScaler.connect(agent)
     return await GrpcioScaler.connect(agent, proto)

@@ -128,6 +128,7 @@ async def answer(gateway: Process, **metadata: str) -> float:
 
 
 async def explain(gateway: Process, **metadata: str) -> pb.Explanation:
+    """The gateway's Explain for ``metadata`` from namespace ml: the nodes, GPUs and pods behind the value."""
     channel = Channel("127.0.0.1", gateway.port)
     try:
         return await pb.AgentStub(channel).explain(

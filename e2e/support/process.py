@@ -70,6 +70,7 @@ class Process:
 
 
 def environment(node: str | None = None) -> dict[str, str]:
+    """Our environment less any GPUSCALER_* variable, so only the flags given count; NODE_NAME ``node`` if given."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("GPUSCALER_")}
     if node is not None:
         environ["NODE_NAME"] = node

@@ -36,6 +36,8 @@ _GPM_METRICS = tuple(
 
 
 class Failure(enum.Enum):
+    """How a fake GPU's reads fail, as NVML's do: the GPU lost, every reading not supported, or a hung call."""
+
     LOST = "lost"
     NOT_SUPPORTED = "not_supported"
     TIMEOUT = "timeout"
@@ -43,6 +45,8 @@ class Failure(enum.Enum):
 
 @dataclass(slots=True)
 class FakeGpu:
+    """One fake GPU's live state: its identity, the shape of each value, any failure, its energy and GPM counters."""
+
     identity: GpuIdentity
     memory_total_bytes: int
     power_limit_watts: float

@@ -44,12 +44,16 @@ IDLE_VALUES: Mapping[Metric, float] = {
 
 
 class Shape(Protocol):
+    """A value over time: what a fake GPU reads for one metric, seconds after the agent started."""
+
     def at(self, seconds: float) -> float:
         """The value ``seconds`` after the start."""
 
 
 @dataclass(frozen=True, slots=True)
 class Constant:
+    """The same value at every moment (what ``fake set`` and a plain number in a scenario give)."""
+
     value: float
 
     def at(self, seconds: float) -> float:
@@ -58,6 +62,8 @@ class Constant:
 
 @dataclass(frozen=True, slots=True)
 class Sine:
+    """A sine wave between ``low`` and ``high`` with a ``period`` in seconds, shifted by ``phase`` seconds."""
+
     low: float
     high: float
     period: float
@@ -70,6 +76,8 @@ class Sine:
 
 @dataclass(frozen=True, slots=True)
 class Square:
+    """``high`` for the first half of each ``period`` seconds, ``low`` for the second half."""
+
     low: float
     high: float
     period: float
@@ -80,6 +88,8 @@ class Square:
 
 @dataclass(frozen=True, slots=True)
 class Triangle:
+    """A straight rise from ``low`` to ``high`` and back down again, once every ``period`` seconds."""
+
     low: float
     high: float
     period: float
@@ -92,6 +102,8 @@ class Triangle:
 
 @dataclass(frozen=True, slots=True)
 class Ramp:
+    """A straight line from ``start`` to ``end`` over ``duration`` seconds, then holding at ``end``."""
+
     start: float
     end: float
     duration: float
@@ -114,6 +126,8 @@ class GpuScenario:
 
 @dataclass(frozen=True, slots=True)
 class Scenario:
+    """A checked scenario file: what every GPU starts as, and the GPUs that differ, by index."""
+
     defaults: GpuScenario = field(default_factory=GpuScenario)
     gpus: Mapping[int, GpuScenario] = field(default_factory=dict)
 
@@ -135,6 +149,7 @@ def load_scenario(path: Path, *, gpu_count: int) -> Scenario:
 
 
 def parse_scenario(document: Any, *, gpu_count: int) -> Scenario:
+    """Check a loaded YAML or JSON document (None: no scenario); ConfigError names the path of the bad entry."""
     if document is None:
         return Scenario()
     root = _mapping(document, "the file", {"defaults", "gpus"})

@@ -36,10 +36,13 @@ HEALTH_CHECK_SECONDS = 0.5
 
 
 class Discovery(Protocol):
+    """Where the gateway learns its agents: ``run`` gives ``listener`` every new set of addresses until cancelled."""
+
     async def run(self, listener: EndpointsListener) -> None: ...
 
 
 def build_directory(settings: GatewaySettings) -> PodDirectory | None:
+    """The pod directory ``--pod-directory`` names: none, the Kubernetes API from in the cluster, or a YAML file."""
     if settings.pod_directory is None:
         return None
     if settings.pod_directory == POD_DIRECTORY_KUBERNETES:
@@ -53,6 +56,7 @@ def build_directory(settings: GatewaySettings) -> PodDirectory | None:
 
 
 def build_discovery(settings: GatewaySettings) -> Discovery:
+    """The one source of agents the settings name: a DNS name, a file of addresses, or the fixed ``--agents`` list."""
     if settings.agents_dns is not None:
         return DnsAgents(
             settings.agents_dns.host, settings.agents_dns.port, interval_seconds=settings.resolve_interval_seconds
@@ -63,6 +67,7 @@ def build_discovery(settings: GatewaySettings) -> Discovery:
 
 
 def agent_tls(settings: GatewaySettings) -> AgentTLS | None:
+    """TLS to the agents from the ``--agent-tls-*`` flags; None (plaintext) when no CA is given."""
     if settings.agent_tls_ca is None:
         return None
     context = client_context(

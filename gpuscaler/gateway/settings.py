@@ -88,6 +88,7 @@ GATEWAY_FLAGS: FlagTable = {
 
 
 def add_gateway_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    """Add the ``gateway`` command's flags to ``parser``, each defaulting to its GPUSCALER_* variable in ``environ``."""
     add_flags(parser, GATEWAY_FLAGS, environ)
 
 

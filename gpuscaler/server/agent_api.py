@@ -27,6 +27,8 @@ IdleEnergyOf = Callable[[Iterable[GpuSample], float | None], IdleEnergy | None]
 
 
 class AgentService(pb.AgentBase):
+    """The Agent service over an engine: the latest snapshot, a stream of them with the windows asked for, Explain."""
+
     def __init__(self, engine: Engine, idle_energy_of: IdleEnergyOf | None = None) -> None:
         self._engine = engine
         self._idle_energy_of = idle_energy_of or (lambda samples, window_seconds: None)

@@ -39,6 +39,7 @@ STATUS_FOR_ERROR: Mapping[type[GpuscalerError], Status] = {
 
 
 def status_for(error: GpuscalerError) -> Status:
+    """The status for ``error``: the one its nearest class has in STATUS_FOR_ERROR, INTERNAL for anything else."""
     for kind in type(error).__mro__:
         if kind in STATUS_FOR_ERROR:
             return STATUS_FOR_ERROR[kind]
@@ -77,6 +78,7 @@ def _prefix_within(text: str, budget: int) -> str:
 
 
 def to_grpc_error(error: GpuscalerError) -> GRPCError:
+    """``error`` as the GRPCError a handler raises: its status, and its message shortened to fit the trailer."""
     return GRPCError(status_for(error), shorten(error.message))
 
 

@@ -1,0 +1,1 @@
+"""Tests of pod attribution: kubelet device ids to GPUs, the PodResources reader, pods through an agent."""

@@ -35,6 +35,7 @@ async def kubelet() -> AsyncIterator[FakeKubelet]:
 
 
 def set_utilization(agent: Agent, values: list[float]) -> None:
+    """Set the agent's fake GPUs' utilisation: GPU ``i`` to ``values[i]``."""
     collector = agent.collector
     assert isinstance(collector, FakeCollector)
     for index, value in enumerate(values):
@@ -42,10 +43,12 @@ def set_utilization(agent: Agent, values: list[float]) -> None:
 
 
 def ref(namespace: str = "ml", **metadata: str) -> keda.ScaledObjectRef:
+    """A ScaledObjectRef for trainer in ``namespace``, with ``metadata`` as its trigger's."""
     return keda.ScaledObjectRef(name="trainer", namespace=namespace, scaler_metadata=metadata)
 
 
 async def metric_value(channel: Channel, scaled: keda.ScaledObjectRef) -> float:
+    """The value KEDA would get for ``scaled``: GetMetricSpec, then GetMetrics with the metric name it gave."""
     stub = keda.ExternalScalerStub(channel)
     spec = await stub.get_metric_spec(scaled)
     answer = await stub.get_metrics(

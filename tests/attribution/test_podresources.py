@@ -13,6 +13,7 @@ from tests.fakes.fake_kubelet import Assignment, DraAssignment, FakeKubelet, sho
 
 
 def samples(count: int = 3) -> list[GpuSample]:
+    """``count`` untagged samples of node n, with the UUIDs the fake kubelet's assignments name."""
     return [GpuSample(GpuIdentity(i, f"GPU-fake-n-{i}", "Fake GPU"), "n") for i in range(count)]
 
 

@@ -104,19 +104,23 @@ def find(manifests: Sequence[Manifest], kind: str, name: str | None = None) -> M
 
 
 def of_kind(manifests: Sequence[Manifest], kind: str) -> list[Manifest]:
+    """Every manifest of ``kind``, in rendering order."""
     return [m for m in manifests if m["kind"] == kind]
 
 
 def kinds(manifests: Sequence[Manifest]) -> list[str]:
+    """The kinds of ``manifests``, sorted with repeats kept: what a render holds at a glance."""
     return sorted(m["kind"] for m in manifests)
 
 
 def pod_spec(daemonset: Manifest) -> dict[str, Any]:
+    """The spec of the DaemonSet's pod template."""
     spec: dict[str, Any] = daemonset["spec"]["template"]["spec"]
     return spec
 
 
 def agent_container(daemonset: Manifest) -> dict[str, Any]:
+    """The DaemonSet's only container, which must be the agent."""
     containers = pod_spec(daemonset)["containers"]
     assert [c["name"] for c in containers] == ["agent"]
     container: dict[str, Any] = containers[0]
@@ -187,4 +191,5 @@ def restricted_violations(spec: Mapping[str, Any]) -> list[str]:
 
 
 def yaml_documents(path: Path) -> Iterator[Manifest]:
+    """The non-empty YAML documents of the file at ``path``."""
     yield from (doc for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")) if doc)

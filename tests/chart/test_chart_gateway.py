@@ -30,10 +30,12 @@ GATEWAY = f"{RELEASE}-gateway"
 
 
 def deployment(helm: Helm, scenario: str = "defaults", sets: tuple[str, ...] = ()) -> Manifest:
+    """The gateway Deployment that CI's ``scenario`` values render, with ``sets`` as ``--set`` overrides."""
     return find(helm.template(CI[scenario], sets=sets), "Deployment", GATEWAY)
 
 
 def container(manifest: Manifest) -> dict[str, Any]:
+    """The gateway Deployment's only container, which must be named gateway."""
     (only,) = manifest["spec"]["template"]["spec"]["containers"]
     assert only["name"] == "gateway"
     result: dict[str, Any] = only

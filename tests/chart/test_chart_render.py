@@ -45,6 +45,7 @@ ANNOUNCED_SETTINGS = {"GPUSCALER_METRICS_LISTEN", "GPUSCALER_POD_RESOURCES_SOCKE
 
 
 def daemonset(helm: Helm, scenario: str = "defaults", sets: tuple[str, ...] = ()) -> Manifest:
+    """The agent DaemonSet that CI's ``scenario`` values render, with ``sets`` as ``--set`` overrides."""
     return find(helm.template(CI[scenario], sets=sets), "DaemonSet")
 
 

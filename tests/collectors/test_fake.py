@@ -26,10 +26,12 @@ def collector() -> FakeCollector:
 
 
 def read(collector: FakeCollector, index: int) -> GpuSample:
+    """A read of GPU ``index`` as the poll loop makes it."""
     return collector.read(collector.discover()[index])
 
 
 def values_of(sample: GpuSample) -> list[object]:
+    """The sample's readings in READING_FIELDS order, to compare samples reading by reading."""
     return [getattr(sample, name) for name in FIELDS]
 
 

@@ -15,12 +15,14 @@ GPM_METRICS = (Metric.SM_ACTIVE, Metric.SM_OCCUPANCY, Metric.TENSOR_ACTIVE, Metr
 
 
 def started(nvml: FakeNvml) -> NvmlCollector:
+    """An opened NvmlCollector on node-a over the fake ``nvml``."""
     collector = NvmlCollector(node="node-a", nvml=nvml)
     collector.open()
     return collector
 
 
 def gpm_values(sample: GpuSample) -> list[float | None]:
+    """The sample's four GPM metrics, in GPM_METRICS order (None where absent)."""
     return [sample.value(metric) for metric in GPM_METRICS]
 
 

@@ -19,6 +19,7 @@ from tests.fakes.fake_nvml import (
 
 
 def started(nvml: FakeNvml) -> NvmlCollector:
+    """An opened NvmlCollector on node-a over the fake ``nvml``."""
     collector = NvmlCollector(node="node-a", nvml=nvml)
     collector.open()
     return collector

@@ -21,6 +21,7 @@ CONTAINER_B = "b" * 64
 
 
 def systemd_cgroup(pod_uid: str, container: str, qos: str = "burstable") -> str:
+    """A /proc/PID/cgroup line for a container of pod ``pod_uid`` under the systemd cgroup driver (cgroup v2)."""
     slice_uid = pod_uid.replace("-", "_")
     pod_slice = f"kubepods-{qos}-pod{slice_uid}.slice"
     return f"0::/kubepods.slice/kubepods-{qos}.slice/{pod_slice}/cri-containerd-{container}.scope\n"
@@ -44,16 +45,19 @@ def proc(tmp_path: Path) -> Path:
 
 
 def collector_for(nvml: FakeNvml, proc_root: Path) -> NvmlCollector:
+    """An opened collector that reads processes under ``proc_root``, its wall clock fixed at NOW."""
     collector = NvmlCollector(node="node-a", nvml=nvml, processes=ProcReader(proc_root), wall_clock=lambda: NOW)
     collector.open()
     return collector
 
 
 def read(collector: NvmlCollector) -> GpuSample:
+    """A read of the first GPU."""
     return collector.read(collector.discover()[0])
 
 
 def process_errors(sample: GpuSample) -> list[ReadError]:
+    """The sample's errors about processes: listing them, or reading their utilisation."""
     return [e for e in sample.errors if e.field in (PROCESSES_FIELD, "process_utilization")]
 
 

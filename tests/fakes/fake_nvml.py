@@ -82,6 +82,8 @@ class FakeGpmSample:
 
 
 class FakeGpmMetric:
+    """One metric slot of the request: the caller sets metricId, nvmlGpmMetricsGet the nvmlReturn and value."""
+
     def __init__(self) -> None:
         self.metricId = 0
         self.nvmlReturn = -1
@@ -100,6 +102,8 @@ class FakeGpmMetricsGet:
 
 
 class NVMLError(Exception):
+    """pynvml's error: ``value`` is NVML's return code, and str() is NVML's message for it."""
+
     def __init__(self, value: int) -> None:
         super().__init__(value)
         self.value = value
@@ -110,6 +114,8 @@ class NVMLError(Exception):
 
 @dataclass
 class FakeDevice:
+    """A GPU (or MIG instance) as NVML reports it, with the failures, hangs, GPM values and processes a test sets."""
+
     uuid: str
     name: str = "NVIDIA H100 80GB HBM3"
     gpu_percent: int = 40

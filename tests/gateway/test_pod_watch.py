@@ -16,6 +16,7 @@ from tests.waiting import until
 
 
 def pod(namespace: str, name: str, labels: dict[str, str], owner: tuple[str, str] | None = None) -> dict[str, Any]:
+    """A pod as the API server lists it: labels, a resourceVersion, and its controller (kind, name) if given."""
     metadata: dict[str, Any] = {"namespace": namespace, "name": name, "labels": labels, "resourceVersion": "1"}
     if owner is not None:
         metadata["ownerReferences"] = [{"kind": owner[0], "name": owner[1], "controller": True}]

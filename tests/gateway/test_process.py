@@ -21,10 +21,12 @@ from tests.waiting import until, until_result
 
 
 def ref(namespace: str = "ml", **metadata: str) -> keda.ScaledObjectRef:
+    """A ScaledObjectRef named so in ``namespace``, with ``metadata`` as its trigger's."""
     return keda.ScaledObjectRef(name="so", namespace=namespace, scaler_metadata=metadata)
 
 
 async def value(gateway: Gateway, **metadata: str) -> float:
+    """The value the gateway gives KEDA for ``metadata``: GetMetricSpec, then GetMetrics with its metric name."""
     channel = Channel("127.0.0.1", gateway.port)
     try:
         stub = keda.ExternalScalerStub(channel)
@@ -39,6 +41,7 @@ async def value(gateway: Gateway, **metadata: str) -> float:
 
 
 async def explain(gateway: Gateway, **metadata: str) -> pb.Explanation:
+    """The gateway's Explain for ``metadata`` from namespace ml: the nodes, GPUs and pods behind the value."""
     channel = Channel("127.0.0.1", gateway.port)
     try:
         return await pb.AgentStub(channel).explain(pb.ExplainRequest(scaler_metadata=metadata, namespace="ml"))
@@ -47,6 +50,7 @@ async def explain(gateway: Gateway, **metadata: str) -> pb.Explanation:
 
 
 async def view_has(gateway: Gateway, nodes: int) -> None:
+    """Wait (up to 10 s) until the gateway's cluster view holds ``nodes`` nodes."""
     await until(lambda: gateway.view.latest is not None and len(gateway.view.latest.nodes) == nodes, timeout=10)
 
 

@@ -21,6 +21,7 @@ PATH = "/apis/keda.sh/v1alpha1/scaledobjects"
 
 
 def scaled_object(namespace: str, name: str, target: dict[str, str]) -> dict[str, Any]:
+    """A ScaledObject as the API server lists it, scaling ``target`` (its scaleTargetRef), with no triggers."""
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",

@@ -14,6 +14,7 @@ from gpuscaler.gateway.settings import GATEWAY_FLAGS, GatewaySettings, gateway_s
 
 
 def settings(*flags: str, environ: dict[str, str] | None = None) -> GatewaySettings:
+    """What ``gpuscaler gateway FLAGS...`` builds under ``environ`` (empty by default: no host variables leak in)."""
     environ = environ or {}
     args = build_parser(environ).parse_args(["gateway", *flags])
     return gateway_settings_from_args(args, environ)

@@ -208,6 +208,7 @@ async def test_pods_sharing_a_gpu_each_count_their_own_share_and_query_says_so(s
 
 
 async def scrape(port: int | None) -> dict[str, list[Sample]]:
+    """Every sample the /metrics on ``port`` serves, by series name."""
     assert port is not None
     async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/metrics") as response:
         text = await response.text()

@@ -14,6 +14,7 @@ from tests.waiting import until, until_result
 
 
 async def scrape(gateway: Gateway) -> dict[str, list[Sample]]:
+    """Every sample on the gateway's /metrics, by series name; the scrape must answer 200."""
     assert gateway.frontend.metrics is not None
     url = f"http://127.0.0.1:{gateway.frontend.metrics.port}/metrics"
     async with aiohttp.ClientSession() as session, session.get(url) as response:
@@ -27,6 +28,7 @@ async def scrape(gateway: Gateway) -> dict[str, list[Sample]]:
 
 
 async def healthz(gateway: Gateway) -> int:
+    """The HTTP status the gateway's /healthz answers."""
     assert gateway.frontend.metrics is not None
     url = f"http://127.0.0.1:{gateway.frontend.metrics.port}/healthz"
     async with aiohttp.ClientSession() as session, session.get(url) as response:
@@ -34,6 +36,7 @@ async def healthz(gateway: Gateway) -> int:
 
 
 def by_labels(samples: list[Sample], *names: str) -> dict[tuple[str, ...], float]:
+    """Each sample's value, keyed by its values of the labels ``names``."""
     return {tuple(s.labels[name] for name in names): s.value for s in samples}
 
 

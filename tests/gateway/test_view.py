@@ -15,6 +15,8 @@ from tests.builders import gpu_sample, snapshot
 
 
 class Clock:
+    """A monotonic clock that only the test moves, starting at 100 s."""
+
     def __init__(self) -> None:
         self.now = 100.0
 
@@ -23,6 +25,7 @@ class Clock:
 
 
 def window(seconds: float) -> WindowKey:
+    """A window of the max of gpu_utilization over ``seconds``."""
     return WindowKey(Metric.GPU_UTILIZATION, seconds, WindowFunction.MAX)
 
 

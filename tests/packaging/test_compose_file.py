@@ -28,6 +28,7 @@ VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["versi
 
 
 def flag(command: list[str], name: str) -> str:
+    """The value that follows flag ``name`` in a service's ``command``."""
     return command[command.index(name) + 1]
 
 

@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def pins(lines: list[str]) -> dict[str, str]:
+    """Each ``name==version`` pin among ``lines``, by normalised name (extras and markers dropped)."""
     found = {}
     for line in lines:
         match = re.fullmatch(r"([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?==([^\s;]+)", line.strip())

@@ -23,6 +23,8 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 @dataclass(frozen=True)
 class Instruction:
+    """One Containerfile instruction: its keyword, upper-cased, and the rest of its logical line."""
+
     keyword: str
     arguments: str
 
@@ -72,6 +74,7 @@ ARGS = dict(re.findall(r"^ARG (\w+)=(\S+)$", TEXT, flags=re.MULTILINE))
 
 
 def last(stage: list[Instruction], keyword: str) -> str:
+    """The arguments of the stage's last ``keyword`` instruction, the one that takes effect."""
     return [i.arguments for i in stage if i.keyword == keyword][-1]
 
 

@@ -19,6 +19,7 @@ from tests.server.test_external_scaler import next_tick
 
 
 def fake(agent: Agent) -> FakeCollector:
+    """The agent's FakeCollector, to set values and failures on."""
     assert isinstance(agent.collector, FakeCollector)
     return agent.collector
 
@@ -56,6 +57,7 @@ async def test_watch_sends_one_snapshot_per_tick(agent: Agent, channel: Channel)
 
 
 async def first_snapshot(channel: Channel, request: pb.WatchSnapshotsRequest) -> pb.Snapshot:
+    """The first message of a WatchSnapshots stream for ``request``, within 5 s."""
     async with asyncio.timeout(5):
         async for message in pb.AgentStub(channel).watch_snapshots(request):
             return message

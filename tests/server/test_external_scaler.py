@@ -22,10 +22,12 @@ from tests.waiting import until, until_result
 
 
 def ref(**metadata: str) -> ScaledObjectRef:
+    """A ScaledObjectRef named app in namespace ml, with ``metadata`` as its trigger's."""
     return ScaledObjectRef(name="app", namespace="ml", scaler_metadata=metadata)
 
 
 def fake(agent: Agent) -> FakeCollector:
+    """The agent's FakeCollector, to set values and failures on."""
     assert isinstance(agent.collector, FakeCollector)
     return agent.collector
 

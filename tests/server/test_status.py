@@ -14,6 +14,7 @@ KEPT = "".join(chr(code) for code in range(0x20, 0x7F) if code != ord("%"))
 
 
 def on_the_wire(message: str) -> int:
+    """Bytes ``message`` takes as grpc-message, where every byte but printable ASCII (and '%') is percent-encoded."""
     return len(urllib.parse.quote(message, safe=KEPT))
 
 

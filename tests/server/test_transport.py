@@ -25,6 +25,7 @@ CONNECTION_WINDOW = 65_535  # HTTP/2's initial window, which only a WINDOW_UPDAT
 
 
 def request_headers(path: str) -> list[tuple[str, str]]:
+    """The HTTP/2 headers of a gRPC request for ``path``, as a client sends them."""
     return [
         (":method", "POST"),
         (":scheme", "http"),
