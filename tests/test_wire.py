@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuscaler.gateway.decoding import SnapshotDecoder
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
 from gpuscaler.gpu_metrics import READING_FIELDS
@@ -21,7 +22,7 @@ from gpuscaler.samples import (
     ReadErrorKind,
     Snapshot,
 )
-from gpuscaler.wire import SnapshotDecoder, sample_to_wire, snapshot_to_wire
+from gpuscaler.wire import sample_to_wire, snapshot_to_wire
 from tests.builders import gpu_sample, snapshot
 
 

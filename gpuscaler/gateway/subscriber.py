@@ -22,10 +22,10 @@ from grpclib.const import Cardinality
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from gpuscaler.flags import Address
+from gpuscaler.gateway.decoding import SnapshotDecoder
 from gpuscaler.gateway.view import AgentRefused, ClusterView
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
 from gpuscaler.source import stale_after_for
-from gpuscaler.wire import SnapshotDecoder
 
 log = structlog.get_logger(__name__)
 

@@ -11,10 +11,10 @@ from grpclib.exceptions import GRPCError
 
 from gpuscaler.agent import Agent
 from gpuscaler.collectors.fake import Failure, FakeCollector
+from gpuscaler.gateway.decoding import SnapshotDecoder
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
 from gpuscaler.gpu_metrics import Metric
-from gpuscaler.wire import SnapshotDecoder
 from tests.server.test_external_scaler import next_tick
 
 

@@ -1,0 +1,196 @@
+"""Agent snapshots as the gateway reads them: protobuf messages (the C runtime) to domain snapshots, cheaply.
+
+A gateway decodes thousands of node snapshots a second, so this reads the messages with the C protobuf runtime
+rather than the generated dataclasses the servers use, reuses what does not change between ticks, and decodes a
+snapshot's windows only when a query reads them. Only the gateway imports it: the agent starts smaller without
+the protobuf runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
+from gpuscaler.gpu_metrics import READING_FIELDS
+from gpuscaler.samples import (
+    EMPTY_SHARES,
+    Attribution,
+    AttributionState,
+    GpuIdentity,
+    GpuSample,
+    PodRef,
+    ProcessUsage,
+    ReadError,
+    ReadErrorKind,
+    Snapshot,
+    Windowed,
+    WindowKey,
+    WindowValues,
+)
+from gpuscaler.wire import window_key_from_wire
+
+
+def _process_from_pb2(message: agent_pb2.ProcessUsage) -> ProcessUsage:
+    def optional(name: str) -> Any:
+        return getattr(message, name) if message.HasField(name) else None
+
+    return ProcessUsage(
+        message.pid,
+        optional("pod_uid"),
+        optional("container_id"),
+        optional("sm_percent"),
+        optional("memory_utilization_percent"),
+        optional("memory_used_bytes"),
+    )
+
+
+_KIND_FROM_PB2 = {
+    agent_pb2.READ_ERROR_KIND_NOT_SUPPORTED: ReadErrorKind.NOT_SUPPORTED,
+    agent_pb2.READ_ERROR_KIND_GPU_LOST: ReadErrorKind.GPU_LOST,
+    agent_pb2.READ_ERROR_KIND_TIMEOUT: ReadErrorKind.TIMEOUT,
+    agent_pb2.READ_ERROR_KIND_OTHER: ReadErrorKind.OTHER,
+}
+_ATTRIBUTION_FROM_PB2 = {
+    agent_pb2.ATTRIBUTION_STATE_OFF: AttributionState.OFF,
+    agent_pb2.ATTRIBUTION_STATE_UNAVAILABLE: AttributionState.UNAVAILABLE,
+    agent_pb2.ATTRIBUTION_STATE_OK: AttributionState.OK,
+}
+
+
+def _windowed_from_pb2(value: agent_pb2.WindowedValue) -> Windowed:
+    shares = (
+        {
+            share.pod_uid: Windowed(share.value if share.HasField("value") else None, share.samples)
+            for share in value.shares
+        }
+        if value.shares
+        else EMPTY_SHARES
+    )
+    return Windowed(value.value if value.HasField("value") else None, value.samples, value.reason or None, shares)
+
+
+# The readings counted in bytes: integers in a sample, doubles in the packed array (exact below 2**53).
+_BYTES_POSITIONS = tuple(position for position, name in enumerate(READING_FIELDS) if name.endswith("_bytes"))
+
+
+class _WireWindows(Mapping[WindowKey, WindowValues]):
+    """A snapshot's windows, each decoded when first read.
+
+    Every window a gateway's queries use arrives with every snapshot, but a polled query reads it once per
+    KEDA poll (30 s by default) while snapshots arrive every agent poll: most are never read.
+    """
+
+    def __init__(self, by_key: dict[WindowKey, agent_pb2.WindowedValues], samples: tuple[GpuSample, ...]) -> None:
+        self._wire = by_key
+        self._samples = samples
+        self._decoded: dict[WindowKey, WindowValues] = {}
+
+    def __getitem__(self, key: WindowKey) -> WindowValues:
+        values = self._decoded.get(key)
+        if values is None:
+            values = self._decoded[key] = self._decode(self._wire[key])
+        return values
+
+    def _decode(self, window: agent_pb2.WindowedValues) -> WindowValues:
+        samples = self._samples
+        if window.problem or len(window.values) != len(samples):
+            return WindowValues({}, window.problem or f"{len(window.values)} values for {len(samples)} GPUs")
+        return WindowValues(
+            {sample.gpu.uuid: _windowed_from_pb2(value) for sample, value in zip(samples, window.values, strict=True)}
+        )
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._wire
+
+    def __iter__(self) -> Iterator[WindowKey]:
+        return iter(self._wire)
+
+    def __len__(self) -> int:
+        return len(self._wire)
+
+
+class SnapshotDecoder:
+    """One agent's snapshot stream, from protobuf messages to domain snapshots, cheaply.
+
+    A node's GPUs and its pods' assignments rarely change between ticks, so their objects are kept and
+    reused; only the readings are new each time.
+    """
+
+    def __init__(self) -> None:
+        self._identities: dict[tuple[int, str], GpuIdentity] = {}
+        self._pods: dict[tuple[tuple[str, str, str], ...], tuple[PodRef, ...]] = {}
+        self._window_keys: dict[tuple[str, float, str], WindowKey | None] = {}
+
+    def decode(self, message: agent_pb2.Snapshot, *, monotonic: float) -> Snapshot:
+        """The domain snapshot; ``monotonic`` is the receiver's clock at arrival (clocks differ between hosts)."""
+        node = message.node
+        if message.HasField("attribution") and message.attribution.state in _ATTRIBUTION_FROM_PB2:
+            attribution = Attribution(_ATTRIBUTION_FROM_PB2[message.attribution.state], message.attribution.detail)
+        else:  # an agent older than attribution sends none: it has none
+            attribution = Attribution(
+                AttributionState.OFF, f"the agent on {node!r} sends no pod attribution (upgrade it)"
+            )
+        samples = tuple(self._sample(gpu) for gpu in message.gpus)
+        return Snapshot(
+            sequence=message.sequence,
+            taken_at=message.taken_at_unix_seconds,
+            monotonic=monotonic,
+            node=node,
+            samples=samples,
+            attribution=attribution,
+            windows=self._windows(message, samples) if message.windows else {},
+        )
+
+    def _windows(self, message: agent_pb2.Snapshot, samples: tuple[GpuSample, ...]) -> _WireWindows:
+        by_key = {}
+        for window in message.windows:
+            spec = window.window
+            named = (spec.metric, spec.seconds, spec.function)
+            if named not in self._window_keys:
+                if len(self._window_keys) > 256:  # windows asked for come and go; a handful are in use
+                    self._window_keys.clear()
+                try:
+                    self._window_keys[named] = window_key_from_wire(spec)
+                except ValueError:  # a window from a newer agent that this gateway cannot name: not asked for by it
+                    self._window_keys[named] = None
+            key = self._window_keys[named]
+            if key is not None:
+                by_key[key] = window
+        return _WireWindows(by_key, samples)
+
+    def _sample(self, gpu: agent_pb2.GpuSample) -> GpuSample:
+        key = (gpu.index, gpu.uuid)  # a UUID's name and MIG parent are its own for life
+        identity = self._identities.get(key)
+        if identity is None:
+            identity = self._identities[key] = GpuIdentity(gpu.index, gpu.uuid, gpu.name, gpu.mig_parent_uuid or None)
+        packed = gpu.readings
+        if len(packed) == len(READING_FIELDS):
+            readings: list[float | int | None] = [None if value != value else value for value in packed]  # NaN: absent
+            for position in _BYTES_POSITIONS:
+                if (value := readings[position]) is not None:
+                    readings[position] = int(value)
+        else:  # an agent that sends only the fields (older, or another implementation)
+            readings = [getattr(gpu, name) if gpu.HasField(name) else None for name in READING_FIELDS]
+        errors = (
+            tuple(ReadError(e.field, _KIND_FROM_PB2.get(e.kind, ReadErrorKind.OTHER), e.detail) for e in gpu.errors)
+            if gpu.errors
+            else ()
+        )
+        # An agent older than per-process reads sends neither: not read, which is not "no processes".
+        processes = tuple(_process_from_pb2(p) for p in gpu.processes) if gpu.processes_read else None
+        # By position: GpuSample's fields are (gpu, node, the readings in READINGS' order, errors, pods,
+        # processes), which tests/test_wire.py holds to; a named tuple built from a tuple is the cheapest
+        # record Python makes.
+        return GpuSample._make((identity, gpu.node, *readings, errors, self._pod_refs(gpu), processes))
+
+    def _pod_refs(self, gpu: agent_pb2.GpuSample) -> tuple[PodRef, ...]:
+        if not gpu.pods:
+            return ()
+        key = tuple((p.namespace, p.pod, p.container) for p in gpu.pods)
+        pods = self._pods.get(key)
+        if pods is None:
+            if len(self._pods) > 4096:  # pods come and go; keep the cache to what a node holds now
+                self._pods.clear()
+            pods = self._pods[key] = tuple(PodRef(*ref) for ref in key)
+        return pods
