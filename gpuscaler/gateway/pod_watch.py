@@ -1,33 +1,22 @@
 """The gateway's pod directory from the Kubernetes API: a list, then a watch, kept in memory (kubernetes-asyncio).
 
 RBAC: get/list/watch on pods, cluster-wide; nothing else (owners come from the pod's own
-``ownerReferences`` and ``pod-template-hash`` label, see ``owner_workload``). The watch
-resumes from the last resourceVersion; a 410 Gone (history compacted) relists. Until the first list
-has arrived, and while the API cannot be reached for longer than ``stale_after_seconds``, the
+``ownerReferences`` and ``pod-template-hash`` label, see ``owner_workload``). The list, the watch and
+their failures are ``kube_watch.ListWatch``'s: until the first list, and while the API is silent, the
 directory reports a problem, so workload queries fail (UNAVAILABLE) instead of reading as empty.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import aiohttp
-import structlog
-from kubernetes_asyncio import client, config, watch
-from kubernetes_asyncio.client.exceptions import ApiException
+from kubernetes_asyncio import client, config
 
 from gpuscaler.errors import ConfigError
+from gpuscaler.gateway.kube_watch import DEFAULT_STALE_AFTER_SECONDS, Collection, ListWatch
 from gpuscaler.pods import NVIDIA_RESOURCE_PREFIX, PodInfo
 
-log = structlog.get_logger(__name__)
-
-WATCH_TIMEOUT_SECONDS = 300  # the API server ends each watch after this; we resume from where it was
-INITIAL_BACKOFF_SECONDS = 0.5
-MAX_BACKOFF_SECONDS = 30.0
-DEFAULT_STALE_AFTER_SECONDS = 60.0
 POD_TEMPLATE_HASH = "pod-template-hash"
 
 
@@ -91,7 +80,17 @@ def _asks_for_gpus(spec: Mapping[str, Any]) -> bool:
     return False
 
 
-class KubernetesPodDirectory:
+PODS: Collection[PodInfo] = Collection(
+    name="pod watch",
+    items="pods",
+    event_prefix="pod_watch",
+    lister=lambda api: (client.CoreV1Api(api).list_pod_for_all_namespaces, ()),
+    parse=pod_info,
+    key=lambda info: (info.namespace, info.pod),
+)
+
+
+class KubernetesPodDirectory(ListWatch[PodInfo]):
     """Every pod in the cluster, by (namespace, name), from a list and a watch."""
 
     def __init__(
@@ -100,16 +99,7 @@ class KubernetesPodDirectory:
         *,
         stale_after_seconds: float = DEFAULT_STALE_AFTER_SECONDS,
     ) -> None:
-        self._factory = api_client_factory
-        self._pods: dict[tuple[str, str], PodInfo] = {}
-        self._synced = False
-        self._last_contact: float | None = None
-        self._stale_after = stale_after_seconds
-        self._error: str | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._api: client.ApiClient | None = None
-        self.lists = 0
-        self.events = 0
+        super().__init__(PODS, api_client_factory, stale_after_seconds=stale_after_seconds)
 
     @classmethod
     def in_cluster(cls) -> KubernetesPodDirectory:
@@ -127,116 +117,15 @@ class KubernetesPodDirectory:
     @property
     def api_client_factory(self) -> Callable[[], client.ApiClient]:
         """How this directory reaches the API, for another watch on the same service account."""
-        return self._factory
+        return self.factory
 
     def lookup(self, namespace: str, pod: str) -> PodInfo | None:
-        return self._pods.get((namespace, pod))
+        """The pod, if the cluster has it."""
+        return self.items.get((namespace, pod))
 
     def pods(self, namespace: str) -> list[PodInfo]:
-        return [info for (space, _), info in self._pods.items() if space == namespace]
-
-    def problem(self) -> str | None:
-        if not self._synced:
-            detail = f": {self._error}" if self._error else ""
-            return f"the pod watch has not listed the pods yet{detail}"
-        now = asyncio.get_running_loop().time()
-        if self._error and self._last_contact is not None and now - self._last_contact > self._stale_after:
-            return f"the Kubernetes API has not answered for {now - self._last_contact:.0f}s: {self._error}"
-        return None
+        """Every pod of ``namespace``."""
+        return [info for info in self.items.values() if info.namespace == namespace]
 
     def __len__(self) -> int:
-        return len(self._pods)
-
-    async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="pod-watch")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self._api is not None:
-            await self._api.close()
-            self._api = None
-
-    async def _run(self) -> None:
-        backoff = INITIAL_BACKOFF_SECONDS
-        resource_version: str | None = None
-        while True:
-            try:
-                if self._api is None:
-                    self._api = self._factory()
-                core = client.CoreV1Api(self._api)
-                if resource_version is None:
-                    resource_version = await self._list(core)
-                resource_version = await self._watch(core, resource_version)
-                backoff = INITIAL_BACKOFF_SECONDS
-            except ApiException as error:
-                if error.status == 410:
-                    log.info("pod_watch_expired", detail=str(error.reason))
-                    resource_version = None  # the history moved on: list again
-                    continue
-                self._failed(f"HTTP {error.status} {error.reason}", backoff)
-            except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as error:
-                self._failed(repr(error), backoff)
-            except Exception as error:  # noqa: BLE001 - a malformed answer must not end the watch for good
-                self._failed(f"unexpected answer: {error!r}", backoff)
-            else:
-                continue
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
-
-    def _failed(self, detail: str, backoff: float) -> None:
-        if self._error != detail:
-            log.warning("pod_watch_failed", error=detail, retry_in=backoff)
-        self._error = detail
-
-    async def _list(self, core: client.CoreV1Api) -> str:
-        # The raw answer: a cluster's pods as plain dicts, without building a model object per field.
-        response: Any = await core.list_pod_for_all_namespaces(_preload_content=False)
-        try:
-            # A raw answer is not checked for us: a 403 (RBAC) or 500 would otherwise read as "no pods", and every
-            # workload as scaled to zero.
-            if response.status >= 300:
-                raise ApiException(status=response.status, reason=response.reason)
-            document = await response.json()
-        finally:
-            response.release()
-        pods: dict[tuple[str, str], PodInfo] = {}
-        for item in document.get("items") or []:
-            info = pod_info(item)
-            if info is not None:
-                pods[(info.namespace, info.pod)] = info
-        self._pods = pods
-        self._contact()
-        self.lists += 1
-        if not self._synced:
-            log.info("pod_watch_synced", pods=len(pods))
-        self._synced = True
-        return str((document.get("metadata") or {}).get("resourceVersion") or "")
-
-    async def _watch(self, core: client.CoreV1Api, resource_version: str) -> str:
-        """Apply events until the server ends the watch; the resourceVersion to resume from."""
-        stream = watch.Watch(return_type="object")
-        async with stream:
-            async for event in stream.stream(
-                core.list_pod_for_all_namespaces,
-                resource_version=resource_version,
-                allow_watch_bookmarks=True,
-                timeout_seconds=WATCH_TIMEOUT_SECONDS,
-            ):
-                self._contact()
-                kind = event.get("type")
-                info = pod_info(event.get("raw_object") or {})
-                if info is None:
-                    continue
-                self.events += 1
-                if kind == "DELETED":
-                    self._pods.pop((info.namespace, info.pod), None)
-                elif kind in ("ADDED", "MODIFIED"):
-                    self._pods[(info.namespace, info.pod)] = info
-        return str(stream.resource_version or resource_version)
-
-    def _contact(self) -> None:
-        self._last_contact = asyncio.get_running_loop().time()
-        self._error = None
+        return len(self.items)

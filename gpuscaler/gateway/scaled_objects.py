@@ -2,7 +2,7 @@
 
 KEDA sends every call the ScaledObject's name and namespace; with ``scaleTargetPods`` a trigger asks for the
 pods of that ScaledObject's ``spec.scaleTargetRef``. RBAC: get/list/watch on ``scaledobjects.keda.sh``. The
-watch resumes from the last resourceVersion and relists on 410 Gone, as the pod watch does. Until the first list,
+list and watch are ``kube_watch.ListWatch``'s, as the pod watch's are. Until the first list,
 while KEDA's CRD is missing (404) or the API has not answered for ``stale_after_seconds``, the directory reports
 a problem, so ``scaleTargetPods`` queries fail (UNAVAILABLE) instead of reading as empty.
 
@@ -11,26 +11,17 @@ a problem, so ``scaleTargetPods`` queries fail (UNAVAILABLE) instead of reading 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import aiohttp
-import structlog
-from kubernetes_asyncio import client, watch
+from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from gpuscaler.gateway.kube_watch import DEFAULT_STALE_AFTER_SECONDS, Collection, ListWatch
 from gpuscaler.gateway.pod_watch import KubernetesPodDirectory
 from gpuscaler.pods import PodInfo, ScaleTarget
 
-log = structlog.get_logger(__name__)
-
 GROUP, VERSION, PLURAL = "keda.sh", "v1alpha1", "scaledobjects"
-WATCH_TIMEOUT_SECONDS = 300
-INITIAL_BACKOFF_SECONDS = 0.5
-MAX_BACKOFF_SECONDS = 30.0
-DEFAULT_STALE_AFTER_SECONDS = 60.0
 
 
 def scale_target(scaled_object: Mapping[str, Any]) -> ScaleTarget | None:
@@ -51,7 +42,26 @@ def scale_target(scaled_object: Mapping[str, Any]) -> ScaleTarget | None:
     return ScaleTarget(namespace, name, str(kind), target, str(api_version))
 
 
-class KubernetesScaledObjects:
+def _describe(error: ApiException) -> str:
+    if error.status == 404:
+        return "HTTP 404: KEDA's ScaledObject CRD (scaledobjects.keda.sh/v1alpha1) is not installed"
+    if error.status == 403:
+        return "HTTP 403: the gateway may not list scaledobjects.keda.sh (the chart's gateway ClusterRole grants it)"
+    return f"HTTP {error.status} {error.reason}"
+
+
+SCALED_OBJECTS: Collection[ScaleTarget] = Collection(
+    name="ScaledObject watch",
+    items="ScaledObjects",
+    event_prefix="scaledobject_watch",
+    lister=lambda api: (client.CustomObjectsApi(api).list_cluster_custom_object, (GROUP, VERSION, PLURAL)),
+    parse=scale_target,
+    key=lambda target: (target.namespace, target.scaled_object),
+    describe=_describe,
+)
+
+
+class KubernetesScaledObjects(ListWatch[ScaleTarget]):
     """Every ScaledObject's scale target in the cluster, by (namespace, name), from a list and a watch."""
 
     def __init__(
@@ -60,132 +70,18 @@ class KubernetesScaledObjects:
         *,
         stale_after_seconds: float = DEFAULT_STALE_AFTER_SECONDS,
     ) -> None:
-        self._factory = api_client_factory
-        self._targets: dict[tuple[str, str], ScaleTarget] = {}
-        self._synced = False
-        self._last_contact: float | None = None
-        self._stale_after = stale_after_seconds
-        self._error: str | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._api: client.ApiClient | None = None
-        self.lists = 0
-        self.events = 0
+        super().__init__(SCALED_OBJECTS, api_client_factory, stale_after_seconds=stale_after_seconds)
 
     def scale_target(self, namespace: str, scaled_object: str) -> ScaleTarget | None:
-        return self._targets.get((namespace, scaled_object))
+        """The ScaledObject's scale target, if the cluster has it."""
+        return self.items.get((namespace, scaled_object))
 
     def scale_targets_problem(self) -> str | None:
-        if not self._synced:
-            detail = f": {self._error}" if self._error else ""
-            return f"the ScaledObject watch has not listed the ScaledObjects yet{detail}"
-        now = asyncio.get_running_loop().time()
-        if self._error and self._last_contact is not None and now - self._last_contact > self._stale_after:
-            silent = now - self._last_contact
-            return f"the Kubernetes API has not answered the ScaledObject watch for {silent:.0f}s: {self._error}"
-        return None
+        """Why the ScaledObjects cannot be trusted now (not listed yet, CRD missing, the API silent), or None."""
+        return self.problem()
 
     def __len__(self) -> int:
-        return len(self._targets)
-
-    async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="scaledobject-watch")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self._api is not None:
-            await self._api.close()
-            self._api = None
-
-    async def _run(self) -> None:
-        backoff = INITIAL_BACKOFF_SECONDS
-        resource_version: str | None = None
-        while True:
-            try:
-                if self._api is None:
-                    self._api = self._factory()
-                custom = client.CustomObjectsApi(self._api)
-                if resource_version is None:
-                    resource_version = await self._list(custom)
-                resource_version = await self._watch(custom, resource_version)
-                backoff = INITIAL_BACKOFF_SECONDS
-            except ApiException as error:
-                if error.status == 410:
-                    log.info("scaledobject_watch_expired", detail=str(error.reason))
-                    resource_version = None
-                    continue
-                self._failed(_describe(error), backoff)
-            except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as error:
-                self._failed(repr(error), backoff)
-            except Exception as error:  # noqa: BLE001 - a malformed answer must not end the watch for good
-                self._failed(f"unexpected answer: {error!r}", backoff)
-            else:
-                continue
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
-
-    def _failed(self, detail: str, backoff: float) -> None:
-        if self._error != detail:
-            log.warning("scaledobject_watch_failed", error=detail, retry_in=backoff)
-        self._error = detail
-
-    async def _list(self, custom: client.CustomObjectsApi) -> str:
-        response: Any = await custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, _preload_content=False)
-        try:
-            if response.status >= 300:  # a raw answer is not checked for us: a 404 would read as no ScaledObjects
-                raise ApiException(status=response.status, reason=response.reason)
-            document = await response.json()
-        finally:
-            response.release()
-        self._targets = _by_key(scale_target(item) for item in document.get("items") or [])
-        self._contact()
-        self.lists += 1
-        if not self._synced:
-            log.info("scaledobject_watch_synced", scaled_objects=len(self._targets))
-        self._synced = True
-        return str((document.get("metadata") or {}).get("resourceVersion") or "")
-
-    async def _watch(self, custom: client.CustomObjectsApi, resource_version: str) -> str:
-        stream = watch.Watch(return_type="object")
-        async with stream:
-            async for event in stream.stream(
-                custom.list_cluster_custom_object,
-                GROUP,
-                VERSION,
-                PLURAL,
-                resource_version=resource_version,
-                allow_watch_bookmarks=True,
-                timeout_seconds=WATCH_TIMEOUT_SECONDS,
-            ):
-                self._contact()
-                target = scale_target(event.get("raw_object") or {})
-                if target is None:
-                    continue
-                self.events += 1
-                key = (target.namespace, target.scaled_object)
-                if event.get("type") == "DELETED":
-                    self._targets.pop(key, None)
-                elif event.get("type") in ("ADDED", "MODIFIED"):
-                    self._targets[key] = target
-        return str(stream.resource_version or resource_version)
-
-    def _contact(self) -> None:
-        self._last_contact = asyncio.get_running_loop().time()
-        self._error = None
-
-
-def _by_key(targets: Iterable[ScaleTarget | None]) -> dict[tuple[str, str], ScaleTarget]:
-    return {(t.namespace, t.scaled_object): t for t in targets if t is not None}
-
-
-def _describe(error: ApiException) -> str:
-    if error.status == 404:
-        return "HTTP 404: KEDA's ScaledObject CRD (scaledobjects.keda.sh/v1alpha1) is not installed"
-    if error.status == 403:
-        return "HTTP 403: the gateway may not list scaledobjects.keda.sh (the chart's gateway ClusterRole grants it)"
-    return f"HTTP {error.status} {error.reason}"
+        return len(self.items)
 
 
 class KubernetesDirectory:
