@@ -238,10 +238,20 @@ class Scenario:
         assert process.process is not None
         os.kill(process.process.pid, sig)
 
-    async def query(self, scaler: Process, metadata: Mapping[str, str], tls: TlsFiles | None = None) -> Json:
-        """``gpuscaler query --output json``: the four RPCs as KEDA makes them, and the explanation."""
+    async def query(
+        self,
+        scaler: Process,
+        metadata: Mapping[str, str],
+        tls: TlsFiles | None = None,
+        *,
+        scaled_object: str | None = None,
+    ) -> Json:
+        """``gpuscaler query --output json``: the four RPCs as KEDA makes them (for ``scaled_object``,
+        NAMESPACE/NAME, when given), and the explanation."""
         argv = [str(CONSOLE_SCRIPT), "query", "--address", f"127.0.0.1:{scaler.port}", "--output", "json"]
         argv += _tls_flags(tls, scaler)
+        if scaled_object is not None:
+            argv += ["--scaled-object", scaled_object]
         argv += [f"{key}={value}" for key, value in metadata.items()]
         result = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=60)
         try:

@@ -84,7 +84,13 @@ async def test_documented_scaled_object_becomes_ready(
         scaler = await _tls_agent(scenario, source)
     else:
         pods = tmp_path / "pods.yaml"
-        pods.write_text("pods: []\n")  # workload queries need a pod directory; no pod holds a GPU yet
+        # Workload queries need a pod directory (no pod holds a GPU yet); scaleTargetPods needs the ScaledObject in it.
+        target_ref = json.dumps(manifest["spec"]["scaleTargetRef"])
+        name = manifest["metadata"]["name"]
+        pods.write_text(
+            "pods: []\n"
+            f"scaledObjects:\n  - {{namespace: {scenario.namespace}, name: {name}, scaleTargetRef: {target_ref}}}\n"
+        )
         # ... and an agent with pod attribution (a fake kubelet that reports no pods).
         agent = await scenario.agent("node-1", kubelet=await scenario.kubelet())
         scaler = await scenario.gateway([agent], pod_directory=pods)
@@ -106,7 +112,10 @@ async def test_documented_scaled_object_becomes_ready(
         metadata = dict(trigger["metadata"])
         if POD_SELECTION & metadata.keys():
             metadata.setdefault("namespace", scenario.namespace)  # what KEDA's ScaledObjectRef implies
-        answer = await scenario.query(scaler, metadata, scenario.plane.certificates if tls else None)
+        scaled_object = f"{scenario.namespace}/{manifest['metadata']['name']}"  # what KEDA's calls name
+        answer = await scenario.query(
+            scaler, metadata, scenario.plane.certificates if tls else None, scaled_object=scaled_object
+        )
         for call in ("get_metric_spec", "get_metrics", "is_active", "stream_is_active"):
             assert answer[call]["ok"], f"{source.id}: {call} failed: {answer[call]}"
 
