@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from aiohttp import web
 from kubernetes_asyncio import client
 
 from gpuscaler.gateway.pod_watch import KubernetesPodDirectory
+from tests.fakes.fake_kube_api import FakeCollection, FakeKubeApi
 from tests.waiting import until
 
 
@@ -23,48 +21,27 @@ def pod(namespace: str, name: str, labels: dict[str, str], owner: tuple[str, str
     return {"metadata": metadata}
 
 
-class FakeApiServer:
+class FakeApiServer(FakeKubeApi):
     """Serves GET /api/v1/pods as a list, and with watch=true as a stream of the events put in ``events``."""
 
     def __init__(self) -> None:
-        self.items: list[dict[str, Any]] = []
-        self.events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-        self.lists = 0
-        self.list_status = 200
-        self.watches: list[str] = []
-        self.runner: web.AppRunner | None = None
-        self.port = 0
+        self.pods = FakeCollection("/api/v1/pods", "PodList")
+        super().__init__(self.pods)
+        self.events, self.watches = self.pods.events, self.pods.watches
 
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_get("/api/v1/pods", self.pods)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    @property
+    def items(self) -> list[dict[str, Any]]:
+        """What a list returns."""
+        return self.pods.items
 
-    async def stop(self) -> None:
-        self.events.put_nowait(None)
-        if self.runner is not None:
-            await self.runner.cleanup()
+    @items.setter
+    def items(self, items: list[dict[str, Any]]) -> None:
+        self.pods.items = items
 
-    async def pods(self, request: web.Request) -> web.StreamResponse:
-        if request.query.get("watch", "").lower() != "true":
-            self.lists += 1
-            if self.list_status != 200:
-                status = {"kind": "Status", "code": self.list_status, "reason": "Forbidden", "message": "forbidden"}
-                return web.json_response(status, status=self.list_status)
-            return web.json_response(
-                {"kind": "PodList", "metadata": {"resourceVersion": str(10 * self.lists)}, "items": self.items}
-            )
-        self.watches.append(request.query.get("resourceVersion", ""))
-        response = web.StreamResponse()
-        await response.prepare(request)
-        while (event := await self.events.get()) is not None:
-            await response.write((json.dumps(event) + "\n").encode())
-        await response.write_eof()
-        return response
+    @property
+    def lists(self) -> int:
+        """Lists served so far."""
+        return self.pods.lists
 
 
 def _labels(directory: KubernetesPodDirectory, namespace: str, name: str) -> dict[str, str]:
@@ -139,10 +116,10 @@ async def test_a_refused_list_is_a_problem_not_an_empty_cluster(
     api: FakeApiServer, directory: KubernetesPodDirectory
 ) -> None:
     """A list the API refuses (403: RBAC) leaves the directory unsynced: workload queries fail, never read 0."""
-    api.list_status = 403
+    api.pods.refused = (403, "Forbidden")
     await directory.start()
     await until(lambda: api.lists >= 2)  # retried, and still not synced
     assert "has not listed the pods yet: HTTP 403" in (directory.problem() or "")
-    api.list_status = 200
+    api.pods.refused = None
     api.items = [pod("ml", "trainer-0", {"app": "trainer"})]
     await until(lambda: directory.problem() is None and directory.lookup("ml", "trainer-0") is not None, timeout=10)

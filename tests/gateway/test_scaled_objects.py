@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from aiohttp import web
 from kubernetes_asyncio import client
 
 from gpuscaler.gateway.pod_directory import ManagedDirectory
 from gpuscaler.gateway.pod_watch import KubernetesPodDirectory
 from gpuscaler.gateway.scaled_objects import KubernetesDirectory, KubernetesScaledObjects, scale_target
 from gpuscaler.pods import ScaleTarget, ScaleTargets
+from tests.fakes.fake_kube_api import FakeCollection, FakeKubeApi
 from tests.waiting import until
 
 PATH = "/apis/keda.sh/v1alpha1/scaledobjects"
@@ -30,58 +28,36 @@ def scaled_object(namespace: str, name: str, target: dict[str, str]) -> dict[str
     }
 
 
-class FakeKedaApi:
-    """Serves the ScaledObject list and watch (and an empty pod list), or 404 while KEDA's CRD is missing."""
+class FakeKedaApi(FakeKubeApi):
+    """Serves the ScaledObject list and watch (and a pod list without news), or 404 while KEDA's CRD is missing."""
 
     def __init__(self) -> None:
-        self.items: list[dict[str, Any]] = []
-        self.events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-        self.crd_installed = True
-        self.lists = 0
-        self.watches: list[str] = []
-        self.runner: web.AppRunner | None = None
-        self.port = 0
-        self.closing = asyncio.Event()
+        self.scaled = FakeCollection(PATH, "ScaledObjectList")
+        super().__init__(self.scaled, FakeCollection("/api/v1/pods", "PodList"))
+        self.events, self.watches = self.scaled.events, self.scaled.watches
 
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_get(PATH, self.scaled_objects)
-        app.router.add_get("/api/v1/pods", self.pods)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    @property
+    def items(self) -> list[dict[str, Any]]:
+        """What a list returns."""
+        return self.scaled.items
 
-    async def stop(self) -> None:
-        self.events.put_nowait(None)
-        self.closing.set()
-        if self.runner is not None:
-            await self.runner.cleanup()
+    @items.setter
+    def items(self, items: list[dict[str, Any]]) -> None:
+        self.scaled.items = items
 
-    async def pods(self, request: web.Request) -> web.StreamResponse:
-        if request.query.get("watch", "").lower() == "true":
-            response = web.StreamResponse()
-            await response.prepare(request)
-            await self.closing.wait()  # a pod watch without news, until the server stops
-            return response
-        return web.json_response({"kind": "PodList", "metadata": {"resourceVersion": "1"}, "items": []})
+    @property
+    def lists(self) -> int:
+        """ScaledObject lists served so far."""
+        return self.scaled.lists
 
-    async def scaled_objects(self, request: web.Request) -> web.StreamResponse:
-        if not self.crd_installed:
-            return web.json_response({"kind": "Status", "code": 404, "reason": "NotFound"}, status=404)
-        if request.query.get("watch", "").lower() != "true":
-            self.lists += 1
-            return web.json_response(
-                {"kind": "ScaledObjectList", "metadata": {"resourceVersion": str(10 * self.lists)}, "items": self.items}
-            )
-        self.watches.append(request.query.get("resourceVersion", ""))
-        response = web.StreamResponse()
-        await response.prepare(request)
-        while (event := await self.events.get()) is not None:
-            await response.write((json.dumps(event) + "\n").encode())
-        await response.write_eof()
-        return response
+    @property
+    def crd_installed(self) -> bool:
+        """Whether the ScaledObject collection answers (else 404, as without KEDA's CRD)."""
+        return self.scaled.refused is None
+
+    @crd_installed.setter
+    def crd_installed(self, installed: bool) -> None:
+        self.scaled.refused = None if installed else (404, "NotFound")
 
 
 @pytest.fixture
