@@ -2,8 +2,8 @@
 
 The gateway rebuilds samples from the agents' snapshot streams, so the two directions must stay each other's
 inverse (a test checks the round trip). Messages are betterproto2's everywhere but one place: the gateway
-decodes the snapshot streams with the protobuf runtime's C decoder (``SnapshotDecoder``), hundreds of times
-faster for a message that arrives thousands of times a second; the wire format is the same.
+decodes the snapshot streams with the protobuf runtime's C decoder (``gateway/decoding.py``), hundreds of
+times faster for a message that arrives thousands of times a second; the wire format is the same.
 """
 
 from __future__ import annotations
