@@ -415,18 +415,7 @@ class ControlPlane:
             self._wait(f"CRD {name}", partial(self._established, name), [])
         self.kube.apply(namespace(KEDA_NAMESPACE))
         # The API server refuses loopback Endpoints, but follows an ExternalName Service to the adapter's port.
-        self.kube.apply(
-            {
-                "apiVersion": "v1",
-                "kind": "Service",
-                "metadata": {"name": ADAPTER_SERVICE, "namespace": KEDA_NAMESPACE},
-                "spec": {
-                    "type": "ExternalName",
-                    "externalName": "localhost",
-                    "ports": [{"name": "https", "port": adapter_port, "protocol": "TCP"}],
-                },
-            }
-        )
+        self.kube.apply(_localhost_service(ADAPTER_SERVICE, adapter_port))
         self.kube.apply(
             {
                 "apiVersion": "apiregistration.k8s.io/v1",
@@ -531,18 +520,7 @@ class ControlPlane:
         )
 
         self._wait("KEDA's admission webhooks", lambda: _http_get(probe, "/readyz") == "ok", [daemon])
-        self.kube.apply(
-            {
-                "apiVersion": "v1",
-                "kind": "Service",
-                "metadata": {"name": WEBHOOKS_SERVICE, "namespace": KEDA_NAMESPACE},
-                "spec": {
-                    "type": "ExternalName",
-                    "externalName": "localhost",
-                    "ports": [{"name": "https", "port": port, "protocol": "TCP"}],
-                },
-            }
-        )
+        self.kube.apply(_localhost_service(WEBHOOKS_SERVICE, port))
         configuration = yaml.safe_load(
             (tools.keda_source() / "config" / "webhooks" / "validation_webhooks.yaml").read_text()
         )
@@ -673,3 +651,18 @@ def running(directory: Path) -> Iterator[ControlPlane]:
         yield plane
     finally:
         plane.stop()
+
+
+def _localhost_service(name: str, port: int) -> dict[str, Any]:
+    """A Service in KEDA's namespace that leads to ``localhost:port``: the API server refuses loopback Endpoints,
+    but follows an ExternalName Service."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": KEDA_NAMESPACE},
+        "spec": {
+            "type": "ExternalName",
+            "externalName": "localhost",
+            "ports": [{"name": "https", "port": port, "protocol": "TCP"}],
+        },
+    }
