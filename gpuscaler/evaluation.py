@@ -16,6 +16,8 @@ import fnmatch
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter
 from typing import NamedTuple
 
 from gpuscaler.aggregation import aggregate
@@ -107,18 +109,20 @@ class NodeMemo:
 
     def contributions(self, query: ValueQuery, part: Snapshot, source: SnapshotSource) -> NodePart:
         """``part``'s GPUs in ``query``; raises as ``_contribution`` does (and keeps nothing then)."""
+        return self.parts(query, (part,), source)[0]
+
+    def parts(self, query: ValueQuery, parts: Sequence[Snapshot], source: SnapshotSource) -> list[NodePart]:
+        """Each of ``parts`` in ``query``, in order: one loop, since a cluster's parts are thousands of nodes."""
         nodes = self._by_query.get(query)
         if nodes is None:
             nodes = self._by_query[query] = {}
-        kept = nodes.get(part.node)
-        if kept is not None and kept[0] is part:
-            return kept[1]
-        found = tuple(_contribution(query, sample, source) for sample in part.samples)
-        node_part = NodePart(
-            found, tuple(c.value for c in found if c.value is not None), tuple(c for c in found if c.value is None)
-        )
-        nodes[part.node] = (part, node_part)
-        return node_part
+        found = []
+        for part in parts:
+            kept = nodes.get(part.node)
+            if kept is None or kept[0] is not part:
+                kept = nodes[part.node] = (part, _node_part(query, part, source))
+            found.append(kept[1])
+        return found
 
     def keep_only(self, queries: Iterable[ValueQuery], nodes: Iterable[str]) -> None:
         """Forget queries no longer asked and nodes no longer in the view."""
@@ -129,6 +133,53 @@ class NodeMemo:
         for by_node in self._by_query.values():
             for node in [n for n in by_node if n not in listed]:
                 del by_node[node]
+
+
+def _node_part(query: ValueQuery, part: Snapshot, source: SnapshotSource) -> NodePart:
+    found = _plain_contributions(query, part.samples)
+    if found is None:
+        found = _windowed_contributions(query, part.samples, source)
+    if found is None:
+        found = tuple(_contribution(query, sample, source) for sample in part.samples)
+    return NodePart(
+        found, tuple(c.value for c in found if c.value is not None), tuple(c for c in found if c.value is None)
+    )
+
+
+def _plain_contributions(query: ValueQuery, samples: Sequence[GpuSample]) -> tuple[Contribution, ...] | None:
+    """The common case made cheap: a reading as it is, now, read on every GPU; None for anything else.
+
+    The same contributions ``_contribution`` makes for it (``GpuSample.value`` of a reading is its float).
+    """
+    info = METRICS[query.metric]
+    if query.window is not None or info.rate or info.of is not None:
+        return None
+    values = list(map(attrgetter(info.reading), samples))
+    if None in values:
+        return None
+    return tuple(map(Contribution, samples, map(float, values), repeat(1, len(values))))
+
+
+def _windowed_contributions(
+    query: ValueQuery, samples: Sequence[GpuSample], source: SnapshotSource
+) -> tuple[Contribution, ...] | None:
+    """The other common case: a reading over a window, readable now and over the window on every GPU.
+
+    The same contributions ``_contribution`` makes for it; None for anything else (it then makes them).
+    """
+    window = query.window
+    if window is None or METRICS[query.metric].rate:
+        return None
+    metric = query.metric
+    found = []
+    for sample in samples:
+        if sample.value(metric) is None:
+            return None
+        windowed = source.windowed(sample, window)
+        if windowed.value is None:
+            return None
+        found.append(Contribution(sample, windowed.value, windowed.samples))
+    return tuple(found)
 
 
 def evaluate(
@@ -170,7 +221,7 @@ def evaluate(
     try:
         if memo is not None and snapshot.cluster and query.selection.everything:
             # Concatenated in C: a big cluster's parts are thousands of nodes.
-            node_parts = [memo.contributions(query, part, source) for part in snapshot.parts]
+            node_parts = memo.parts(query, snapshot.parts, source)
             contributions = tuple(itertools.chain.from_iterable(p.contributions for p in node_parts))
             included = list(itertools.chain.from_iterable(p.included for p in node_parts))
             left_out = list(itertools.chain.from_iterable(p.left_out for p in node_parts))

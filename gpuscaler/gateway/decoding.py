@@ -100,6 +100,16 @@ class _WireWindows(Mapping[WindowKey, WindowValues]):
             {sample.gpu.uuid: _windowed_from_pb2(value) for sample, value in zip(samples, window.values, strict=True)}
         )
 
+    def get(self, key: WindowKey, default: WindowValues | None = None) -> WindowValues | None:  # type: ignore[override]
+        """As ``Mapping.get``, without its exception round trip: the view asks once per GPU per composition."""
+        values = self._decoded.get(key)
+        if values is None:
+            wire = self._wire.get(key)
+            if wire is None:
+                return default
+            values = self._decoded[key] = self._decode(wire)
+        return values
+
     def __contains__(self, key: object) -> bool:
         return key in self._wire
 
@@ -164,9 +174,11 @@ class SnapshotDecoder:
         identity = self._identities.get(key)
         if identity is None:
             identity = self._identities[key] = GpuIdentity(gpu.index, gpu.uuid, gpu.name, gpu.mig_parent_uuid or None)
-        packed = gpu.readings
+        packed: list[Any] = list(gpu.readings)
+        readings: list[float | int | None]
         if len(packed) == len(READING_FIELDS):
-            readings: list[float | int | None] = [None if value != value else value for value in packed]  # NaN: absent
+            total = sum(packed)  # NaN when a reading is NaN (absent), or on infinities: then look at each
+            readings = packed if total == total else [None if value != value else value for value in packed]
             for position in _BYTES_POSITIONS:
                 if (value := readings[position]) is not None:
                     readings[position] = int(value)

@@ -47,7 +47,7 @@ class WorkloadIdleEnergy(Collector):
             if part.taken_at > self._counted.get(part.node, -math.inf):
                 self.counter.observe(part)
                 self._counted[part.node] = part.taken_at
-        listed = set(self._view.nodes)
+        listed = self._view.node_names
         for node in [n for n in self._counted if n not in listed]:
             del self._counted[node]
             self.counter.forget_node(node)

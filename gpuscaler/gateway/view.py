@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, KeysView, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -337,6 +337,11 @@ class ClusterView(AnnouncedSource):
             not_heard=[a.describe(snapshot.taken_at) for a in snapshot.absent if (a.node or a.agent) in silent],
             left=left,
         )
+
+    @property
+    def node_names(self) -> KeysView[str]:
+        """The nodes in the view, fresh or not (a live view of them: nothing is copied)."""
+        return self._nodes.keys()
 
     @property
     def nodes(self) -> dict[str, Snapshot]:
