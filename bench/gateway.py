@@ -1,6 +1,7 @@
 """The gateway under simulated agents (100 x 8 GPUs unless told): push latency through it, its CPU and memory.
 
     .venv/bin/python -m bench.gateway [--agents 100] [--gpus 8] [--poll 0.5] [--seconds 60] [--tries 20]
+    .venv/bin/python -m bench.gateway --receive-only [--agents 2000] [--seconds 30]
 
 One child process simulates every agent: one grpclib server per agent on its own loopback port, each
 serving the real ``gpuscaler.v1.Agent`` service over its own ring buffer, fed by one shared ticker with
@@ -9,7 +10,8 @@ The gateway is the real ``gpuscaler gateway`` process. CPU is read from /proc (u
 measured span, memory is VmRSS at its end. Push latency: the bench asks the simulator to raise node 0's
 utilisation and times the StreamIsActive ``true`` at the gateway, both from the request (what a user
 sees: up to one agent poll of waiting) and from the start of the agent tick that carried the change.
-Writes bench/results/gateway.json and prints it.
+Writes bench/results/gateway.json and prints it. ``--receive-only`` runs, instead of the gateway, a process
+that only receives and parses the snapshots: the transport's floor (bench/results/gateway-receive-only.json).
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ from grpclib.server import Server
 
 from gpuscaler.generated import externalscaler as keda
 from gpuscaler.generated.gpuscaler import v1 as pb
+from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
 from gpuscaler.samples import ATTRIBUTION_OFF, GpuIdentity, GpuSample, Snapshot
 from gpuscaler.wire import snapshot_to_wire
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("gpuscaler")
 WATCH = "/gpuscaler.v1.Agent/WatchSnapshots"
 RESULTS = Path(__file__).with_name("results") / "gateway.json"
+RECEIVE_ONLY_RESULTS = RESULTS.with_name("gateway-receive-only.json")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -192,6 +196,31 @@ async def simulate(agents: int, gpus: int, poll: float) -> None:
         await asyncio.sleep(max(0.0, target - loop.time()))
 
 
+async def receive_only(ports: list[str]) -> None:
+    """Subscribe to every simulated agent as the gateway does, receive and parse each snapshot, and do nothing else.
+
+    Its CPU per snapshot is the floor under any gateway on this transport (grpclib over h2, the protobuf C
+    runtime): what a snapshot costs before the gateway has looked at it. Prints 'receiving' once every stream
+    has delivered a snapshot.
+    """
+    first: list[asyncio.Future[None]] = [asyncio.get_running_loop().create_future() for _ in ports]
+
+    async def one(port: str, delivered: asyncio.Future[None]) -> None:
+        channel = Channel("127.0.0.1", int(port))
+        async with channel.request(
+            WATCH, Cardinality.UNARY_STREAM, agent_pb2.WatchSnapshotsRequest, agent_pb2.Snapshot
+        ) as stream:
+            await stream.send_message(agent_pb2.WatchSnapshotsRequest(), end=True)
+            while await stream.recv_message() is not None:
+                if not delivered.done():
+                    delivered.set_result(None)
+
+    tasks = [asyncio.create_task(one(port, delivered)) for port, delivered in zip(ports, first, strict=True)]
+    await asyncio.gather(*first)
+    print("receiving", flush=True)
+    await asyncio.gather(*tasks)
+
+
 # The bench (parent process)
 
 
@@ -219,9 +248,48 @@ async def read_line(stream: asyncio.StreamReader, prefix: str) -> str:
             return line[len(prefix) :].strip()
 
 
-async def run(args: argparse.Namespace) -> dict[str, object]:
-    """Start the simulated agents and a real gateway over them; measure its CPU, memory, answers and push latency."""
+async def run_receive_only(args: argparse.Namespace) -> dict[str, object]:
+    """The transport's floor: the CPU a process that only receives the simulated agents' snapshots uses."""
     simulator = await asyncio.create_subprocess_exec(
+        *simulator_command(args), stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert simulator.stdout is not None
+    ports = await read_line(simulator.stdout, "ports ")
+    receiver = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench.gateway", "--receive-only-from", ports, stdout=subprocess.PIPE
+    )
+    try:
+        assert receiver.stdout is not None
+        async with asyncio.timeout(120):
+            await read_line(receiver.stdout, "receiving")
+        await asyncio.sleep(3)  # let start-up settle
+        cpu_before, wall_before = cpu_seconds(receiver.pid), time.monotonic()
+        await asyncio.sleep(args.seconds)
+        cpu_used, wall = cpu_seconds(receiver.pid) - cpu_before, time.monotonic() - wall_before
+        rss = rss_mib(receiver.pid)
+    finally:
+        receiver.kill()
+        await receiver.wait()
+        simulator.kill()
+        await simulator.wait()
+    return {
+        "benchmark": "receive only: one grpclib client streams every simulated agent's snapshots, parses each "
+        "(protobuf C runtime) and does nothing else; the floor under a gateway on this transport",
+        "agents": args.agents,
+        "gpus_per_agent": args.gpus,
+        "agent_poll_seconds": args.poll,
+        "measured_seconds": round(wall, 1),
+        "receiver_cpu_percent_of_one_core": round(100 * cpu_used / wall, 1),
+        "receiver_rss_mib": round(rss, 1),
+        "snapshots_per_second": round(args.agents / args.poll),
+        "receiver_cpu_us_per_snapshot": round(1e6 * cpu_used / wall / (args.agents / args.poll), 1),
+        "machine": f"{os.cpu_count()} cores",
+    }
+
+
+def simulator_command(args: argparse.Namespace) -> list[str]:
+    """This module as the simulated agents."""
+    return [
         sys.executable,
         "-m",
         "bench.gateway",
@@ -232,8 +300,13 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         str(args.gpus),
         "--poll",
         str(args.poll),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
+    ]
+
+
+async def run(args: argparse.Namespace) -> dict[str, object]:
+    """Start the simulated agents and a real gateway over them; measure its CPU, memory, answers and push latency."""
+    simulator = await asyncio.create_subprocess_exec(
+        *simulator_command(args), stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
     assert simulator.stdout is not None
     assert simulator.stdin is not None
@@ -431,14 +504,24 @@ def main() -> None:
     parser.add_argument("--poll", type=float, default=0.5, help="the simulated agents' poll interval, seconds")
     parser.add_argument("--seconds", type=float, default=60, help="how long to measure CPU")
     parser.add_argument("--tries", type=int, default=20, help="push latency tries")
+    parser.add_argument(
+        "--receive-only",
+        action="store_true",
+        help="measure the transport's floor instead: a process that only receives the snapshots, no gateway",
+    )
     parser.add_argument("--simulate", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--receive-only-from", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.simulate:
         asyncio.run(simulate(args.agents, args.gpus, args.poll))
         return
-    result = asyncio.run(run(args))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    if args.receive_only_from:
+        asyncio.run(receive_only(args.receive_only_from.split(",")))
+        return
+    result = asyncio.run(run_receive_only(args) if args.receive_only else run(args))
+    results = RECEIVE_ONLY_RESULTS if args.receive_only else RESULTS
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 
