@@ -95,6 +95,9 @@ class NodePart(NamedTuple):
     left_out: tuple[Contribution, ...]
 
 
+_CONTRIBUTIONS, _INCLUDED, _LEFT_OUT = attrgetter("contributions"), attrgetter("included"), attrgetter("left_out")
+
+
 class NodeMemo:
     """Each node's contributions to each all-GPU query, kept while the node's snapshot is the same object.
 
@@ -222,9 +225,9 @@ def evaluate(
         if memo is not None and snapshot.cluster and query.selection.everything:
             # Concatenated in C: a big cluster's parts are thousands of nodes.
             node_parts = memo.parts(query, snapshot.parts, source)
-            contributions = tuple(itertools.chain.from_iterable(p.contributions for p in node_parts))
-            included = list(itertools.chain.from_iterable(p.included for p in node_parts))
-            left_out = list(itertools.chain.from_iterable(p.left_out for p in node_parts))
+            contributions = tuple(itertools.chain.from_iterable(map(_CONTRIBUTIONS, node_parts)))
+            included = list(itertools.chain.from_iterable(map(_INCLUDED, node_parts)))
+            left_out = list(itertools.chain.from_iterable(map(_LEFT_OUT, node_parts)))
         else:
             contributions = tuple(_contribution(query, sample, source) for sample in selected)
             included = [c.value for c in contributions if c.value is not None]
