@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gpuscaler.samples import GpuSample, Snapshot
+from gpuscaler.samples import GpuSample, Snapshot, column, uuids
 
 # How long a pod's or workload's counter is kept after its last interval, so that rate() spans a pause.
 FORGET_AFTER_SECONDS = 3600.0
@@ -37,11 +37,15 @@ class Interval:
 
 def interval(before: GpuSample, before_at: float, after: GpuSample, after_at: float) -> Interval:
     """The interval between two samples of one GPU taken at ``before_at`` and ``after_at`` (seconds)."""
-    seconds = max(0.0, after_at - before_at)
-    start, end = before.energy_joules, after.energy_joules
+    return interval_between(
+        max(0.0, after_at - before_at), before.energy_joules, after.energy_joules, after.gpu_utilization_percent
+    )
+
+
+def interval_between(seconds: float, start: float | None, end: float | None, utilization: float | None) -> Interval:
+    """An interval of ``seconds`` from the energy counter at ``start`` to ``end``, closing at ``utilization``."""
     if start is None or end is None or end < start:
         return Interval(seconds, None, None)
-    utilization = after.gpu_utilization_percent
     return Interval(seconds, end - start, None if utilization is None else utilization == 0.0)
 
 
@@ -117,28 +121,36 @@ class IdleEnergyCounter:
     gpus: dict[tuple[str, str], _Total] = field(default_factory=dict)  # (node, uuid)
     by_owner: dict[tuple[str, str], _Total] = field(default_factory=dict)
     # Each node's GPUs' newest samples, by node first: a gateway counts thousands of nodes, each on its own.
-    _last: dict[str, dict[str, tuple[float, GpuSample]]] = field(default_factory=dict)
+    # (tick time, energy counter, the snapshot's samples, the GPU's place in them): its record made if read
+    _last: dict[str, dict[str, tuple[float, float | None, Sequence[GpuSample], int]]] = field(default_factory=dict)
     _next_expiry: float = -math.inf
 
     def observe(self, snapshot: Snapshot) -> None:
-        """Count one node's snapshot: each GPU's interval since its previous sample."""
+        """Count one node's snapshot: each GPU's interval since its previous sample.
+
+        It reads the snapshot's columns (a gateway counts thousands of nodes a second), and a GPU's record
+        only where an idle interval needs its owners.
+        """
         now = snapshot.monotonic
         node = snapshot.node
+        at = snapshot.taken_at
         last = self._last.setdefault(node, {})
-        present = set()
-        for sample in snapshot.samples:
-            uuid = sample.gpu.uuid
-            present.add(uuid)
+        samples = snapshot.samples
+        present = uuids(samples)
+        energies = column(samples, "energy_joules")
+        utilizations = column(samples, "gpu_utilization_percent")
+        for index, uuid in enumerate(present):
+            energy = energies[index]
             previous = last.get(uuid)
-            last[uuid] = (snapshot.taken_at, sample)
+            last[uuid] = (at, energy, samples, index)
             total = self.gpus.get((node, uuid))
             if total is None:
                 total = self.gpus[(node, uuid)] = _Total()
             total.last_seen = now
             if previous is None:
-                total.first_at = snapshot.taken_at
+                total.first_at = at
                 continue
-            part = interval(previous[1], previous[0], sample, snapshot.taken_at)
+            part = interval_between(max(0.0, at - previous[0]), previous[1], energy, utilizations[index])
             if part.joules is None or part.idle is None:
                 total.unknown_seconds += part.seconds
                 continue
@@ -146,14 +158,15 @@ class IdleEnergyCounter:
                 total.busy_joules += part.joules
                 continue
             total.joules += part.joules
-            for owner in set(self.owners(sample)):
+            for owner in set(self.owners(samples[index])):
                 owned = self.by_owner.get(owner)
                 if owned is None:
                     owned = self.by_owner[owner] = _Total()
                 owned.joules += part.joules
                 owned.last_seen = now
         if len(last) > len(present):
-            for uuid in [u for u in last if u not in present]:
+            kept = set(present)
+            for uuid in [u for u in last if u not in kept]:
                 del last[uuid]  # the GPU left its node: its series ends with it
                 self.gpus.pop((node, uuid), None)
         if now >= self._next_expiry:  # owners are few and expire slowly: a sweep a minute is enough
@@ -164,7 +177,7 @@ class IdleEnergyCounter:
     def gpu_totals(self) -> list[tuple[GpuSample, float]]:
         """Each GPU still present, by its newest sample, with its energy while idle so far."""
         return [
-            (self._last[node][uuid][1], total.joules)
+            (self._last[node][uuid][2][self._last[node][uuid][3]], total.joules)
             for (node, uuid), total in sorted(self.gpus.items())
             if uuid in self._last.get(node, {})
         ]

@@ -144,7 +144,7 @@ class Engine:
 
     def _note_left_out(self, evaluation: Evaluation) -> None:
         """Make a partial answer visible: every time to the observers, and in the log when what it lacks changes."""
-        gpus = [c for c in evaluation.contributions if c.value is None]
+        gpus = evaluation.unread
         if not gpus and not evaluation.absent:
             if self._left_out.pop(evaluation.query, None) is not None:
                 log.info("answer_complete_again", selection=evaluation.query.describe_selection())

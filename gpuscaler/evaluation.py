@@ -14,18 +14,27 @@ from __future__ import annotations
 import datetime
 import fnmatch
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from operator import attrgetter
-from typing import NamedTuple
+from typing import NamedTuple, cast, overload
 
 from gpuscaler.aggregation import aggregate
 from gpuscaler.errors import GpuscalerError, InvalidMetadata, Unavailable, Unsupported
 from gpuscaler.gpu_metrics import METRICS, Metric
 from gpuscaler.pods import PodDirectory, uid_key
 from gpuscaler.query import GpuSelection, PodSelection, ValueQuery
-from gpuscaler.samples import Absence, AttributionState, GpuSample, ReadError, ReadErrorKind, Snapshot, Windowed
+from gpuscaler.samples import (
+    Absence,
+    AttributionState,
+    GpuSample,
+    ReadError,
+    ReadErrorKind,
+    Snapshot,
+    Windowed,
+    metric_column,
+)
 from gpuscaler.scale_targets import resolve as resolve_scale_target
 from gpuscaler.shares import Share, pod_share, share_basis
 from gpuscaler.source import SnapshotSource
@@ -65,7 +74,7 @@ class Evaluation:
     """The outcome of one query: ``value`` or ``error`` is set, never both."""
 
     query: ValueQuery
-    contributions: tuple[Contribution, ...]
+    contributions: Sequence[Contribution]
     value: float | None
     error: GpuscalerError | None
     snapshot: Snapshot | None
@@ -82,17 +91,88 @@ class Evaluation:
         return self.value
 
     @property
+    def unread(self) -> list[Contribution]:
+        """The GPUs whose value could not be read: left out, or the reason for the error."""
+        if isinstance(self.contributions, NodeContributions):
+            return self.contributions.unread()
+        return [c for c in self.contributions if c.value is None]
+
+    @property
     def nodes(self) -> int:
         """Nodes whose GPUs went into the value."""
         return len({c.sample.node for c in self.contributions if c.value is not None})
 
 
-class NodePart(NamedTuple):
-    """One node's GPUs in an all-GPU query: every contribution, and the readable values and the rest apart."""
+class NodePart:
+    """One node's GPUs in an all-GPU query: the readable values and the rest apart, and every contribution.
 
-    contributions: tuple[Contribution, ...]
-    included: tuple[float, ...]
-    left_out: tuple[Contribution, ...]
+    On the common path the values come from columns of the node's samples, and the contributions (which
+    hold each GPU's record) are made only when something reads them: Explain, not KEDA's polls.
+    """
+
+    __slots__ = ("_contributions", "_make", "included", "left_out")
+
+    def __init__(
+        self,
+        included: tuple[float, ...],
+        left_out: tuple[Contribution, ...],
+        contributions: tuple[Contribution, ...] | None = None,
+        make: Callable[[], tuple[Contribution, ...]] | None = None,
+    ) -> None:
+        self.included = included
+        self.left_out = left_out
+        self._contributions = contributions
+        self._make = make
+
+    @classmethod
+    def of(cls, contributions: tuple[Contribution, ...]) -> NodePart:
+        """The part that ``contributions`` make."""
+        return cls(
+            tuple(c.value for c in contributions if c.value is not None),
+            tuple(c for c in contributions if c.value is None),
+            contributions,
+        )
+
+    @property
+    def contributions(self) -> tuple[Contribution, ...]:
+        if self._contributions is None:
+            assert self._make is not None
+            self._contributions, self._make = self._make(), None
+        return self._contributions
+
+
+class NodeContributions(Sequence[Contribution]):
+    """A cluster evaluation's contributions, node after node, made when first read (Explain reads them)."""
+
+    __slots__ = ("_all", "_parts")
+
+    def __init__(self, parts: Sequence[NodePart]) -> None:
+        self._parts = parts
+        self._all: tuple[Contribution, ...] | None = None
+
+    def unread(self) -> list[Contribution]:
+        """The GPUs left out, without making the others' contributions."""
+        return list(itertools.chain.from_iterable(map(_LEFT_OUT, self._parts)))
+
+    def _every(self) -> tuple[Contribution, ...]:
+        if self._all is None:
+            self._all = tuple(itertools.chain.from_iterable(map(_CONTRIBUTIONS, self._parts)))
+        return self._all
+
+    def __len__(self) -> int:
+        return len(self._every())
+
+    @overload
+    def __getitem__(self, index: int) -> Contribution: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Contribution]: ...
+
+    def __getitem__(self, index: int | slice) -> Contribution | Sequence[Contribution]:
+        return self._every()[index]
+
+    def __iter__(self) -> Iterator[Contribution]:
+        return iter(self._every())
 
 
 _CONTRIBUTIONS, _INCLUDED, _LEFT_OUT = attrgetter("contributions"), attrgetter("included"), attrgetter("left_out")
@@ -139,50 +219,37 @@ class NodeMemo:
 
 
 def _node_part(query: ValueQuery, part: Snapshot, source: SnapshotSource) -> NodePart:
-    found = _plain_contributions(query, part.samples)
-    if found is None:
-        found = _windowed_contributions(query, part.samples, source)
-    if found is None:
-        found = tuple(_contribution(query, sample, source) for sample in part.samples)
-    return NodePart(
-        found, tuple(c.value for c in found if c.value is not None), tuple(c for c in found if c.value is None)
-    )
+    fast = _from_columns(query, part, source)
+    if fast is not None:
+        return fast
+    return NodePart.of(tuple(_contribution(query, sample, source) for sample in part.samples))
 
 
-def _plain_contributions(query: ValueQuery, samples: Sequence[GpuSample]) -> tuple[Contribution, ...] | None:
-    """The common case made cheap: a reading as it is, now, read on every GPU; None for anything else.
+def _from_columns(query: ValueQuery, part: Snapshot, source: SnapshotSource) -> NodePart | None:
+    """The common cases made cheap: a metric now, or a reading over a window, readable on every GPU of the node.
 
-    The same contributions ``_contribution`` makes for it (``GpuSample.value`` of a reading is its float).
+    Its values come from the node's columns, and its contributions, made on demand, are the ones
+    ``_contribution`` makes (tests/test_node_memo.py compares them); None for every other case.
     """
     info = METRICS[query.metric]
-    if query.window is not None or info.rate or info.of is not None:
+    if info.rate:
         return None
-    values = list(map(attrgetter(info.reading), samples))
-    if None in values:
+    samples = part.samples
+    now = metric_column(samples, query.metric)
+    if None in now:
         return None
-    return tuple(map(Contribution, samples, map(float, values), repeat(1, len(values))))
-
-
-def _windowed_contributions(
-    query: ValueQuery, samples: Sequence[GpuSample], source: SnapshotSource
-) -> tuple[Contribution, ...] | None:
-    """The other common case: a reading over a window, readable now and over the window on every GPU.
-
-    The same contributions ``_contribution`` makes for it; None for anything else (it then makes them).
-    """
     window = query.window
-    if window is None or METRICS[query.metric].rate:
+    if window is None:
+        values = tuple(cast(list[float], now))
+        return NodePart(values, (), make=lambda: tuple(map(Contribution, samples, values, repeat(1, len(values)))))
+    over = source.windowed_values(part, window)
+    reduced = tuple(windowed.value for windowed in over)
+    if None in reduced:
         return None
-    metric = query.metric
-    found = []
-    for sample in samples:
-        if sample.value(metric) is None:
-            return None
-        windowed = source.windowed(sample, window)
-        if windowed.value is None:
-            return None
-        found.append(Contribution(sample, windowed.value, windowed.samples))
-    return tuple(found)
+    counts = [windowed.samples for windowed in over]
+    return NodePart(
+        cast(tuple[float, ...], reduced), (), make=lambda: tuple(map(Contribution, samples, reduced, counts))
+    )
 
 
 def evaluate(
@@ -225,7 +292,7 @@ def evaluate(
         if memo is not None and snapshot.cluster and query.selection.everything:
             # Concatenated in C: a big cluster's parts are thousands of nodes.
             node_parts = memo.parts(query, snapshot.parts, source)
-            contributions = tuple(itertools.chain.from_iterable(map(_CONTRIBUTIONS, node_parts)))
+            contributions: Sequence[Contribution] = NodeContributions(node_parts)
             included = list(itertools.chain.from_iterable(map(_INCLUDED, node_parts)))
             left_out = list(itertools.chain.from_iterable(map(_LEFT_OUT, node_parts)))
         else:

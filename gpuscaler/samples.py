@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import datetime
 import enum
-from collections.abc import Mapping
+from abc import abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from types import MappingProxyType
 from typing import NamedTuple
 
@@ -153,6 +155,52 @@ def _percent(part: float | None, whole: float | None) -> float | None:
     return 100.0 * part / whole
 
 
+class LazySamples(Sequence[GpuSample]):
+    """A node's samples as they arrived, each made into a ``GpuSample`` only when it is read.
+
+    A gateway receives thousands of node snapshots a second, and most queries read one number of each GPU:
+    ``column`` reads that number across the node's GPUs without making the records.
+    """
+
+    __slots__ = ()
+
+    @abstractmethod
+    def column(self, reading: str) -> list[float | None]:
+        """Each GPU's ``reading`` (a ``GpuSample`` field), in order; None where absent.
+
+        Byte counts may come as floats of the same value: every use of a reading is arithmetic on it.
+        """
+
+    @abstractmethod
+    def uuids(self) -> list[str]:
+        """Each GPU's UUID, in order."""
+
+
+def column(samples: Sequence[GpuSample], reading: str) -> Sequence[float | None]:
+    """Each sample's ``reading``, in order, without making the records of lazy samples."""
+    if isinstance(samples, LazySamples):
+        return samples.column(reading)
+    return list(map(attrgetter(reading), samples))
+
+
+def uuids(samples: Sequence[GpuSample]) -> list[str]:
+    """Each sample's GPU UUID, in order, without making the records of lazy samples."""
+    if isinstance(samples, LazySamples):
+        return samples.uuids()
+    return [sample.gpu.uuid for sample in samples]
+
+
+def metric_column(samples: Sequence[GpuSample], metric: Metric) -> list[float | None]:
+    """``[sample.value(metric) for sample in samples]``, without making the records of lazy samples."""
+    info = METRICS[metric]
+    if info.rate:
+        return [None] * len(samples)
+    values = column(samples, info.reading)
+    if info.of is None:
+        return [None if value is None else float(value) for value in values]
+    return list(map(_percent, values, column(samples, info.of)))
+
+
 # The shares of a window on a GPU that one pod or none holds: shared, never written.
 EMPTY_SHARES: Mapping[str, Windowed] = MappingProxyType({})
 
@@ -241,7 +289,7 @@ class Snapshot:
     taken_at: float
     monotonic: float
     node: str
-    samples: tuple[GpuSample, ...] = field(default_factory=tuple)
+    samples: Sequence[GpuSample] = ()
     attribution: Attribution = ATTRIBUTION_OFF
     parts: tuple[Snapshot, ...] = ()
     absent: tuple[Absence, ...] = ()

@@ -51,6 +51,9 @@ class SnapshotSource(Protocol):
         Raises Unavailable when the source cannot tell yet (a gateway whose agents have not computed it).
         """
 
+    def windowed_values(self, part: Snapshot, window: WindowKey) -> list[Windowed]:
+        """``windowed`` for each of node snapshot ``part``'s GPUs, in order (a gateway reads them as a column)."""
+
     async def prepare(self, windows: Sequence[WindowKey]) -> None:
         """Make ``windows`` answerable, waiting a little where that takes a round trip (a gateway's agents)."""
 
@@ -112,6 +115,12 @@ class AnnouncedSource:
     @property
     def latest(self) -> Snapshot | None:
         raise NotImplementedError
+
+    def windowed(self, sample: GpuSample, window: WindowKey) -> Windowed:
+        raise NotImplementedError
+
+    def windowed_values(self, part: Snapshot, window: WindowKey) -> list[Windowed]:
+        return [self.windowed(sample, window) for sample in part.samples]
 
     async def prepare(self, windows: Sequence[WindowKey]) -> None:
         return None

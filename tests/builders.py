@@ -159,6 +159,9 @@ class ClusterSource:
         history = self._histories.get(sample.node)
         return history.windowed(sample, window) if history is not None else Windowed(None, 0)
 
+    def windowed_values(self, part: Snapshot, window: WindowKey) -> list[Windowed]:
+        return [self.windowed(sample, window) for sample in part.samples]
+
     async def prepare(self, windows: Sequence[WindowKey]) -> None:
         return None
 

@@ -52,7 +52,7 @@ def test_idle_energy_over_a_window_sums_idle_and_busy_and_says_what_is_unknown()
     )
     latest = history.latest
     assert latest is not None
-    figure = idle_energy(history, latest.samples + latest.samples, window_seconds=10.0)
+    figure = idle_energy(history, [*latest.samples, *latest.samples], window_seconds=10.0)
     assert (figure.idle_joules, figure.busy_joules, figure.unknown_seconds, figure.gpus) == (160.0, 900.0, 2.0, 2)
     assert figure.seconds == 3.0
     assert figure.idle_share == pytest.approx(160.0 / 1060.0)

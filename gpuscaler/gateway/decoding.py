@@ -8,8 +8,8 @@ the protobuf runtime.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, overload
 
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
 from gpuscaler.gpu_metrics import READING_FIELDS
@@ -19,6 +19,7 @@ from gpuscaler.samples import (
     AttributionState,
     GpuIdentity,
     GpuSample,
+    LazySamples,
     PodRef,
     ProcessUsage,
     ReadError,
@@ -81,7 +82,7 @@ class _WireWindows(Mapping[WindowKey, WindowValues]):
     KEDA poll (30 s by default) while snapshots arrive every agent poll: most are never read.
     """
 
-    def __init__(self, by_key: dict[WindowKey, agent_pb2.WindowedValues], samples: tuple[GpuSample, ...]) -> None:
+    def __init__(self, by_key: dict[WindowKey, agent_pb2.WindowedValues], samples: LazySamples) -> None:
         self._wire = by_key
         self._samples = samples
         self._decoded: dict[WindowKey, WindowValues] = {}
@@ -97,7 +98,7 @@ class _WireWindows(Mapping[WindowKey, WindowValues]):
         if window.problem or len(window.values) != len(samples):
             return WindowValues({}, window.problem or f"{len(window.values)} values for {len(samples)} GPUs")
         return WindowValues(
-            {sample.gpu.uuid: _windowed_from_pb2(value) for sample, value in zip(samples, window.values, strict=True)}
+            {uuid: _windowed_from_pb2(value) for uuid, value in zip(samples.uuids(), window.values, strict=True)}
         )
 
     def get(self, key: WindowKey, default: WindowValues | None = None) -> WindowValues | None:  # type: ignore[override]
@@ -118,6 +119,84 @@ class _WireWindows(Mapping[WindowKey, WindowValues]):
 
     def __len__(self) -> int:
         return len(self._wire)
+
+
+_POSITIONS = {name: position for position, name in enumerate(READING_FIELDS)}
+
+
+class _WireSamples(LazySamples):
+    """A node snapshot's GPUs as they arrived: a GPU's record is made when it is read, columns come off the wire.
+
+    Evaluating a query of one metric over a node, or counting its energy, reads a column of the packed
+    readings; Explain, a pod query or a named GPU reads records, each made once.
+    """
+
+    __slots__ = ("_all", "_decoder", "_gpus", "_records", "_rows", "_uuids")
+
+    def __init__(self, gpus: Sequence[agent_pb2.GpuSample], decoder: SnapshotDecoder) -> None:
+        self._gpus = gpus
+        self._decoder = decoder
+        self._records: list[GpuSample | None] = [None] * len(gpus)
+        self._all: tuple[GpuSample, ...] | None = None
+        self._rows: list[Sequence[float]] | None = None
+        self._uuids: list[str] | None = None
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    @overload
+    def __getitem__(self, index: int) -> GpuSample: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[GpuSample]: ...
+
+    def __getitem__(self, index: int | slice) -> GpuSample | Sequence[GpuSample]:
+        if isinstance(index, slice):
+            return self.records()[index]
+        record = self._records[index]
+        if record is None:
+            record = self._records[index] = self._decoder.sample(self._gpus[index])
+        return record
+
+    def __iter__(self) -> Iterator[GpuSample]:
+        return iter(self.records())
+
+    def records(self) -> tuple[GpuSample, ...]:
+        """Every GPU's record, made once."""
+        if self._all is None:
+            self._all = tuple(self[index] for index in range(len(self._records)))
+        return self._all
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return self.records() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.records())
+
+    def __repr__(self) -> str:
+        return repr(self.records())
+
+    def column(self, reading: str) -> list[float | None]:
+        rows = self._packed()
+        if rows is None:  # an agent that sends only the fields
+            return [getattr(record, reading) for record in self.records()]
+        position = _POSITIONS[reading]
+        return [None if value != value else value for value in [row[position] for row in rows]]  # NaN: absent
+
+    def uuids(self) -> list[str]:
+        if self._uuids is None:
+            self._uuids = [gpu.uuid for gpu in self._gpus]
+        return self._uuids
+
+    def _packed(self) -> list[Sequence[float]] | None:
+        if self._rows is None:
+            rows = [gpu.readings for gpu in self._gpus]
+            if any(len(row) != len(READING_FIELDS) for row in rows):
+                return None
+            self._rows = rows
+        return self._rows
 
 
 class SnapshotDecoder:
@@ -141,7 +220,7 @@ class SnapshotDecoder:
             attribution = Attribution(
                 AttributionState.OFF, f"the agent on {node!r} sends no pod attribution (upgrade it)"
             )
-        samples = tuple(self._sample(gpu) for gpu in message.gpus)
+        samples = _WireSamples(message.gpus, self)
         return Snapshot(
             sequence=message.sequence,
             taken_at=message.taken_at_unix_seconds,
@@ -152,7 +231,7 @@ class SnapshotDecoder:
             windows=self._windows(message, samples) if message.windows else {},
         )
 
-    def _windows(self, message: agent_pb2.Snapshot, samples: tuple[GpuSample, ...]) -> _WireWindows:
+    def _windows(self, message: agent_pb2.Snapshot, samples: LazySamples) -> _WireWindows:
         by_key = {}
         for window in message.windows:
             spec = window.window
@@ -169,7 +248,8 @@ class SnapshotDecoder:
                 by_key[key] = window
         return _WireWindows(by_key, samples)
 
-    def _sample(self, gpu: agent_pb2.GpuSample) -> GpuSample:
+    def sample(self, gpu: agent_pb2.GpuSample) -> GpuSample:
+        """One GPU's record."""
         key = (gpu.index, gpu.uuid)  # a UUID's name and MIG parent are its own for life
         identity = self._identities.get(key)
         if identity is None:
