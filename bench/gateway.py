@@ -127,6 +127,8 @@ class SimulatedAgent:
                                 pb.WindowedValue(value=values.get(metric, 10.0), samples=int(seconds / self.poll))
                                 for _ in self.identities
                             ],
+                            packed_values=[values.get(metric, 10.0)] * len(self.identities),
+                            packed_samples=[int(seconds / self.poll)] * len(self.identities),
                         )
                         for metric, seconds, function in windows
                     ]

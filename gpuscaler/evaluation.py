@@ -242,14 +242,11 @@ def _from_columns(query: ValueQuery, part: Snapshot, source: SnapshotSource) -> 
     if window is None:
         values = tuple(cast(list[float], now))
         return NodePart(values, (), make=lambda: tuple(map(Contribution, samples, values, repeat(1, len(values)))))
-    over = source.windowed_values(part, window)
-    reduced = tuple(windowed.value for windowed in over)
-    if None in reduced:
+    over, counts = source.window_column(part, window)
+    if None in over:
         return None
-    counts = [windowed.samples for windowed in over]
-    return NodePart(
-        cast(tuple[float, ...], reduced), (), make=lambda: tuple(map(Contribution, samples, reduced, counts))
-    )
+    reduced = tuple(cast(list[float], over))
+    return NodePart(reduced, (), make=lambda: tuple(map(Contribution, samples, reduced, counts)))
 
 
 def evaluate(

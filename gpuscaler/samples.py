@@ -247,6 +247,17 @@ class WindowValues(NamedTuple):
     problem: str | None = None
 
 
+class WindowColumns(Mapping[WindowKey, WindowValues]):
+    """A node snapshot's windows as they arrived from its agent, each readable across the node's GPUs at once."""
+
+    __slots__ = ()
+
+    @abstractmethod
+    def column(self, key: WindowKey) -> tuple[list[float | None], list[int]] | None:
+        """Each GPU's value over ``key`` (None where unset) and sample count, in order; None where this
+        cannot tell them so (then read ``self[key]``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Absence:
     """A node whose GPUs a cluster answer cannot see now, or an agent whose node is not known.

@@ -51,8 +51,11 @@ class SnapshotSource(Protocol):
         Raises Unavailable when the source cannot tell yet (a gateway whose agents have not computed it).
         """
 
-    def windowed_values(self, part: Snapshot, window: WindowKey) -> list[Windowed]:
-        """``windowed`` for each of node snapshot ``part``'s GPUs, in order (a gateway reads them as a column)."""
+    def window_column(self, part: Snapshot, window: WindowKey) -> tuple[list[float | None], list[int]]:
+        """``windowed``'s value and sample count for each of node snapshot ``part``'s GPUs, in order.
+
+        A gateway reads them as a column of its agent's snapshot; raises as ``windowed`` does.
+        """
 
     async def prepare(self, windows: Sequence[WindowKey]) -> None:
         """Make ``windows`` answerable, waiting a little where that takes a round trip (a gateway's agents)."""
@@ -65,6 +68,14 @@ class SnapshotSource(Protocol):
 
     async def wait_newer(self, sequence: int) -> Snapshot:
         """The latest snapshot once its sequence is above ``sequence``."""
+
+
+def window_column(
+    windowed: Callable[[GpuSample, WindowKey], Windowed], part: Snapshot, window: WindowKey
+) -> tuple[list[float | None], list[int]]:
+    """``window_column`` as any source can answer it: through its ``windowed``, GPU by GPU."""
+    each = [windowed(sample, window) for sample in part.samples]
+    return [w.value for w in each], [w.samples for w in each]
 
 
 class Announcer:
@@ -119,8 +130,8 @@ class AnnouncedSource:
     def windowed(self, sample: GpuSample, window: WindowKey) -> Windowed:
         raise NotImplementedError
 
-    def windowed_values(self, part: Snapshot, window: WindowKey) -> list[Windowed]:
-        return [self.windowed(sample, window) for sample in part.samples]
+    def window_column(self, part: Snapshot, window: WindowKey) -> tuple[list[float | None], list[int]]:
+        return window_column(self.windowed, part, window)
 
     async def prepare(self, windows: Sequence[WindowKey]) -> None:
         return None

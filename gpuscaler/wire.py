@@ -52,7 +52,7 @@ def attribution_to_wire(attribution: Attribution) -> pb.Attribution:
 
 
 def sample_to_wire(sample: GpuSample) -> pb.GpuSample:
-    """One GPU's sample as the message: unread values left unset, and the readings also packed in order (NaN unread)."""
+    """One GPU's sample as the message: unread values left unset."""
     return pb.GpuSample(
         index=sample.gpu.index,
         uuid=sample.gpu.uuid,
@@ -75,8 +75,12 @@ def sample_to_wire(sample: GpuSample) -> pb.GpuSample:
         energy_joules=sample.energy_joules,
         processes=[_process_to_wire(p) for p in sample.processes or ()],
         processes_read=sample.processes is not None,
-        readings=[math.nan if (value := getattr(sample, name)) is None else float(value) for name in READING_FIELDS],
     )
+
+
+def _packed(sample: GpuSample) -> list[float]:
+    """The sample's readings in order, NaN where unread: its share of ``Snapshot.readings``."""
+    return [math.nan if (value := getattr(sample, name)) is None else float(value) for name in READING_FIELDS]
 
 
 def _process_to_wire(process: ProcessUsage) -> pb.ProcessUsage:
@@ -102,6 +106,7 @@ def snapshot_to_wire(
         gpus=[sample_to_wire(sample) for sample in snapshot.samples],
         attribution=attribution_to_wire(snapshot.attribution),
         windows=[_window_to_wire(key, values, snapshot) for key, values in (windows or {}).items()],
+        readings=[value for sample in snapshot.samples for value in _packed(sample)],
     )
 
 
@@ -144,6 +149,8 @@ def _window_to_wire(key: WindowKey, values: WindowValues, snapshot: Snapshot) ->
             )
             for w in per_gpu
         ],
+        packed_values=[math.nan if w.value is None else w.value for w in per_gpu],
+        packed_samples=[w.samples for w in per_gpu],
     )
 
 

@@ -18,7 +18,7 @@ from gpuscaler.samples import (
     Windowed,
     WindowKey,
 )
-from gpuscaler.source import Announcer, SnapshotListener
+from gpuscaler.source import Announcer, SnapshotListener, window_column
 
 NODE = "node-a"
 # Wall clock of the snapshot at monotonic 0: the values only show up in messages.
@@ -159,8 +159,8 @@ class ClusterSource:
         history = self._histories.get(sample.node)
         return history.windowed(sample, window) if history is not None else Windowed(None, 0)
 
-    def windowed_values(self, part: Snapshot, window: WindowKey) -> list[Windowed]:
-        return [self.windowed(sample, window) for sample in part.samples]
+    def window_column(self, part: Snapshot, window: WindowKey) -> tuple[list[float | None], list[int]]:
+        return window_column(self.windowed, part, window)
 
     async def prepare(self, windows: Sequence[WindowKey]) -> None:
         return None

@@ -15,15 +15,19 @@ from gpuscaler.gpu_metrics import READING_FIELDS
 from gpuscaler.samples import (
     DEVICE_FIELD,
     AttributionState,
+    GpuIdentity,
     GpuSample,
     PodRef,
     ProcessUsage,
     ReadError,
     ReadErrorKind,
     Snapshot,
+    column,
 )
 from gpuscaler.wire import sample_to_wire, snapshot_to_wire
 from tests.builders import gpu_sample, snapshot
+
+GPU_1 = GpuIdentity(1, "GPU-11111111-test", "Test GPU")
 
 
 def through_the_wire(original: Snapshot, decoder: SnapshotDecoder | None = None) -> Snapshot:
@@ -193,21 +197,35 @@ def test_a_sample_lists_its_readings_in_the_metric_tables_order() -> None:
 def test_an_agent_that_sends_only_the_fields_reads_the_same(sample: GpuSample) -> None:
     """Without the packed readings (an older agent, another implementation) the optional fields give the same sample."""
     message = snapshot_to_wire(snapshot(1, 0.0, (sample,)), poll_interval_seconds=0.5)
-    for gpu in message.gpus:
-        gpu.readings = []
+    message.readings = []
     decoded = SnapshotDecoder().decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=999.0)
     assert decoded.samples == (sample,)
+    assert [column(decoded.samples, name) for name in READING_FIELDS] == [[getattr(sample, n)] for n in READING_FIELDS]
     assert [type(getattr(decoded.samples[0], name)) for name in READING_FIELDS] == [
         type(getattr(sample, name)) for name in READING_FIELDS
     ]
 
 
+@pytest.mark.parametrize("sample", SAMPLES)
+def test_an_agent_that_packs_each_gpu_alone_reads_the_same(sample: GpuSample) -> None:
+    """Agents before Snapshot.readings packed each GPU's readings in GpuSample.readings: read as they were."""
+    message = snapshot_to_wire(snapshot(1, 0.0, (sample, sample._replace(gpu=GPU_1))), poll_interval_seconds=0.5)
+    width = len(READING_FIELDS)
+    for index, gpu in enumerate(message.gpus):
+        gpu.readings = message.readings[index * width : (index + 1) * width]
+    message.readings = []
+    decoded = SnapshotDecoder().decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=999.0)
+    assert decoded.samples == (sample, sample._replace(gpu=GPU_1))
+    assert column(decoded.samples, "temperature_celsius") == [sample.temperature_celsius] * 2
+
+
 def test_packed_readings_are_nan_where_absent_and_keep_bytes_whole() -> None:
-    """The packed array has one value per reading, NaN for an absent one; bytes come back as integers."""
+    """The packed array has one value per reading of each GPU, NaN for an absent one; bytes come back as integers."""
     sample = gpu_sample(0, util=0.0, used=12 * 1024**3, total=80 * 1024**3)
-    message = sample_to_wire(sample)
-    assert len(message.readings) == len(READING_FIELDS)
+    message = snapshot_to_wire(snapshot(1, 0.0, (sample, gpu_sample(1, util=7.0))), poll_interval_seconds=0.5)
+    assert len(message.readings) == 2 * len(READING_FIELDS)
     assert message.readings[READING_FIELDS.index("gpu_utilization_percent")] == 0.0
+    assert message.readings[len(READING_FIELDS) + READING_FIELDS.index("gpu_utilization_percent")] == 7.0
     assert math.isnan(message.readings[READING_FIELDS.index("temperature_celsius")])
     received = round_trip(sample)
     assert received.memory_used_bytes == 12 * 1024**3

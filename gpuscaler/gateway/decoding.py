@@ -8,7 +8,7 @@ the protobuf runtime.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
@@ -25,6 +25,7 @@ from gpuscaler.samples import (
     ReadError,
     ReadErrorKind,
     Snapshot,
+    WindowColumns,
     Windowed,
     WindowKey,
     WindowValues,
@@ -75,7 +76,7 @@ def _windowed_from_pb2(value: agent_pb2.WindowedValue) -> Windowed:
 _BYTES_POSITIONS = tuple(position for position, name in enumerate(READING_FIELDS) if name.endswith("_bytes"))
 
 
-class _WireWindows(Mapping[WindowKey, WindowValues]):
+class _WireWindows(WindowColumns):
     """A snapshot's windows, each decoded when first read.
 
     Every window a gateway's queries use arrives with every snapshot, but a polled query reads it once per
@@ -100,6 +101,17 @@ class _WireWindows(Mapping[WindowKey, WindowValues]):
         return WindowValues(
             {uuid: _windowed_from_pb2(value) for uuid, value in zip(samples.uuids(), window.values, strict=True)}
         )
+
+    def column(self, key: WindowKey) -> tuple[list[float | None], list[int]] | None:
+        """Each GPU's value over window ``key`` (None where unset) and its sample count, in order, from the
+        packed arrays; None where they are not there (an older agent, a window it cannot reduce)."""
+        window = self._wire.get(key)
+        if window is None or window.problem:
+            return None
+        values, counts = window.packed_values, window.packed_samples
+        if not len(values) == len(counts) == len(self._samples):
+            return None
+        return [None if value != value else value for value in values], list(counts)
 
     def get(self, key: WindowKey, default: WindowValues | None = None) -> WindowValues | None:  # type: ignore[override]
         """As ``Mapping.get``, without its exception round trip: the view asks once per GPU per composition."""
@@ -131,13 +143,15 @@ class _WireSamples(LazySamples):
     readings; Explain, a pod query or a named GPU reads records, each made once.
     """
 
-    __slots__ = ("_all", "_decoder", "_gpus", "_records", "_rows", "_uuids")
+    __slots__ = ("_all", "_decoder", "_flat", "_gpus", "_packed", "_records", "_rows", "_uuids")
 
-    def __init__(self, gpus: Sequence[agent_pb2.GpuSample], decoder: SnapshotDecoder) -> None:
+    def __init__(self, gpus: Sequence[agent_pb2.GpuSample], packed: Sequence[float], decoder: SnapshotDecoder) -> None:
         self._gpus = gpus
+        self._packed = packed  # Snapshot.readings: every GPU's readings, GPU after GPU
         self._decoder = decoder
         self._records: list[GpuSample | None] = [None] * len(gpus)
         self._all: tuple[GpuSample, ...] | None = None
+        self._flat: list[float] | None = None
         self._rows: list[Sequence[float]] | None = None
         self._uuids: list[str] | None = None
 
@@ -155,7 +169,11 @@ class _WireSamples(LazySamples):
             return self.records()[index]
         record = self._records[index]
         if record is None:
-            record = self._records[index] = self._decoder.sample(self._gpus[index])
+            flat = self._whole()
+            width = len(READING_FIELDS)
+            start = (index % len(self._records)) * width
+            row = flat[start : start + width] if flat is not None else self._gpus[index].readings
+            record = self._records[index] = self._decoder.sample(self._gpus[index], row)
         return record
 
     def __iter__(self) -> Iterator[GpuSample]:
@@ -179,18 +197,30 @@ class _WireSamples(LazySamples):
         return repr(self.records())
 
     def column(self, reading: str) -> list[float | None]:
-        rows = self._packed()
-        if rows is None:  # an agent that sends only the fields
-            return [getattr(record, reading) for record in self.records()]
         position = _POSITIONS[reading]
-        return [None if value != value else value for value in [row[position] for row in rows]]  # NaN: absent
+        flat = self._whole()
+        if flat is not None:
+            values = flat[position :: len(READING_FIELDS)]
+        else:
+            rows = self._each()
+            if rows is None:  # an agent that sends only the fields
+                return [getattr(record, reading) for record in self.records()]
+            values = [row[position] for row in rows]
+        return [None if value != value else value for value in values]  # NaN: absent
 
     def uuids(self) -> list[str]:
         if self._uuids is None:
             self._uuids = [gpu.uuid for gpu in self._gpus]
         return self._uuids
 
-    def _packed(self) -> list[Sequence[float]] | None:
+    def _whole(self) -> list[float] | None:
+        """Snapshot.readings as a list, when the agent sends it whole."""
+        if self._flat is None and len(self._packed) == len(READING_FIELDS) * len(self._records):
+            self._flat = list(self._packed)
+        return self._flat
+
+    def _each(self) -> list[Sequence[float]] | None:
+        """Each GPU's own packed readings, from agents older than Snapshot.readings."""
         if self._rows is None:
             rows = [gpu.readings for gpu in self._gpus]
             if any(len(row) != len(READING_FIELDS) for row in rows):
@@ -220,7 +250,7 @@ class SnapshotDecoder:
             attribution = Attribution(
                 AttributionState.OFF, f"the agent on {node!r} sends no pod attribution (upgrade it)"
             )
-        samples = _WireSamples(message.gpus, self)
+        samples = _WireSamples(message.gpus, message.readings, self)
         return Snapshot(
             sequence=message.sequence,
             taken_at=message.taken_at_unix_seconds,
@@ -248,17 +278,17 @@ class SnapshotDecoder:
                 by_key[key] = window
         return _WireWindows(by_key, samples)
 
-    def sample(self, gpu: agent_pb2.GpuSample) -> GpuSample:
-        """One GPU's record."""
+    def sample(self, gpu: agent_pb2.GpuSample, packed: Sequence[float]) -> GpuSample:
+        """One GPU's record; ``packed`` is its readings in order (NaN: absent), or empty when it has only fields."""
         key = (gpu.index, gpu.uuid)  # a UUID's name and MIG parent are its own for life
         identity = self._identities.get(key)
         if identity is None:
             identity = self._identities[key] = GpuIdentity(gpu.index, gpu.uuid, gpu.name, gpu.mig_parent_uuid or None)
-        packed: list[Any] = list(gpu.readings)
         readings: list[float | int | None]
         if len(packed) == len(READING_FIELDS):
-            total = sum(packed)  # NaN when a reading is NaN (absent), or on infinities: then look at each
-            readings = packed if total == total else [None if value != value else value for value in packed]
+            values: list[Any] = list(packed)
+            total = sum(values)  # NaN when a reading is NaN (absent), or on infinities: then look at each
+            readings = values if total == total else [None if value != value else value for value in values]
             for position in _BYTES_POSITIONS:
                 if (value := readings[position]) is not None:
                     readings[position] = int(value)

@@ -27,8 +27,8 @@ from typing import overload
 import structlog
 
 from gpuscaler.errors import Unavailable, Unsupported
-from gpuscaler.samples import Absence, GpuSample, Snapshot, Windowed, WindowKey, uuids
-from gpuscaler.source import AnnouncedSource, stale_after_for
+from gpuscaler.samples import Absence, GpuSample, Snapshot, WindowColumns, Windowed, WindowKey, uuids
+from gpuscaler.source import AnnouncedSource, stale_after_for, window_column
 
 log = structlog.get_logger(__name__)
 
@@ -192,17 +192,22 @@ class ClusterView(AnnouncedSource):
             raise Unavailable(f"node {sample.node!r} cannot reduce {window.describe()}: {values.problem}")
         return values.by_uuid.get(sample.gpu.uuid, Windowed(None, 0))
 
-    def windowed_values(self, part: Snapshot, window: WindowKey) -> list[Windowed]:
-        """``windowed`` for each of ``part``'s GPUs, in order, without making their records."""
+    def window_column(self, part: Snapshot, window: WindowKey) -> tuple[list[float | None], list[int]]:
+        """``windowed`` for each of ``part``'s GPUs, read from the packed arrays its agent sends where it can."""
         if window not in self._used_since_compose:
             self.require(window)
             self._used_since_compose.add(window)
         entry = self._nodes.get(part.node)
-        values = entry.latest.windows.get(window) if entry is not None else None
+        windows = entry.latest.windows if entry is not None else None
+        packed = windows.column(window) if isinstance(windows, WindowColumns) else None
+        if packed is not None:
+            return packed
+        values = windows.get(window) if windows is not None else None
         if values is None or values.problem is not None:
-            return [self.windowed(sample, window) for sample in part.samples]  # raises, as it says why
+            return window_column(self.windowed, part, window)  # which raises, saying why
         by_uuid, missing = values.by_uuid, Windowed(None, 0)
-        return [by_uuid.get(uuid, missing) for uuid in uuids(part.samples)]
+        each = [by_uuid.get(uuid, missing) for uuid in uuids(part.samples)]  # an older agent's: by UUID
+        return [w.value for w in each], [w.samples for w in each]
 
     @property
     def windows(self) -> tuple[WindowKey, ...]:

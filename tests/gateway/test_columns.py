@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
+import pytest
+
 from gpuscaler.aggregation import WindowFunction
 from gpuscaler.engine import Engine
 from gpuscaler.errors import GpuscalerError
@@ -72,12 +74,27 @@ def node(name: str, tick: int, rng: random.Random) -> Snapshot:
     return snapshot(tick, float(tick), samples, node=name)
 
 
-def over_the_wire(history: History, decoder: SnapshotDecoder, *, at: float) -> Snapshot:
-    """The node's newest snapshot as its agent sends it to a gateway (with the windows it asked for) and decoded."""
+AGENTS = ["packed", "older: each GPU packed alone", "oldest: fields only"]
+
+
+def over_the_wire(history: History, decoder: SnapshotDecoder, *, at: float, agent: str = AGENTS[0]) -> Snapshot:
+    """The node's newest snapshot as its agent sends it to a gateway (with the windows it asked for) and decoded.
+
+    ``agent`` is what it packs: everything (this version), each GPU's readings alone and no packed windows
+    (agents before Snapshot.readings), or nothing (the optional fields only).
+    """
     latest = history.latest
     assert latest is not None
     windows = {key: WindowValues({s.gpu.uuid: history.windowed(s, key) for s in latest.samples}) for key in WINDOWS}
     message = snapshot_to_wire(latest, poll_interval_seconds=1.0, windows=windows)
+    if agent != AGENTS[0]:
+        width = len(READING_FIELDS)
+        if agent == AGENTS[1]:
+            for index, gpu in enumerate(message.gpus):
+                gpu.readings = message.readings[index * width : (index + 1) * width]
+        message.readings = []
+        for window in message.windows:
+            window.packed_values, window.packed_samples = [], []
     return decoder.decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=at)
 
 
@@ -96,13 +113,14 @@ def outcome(evaluation: Evaluation) -> object:
     return evaluation.value, described, list(evaluation.contributions), evaluation.unread
 
 
-def test_columns_read_what_the_records_hold() -> None:
+@pytest.mark.parametrize("agent", AGENTS)
+def test_columns_read_what_the_records_hold(agent: str) -> None:
     """Every reading and metric of decoded samples, read as a column, is what each GPU's record says."""
     rng = random.Random(3)
     history = history_of(node("node-a", 1, rng))
     for tick in range(2, 60):
         history.append(node("node-a", tick, rng))
-        decoded = over_the_wire(history, SnapshotDecoder(), at=float(tick)).samples
+        decoded = over_the_wire(history, SnapshotDecoder(), at=float(tick), agent=agent).samples
         assert isinstance(decoded, LazySamples)
         records = list(decoded)
         assert uuids(decoded) == [r.gpu.uuid for r in records]
@@ -112,9 +130,11 @@ def test_columns_read_what_the_records_hold() -> None:
             assert metric_column(decoded, metric) == [r.value(metric) for r in records]
 
 
-async def test_a_gateway_answers_from_columns_what_it_answers_from_records() -> None:
+@pytest.mark.parametrize("agent", AGENTS)
+async def test_a_gateway_answers_from_columns_what_it_answers_from_records(agent: str) -> None:
     """Twelve nodes over the wire, half sending before each composition: the view's answers (columns, the memo)
-    equal fresh evaluations over the same nodes' records and histories, contribution for contribution."""
+    equal fresh evaluations over the same nodes' records and histories, contribution for contribution, whatever
+    its agents pack."""
     rng = random.Random(11)
     clock = Clock()
     view = ClusterView(history_seconds=600, compose_interval_seconds=1.0, clock=clock)
@@ -130,7 +150,8 @@ async def test_a_gateway_answers_from_columns_what_it_answers_from_records() -> 
         clock.now = float(tick)
         for name in names[tick % 2 :: 2] if tick > 2 else names:  # each node every 2 s: fresh, half new each time
             histories[name].append(node(name, tick, rng))
-            view.update(name, over_the_wire(histories[name], decoders[name], at=clock.now), poll_interval_seconds=1.0)
+            received = over_the_wire(histories[name], decoders[name], at=clock.now, agent=agent)
+            view.update(name, received, poll_interval_seconds=1.0)
         composed = view.compose()
         records = [h.latest for h in histories.values() if h.latest is not None]
         fresh = NewestOnly(cluster(*records, at=clock.now), *histories.values())

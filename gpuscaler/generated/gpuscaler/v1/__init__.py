@@ -460,8 +460,8 @@ class GpuSample(betterproto2.Message):
     The readings above again, packed: one per reading in the order of the fields above (gpu_utilization_percent,
     memory_utilization_percent, memory_used_bytes, memory_total_bytes, temperature_celsius, power_draw_watts,
     power_limit_watts, sm_active_percent, sm_occupancy_percent, tensor_active_percent, dram_bandwidth_percent,
-    energy_joules), NaN where that field is absent. A gateway reads thousands of samples a second, and one packed
-    array decodes many times faster than twelve optional fields; the fields stay for every other reader.
+    energy_joules), NaN where that field is absent. Sent by agents before `Snapshot.readings`, which packs every
+    GPU's readings in one array; a gateway still reads it from them. The fields stay for every other reader.
     """
 
 
@@ -669,6 +669,14 @@ class Snapshot(betterproto2.Message):
     The windows the subscriber asked for, as of this snapshot.
     """
 
+    readings: "list[float]" = betterproto2.field(8, betterproto2.TYPE_DOUBLE, repeated=True)
+    """
+    Every GPU's readings again, packed GPU after GPU in the order of `gpus`, each GPU's in the order of
+    `GpuSample.readings`, NaN where absent. A gateway reads thousands of snapshots a second and most queries
+    read one reading of each GPU: one slice of this array, where twelve optional fields per GPU decode many
+    times slower.
+    """
+
 
 default_message_pool.register_message("gpuscaler.v1", "Snapshot", Snapshot)
 
@@ -724,6 +732,14 @@ class WindowedValues(betterproto2.Message):
     Set when the agent cannot reduce this window (longer than its --history, an unknown metric): then
     `values` is empty.
     """
+
+    packed_values: "list[float]" = betterproto2.field(4, betterproto2.TYPE_DOUBLE, repeated=True)
+    """
+    `values` again, packed: each GPU's value (NaN where unset) and sample count, in the order of
+    `Snapshot.gpus`. A gateway reads a window across a node's GPUs as one column of these.
+    """
+
+    packed_samples: "list[int]" = betterproto2.field(5, betterproto2.TYPE_UINT32, repeated=True)
 
 
 default_message_pool.register_message("gpuscaler.v1", "WindowedValues", WindowedValues)

@@ -74,14 +74,18 @@ class PodWindowedValue(_message.Message):
     def __init__(self, pod_uid: _Optional[str] = ..., value: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class WindowedValues(_message.Message):
-    __slots__ = ("window", "values", "problem")
+    __slots__ = ("window", "values", "problem", "packed_values", "packed_samples")
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    PACKED_VALUES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     window: WindowSpec
     values: _containers.RepeatedCompositeFieldContainer[WindowedValue]
     problem: str
-    def __init__(self, window: _Optional[_Union[WindowSpec, _Mapping]] = ..., values: _Optional[_Iterable[_Union[WindowedValue, _Mapping]]] = ..., problem: _Optional[str] = ...) -> None: ...
+    packed_values: _containers.RepeatedScalarFieldContainer[float]
+    packed_samples: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, window: _Optional[_Union[WindowSpec, _Mapping]] = ..., values: _Optional[_Iterable[_Union[WindowedValue, _Mapping]]] = ..., problem: _Optional[str] = ..., packed_values: _Optional[_Iterable[float]] = ..., packed_samples: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReadError(_message.Message):
     __slots__ = ("field", "kind", "detail")
@@ -176,7 +180,7 @@ class GpuSample(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., mig_parent_uuid: _Optional[str] = ..., node: _Optional[str] = ..., gpu_utilization_percent: _Optional[float] = ..., memory_utilization_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., temperature_celsius: _Optional[float] = ..., power_draw_watts: _Optional[float] = ..., power_limit_watts: _Optional[float] = ..., errors: _Optional[_Iterable[_Union[ReadError, _Mapping]]] = ..., pods: _Optional[_Iterable[_Union[PodRef, _Mapping]]] = ..., sm_active_percent: _Optional[float] = ..., sm_occupancy_percent: _Optional[float] = ..., tensor_active_percent: _Optional[float] = ..., dram_bandwidth_percent: _Optional[float] = ..., energy_joules: _Optional[float] = ..., processes: _Optional[_Iterable[_Union[ProcessUsage, _Mapping]]] = ..., processes_read: _Optional[bool] = ..., readings: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Snapshot(_message.Message):
-    __slots__ = ("node", "sequence", "taken_at_unix_seconds", "poll_interval_seconds", "gpus", "attribution", "windows")
+    __slots__ = ("node", "sequence", "taken_at_unix_seconds", "poll_interval_seconds", "gpus", "attribution", "windows", "readings")
     NODE_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     TAKEN_AT_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +188,7 @@ class Snapshot(_message.Message):
     GPUS_FIELD_NUMBER: _ClassVar[int]
     ATTRIBUTION_FIELD_NUMBER: _ClassVar[int]
     WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    READINGS_FIELD_NUMBER: _ClassVar[int]
     node: str
     sequence: int
     taken_at_unix_seconds: float
@@ -191,7 +196,8 @@ class Snapshot(_message.Message):
     gpus: _containers.RepeatedCompositeFieldContainer[GpuSample]
     attribution: Attribution
     windows: _containers.RepeatedCompositeFieldContainer[WindowedValues]
-    def __init__(self, node: _Optional[str] = ..., sequence: _Optional[int] = ..., taken_at_unix_seconds: _Optional[float] = ..., poll_interval_seconds: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuSample, _Mapping]]] = ..., attribution: _Optional[_Union[Attribution, _Mapping]] = ..., windows: _Optional[_Iterable[_Union[WindowedValues, _Mapping]]] = ...) -> None: ...
+    readings: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, node: _Optional[str] = ..., sequence: _Optional[int] = ..., taken_at_unix_seconds: _Optional[float] = ..., poll_interval_seconds: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuSample, _Mapping]]] = ..., attribution: _Optional[_Union[Attribution, _Mapping]] = ..., windows: _Optional[_Iterable[_Union[WindowedValues, _Mapping]]] = ..., readings: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ExplainRequest(_message.Message):
     __slots__ = ("scaler_metadata", "name", "namespace")
