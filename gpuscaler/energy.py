@@ -18,7 +18,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from gpuscaler.samples import GpuSample, Snapshot, column, uuids
 
@@ -26,9 +26,11 @@ from gpuscaler.samples import GpuSample, Snapshot, column, uuids
 FORGET_AFTER_SECONDS = 3600.0
 
 
-@dataclass(frozen=True, slots=True)
-class Interval:
-    """One GPU's energy between two of its samples, and whether it ran nothing meanwhile; None fields: unknown."""
+class Interval(NamedTuple):
+    """One GPU's energy between two of its samples, and whether it ran nothing meanwhile; None fields: unknown.
+
+    A named tuple: a gateway makes one per GPU per snapshot, thousands a second.
+    """
 
     seconds: float
     joules: float | None

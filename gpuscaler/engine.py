@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import structlog
 
@@ -121,7 +122,7 @@ class Engine:
             )
         if latest.sequence != self._cache_sequence:
             if self._memo is not None and len(self._cache) > 0:
-                self._memo.keep_only(self._cache, (part.node for part in latest.parts))
+                self._memo.keep_only(self._cache, map(attrgetter("node"), latest.parts))
             self._cache_sequence, self._cache = latest.sequence, {}
         cached = self._cache.get(query)
         if cached is None:

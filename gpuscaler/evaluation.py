@@ -17,7 +17,7 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from operator import attrgetter
+from operator import attrgetter, is_not
 from typing import NamedTuple, cast, overload
 
 from gpuscaler.aggregation import aggregate
@@ -141,6 +141,9 @@ class NodePart:
         return self._contributions
 
 
+EMPTY_PART = NodePart((), (), ())
+
+
 class NodeContributions(Sequence[Contribution]):
     """A cluster evaluation's contributions, node after node, made when first read (Explain reads them)."""
 
@@ -189,32 +192,51 @@ class NodeMemo:
 
     def __init__(self) -> None:
         self._by_query: dict[ValueQuery, dict[str, tuple[Snapshot, NodePart]]] = {}
+        # Each query's last parts and what they gave: the next composition differs in the nodes that sent.
+        self._previous: dict[ValueQuery, tuple[Sequence[Snapshot], list[NodePart]]] = {}
 
     def contributions(self, query: ValueQuery, part: Snapshot, source: SnapshotSource) -> NodePart:
         """``part``'s GPUs in ``query``; raises as ``_contribution`` does (and keeps nothing then)."""
         return self.parts(query, (part,), source)[0]
 
     def parts(self, query: ValueQuery, parts: Sequence[Snapshot], source: SnapshotSource) -> list[NodePart]:
-        """Each of ``parts`` in ``query``, in order: one loop, since a cluster's parts are thousands of nodes."""
+        """Each of ``parts`` in ``query``, in order.
+
+        A cluster's parts are thousands of nodes, and between two compositions only those that sent something
+        differ: they are found in C (by identity against the last parts), and only they are looked at.
+        """
         nodes = self._by_query.get(query)
         if nodes is None:
             nodes = self._by_query[query] = {}
-        found = []
-        for part in parts:
+        previous = self._previous.get(query)
+        found: list[NodePart]
+        if previous is not None and len(previous[0]) == len(parts):
+            found = previous[1].copy()
+            changed: Iterable[int] = itertools.compress(range(len(parts)), map(is_not, parts, previous[0]))
+        else:
+            found = [EMPTY_PART] * len(parts)
+            changed = range(len(parts))
+        for index in changed:
+            part = parts[index]
             kept = nodes.get(part.node)
             if kept is None or kept[0] is not part:
                 kept = nodes[part.node] = (part, _node_part(query, part, source))
-            found.append(kept[1])
+            found[index] = kept[1]
+        self._previous[query] = (parts, found)
         return found
 
     def keep_only(self, queries: Iterable[ValueQuery], nodes: Iterable[str]) -> None:
-        """Forget queries no longer asked and nodes no longer in the view."""
+        """Forget queries no longer asked and nodes no longer in the view (once per composition: in C)."""
         wanted = set(queries)
         for query in [q for q in self._by_query if q not in wanted]:
             del self._by_query[query]
+            self._previous.pop(query, None)
         listed = set(nodes)
-        for by_node in self._by_query.values():
-            for node in [n for n in by_node if n not in listed]:
+        for query, by_node in self._by_query.items():
+            gone = by_node.keys() - listed
+            if gone:
+                self._previous.pop(query, None)
+            for node in gone:
                 del by_node[node]
 
 

@@ -47,17 +47,23 @@ def outcome(query: dict[str, str], view: Snapshot, source: ClusterSource, memo: 
 
 
 def test_answers_with_the_memo_equal_fresh_evaluations_while_nodes_change() -> None:
-    """Over 40 compositions in which a random third of 12 nodes send a new snapshot, every answer is identical:
-    its value or error, and every GPU's contribution in full (the memo takes shortcuts for the common cases)."""
+    """Over 40 compositions in which a random third of 12 nodes send a new snapshot, and nodes leave, come back
+    and take each other's place, every answer is identical: its value or error, and every GPU's contribution in
+    full (the memo takes shortcuts for the common cases and for the nodes that did not change)."""
     rng = random.Random(7)
-    names = [f"node-{n:02d}" for n in range(12)]
+    names = [f"node-{n:02d}" for n in range(13)]
     histories = {name: history_of(node(name, 1, rng)) for name in names}
     memo = NodeMemo()
     compared = 0
     for tick in range(2, 42):
         for name in rng.sample(names, 4):
             histories[name].append(node(name, tick, rng))
-        parts = [history.latest for history in histories.values() if history.latest is not None]
+        heard = names[:12]
+        if tick % 5 == 0:
+            heard[1] = "node-12"  # another node in its place: as many parts, one different
+        if tick % 7 == 0:
+            heard.remove("node-03")  # leaves, and comes back at the next composition
+        parts = [latest for name in heard if (latest := histories[name].latest) is not None]
         view = cluster(*parts, at=float(tick))
         source = ClusterSource(view, *histories.values())
         for query in QUERIES:
