@@ -250,9 +250,11 @@ class _RefusingHandler(ConnectionHandler):
     """grpclib's per-connection handler, refusing new requests once the server is closing.
 
     grpclib also rebuilds its table of request tasks every 10 requests to drop finished ones: with
-    10,000 push streams open, that is 1,000 tasks looked at per call. Ours rebuilds it once the
-    table has grown by GC_EVERY_REQUESTS since the last time, which bounds the finished tasks
-    kept just the same.
+    10,000 push streams open, that is 1,000 tasks looked at per call. Ours drops each request's task
+    from the table as it finishes, so the table holds only calls in progress and what a finished call
+    made dies with it (kept for a later rebuild, it was promoted to the oldest generation, where full
+    collections walked it: 40 ms each under GetMetrics load, 4 ms without). The rebuild, still needed
+    for grpclib's set of cancelled tasks, runs once the table has grown by GC_EVERY_REQUESTS.
     """
 
     _collect_at = 0  # len(self._tasks) at which the next rebuild runs
@@ -268,6 +270,13 @@ class _RefusingHandler(ConnectionHandler):
             release_stream()
             return
         super().accept(stream, headers, release_stream)
+        self._tasks[stream].add_done_callback(functools.partial(self._forget, stream))
+
+    def _forget(self, stream: Stream, task: asyncio.Task[None]) -> None:
+        # A finished call leaves the table at once: kept until the next rebuild, its task, stream and
+        # messages outlived the young collections and were promoted, and full collections then walked them.
+        if self._tasks.get(stream) is task:
+            del self._tasks[stream]
 
 
 async def _guard_framing(event: RecvRequest) -> None:
