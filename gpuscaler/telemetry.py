@@ -137,6 +137,10 @@ class ServerTelemetry:
         )
         for left_out in ("gpus", "nodes"):
             self.partial_answers.labels(left_out)
+        # prometheus_client's labels() validates and takes a lock at every call, four times per RPC; each
+        # method's series are looked up once and kept. Bounded: the served methods and "unknown", by gRPC's codes.
+        self._rpc_method_series: dict[str, tuple[Gauge, Histogram]] = {}
+        self._rpc_handled: dict[tuple[str, str], Counter] = {}
 
     def watch(self, engine: Engine) -> None:
         """Follow ``engine``'s activation changes, partial answers and push streams."""
@@ -149,13 +153,26 @@ class ServerTelemetry:
         return None
 
     def observe_rpc_started(self, method: str) -> None:
-        self.rpc_in_flight.labels(method).inc()
+        self._rpc_series(method)[0].inc()
 
     def observe_rpc(self, method: str, code: str, seconds: float, streaming: bool) -> None:
-        self.rpc_in_flight.labels(method).dec()
-        self.rpc_handled.labels(method, code).inc()
+        in_flight, latency = self._rpc_series(method)
+        in_flight.dec()
+        handled = self._rpc_handled.get((method, code))
+        if handled is None:
+            handled = self._rpc_handled[(method, code)] = self.rpc_handled.labels(method, code)
+        handled.inc()
         if not streaming:
-            self.rpc_seconds.labels(method).observe(seconds)
+            latency.observe(seconds)
+
+    def _rpc_series(self, method: str) -> tuple[Gauge, Histogram]:
+        series = self._rpc_method_series.get(method)
+        if series is None:
+            series = self._rpc_method_series[method] = (
+                self.rpc_in_flight.labels(method),
+                self.rpc_seconds.labels(method),
+            )
+        return series
 
     def observe_partial(self, evaluation: Evaluation) -> None:
         if any(c.value is None for c in evaluation.contributions):

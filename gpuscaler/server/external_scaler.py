@@ -29,6 +29,8 @@ log = structlog.get_logger(__name__)
 
 
 INT64_MAX = 2**63 - 1
+# GetMetrics answers kept for reuse (one per distinct metric and value), the oldest dropped first.
+KEPT_RESPONSES = 1024
 
 
 def round_half_up(value: float) -> int:
@@ -42,6 +44,7 @@ class ExternalScalerService(ExternalScalerBase):
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self.open_streams = 0
+        self._responses: dict[tuple[str, str], GetMetricsResponse] = {}
 
     def _query(self, ref: ScaledObjectRef | None) -> Query:
         if ref is None:
@@ -74,8 +77,20 @@ class ExternalScalerService(ExternalScalerBase):
                 )
             await self._engine.prepare(query)
             value = self._engine.value(query)
-        metric = MetricValue(metric_name=query.metric_name, metric_value=round_half_up(value), metric_value_float=value)
-        return GetMetricsResponse(metric_values=[metric])
+        return self._metrics_response(query.metric_name, value)
+
+    def _metrics_response(self, metric_name: str, value: float) -> GetMetricsResponse:
+        # The same answer is the same message object, never changed once made: the server's codec sends the
+        # bytes it encoded for it before (betterproto2 took ~28 us per answer) until the value moves on.
+        key = (metric_name, float(value).hex())  # hex: -0.0 and 0.0 are different answers, and NaN equals NaN
+        response = self._responses.get(key)
+        if response is None:
+            metric = MetricValue(metric_name=metric_name, metric_value=round_half_up(value), metric_value_float=value)
+            response = GetMetricsResponse(metric_values=[metric])
+            if len(self._responses) >= KEPT_RESPONSES:
+                del self._responses[next(iter(self._responses))]
+            self._responses[key] = response
+        return response
 
     async def stream_is_active(self, message: ScaledObjectRef) -> AsyncIterator[IsActiveResponse]:
         async with grpc_errors("StreamIsActive"):

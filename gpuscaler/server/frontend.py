@@ -21,7 +21,6 @@ from typing import Any
 
 import structlog
 from grpclib.health.check import ServiceStatus
-from grpclib.health.service import OVERALL, Health
 
 from gpuscaler.engine import Engine
 from gpuscaler.errors import ConfigError, StartupError
@@ -30,6 +29,7 @@ from gpuscaler.flags import ServerFlags
 from gpuscaler.server.agent_api import AgentService
 from gpuscaler.server.external_scaler import ExternalScalerService
 from gpuscaler.server.grpc_server import ManyStreamsServer
+from gpuscaler.server.health import HealthService, service_names
 from gpuscaler.server.rpc_tracking import RpcTracker
 from gpuscaler.telemetry import ServerTelemetry
 from gpuscaler.tls import ReloadingServerTLS
@@ -75,7 +75,7 @@ class Frontend:
         health = ServiceStatus()
         health.set(engine.healthy())
         services: list[Any] = [scaler, AgentService(engine, telemetry.idle_energy_of), *extra_services]
-        services.append(Health({scaler: [health], OVERALL: [health]}))
+        services.append(HealthService(health, service_names([scaler])))
         server = ManyStreamsServer(services)
         tracker = RpcTracker()
         tracker.attach(server, services)

@@ -6,8 +6,7 @@ for our own bugs, which are logged with their traceback.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Mapping
 
 import structlog
 from grpclib.const import Status
@@ -82,12 +81,23 @@ def to_grpc_error(error: GpuscalerError) -> GRPCError:
     return GRPCError(status_for(error), shorten(error.message))
 
 
-@asynccontextmanager
-async def grpc_errors(method: str) -> AsyncIterator[None]:
-    """Turn a GpuscalerError raised inside the block into its gRPC status."""
-    try:
-        yield
-    except GpuscalerError as error:
-        refusal = to_grpc_error(error)
-        log.debug("rpc_refused", method=method, code=refusal.status.name, message=refusal.message)
-        raise refusal from None
+class grpc_errors:  # noqa: N801 - used as a function, ``async with grpc_errors("GetMetrics")``
+    """Turn a GpuscalerError raised inside the block into its gRPC status.
+
+    A class rather than an ``asynccontextmanager``: every call enters it, and a generator-based one costs an
+    async generator, its first-iteration hook and two resumptions per call.
+    """
+
+    __slots__ = ("_method",)
+
+    def __init__(self, method: str) -> None:
+        self._method = method
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None, _: object) -> None:
+        if isinstance(error, GpuscalerError):
+            refusal = to_grpc_error(error)
+            log.debug("rpc_refused", method=self._method, code=refusal.status.name, message=refusal.message)
+            raise refusal from None

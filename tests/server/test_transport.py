@@ -16,9 +16,18 @@ from grpclib.client import Channel
 
 import gpuscaler.server.grpc_server as grpc_server
 from gpuscaler.agent import Agent
-from gpuscaler.generated.externalscaler import ExternalScalerStub, ScaledObjectRef
+from gpuscaler.collectors.fake import FakeCollector
+from gpuscaler.generated.externalscaler import (
+    ExternalScalerStub,
+    GetMetricsRequest,
+    GetMetricsResponse,
+    MetricValue,
+    ScaledObjectRef,
+)
+from gpuscaler.gpu_metrics import Metric
 from gpuscaler.server.grpc_server import _H2Connection
 from tests.conftest import StartAgent
+from tests.waiting import until, until_result
 
 WATCH_SNAPSHOTS = "/gpuscaler.v1.Agent/WatchSnapshots"
 CONNECTION_WINDOW = 65_535  # HTTP/2's initial window, which only a WINDOW_UPDATE raises
@@ -135,8 +144,8 @@ def test_closed_streams_do_not_pile_up() -> None:
         assert len(server.streams) <= grpc_server.SWEEP_EVERY_STREAMS + 1
 
 
-async def test_finished_calls_leave_a_bounded_task_table(start_agent: StartAgent) -> None:
-    """Many calls on one connection keep at most GC_EVERY_REQUESTS finished request tasks in grpclib's table."""
+async def test_finished_calls_leave_the_task_table(start_agent: StartAgent) -> None:
+    """Many calls on one connection leave no finished request task in grpclib's table, and never many."""
     agent: Agent = await start_agent()
     channel = Channel("127.0.0.1", agent.port)
     stub = ExternalScalerStub(channel)
@@ -145,6 +154,7 @@ async def test_finished_calls_leave_a_bounded_task_table(start_agent: StartAgent
             assert (await stub.is_active(ScaledObjectRef(scaler_metadata={}))).result is False
             [handler] = agent.frontend.server._handlers
             assert len(handler._tasks) <= grpc_server.GC_EVERY_REQUESTS + 1
+        await until(lambda: not handler._tasks)
     finally:
         channel.close()
 
@@ -165,6 +175,56 @@ def test_keda_requests_decode_once_per_distinct_bytes(monkeypatch: pytest.Monkey
     big = ScaledObjectRef(name="app", scaler_metadata={"podSelector": "a" * grpc_server.REUSE_MAX_BYTES})
     assert codec.decode(bytes(big), ScaledObjectRef) == big
     assert all(len(key[1]) <= grpc_server.REUSE_MAX_BYTES for key in codec._decoded)
+
+
+def test_a_reused_answer_is_encoded_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same GetMetrics answer object sends the bytes encoded the first time; another object gets its own."""
+    monkeypatch.setattr(grpc_server, "REUSE_ENTRIES", 4)
+    codec = grpc_server._ReusingCodec()
+    encoded: list[GetMetricsResponse] = []
+    serialize = GetMetricsResponse.SerializeToString
+
+    def counted(self: GetMetricsResponse) -> bytes:
+        encoded.append(self)
+        return serialize(self)
+
+    monkeypatch.setattr(GetMetricsResponse, "SerializeToString", counted)
+
+    def answer(value: float) -> GetMetricsResponse:
+        metric = MetricValue(metric_name="m", metric_value=1, metric_value_float=value)
+        return GetMetricsResponse(metric_values=[metric])
+
+    first = answer(0.5)
+    assert codec.encode(first, GetMetricsResponse) == bytes(first)
+    assert codec.encode(first, GetMetricsResponse) == bytes(first)
+    assert encoded == [first]
+    moved = answer(0.75)
+    assert codec.encode(moved, GetMetricsResponse) == bytes(moved) != bytes(first)
+    for index in range(10):
+        assert codec.encode(answer(index), GetMetricsResponse) == bytes(answer(index))
+    assert len(codec._encoded) == 4
+
+
+async def test_get_metrics_answers_follow_the_value(start_agent: StartAgent) -> None:
+    """A reused GetMetrics answer is given while the value holds, and a new one as soon as it moves."""
+    agent = await start_agent("--poll-interval", "0.1")
+    assert isinstance(agent.collector, FakeCollector)
+    channel = Channel("127.0.0.1", agent.port)
+    try:
+        scaler = ExternalScalerStub(channel)
+        ref = ScaledObjectRef(name="app", namespace="ml", scaler_metadata={"gpuIndex": "0"})
+        [spec] = (await scaler.get_metric_spec(ref)).metric_specs
+        request = GetMetricsRequest(scaled_object_ref=ref, metric_name=spec.metric_name)
+
+        async def value() -> float:
+            return (await scaler.get_metrics(request)).metric_values[0].metric_value_float
+
+        for utilization in (10.0, 90.0, 10.0):
+            agent.collector.set_values(0, {Metric.GPU_UTILIZATION: utilization})
+            await until_result(value, utilization.__eq__)
+            assert await value() == utilization
+    finally:
+        channel.close()
 
 
 async def test_an_unknown_method_is_answered_unimplemented_as_grpc_go_expects(start_agent: StartAgent) -> None:
