@@ -40,10 +40,8 @@ from grpclib.server import Server
 from grpclib.server import Stream as ServerStream
 from h2.connection import H2Connection
 from h2.errors import ErrorCodes
-from h2.events import Event, UnknownFrameReceived, WindowUpdated
-from h2.exceptions import StreamClosedError, StreamIDTooLowError
+from h2.events import UnknownFrameReceived, WindowUpdated
 from h2.settings import SettingCodes
-from hyperframe.frame import Frame, RstStreamFrame
 
 from gpuscaler.generated.externalscaler import GetMetricsRequest, GetMetricsResponse, ScaledObjectRef
 
@@ -83,35 +81,6 @@ class _H2Connection(H2Connection):
     """
 
     _sweep_at = 0  # len(self.streams) at which the next walk runs
-
-    def _receive_frame(self, frame: Frame) -> list[Event]:
-        # h2 4.4.1's own (pinned), without its first line: ``logger.trace("Received frame: %s", repr(frame))``
-        # formats every frame received (flags sorted and joined, the body's repr) for a logger that discards
-        # it; that was about 4% of the agent's CPU under GetMetrics load. h2 has no setting to skip it.
-        events: list[Event]
-        try:
-            frames, events = self._frame_dispatch_table[frame.__class__](frame)
-        except StreamClosedError as e:
-            if self._stream_is_closed_by_reset(e.stream_id):
-                f = RstStreamFrame(e.stream_id)
-                f.error_code = e.error_code
-                self._prepare_for_sending([f])
-                events = e._events
-            else:
-                raise
-        except StreamIDTooLowError as e:
-            if self._stream_is_closed_by_reset(e.stream_id):
-                f = RstStreamFrame(e.stream_id)
-                f.error_code = ErrorCodes.STREAM_CLOSED
-                self._prepare_for_sending([f])
-                events = []
-            elif self._stream_is_closed_by_end(e.stream_id):
-                raise StreamClosedError(e.stream_id) from e
-            else:
-                raise
-        else:
-            self._prepare_for_sending(frames)
-        return events
 
     @property
     def open_inbound_streams(self) -> int:
