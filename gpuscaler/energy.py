@@ -111,6 +111,9 @@ class _Total:
     first_at: float | None = None  # the tick time of the first sample counted
 
 
+_Seen = tuple[float, float | None, Sequence[GpuSample], int, _Total]
+
+
 @dataclass
 class IdleEnergyCounter:
     """Counts energy while idle as snapshots arrive: per GPU, and per owner of the GPU (a pod, a workload).
@@ -123,8 +126,9 @@ class IdleEnergyCounter:
     gpus: dict[tuple[str, str], _Total] = field(default_factory=dict)  # (node, uuid)
     by_owner: dict[tuple[str, str], _Total] = field(default_factory=dict)
     # Each node's GPUs' newest samples, by node first: a gateway counts thousands of nodes, each on its own.
-    # (tick time, energy counter, the snapshot's samples, the GPU's place in them): its record made if read
-    _last: dict[str, dict[str, tuple[float, float | None, Sequence[GpuSample], int]]] = field(default_factory=dict)
+    # (tick time, energy counter, the snapshot's samples, the GPU's place in them: its record made if read,
+    # and its entry in ``gpus``, so that a tick looks it up once)
+    _last: dict[str, dict[str, _Seen]] = field(default_factory=dict)
     _next_expiry: float = -math.inf
 
     def observe(self, snapshot: Snapshot) -> None:
@@ -144,14 +148,17 @@ class IdleEnergyCounter:
         for index, uuid in enumerate(present):
             energy = energies[index]
             previous = last.get(uuid)
-            last[uuid] = (at, energy, samples, index)
-            total = self.gpus.get((node, uuid))
-            if total is None:
-                total = self.gpus[(node, uuid)] = _Total()
-            total.last_seen = now
             if previous is None:
+                total = self.gpus.get((node, uuid))
+                if total is None:
+                    total = self.gpus[(node, uuid)] = _Total()
+                last[uuid] = (at, energy, samples, index, total)
+                total.last_seen = now
                 total.first_at = at
                 continue
+            total = previous[4]
+            last[uuid] = (at, energy, samples, index, total)
+            total.last_seen = now
             part = interval_between(max(0.0, at - previous[0]), previous[1], energy, utilizations[index])
             if part.joules is None or part.idle is None:
                 total.unknown_seconds += part.seconds

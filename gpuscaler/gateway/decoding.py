@@ -151,7 +151,7 @@ class _WireSamples(LazySamples):
         self._decoder = decoder
         self._records: list[GpuSample | None] = [None] * len(gpus)
         self._all: tuple[GpuSample, ...] | None = None
-        self._flat: list[float] | None = None
+        self._flat: bool | None = None  # whether ``packed`` holds every GPU's readings
         self._rows: list[Sequence[float]] | None = None
         self._uuids: list[str] | None = None
 
@@ -213,11 +213,11 @@ class _WireSamples(LazySamples):
             self._uuids = [gpu.uuid for gpu in self._gpus]
         return self._uuids
 
-    def _whole(self) -> list[float] | None:
-        """Snapshot.readings as a list, when the agent sends it whole."""
-        if self._flat is None and len(self._packed) == len(READING_FIELDS) * len(self._records):
-            self._flat = list(self._packed)
-        return self._flat
+    def _whole(self) -> Sequence[float] | None:
+        """Snapshot.readings, when the agent sends it whole (sliced where it is: a column is one C slice)."""
+        if self._flat is None:
+            self._flat = len(self._packed) == len(READING_FIELDS) * len(self._records)
+        return self._packed if self._flat else None
 
     def _each(self) -> list[Sequence[float]] | None:
         """Each GPU's own packed readings, from agents older than Snapshot.readings."""
