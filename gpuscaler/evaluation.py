@@ -14,11 +14,11 @@ from __future__ import annotations
 import datetime
 import fnmatch
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from operator import attrgetter, is_not
-from typing import NamedTuple, cast, overload
+from typing import NamedTuple, cast
 
 from gpuscaler.aggregation import aggregate
 from gpuscaler.errors import GpuscalerError, InvalidMetadata, Unavailable, Unsupported
@@ -28,6 +28,7 @@ from gpuscaler.query import GpuSelection, PodSelection, ValueQuery
 from gpuscaler.samples import (
     Absence,
     AttributionState,
+    Chained,
     GpuSample,
     ReadError,
     ReadErrorKind,
@@ -142,43 +143,20 @@ class NodePart:
 
 
 EMPTY_PART = NodePart((), (), ())
+_CONTRIBUTIONS, _INCLUDED, _LEFT_OUT = attrgetter("contributions"), attrgetter("included"), attrgetter("left_out")
 
 
-class NodeContributions(Sequence[Contribution]):
+class NodeContributions(Chained[Contribution]):
     """A cluster evaluation's contributions, node after node, made when first read (Explain reads them)."""
 
-    __slots__ = ("_all", "_parts")
+    __slots__ = ()
 
     def __init__(self, parts: Sequence[NodePart]) -> None:
-        self._parts = parts
-        self._all: tuple[Contribution, ...] | None = None
+        super().__init__(parts, _CONTRIBUTIONS)
 
     def unread(self) -> list[Contribution]:
         """The GPUs left out, without making the others' contributions."""
         return list(itertools.chain.from_iterable(map(_LEFT_OUT, self._parts)))
-
-    def _every(self) -> tuple[Contribution, ...]:
-        if self._all is None:
-            self._all = tuple(itertools.chain.from_iterable(map(_CONTRIBUTIONS, self._parts)))
-        return self._all
-
-    def __len__(self) -> int:
-        return len(self._every())
-
-    @overload
-    def __getitem__(self, index: int) -> Contribution: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[Contribution]: ...
-
-    def __getitem__(self, index: int | slice) -> Contribution | Sequence[Contribution]:
-        return self._every()[index]
-
-    def __iter__(self) -> Iterator[Contribution]:
-        return iter(self._every())
-
-
-_CONTRIBUTIONS, _INCLUDED, _LEFT_OUT = attrgetter("contributions"), attrgetter("included"), attrgetter("left_out")
 
 
 class NodeMemo:

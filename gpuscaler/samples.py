@@ -10,15 +10,18 @@ from __future__ import annotations
 import datetime
 import enum
 from abc import abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from operator import attrgetter
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar, overload
 
 from gpuscaler.aggregation import WindowFunction
 from gpuscaler.durations import format_duration
 from gpuscaler.gpu_metrics import METRICS, Metric
+
+T = TypeVar("T")
 
 # `ReadError.field` for a failure of the whole device rather than of one field.
 DEVICE_FIELD = "device"
@@ -174,6 +177,52 @@ class LazySamples(Sequence[GpuSample]):
     @abstractmethod
     def uuids(self) -> list[str]:
         """Each GPU's UUID, in order."""
+
+
+class Chained(Sequence[T]):
+    """The sequences ``of`` gives for each of ``parts``, read as one, in order, each asked for only when read.
+
+    A gateway chains thousands of nodes' samples into its cluster snapshot, and thousands of nodes'
+    contributions into an evaluation, many times a second; most of them are never read, and a reader that
+    stops early (``any``) reads only the first parts. Indexing makes the whole once.
+    """
+
+    __slots__ = ("_all", "_length", "_of", "_parts")
+
+    def __init__(self, parts: Sequence[Any], of: Callable[[Any], Sequence[T]]) -> None:
+        self._parts = parts
+        self._of = of
+        self._all: tuple[T, ...] | None = None
+        self._length: int | None = None
+
+    def __len__(self) -> int:
+        if self._length is None:
+            self._length = len(self._all) if self._all is not None else sum(map(len, map(self._of, self._parts)))
+        return self._length
+
+    @overload
+    def __getitem__(self, index: int) -> T: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[T]: ...
+
+    def __getitem__(self, index: int | slice) -> T | Sequence[T]:
+        if self._all is None:
+            self._all = tuple(self)
+        return self._all[index]
+
+    def __iter__(self) -> Iterator[T]:
+        if self._all is not None:
+            return iter(self._all)
+        return chain.from_iterable(map(self._of, self._parts))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
 
 
 def column(samples: Sequence[GpuSample], reading: str) -> Sequence[float | None]:

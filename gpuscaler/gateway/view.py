@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, KeysView, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import overload
 
 import structlog
 
 from gpuscaler.errors import Unavailable, Unsupported
-from gpuscaler.samples import Absence, GpuSample, Snapshot, WindowColumns, Windowed, WindowKey, uuids
+from gpuscaler.samples import Absence, Chained, GpuSample, Snapshot, WindowColumns, Windowed, WindowKey, uuids
 from gpuscaler.source import AnnouncedSource, stale_after_for, window_column
 
 log = structlog.get_logger(__name__)
@@ -46,50 +44,6 @@ PREPARE_TIMEOUT_SECONDS = 3.0
 
 
 _NODE, _SAMPLES = attrgetter("node"), attrgetter("samples")
-
-
-class _ClusterSamples(Sequence[GpuSample]):
-    """Every fresh node's samples, one after the other, made into records only as they are read.
-
-    A composition happens up to 20 times a second over thousands of nodes, and the common queries read
-    each node's own samples (as columns); only a named GPU, a pod query or Explain walks them all.
-    """
-
-    __slots__ = ("_all", "_length", "_parts")
-
-    def __init__(self, parts: Sequence[Snapshot]) -> None:
-        self._parts = parts
-        self._all: tuple[GpuSample, ...] | None = None
-        self._length: int | None = None
-
-    def __len__(self) -> int:
-        if self._length is None:
-            self._length = sum(map(len, map(_SAMPLES, self._parts)))
-        return self._length
-
-    @overload
-    def __getitem__(self, index: int) -> GpuSample: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[GpuSample]: ...
-
-    def __getitem__(self, index: int | slice) -> GpuSample | Sequence[GpuSample]:
-        if self._all is None:
-            self._all = tuple(self)
-        return self._all[index]
-
-    def __iter__(self) -> Iterator[GpuSample]:
-        if self._all is not None:
-            return iter(self._all)
-        return itertools.chain.from_iterable(map(_SAMPLES, self._parts))
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Sequence) and not isinstance(other, str):
-            return tuple(self) == tuple(other)
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(tuple(self))
 
 
 @dataclass(slots=True)
@@ -359,7 +313,7 @@ class ClusterView(AnnouncedSource):
             taken_at=wall,
             monotonic=now,
             node=CLUSTER_NODE,
-            samples=_ClusterSamples(parts),
+            samples=Chained(parts, _SAMPLES),  # each node's records made only as they are read
             parts=tuple(parts),
             absent=tuple(absent),
             cluster=True,
