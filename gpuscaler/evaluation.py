@@ -35,6 +35,7 @@ from gpuscaler.samples import (
     Snapshot,
     Windowed,
     metric_column,
+    uuids,
 )
 from gpuscaler.scale_targets import resolve as resolve_scale_target
 from gpuscaler.shares import Share, pod_share, share_basis
@@ -219,6 +220,8 @@ class NodeMemo:
 
 
 def _node_part(query: ValueQuery, part: Snapshot, source: SnapshotSource) -> NodePart:
+    if query.selection.uuids is not None:  # a few named GPUs: their records only, made at once
+        return NodePart.of(tuple(_contribution(query, sample, source) for sample in _named(query.selection, part)))
     fast = _from_columns(query, part, source)
     if fast is not None:
         return fast
@@ -274,8 +277,9 @@ def evaluate(
         )
     if query.pods is not None:
         return _evaluate_pods(query, query.pods, snapshot, source, directory)
+    named = _named_parts(query, snapshot, source, memo)
     try:
-        selected = select(query.selection, snapshot)
+        selected = select(query.selection, snapshot) if named is None else [c.sample for c in NodeContributions(named)]
     except InvalidMetadata as error:
         if snapshot.absent:  # the GPU may be on a node the gateway cannot hear now
             return _failed(query, snapshot, Unavailable(f"{error.message}; {_cannot_hear(snapshot.absent, snapshot)}"))
@@ -286,10 +290,12 @@ def evaluate(
         return _failed(query, snapshot, gate)
 
     try:
-        if memo is not None and snapshot.cluster and query.selection.everything:
-            # Concatenated in C: a big cluster's parts are thousands of nodes.
+        node_parts = named
+        if node_parts is None and memo is not None and snapshot.cluster and query.selection.everything:
             node_parts = memo.parts(query, snapshot.parts, source)
-            contributions: Sequence[Contribution] = NodeContributions(node_parts)
+        contributions: Sequence[Contribution]
+        if node_parts is not None:  # concatenated in C: a big cluster's parts are thousands of nodes
+            contributions = NodeContributions(node_parts)
             included = list(itertools.chain.from_iterable(map(_INCLUDED, node_parts)))
             left_out = list(itertools.chain.from_iterable(map(_LEFT_OUT, node_parts)))
         else:
@@ -308,6 +314,37 @@ def evaluate(
     return Evaluation(query, contributions, value, failure, snapshot, absent=gate)
 
 
+def _named_parts(
+    query: ValueQuery, snapshot: Snapshot, source: SnapshotSource, memo: NodeMemo | None
+) -> list[NodePart] | None:
+    """A cluster query's GPUs named by UUID, node by node, when each node's are kept in ``memo``; None when
+    they are not, or when a GPU is missing or its window unknown (``select`` and ``_contribution`` say why).
+
+    A gateway composes thousands of nodes many times a second, and a query names a GPU or a few: only the
+    nodes that sent are looked at, by their UUID column, and only the named GPUs' records are made.
+    """
+    named = query.selection.uuids
+    if memo is None or not snapshot.cluster or named is None:
+        return None
+    try:
+        parts = memo.parts(query, snapshot.parts, source)
+    except GpuscalerError:
+        return None
+    found = {c.sample.gpu.uuid.lower() for c in NodeContributions(parts)}
+    return parts if len(found) == len(named) else None
+
+
+def _named(selection: GpuSelection, snapshot: Snapshot) -> list[GpuSample]:
+    """The snapshot's samples whose UUID ``selection`` names, in order; found by the UUID column, so the
+    other GPUs' records are not made."""
+    wanted = {uuid.lower() for uuid in selection.uuids or ()}
+    chosen: list[GpuSample] = []
+    for node in snapshot.nodes:
+        samples = node.samples
+        chosen.extend(samples[index] for index, uuid in enumerate(uuids(samples)) if uuid.lower() in wanted)
+    return chosen
+
+
 def select(selection: GpuSelection, snapshot: Snapshot) -> Sequence[GpuSample]:
     """The snapshot's samples that ``selection`` names; naming a GPU the node lacks is InvalidMetadata."""
     samples = snapshot.samples
@@ -321,15 +358,15 @@ def select(selection: GpuSelection, snapshot: Snapshot) -> Sequence[GpuSample]:
             )
         return [sample for sample in samples if sample.gpu.index in selection.indices]
     if selection.uuids is not None:
-        wanted = {uuid.lower() for uuid in selection.uuids}
-        present_uuids = {sample.gpu.uuid.lower() for sample in samples}
+        chosen = _named(selection, snapshot)
+        present_uuids = {sample.gpu.uuid.lower() for sample in chosen}
         missing_uuids = [uuid for uuid in selection.uuids if uuid.lower() not in present_uuids]
         if missing_uuids:
             raise InvalidMetadata(
                 f"gpuUUID {','.join(missing_uuids)} is not on {_where(snapshot)}; "
-                f"its GPUs: {_listing(sample.gpu.uuid for sample in samples)}"
+                f"its GPUs: {_listing(itertools.chain.from_iterable(uuids(node.samples) for node in snapshot.nodes))}"
             )
-        return [sample for sample in samples if sample.gpu.uuid.lower() in wanted]
+        return chosen
     return samples
 
 
@@ -658,6 +695,13 @@ def _clock(unix_seconds: float) -> str:
     return datetime.datetime.fromtimestamp(unix_seconds, datetime.UTC).isoformat(timespec="milliseconds")
 
 
+MAX_LISTED = 20  # a cluster has thousands of GPUs: an error names the first few and counts the rest
+
+
 def _listing(items: Iterable[str]) -> str:
     listed = list(items)
-    return ", ".join(listed) if listed else "none"
+    if not listed:
+        return "none"
+    if len(listed) > MAX_LISTED:
+        return f"{', '.join(listed[:MAX_LISTED])} and {len(listed) - MAX_LISTED} more"
+    return ", ".join(listed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from gpuscaler.errors import GpuscalerError
@@ -18,11 +19,16 @@ QUERIES = [
     {"metric": "gpu_utilization", "window": "10s", "windowFunction": "max"},
     {"metric": "memory_used_percent", "window": "5s", "aggregation": "p90"},
     {"metric": "temperature", "aggregation": "min"},
+    # Named GPUs: one on a node that leaves now and then (missing: an error), two on nodes that come and go.
+    {"gpuUUID": "GPU-node-03-2"},
+    {"gpuUUID": "gpu-node-05-0,GPU-node-12-3", "window": "10s", "aggregation": "max"},
+    {"gpuUUID": "GPU-node-01-1", "metric": "memory_used_percent"},
 ]
 
 
 def node(name: str, tick: int, rng: random.Random) -> Snapshot:
-    """Node ``name``'s snapshot at ``tick``: four GPUs at random loads, each lost about one time in twenty."""
+    """Node ``name``'s snapshot at ``tick``: four GPUs (GPU-<name>-<index>) at random loads, each lost about
+    one time in twenty."""
     samples = tuple(
         failed_sample(index, ReadErrorKind.GPU_LOST)
         if rng.random() < 0.05
@@ -35,7 +41,11 @@ def node(name: str, tick: int, rng: random.Random) -> Snapshot:
         )
         for index in range(4)
     )
-    return snapshot(tick, float(tick), tuple(sample._replace(node=name) for sample in samples), node=name)
+    own = tuple(
+        sample._replace(node=name, gpu=dataclasses.replace(sample.gpu, uuid=f"GPU-{name}-{sample.gpu.index}"))
+        for sample in samples
+    )
+    return snapshot(tick, float(tick), own, node=name)
 
 
 def outcome(query: dict[str, str], view: Snapshot, source: ClusterSource, memo: NodeMemo | None) -> object:
@@ -69,7 +79,7 @@ def test_answers_with_the_memo_equal_fresh_evaluations_while_nodes_change() -> N
         for query in QUERIES:
             assert outcome(query, view, source, memo) == outcome(query, view, source, None)
             compared += 1
-    assert compared == 240
+    assert compared == 40 * len(QUERIES)
 
 
 def test_an_unchanged_node_is_not_evaluated_again() -> None:

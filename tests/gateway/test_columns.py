@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterator
 
@@ -44,6 +45,8 @@ QUERIES = [
     {"metric": "temperature", "window": "3s"},
     {"metric": "memory_used_percent", "window": "4s", "windowFunction": "min"},
     {"metric": "power_average", "window": "3s"},
+    {"gpuUUID": "GPU-node-04-2"},
+    {"gpuUUID": "gpu-node-01-0,GPU-node-07-3", "window": "5s", "windowFunction": "max"},
 ]
 WINDOWS = [
     WindowKey(Metric.GPU_UTILIZATION, 5.0, WindowFunction.MAX),
@@ -69,8 +72,11 @@ def sample(index: int, rng: random.Random) -> GpuSample:
 
 
 def node(name: str, tick: int, rng: random.Random) -> Snapshot:
-    """Node ``name``'s snapshot at ``tick`` (one a second): four GPUs."""
-    samples = tuple(sample(index, rng)._replace(node=name) for index in range(4))
+    """Node ``name``'s snapshot at ``tick`` (one a second): four GPUs, GPU-<name>-<index>."""
+    samples = tuple(
+        made._replace(node=name, gpu=dataclasses.replace(made.gpu, uuid=f"GPU-{name}-{index}"))
+        for index, made in ((index, sample(index, rng)) for index in range(4))
+    )
     return snapshot(tick, float(tick), samples, node=name)
 
 
