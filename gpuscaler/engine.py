@@ -11,7 +11,6 @@ import asyncio
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from operator import attrgetter
 
 import structlog
 
@@ -122,7 +121,7 @@ class Engine:
             )
         if latest.sequence != self._cache_sequence:
             if self._memo is not None and len(self._cache) > 0:
-                self._memo.keep_only(self._cache, map(attrgetter("node"), latest.parts))
+                self._memo.keep_only(self._cache, latest.parts)
             self._cache_sequence, self._cache = latest.sequence, {}
         cached = self._cache.get(query)
         if cached is None:

@@ -145,6 +145,8 @@ class NodePart:
 
 EMPTY_PART = NodePart((), (), ())
 _CONTRIBUTIONS, _INCLUDED, _LEFT_OUT = attrgetter("contributions"), attrgetter("included"), attrgetter("left_out")
+_NODE = attrgetter("node")
+_MADE = attrgetter("_contributions")  # a part whose contributions were made with it (not on demand)
 
 
 class NodeContributions(Chained[Contribution]):
@@ -204,14 +206,23 @@ class NodeMemo:
         self._previous[query] = (parts, found)
         return found
 
-    def keep_only(self, queries: Iterable[ValueQuery], nodes: Iterable[str]) -> None:
-        """Forget queries no longer asked and nodes no longer in the view (once per composition: in C)."""
+    def keep_only(self, queries: Iterable[ValueQuery], parts: Sequence[Snapshot]) -> None:
+        """Forget queries no longer asked, and nodes not among ``parts`` (once per composition: in C).
+
+        Most compositions have the same nodes as the last, and a query that holds no more nodes than there
+        are parts is not searched: what it keeps of a node that left goes once it holds more. Keeping it a
+        while changes no answer: a node's part is reused only for the very snapshot it was made from.
+        """
         wanted = set(queries)
         for query in [q for q in self._by_query if q not in wanted]:
             del self._by_query[query]
             self._previous.pop(query, None)
-        listed = set(nodes)
+        listed: set[str] | None = None
         for query, by_node in self._by_query.items():
+            if len(by_node) <= len(parts):
+                continue
+            if listed is None:
+                listed = set(map(_NODE, parts))
             gone = by_node.keys() - listed
             if gone:
                 self._previous.pop(query, None)
@@ -279,7 +290,7 @@ def evaluate(
         return _evaluate_pods(query, query.pods, snapshot, source, directory)
     named = _named_parts(query, snapshot, source, memo)
     try:
-        selected = select(query.selection, snapshot) if named is None else [c.sample for c in NodeContributions(named)]
+        selected = select(query.selection, snapshot) if named is None else [c.sample for c in named]
     except InvalidMetadata as error:
         if snapshot.absent:  # the GPU may be on a node the gateway cannot hear now
             return _failed(query, snapshot, Unavailable(f"{error.message}; {_cannot_hear(snapshot.absent, snapshot)}"))
@@ -290,16 +301,15 @@ def evaluate(
         return _failed(query, snapshot, gate)
 
     try:
-        node_parts = named
-        if node_parts is None and memo is not None and snapshot.cluster and query.selection.everything:
-            node_parts = memo.parts(query, snapshot.parts, source)
         contributions: Sequence[Contribution]
-        if node_parts is not None:  # concatenated in C: a big cluster's parts are thousands of nodes
+        if memo is not None and snapshot.cluster and query.selection.everything:
+            # Concatenated in C: a big cluster's parts are thousands of nodes.
+            node_parts = memo.parts(query, snapshot.parts, source)
             contributions = NodeContributions(node_parts)
             included = list(itertools.chain.from_iterable(map(_INCLUDED, node_parts)))
             left_out = list(itertools.chain.from_iterable(map(_LEFT_OUT, node_parts)))
         else:
-            contributions = tuple(_contribution(query, sample, source) for sample in selected)
+            contributions = named if named is not None else tuple(_contribution(query, s, source) for s in selected)
             included = [c.value for c in contributions if c.value is not None]
             left_out = [c for c in contributions if c.value is None]
     except GpuscalerError as error:  # the source cannot tell the window (yet)
@@ -316,9 +326,9 @@ def evaluate(
 
 def _named_parts(
     query: ValueQuery, snapshot: Snapshot, source: SnapshotSource, memo: NodeMemo | None
-) -> list[NodePart] | None:
-    """A cluster query's GPUs named by UUID, node by node, when each node's are kept in ``memo``; None when
-    they are not, or when a GPU is missing or its window unknown (``select`` and ``_contribution`` say why).
+) -> tuple[Contribution, ...] | None:
+    """A cluster query's GPUs named by UUID, found node by node in ``memo``; None when there is no memo, or
+    when a GPU is missing or its window unknown (``select`` and ``_contribution`` say why).
 
     A gateway composes thousands of nodes many times a second, and a query names a GPU or a few: only the
     nodes that sent are looked at, by their UUID column, and only the named GPUs' records are made.
@@ -330,8 +340,9 @@ def _named_parts(
         parts = memo.parts(query, snapshot.parts, source)
     except GpuscalerError:
         return None
-    found = {c.sample.gpu.uuid.lower() for c in NodeContributions(parts)}
-    return parts if len(found) == len(named) else None
+    # Concatenated in C: a named part's contributions are made with it, and most parts have none.
+    found = tuple(itertools.chain.from_iterable(map(_MADE, parts)))
+    return found if len({c.sample.gpu.uuid.lower() for c in found}) == len(named) else None
 
 
 def _named(selection: GpuSelection, snapshot: Snapshot) -> list[GpuSample]:
@@ -341,7 +352,10 @@ def _named(selection: GpuSelection, snapshot: Snapshot) -> list[GpuSample]:
     chosen: list[GpuSample] = []
     for node in snapshot.nodes:
         samples = node.samples
-        chosen.extend(samples[index] for index, uuid in enumerate(uuids(samples)) if uuid.lower() in wanted)
+        names = uuids(samples)
+        if wanted.isdisjoint(map(str.lower, names)):  # in C: most nodes hold none of them
+            continue
+        chosen.extend(samples[index] for index, uuid in enumerate(names) if uuid.lower() in wanted)
     return chosen
 
 

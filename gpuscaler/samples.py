@@ -200,6 +200,12 @@ class Chained(Sequence[T]):
             self._length = len(self._all) if self._all is not None else sum(map(len, map(self._of, self._parts)))
         return self._length
 
+    def __bool__(self) -> bool:
+        """Whether any part has something: the first non-empty part answers, not a count of them all."""
+        if self._length is not None:
+            return self._length > 0
+        return any(map(len, map(self._of, self._parts)))
+
     @overload
     def __getitem__(self, index: int) -> T: ...
 

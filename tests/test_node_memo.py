@@ -96,15 +96,19 @@ def test_an_unchanged_node_is_not_evaluated_again() -> None:
 
 
 def test_forgotten_queries_and_nodes_leave_the_memo() -> None:
-    """Only the queries still asked and the nodes still in the view are kept."""
+    """Only the queries still asked are kept, and a node that left goes once the query holds more nodes than
+    the view has (until then it is kept, which changes nothing: it is reused only for the same snapshot)."""
     rng = random.Random(2)
-    part = node("node-a", 1, rng)
+    part, other = node("node-a", 1, rng), node("node-b", 1, rng)
     memo = NodeMemo()
     query = parse_metadata({"metric": "gpu_utilization"}, LIMITS).value
-    source = ClusterSource(cluster(part), history_of(part))
+    source = ClusterSource(cluster(part, other), history_of(part), history_of(other))
     first = memo.contributions(query, part, source)
-    memo.keep_only([query], ["node-b"])
-    assert memo.contributions(query, part, source) is not first  # the node had left: computed afresh
+    memo.keep_only([query], [other])  # node-a left, node-b came: the query holds one node, as many as listed
+    assert memo.contributions(query, part, source) is first
+    memo.contributions(query, other, source)
+    memo.keep_only([query], [other])  # now it holds two for one listed: node-a is forgotten
+    assert memo.contributions(query, part, source) is not first  # computed afresh
     second = memo.contributions(query, part, source)
-    memo.keep_only([], ["node-a"])
+    memo.keep_only([], [part])
     assert memo.contributions(query, part, source) is not second
