@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, KeysView, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ PREPARE_TIMEOUT_SECONDS = 3.0
 
 
 _NODE, _SAMPLES = attrgetter("node"), attrgetter("samples")
+_LATEST, _ENTRY_NODE = attrgetter("latest"), attrgetter("latest.node")
 
 
 @dataclass(slots=True)
@@ -108,6 +110,10 @@ class ClusterView(AnnouncedSource):
         self._coalesce = coalesce_seconds
         self._agents: dict[str, _Agent] = {}
         self._agents_in_order: list[tuple[str, _Agent]] | None = None  # sorted once per change of the list
+        # The last full scan of the agents, reused while nothing but the nodes' newest snapshots changed and
+        # no part can have gone stale: its nodes in order, its absences, and when its first part goes stale.
+        self._scanned: tuple[list[_Node], tuple[Absence, ...]] | None = None
+        self._fresh_until = -math.inf
         self._nodes: dict[str, _Node] = {}
         self._latest: Snapshot | None = None
         self._sequence = 0
@@ -211,7 +217,7 @@ class ClusterView(AnnouncedSource):
             del self._agents[agent]
         for agent in listed - set(self._agents):
             self._agents[agent] = _Agent(listed_wall=wall)
-        self._agents_in_order = None
+        self._agents_in_order = self._scanned = None
         for name, entry in list(self._nodes.items()):
             if entry.agent in self._agents:
                 continue
@@ -231,8 +237,9 @@ class ClusterView(AnnouncedSource):
     def trouble(self, agent: str, detail: str) -> None:
         """Why ``agent``'s stream is not delivering (connection refused, ...): named in every answer it blocks."""
         state = self._agents.get(agent)
-        if state is not None:
+        if state is not None and state.trouble != detail:
             state.trouble = detail
+            self._scanned = None  # an absence names it
 
     def update(self, agent: str, snapshot: Snapshot, *, poll_interval_seconds: float) -> None:
         """``agent``'s snapshot, stamped with the gateway's clock; composes the view shortly after.
@@ -256,21 +263,28 @@ class ClusterView(AnnouncedSource):
                     "names (the chart sets NODE_NAME from spec.nodeName)"
                 )
                 state.node = None
+                self._scanned = None
                 self._compose_soon()
                 raise AgentRefused(state.conflict)
             log.info("node_changed_agent", node=name, before=entry.agent, after=agent)
             entry.agent = agent
+            self._scanned = None
         if state.node is not None and state.node != name:
             old = self._nodes.get(state.node)
             if old is not None and old.agent == agent:
                 log.warning("agent_node_renamed", agent=agent, before=state.node, after=name)
                 del self._nodes[state.node]
-        state.node, state.conflict, state.trouble = name, None, "sending"
+        if state.node != name or state.conflict is not None or state.trouble != "sending":
+            state.node, state.conflict, state.trouble = name, None, "sending"
+            self._scanned = None
         stale_after = stale_after_for(poll_interval_seconds)
         wall = self._wall()
         if entry is None:
             entry = self._nodes[name] = _Node(agent, stale_after, snapshot, wall)
+            self._scanned = None
         entry.latest, entry.stale_after, entry.arrived_wall = snapshot, stale_after, wall
+        # A shorter poll interval can bring a node's staleness forward; a newer snapshot alone only delays it.
+        self._fresh_until = min(self._fresh_until, snapshot.monotonic + stale_after)
         self._compose_soon()
 
     def _compose_soon(self) -> None:
@@ -287,26 +301,12 @@ class ClusterView(AnnouncedSource):
         self._used_since_compose.clear()
         now = self._clock()
         wall = self._wall()
-        parts: list[Snapshot] = []
-        absent: list[Absence] = []
-        if self._agents_in_order is None:
-            self._agents_in_order = sorted(self._agents.items())
-        for agent, state in self._agents_in_order:
-            if state.conflict is not None:
-                absent.append(Absence(agent, None, state.conflict_wall, state.conflict))
-                continue
-            if state.node is None:
-                absent.append(Absence(agent, None, state.listed_wall, f"no snapshot yet ({state.trouble})"))
-                continue
-            entry = self._nodes.get(state.node)
-            if entry is None or entry.agent != agent:
-                continue  # another listed agent reports this node now (a restarted agent's new address)
-            if now - entry.latest.monotonic <= entry.stale_after:  # entry.fresh(now), inlined: thousands a time
-                parts.append(entry.latest)
-            else:
-                reason = f"silent for {now - entry.latest.monotonic:.1f}s ({state.trouble})"
-                absent.append(Absence(agent, state.node, entry.arrived_wall, reason, last=entry.latest))
-        parts.sort(key=_NODE)
+        if self._scanned is not None and now < self._fresh_until:
+            # The same nodes, each fresh: their newest snapshots, in C (thousands of nodes, 20 times a second).
+            entries, absent = self._scanned
+            parts = list(map(_LATEST, entries))
+        else:
+            parts, absent = self._scan(now)
         self._sequence += 1
         snapshot = Snapshot(
             sequence=self._sequence,
@@ -324,6 +324,36 @@ class ClusterView(AnnouncedSource):
         if self.on_compose is not None:
             self.on_compose(time.perf_counter() - started)  # the engine's re-evaluation included
         return snapshot
+
+    def _scan(self, now: float) -> tuple[list[Snapshot], tuple[Absence, ...]]:
+        """Every fresh node's newest snapshot (by node), and every listed agent it cannot hear; kept for
+        ``compose`` to reuse when no absence's words depend on the time (no node is silent)."""
+        entries: list[_Node] = []
+        absent: list[Absence] = []
+        silent = False
+        if self._agents_in_order is None:
+            self._agents_in_order = sorted(self._agents.items())
+        for agent, state in self._agents_in_order:
+            if state.conflict is not None:
+                absent.append(Absence(agent, None, state.conflict_wall, state.conflict))
+                continue
+            if state.node is None:
+                absent.append(Absence(agent, None, state.listed_wall, f"no snapshot yet ({state.trouble})"))
+                continue
+            entry = self._nodes.get(state.node)
+            if entry is None or entry.agent != agent:
+                continue  # another listed agent reports this node now (a restarted agent's new address)
+            if now - entry.latest.monotonic <= entry.stale_after:  # entry.fresh(now), inlined: thousands a time
+                entries.append(entry)
+            else:
+                reason = f"silent for {now - entry.latest.monotonic:.1f}s ({state.trouble})"
+                absent.append(Absence(agent, state.node, entry.arrived_wall, reason, last=entry.latest))
+                silent = True
+        entries.sort(key=_ENTRY_NODE)
+        scanned = self._scanned = (entries, tuple(absent)) if not silent else None
+        if scanned is not None:
+            self._fresh_until = min((e.latest.monotonic + e.stale_after for e in entries), default=math.inf)
+        return list(map(_LATEST, entries)), tuple(absent)
 
     def agent_states(self) -> list[AgentState]:
         """Every listed agent's state now."""

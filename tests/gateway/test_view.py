@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import random
 from dataclasses import replace
 
 import pytest
 
 from gpuscaler.aggregation import WindowFunction
 from gpuscaler.errors import Unavailable, Unsupported
-from gpuscaler.gateway.view import MAX_WINDOWS, WINDOW_IDLE_SECONDS, ClusterView
+from gpuscaler.gateway.view import MAX_WINDOWS, WINDOW_IDLE_SECONDS, AgentRefused, ClusterView
 from gpuscaler.gpu_metrics import Metric
 from gpuscaler.samples import Windowed, WindowKey, WindowValues
 from tests.builders import gpu_sample, snapshot
@@ -72,3 +74,66 @@ async def test_a_window_is_read_from_the_nodes_newest_snapshot() -> None:
     view.update("10.0.0.1:6000", reduced, poll_interval_seconds=0.5)
     assert view.windowed(sample, window(30)) == Windowed(80.0, 60)
     assert [s.sequence for s in view.newest_first("node-a")] == [2]  # the newest only: no history kept
+
+
+async def test_a_composition_reused_from_the_last_scan_equals_a_full_scan() -> None:
+    """A composition reuses the last scan of the agents while only nodes' newest snapshots changed and none can
+    have gone stale. Over 600 random events (snapshots at two poll intervals, time passing beyond staleness,
+    agents listed and dropped, troubles, an agent claiming another's node) every composition equals a full
+    scan of the agents at that moment, nodes and absences alike."""
+    rng = random.Random(5)
+    clock = Clock()
+    view = ClusterView(history_seconds=120, clock=clock)
+    agents = [f"10.0.0.{n}:6000" for n in range(8)]
+    listed = agents[:6]
+    view.set_agents(listed)
+    reused = 0
+    for step in range(600):
+        event = rng.random()
+        if event < 0.6:
+            agent = rng.choice(listed)
+            node = f"node-{agents.index(agent)}" if rng.random() > 0.03 else "node-0"  # now and then a claim
+            sample = gpu_sample(0, util=1.0, node=node)
+            with contextlib.suppress(AgentRefused):  # two live agents cannot report one node
+                view.update(
+                    agent, snapshot(step, clock.now, (sample,), node=node), poll_interval_seconds=rng.choice([0.5, 1.0])
+                )
+        elif event < 0.8:
+            clock.now += rng.choice([0.05, 0.1, 0.5, 2.5])
+        elif event < 0.9:
+            view.trouble(rng.choice(listed), rng.choice(["connection refused", "sending"]))
+        else:
+            listed = sorted(rng.sample(agents, rng.randint(4, 8)))
+            view.set_agents(listed)
+        reused += view._scanned is not None and clock.now < view._fresh_until
+        composed = view.compose()
+        kept = view._scanned, view._fresh_until
+        parts, absent = view._scan(clock.now)
+        view._scanned, view._fresh_until = kept
+        assert (composed.parts, composed.absent) == (tuple(parts), absent), step
+    assert reused > 100  # the shortcut was taken (and checked) often
+
+
+async def test_a_node_whose_poll_interval_shortens_goes_stale_on_its_new_bound() -> None:
+    """A node that moves from a 1 s to a 0.5 s poll is stale after 2 s of silence, not 3 s, even though the
+    other nodes keep every composition on the reused scan."""
+    clock = Clock()
+    view = ClusterView(history_seconds=120, clock=clock)
+    view.set_agents(["a:6000", "b:6000"])
+
+    def send(agent: str, node: str, poll: float) -> None:
+        sample = gpu_sample(0, util=1.0, node=node)
+        view.update(agent, snapshot(int(clock.now * 10), clock.now, (sample,), node=node), poll_interval_seconds=poll)
+
+    send("a:6000", "node-a", 1.0)
+    send("b:6000", "node-b", 1.0)
+    view.compose()
+    send("a:6000", "node-a", 0.5)  # its last snapshot: stale 2 s from now
+    silent_from = clock.now
+    while clock.now - silent_from < 2.4:
+        clock.now += 0.2
+        send("b:6000", "node-b", 1.0)
+        composed = view.compose()
+        heard = [part.node for part in composed.parts]
+        assert heard == (["node-a", "node-b"] if clock.now - silent_from <= 2.0 else ["node-b"]), clock.now
+    assert [absence.node for absence in composed.absent] == ["node-a"]
