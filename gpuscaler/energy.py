@@ -18,7 +18,8 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from operator import ge, sub
+from typing import NamedTuple, Protocol, cast
 
 from gpuscaler.samples import GpuSample, Snapshot, column, uuids
 
@@ -111,7 +112,16 @@ class _Total:
     first_at: float | None = None  # the tick time of the first sample counted
 
 
-_Seen = tuple[float, float | None, Sequence[GpuSample], int, _Total]
+@dataclass(slots=True)
+class _NodeSeen:
+    """A node's newest snapshot as counted: its tick time, its GPUs' UUIDs and energy counters in order, its
+    samples (a GPU's record is made only if read), and each GPU's entry in ``IdleEnergyCounter.gpus``."""
+
+    at: float
+    uuids: list[str]
+    energies: Sequence[float | None]
+    samples: Sequence[GpuSample]
+    totals: list[_Total]
 
 
 @dataclass
@@ -125,90 +135,139 @@ class IdleEnergyCounter:
     owners: Callable[[GpuSample], Iterable[tuple[str, str]]]
     gpus: dict[tuple[str, str], _Total] = field(default_factory=dict)  # (node, uuid)
     by_owner: dict[tuple[str, str], _Total] = field(default_factory=dict)
-    # Each node's GPUs' newest samples, by node first: a gateway counts thousands of nodes, each on its own.
-    # (tick time, energy counter, the snapshot's samples, the GPU's place in them: its record made if read,
-    # and its entry in ``gpus``, so that a tick looks it up once)
-    _last: dict[str, dict[str, _Seen]] = field(default_factory=dict)
+    _last: dict[str, _NodeSeen] = field(default_factory=dict)  # by node: a gateway counts thousands of nodes
     _next_expiry: float = -math.inf
 
     def observe(self, snapshot: Snapshot) -> None:
         """Count one node's snapshot: each GPU's interval since its previous sample.
 
         It reads the snapshot's columns (a gateway counts thousands of nodes a second), and a GPU's record
-        only where an idle interval needs its owners.
+        only where an idle interval needs its owners. The common tick (the same GPUs, each busy, every
+        counter known and rising) is counted column by column.
         """
         now = snapshot.monotonic
         node = snapshot.node
         at = snapshot.taken_at
-        last = self._last.setdefault(node, {})
         samples = snapshot.samples
         present = uuids(samples)
         energies = column(samples, "energy_joules")
         utilizations = column(samples, "gpu_utilization_percent")
-        for index, uuid in enumerate(present):
-            energy = energies[index]
-            previous = last.get(uuid)
-            if previous is None:
-                total = self.gpus.get((node, uuid))
-                if total is None:
-                    total = self.gpus[(node, uuid)] = _Total()
-                last[uuid] = (at, energy, samples, index, total)
-                total.last_seen = now
-                total.first_at = at
-                continue
-            total = previous[4]
-            last[uuid] = (at, energy, samples, index, total)
-            total.last_seen = now
-            part = interval_between(max(0.0, at - previous[0]), previous[1], energy, utilizations[index])
-            if part.joules is None or part.idle is None:
-                total.unknown_seconds += part.seconds
-                continue
-            if not part.idle:
-                total.busy_joules += part.joules
-                continue
-            total.joules += part.joules
-            for owner in set(self.owners(samples[index])):
-                owned = self.by_owner.get(owner)
-                if owned is None:
-                    owned = self.by_owner[owner] = _Total()
-                owned.joules += part.joules
-                owned.last_seen = now
-        if len(last) > len(present):
-            kept = set(present)
-            for uuid in [u for u in last if u not in kept]:
-                del last[uuid]  # the GPU left its node: its series ends with it
-                self.gpus.pop((node, uuid), None)
+        previous = self._last.get(node)
+        if previous is not None and previous.uuids == present:
+            totals = previous.totals
+            before = previous.energies
+            if (
+                None not in energies
+                and None not in before
+                and None not in utilizations
+                and 0.0 not in utilizations
+                and all(map(ge, cast(Sequence[float], energies), cast(Sequence[float], before)))
+            ):
+                joules_each = map(sub, cast(Sequence[float], energies), cast(Sequence[float], before))
+                for total, joules in zip(totals, joules_each, strict=True):
+                    total.busy_joules += joules
+                    total.last_seen = now
+            else:
+                seconds = max(0.0, at - previous.at)
+                for index, total in enumerate(totals):
+                    total.last_seen = now
+                    self._count(total, seconds, before[index], energies[index], utilizations[index], samples, index)
+        else:
+            totals = self._match(node, present, energies, utilizations, samples, at, now, previous)
+        self._last[node] = _NodeSeen(at, present, energies, samples, totals)
         if now >= self._next_expiry:  # owners are few and expire slowly: a sweep a minute is enough
             self._next_expiry = now + 60.0
             for owner in [o for o, t in self.by_owner.items() if now - t.last_seen > FORGET_AFTER_SECONDS]:
                 del self.by_owner[owner]
 
+    def _match(
+        self,
+        node: str,
+        present: list[str],
+        energies: Sequence[float | None],
+        utilizations: Sequence[float | None],
+        samples: Sequence[GpuSample],
+        at: float,
+        now: float,
+        previous: _NodeSeen | None,
+    ) -> list[_Total]:
+        """A node seen first, or whose GPUs changed: each GPU by its UUID; one that left ends its series."""
+        earlier: dict[str, tuple[float | None, _Total]] = {}
+        if previous is not None:
+            earlier = dict(zip(previous.uuids, zip(previous.energies, previous.totals, strict=True), strict=True))
+        seconds = 0.0 if previous is None else max(0.0, at - previous.at)
+        totals = []
+        for index, uuid in enumerate(present):
+            seen = earlier.pop(uuid, None)
+            if seen is None:
+                total = self.gpus.get((node, uuid))
+                if total is None:
+                    total = self.gpus[(node, uuid)] = _Total()
+                total.first_at = at
+                total.last_seen = now
+            else:
+                total = seen[1]
+                total.last_seen = now
+                self._count(total, seconds, seen[0], energies[index], utilizations[index], samples, index)
+            totals.append(total)
+        for uuid in earlier:
+            self.gpus.pop((node, uuid), None)  # the GPU left its node: its series ends with it
+        return totals
+
+    def _count(
+        self,
+        total: _Total,
+        seconds: float,
+        start: float | None,
+        end: float | None,
+        utilization: float | None,
+        samples: Sequence[GpuSample],
+        index: int,
+    ) -> None:
+        """One GPU's interval: idle, busy or unknown; idle joules count for its owners too."""
+        part = interval_between(seconds, start, end, utilization)
+        if part.joules is None or part.idle is None:
+            total.unknown_seconds += part.seconds
+            return
+        if not part.idle:
+            total.busy_joules += part.joules
+            return
+        total.joules += part.joules
+        for owner in set(self.owners(samples[index])):
+            owned = self.by_owner.get(owner)
+            if owned is None:
+                owned = self.by_owner[owner] = _Total()
+            owned.joules += part.joules
+            owned.last_seen = total.last_seen
+
     def gpu_totals(self) -> list[tuple[GpuSample, float]]:
         """Each GPU still present, by its newest sample, with its energy while idle so far."""
-        return [
-            (self._last[node][uuid][2][self._last[node][uuid][3]], total.joules)
-            for (node, uuid), total in sorted(self.gpus.items())
-            if uuid in self._last.get(node, {})
-        ]
+        found = []
+        for (node, uuid), total in sorted(self.gpus.items()):
+            seen = self._last.get(node)
+            if seen is not None and uuid in seen.uuids:
+                found.append((seen.samples[seen.uuids.index(uuid)], total.joules))
+        return found
 
     def summary(self, samples: Iterable[GpuSample]) -> IdleEnergy:
         """Energy while idle of ``samples``' GPUs (each once), over all this counter has seen of them."""
         idle = busy = unknown = covered = 0.0
         gpus = 0
         for node, uuid in sorted({(sample.node, sample.gpu.uuid) for sample in samples}):
-            total, last = self.gpus.get((node, uuid)), self._last.get(node, {}).get(uuid)
-            if total is None or last is None or total.first_at is None:
+            total, seen = self.gpus.get((node, uuid)), self._last.get(node)
+            if total is None or seen is None or uuid not in seen.uuids or total.first_at is None:
                 continue
             gpus += 1
             idle += total.joules
             busy += total.busy_joules
             unknown += total.unknown_seconds
-            covered = max(covered, last[0] - total.first_at)
+            covered = max(covered, seen.at - total.first_at)
         return IdleEnergy(idle, busy, covered, unknown, gpus)
 
     def forget_node(self, node: str) -> None:
         """A node that left (its agent left discovery) takes its GPUs' counters with it."""
-        for uuid in self._last.pop(node, {}):
+        seen = self._last.pop(node, None)
+        for uuid in seen.uuids if seen is not None else ():
             self.gpus.pop((node, uuid), None)
 
 

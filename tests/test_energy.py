@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+from dataclasses import astuple
+
 import pytest
 
 from gpuscaler.energy import IdleEnergyCounter, idle_energy, interval, pods_of
@@ -87,3 +90,40 @@ def test_a_gpu_that_leaves_its_node_takes_its_counter_with_it() -> None:
     assert [(s.gpu.index, j) for s, j in counter.gpu_totals()] == [(0, 30.0)]
     counter.forget_node("node-a")
     assert counter.gpu_totals() == []
+
+
+def test_the_counter_agrees_with_the_history_whether_a_tick_is_counted_by_column_or_by_gpu() -> None:
+    """Over 80 ticks of four GPUs, mostly busy with rising counters (counted column by column) and now and then
+    idle, unread or restarted (counted GPU by GPU), the counter's figures equal ``idle_energy`` over the same
+    history, and per-owner joules equal the idle joules of the pod's one GPU."""
+    rng = random.Random(3)
+    counter = IdleEnergyCounter(pods_of)
+    energies = [1000.0 * gpu for gpu in range(4)]
+    ticks = []
+    for sequence in range(1, 81):
+        gpus = []
+        for gpu in range(4):
+            energies[gpu] += rng.uniform(50.0, 300.0)
+            roll = rng.random()
+            energy: float | None = energies[gpu]
+            util: float | None = rng.choice([30.0, 75.0, 100.0])
+            if roll < 0.05:
+                util = 0.0
+            elif roll < 0.07:
+                energy = None
+            elif roll < 0.09:
+                util = None
+            elif roll < 0.1:
+                energies[gpu] = energy = rng.uniform(0.0, 10.0)  # the driver reloaded: the counter restarts
+            gpus.append((energy, util))
+        ticks.append(tick(sequence, *gpus, pods=(A,)))
+        counter.observe(ticks[-1])
+    latest = ticks[-1].samples
+    expected = idle_energy(history_of(*ticks), latest, window_seconds=None)
+    assert astuple(counter.summary(latest)) == pytest.approx(astuple(expected))
+    assert expected.idle_joules > 0  # both paths were taken
+    assert expected.unknown_seconds > 0
+    for index in range(4):
+        alone = idle_energy(history_of(*ticks), latest[index : index + 1], window_seconds=None)
+        assert dict(counter.gpu_totals())[latest[index]] == pytest.approx(alone.idle_joules)
+    assert counter.by_owner[("ml", "vllm-a")].joules == pytest.approx(expected.idle_joules)
