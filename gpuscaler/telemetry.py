@@ -7,11 +7,15 @@ Names follow Prometheus conventions: base units, ``_ratio`` for 0-1, ``_total`` 
 
 from __future__ import annotations
 
+import gc
+import itertools
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gpuscaler import __version__
@@ -25,6 +29,7 @@ from gpuscaler.source import SnapshotSource
 
 UNARY_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 NVML_LATENCY_BUCKETS = (0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
+GC_PAUSE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 _GPU_LABELS = ("node", "gpu", "uuid", "model_name", "mig_parent_uuid")
 
@@ -89,6 +94,49 @@ def _labels(sample: GpuSample) -> list[str]:
     return [sample.node, str(sample.gpu.index), sample.gpu.uuid, sample.gpu.name, sample.gpu.mig_parent_uuid or ""]
 
 
+class GcPauses(Collector):
+    """``gpuscaler_gc_pause_seconds`` by generation: Python's cycle collector stops the event loop (the poll
+    loop and every RPC) for as long as each collection takes, and a full one walks every object the process
+    holds. One per process, as ``gc.callbacks`` is; every registry that registers it exports it."""
+
+    _process: ClassVar[GcPauses | None] = None
+
+    def __init__(self) -> None:
+        self._started = 0.0
+        self._counts = [[0] * (len(GC_PAUSE_BUCKETS) + 1) for _ in range(3)]
+        self._seconds = [0.0, 0.0, 0.0]
+
+    @classmethod
+    def of_process(cls) -> GcPauses:
+        """The process's collector, following every collection from its first use on."""
+        if cls._process is None:
+            cls._process = cls()
+            gc.callbacks.append(cls._process.observe)
+        return cls._process
+
+    def observe(self, phase: str, info: dict[str, Any]) -> None:
+        """``gc.callbacks``' hook: a collection's start, then its end."""
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        seconds = time.perf_counter() - self._started
+        generation = info["generation"]
+        self._counts[generation][bisect_left(GC_PAUSE_BUCKETS, seconds)] += 1
+        self._seconds[generation] += seconds
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(
+            "gpuscaler_gc_pause_seconds",
+            "Python garbage collections by generation (2: full), each a pause of the whole event loop.",
+            labels=["generation"],
+        )
+        for generation in range(3):
+            cumulative = list(itertools.accumulate(self._counts[generation]))
+            buckets = [(str(bound), count) for bound, count in zip(GC_PAUSE_BUCKETS, cumulative, strict=False)]
+            family.add_metric([str(generation)], [*buckets, ("+Inf", cumulative[-1])], self._seconds[generation])
+        yield family
+
+
 class ServerTelemetry:
     """The series both servers export, agent and gateway alike: RPCs, push streams, activation, partial answers."""
 
@@ -96,6 +144,7 @@ class ServerTelemetry:
         self.registry = CollectorRegistry(auto_describe=True)
         registry = self.registry
         Gauge("gpuscaler_build_info", "The running version.", ["version"], registry=registry).labels(__version__).set(1)
+        registry.register(GcPauses.of_process())
         self.rpc_handled = Counter(
             "gpuscaler_rpc_handled_total",
             "Finished RPCs by method and gRPC status; a client that hangs up counts as CANCELLED.",

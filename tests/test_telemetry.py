@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -15,6 +16,7 @@ from gpuscaler.collectors.fake import Failure, FakeCollector
 from gpuscaler.collectors.nvml import NvmlCollector
 from gpuscaler.generated.externalscaler import ExternalScalerStub, GetMetricsRequest, ScaledObjectRef
 from gpuscaler.gpu_metrics import Metric
+from gpuscaler.telemetry import ServerTelemetry
 from tests.conftest import StartAgent, serve_settings
 from tests.fakes.fake_nvml import NOT_SUPPORTED, FakeDevice, FakeNvml
 from tests.server.test_external_scaler import next_tick
@@ -206,3 +208,25 @@ async def test_healthz_follows_the_grpc_health(start_agent: StartAgent) -> None:
     await until_result(status, lambda code: code == 503)
     agent.collector.heal(None)
     await until_result(status, lambda code: code == 200)
+
+
+def test_garbage_collections_are_timed_by_generation() -> None:
+    """A full collection is one more in gpuscaler_gc_pause_seconds{generation="2"}, with its seconds, in every
+    registry (the collector is the process's); the buckets are cumulative up to the count."""
+    first, second = ServerTelemetry().registry, ServerTelemetry().registry
+    labels = {"generation": "2"}
+    before = first.get_sample_value("gpuscaler_gc_pause_seconds_count", labels)
+    seconds_before = first.get_sample_value("gpuscaler_gc_pause_seconds_sum", labels)
+    assert before is not None
+    assert seconds_before is not None
+    gc.collect()
+    count = first.get_sample_value("gpuscaler_gc_pause_seconds_count", labels)
+    assert count is not None
+    assert count >= before + 1
+    assert second.get_sample_value("gpuscaler_gc_pause_seconds_count", labels) == count
+    assert (first.get_sample_value("gpuscaler_gc_pause_seconds_sum", labels) or 0.0) > seconds_before
+    bounds = ("0.001", "0.01", "0.1", "1.0", "+Inf")
+    bucket = "gpuscaler_gc_pause_seconds_bucket"
+    cumulative = [first.get_sample_value(bucket, {**labels, "le": le}) or 0.0 for le in bounds]
+    assert cumulative == sorted(cumulative)
+    assert cumulative[-1] == count
