@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from grpclib.const import Cardinality, Handler, Status
 from grpclib.encoding.proto import ProtoCodec
 from grpclib.exceptions import GRPCError
 from grpclib.server import Server
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpuscaler.generated import externalscaler as keda
 from gpuscaler.generated.gpuscaler import v1 as pb
@@ -323,7 +325,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 "--listen",
                 "127.0.0.1:0",
                 "--metrics-listen",
-                "",
+                "127.0.0.1:0",
                 "--agents",
                 ",".join(f"127.0.0.1:{port}" for port in ports),
                 "--log-format",
@@ -334,7 +336,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             env={k: v for k, v in os.environ.items() if not k.startswith("GPUSCALER_")},
         )
     try:
-        port = await gateway_port(log_path)
+        port, metrics_port = await gateway_ports(log_path)
         channel = Channel("127.0.0.1", port)
         stub = keda.ExternalScalerStub(channel)
         await wait_for_nodes(stub, args.agents * args.gpus)
@@ -366,6 +368,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         rss = rss_mib(gateway.pid)
 
         from_request, from_tick = await push_latency(stub, simulator.stdin, simulator.stdout, args.tries)
+        collections = await asyncio.to_thread(gc_pauses, metrics_port)
         for task in streams:
             task.cancel()
         await asyncio.gather(*streams, return_exceptions=True)
@@ -396,6 +399,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "node_wide_sum": total,
         "node_wide_sum_expected": expected,
         "windowed_sum": windowed_total,
+        # Every collection since the gateway started (start-up and the new window's stream reopening included).
+        "gateway_gc_pauses": collections,
         "machine": f"{os.cpu_count()} cores",
     }
 
@@ -411,14 +416,46 @@ async def drain(stream: object) -> None:
         pass
 
 
-async def gateway_port(log_path: Path) -> int:
-    """The gRPC port the gateway logged when it started (it listens on port 0), within 30 s."""
+async def gateway_ports(log_path: Path) -> tuple[int, int]:
+    """The gRPC and /metrics ports the gateway logged when it started (both on port 0), within 30 s."""
     async with asyncio.timeout(30):
         while True:
             for line in log_path.read_text().splitlines():  # noqa: ASYNC240 - a small local log
                 if '"gateway_started"' in line:
-                    return int(json.loads(line)["port"])
+                    started = json.loads(line)
+                    return int(started["port"]), int(started["metrics_port"])
             await asyncio.sleep(0.05)
+
+
+def gc_pauses(metrics_port: int) -> dict[str, object]:
+    """The gateway's garbage collections so far, from its ``gpuscaler_gc_pause_seconds`` histogram: each one
+    stops its event loop, and a full one (generation 2) walks every object it holds."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    buckets: dict[str, list[tuple[float, float]]] = {}
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "gpuscaler_gc_pause_seconds":
+            continue
+        for sample in family.samples:
+            generation = sample.labels["generation"]
+            if sample.name.endswith("_bucket"):
+                buckets.setdefault(generation, []).append((float(sample.labels["le"]), sample.value))
+            elif sample.name.endswith("_sum"):
+                sums[generation] = sample.value
+    result: dict[str, object] = {}
+    for generation, cumulative in sorted(buckets.items()):
+        cumulative.sort()
+        count = cumulative[-1][1]
+        over = count - next(c for bound, c in cumulative if bound >= 0.1)
+        longest = next((bound for bound, c in cumulative if c == count), 0.0) if count else 0.0
+        result[f"generation_{generation}"] = {
+            "collections": int(count),
+            "seconds": round(sums.get(generation, 0.0), 3),
+            "over_100ms": int(over),
+            "longest_at_most_seconds": longest,
+        }
+    return result
 
 
 async def wait_for_nodes(stub: keda.ExternalScalerStub, gpus: int) -> None:
