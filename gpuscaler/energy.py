@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import ge, sub
 from typing import NamedTuple, Protocol, cast
@@ -25,6 +25,13 @@ from gpuscaler.samples import GpuSample, Snapshot, column, uuids
 
 # How long a pod's or workload's counter is kept after its last interval, so that rate() spans a pause.
 FORGET_AFTER_SECONDS = 3600.0
+
+GpuKey = tuple[str, str]  # a GPU as energy figures name it: (node, UUID)
+
+
+def gpu_keys(samples: Iterable[GpuSample]) -> Iterator[GpuKey]:
+    """Each sample's GPU as (node, UUID)."""
+    return ((sample.node, sample.gpu.uuid) for sample in samples)
 
 
 class Interval(NamedTuple):
@@ -78,19 +85,19 @@ class NodeHistory(Protocol):
     def window(self, node: str, seconds: float) -> Sequence[Snapshot]: ...
 
 
-def idle_energy(source: NodeHistory, samples: Iterable[GpuSample], window_seconds: float | None) -> IdleEnergy:
-    """Energy while idle of ``samples``' GPUs (each once) over the window, or over all the history ``source`` keeps."""
+def idle_energy(source: NodeHistory, gpus: Iterable[GpuKey], window_seconds: float | None) -> IdleEnergy:
+    """Energy while idle of ``gpus`` (each once) over the window, or over all the history ``source`` keeps."""
     seconds = window_seconds if window_seconds is not None else source.history_seconds
     idle = busy = unknown = covered = 0.0
-    gpus = 0
-    for node, uuid in sorted({(sample.node, sample.gpu.uuid) for sample in samples}):
+    counted = 0
+    for node, uuid in sorted(set(gpus)):
         series = [
             (snapshot.taken_at, other)
             for snapshot in source.window(node, seconds)
             for other in snapshot.samples
             if other.gpu.uuid == uuid
         ]
-        gpus += 1
+        counted += 1
         for (before_at, before), (after_at, after) in itertools.pairwise(series):
             part = interval(before, before_at, after, after_at)
             covered = max(covered, after_at - series[0][0])
@@ -100,7 +107,7 @@ def idle_energy(source: NodeHistory, samples: Iterable[GpuSample], window_second
                 idle += part.joules
             else:
                 busy += part.joules
-    return IdleEnergy(idle, busy, covered, unknown, gpus)
+    return IdleEnergy(idle, busy, covered, unknown, counted)
 
 
 @dataclass(slots=True)
@@ -249,11 +256,11 @@ class IdleEnergyCounter:
                 found.append((seen.samples[seen.uuids.index(uuid)], total.joules))
         return found
 
-    def summary(self, samples: Iterable[GpuSample]) -> IdleEnergy:
-        """Energy while idle of ``samples``' GPUs (each once), over all this counter has seen of them."""
+    def summary(self, keys: Iterable[GpuKey]) -> IdleEnergy:
+        """Energy while idle of the GPUs ``keys`` name (each once), over all this counter has seen of them."""
         idle = busy = unknown = covered = 0.0
         gpus = 0
-        for node, uuid in sorted({(sample.node, sample.gpu.uuid) for sample in samples}):
+        for node, uuid in sorted(set(keys)):
             total, seen = self.gpus.get((node, uuid)), self._last.get(node)
             if total is None or seen is None or uuid not in seen.uuids or total.first_at is None:
                 continue

@@ -102,7 +102,19 @@ class Evaluation:
     @property
     def nodes(self) -> int:
         """Nodes whose GPUs went into the value."""
+        if isinstance(self.contributions, NodeContributions):
+            return self.contributions.nodes()
         return len({c.sample.node for c in self.contributions if c.value is not None})
+
+    def gpu_keys(self) -> Iterable[tuple[str, str]]:
+        """Each contribution's GPU as (node, UUID); a cluster's all-GPU answer names them from its nodes' UUID
+        columns, without making the records."""
+        snapshot = self.snapshot
+        if isinstance(self.contributions, NodeContributions) and snapshot is not None:
+            return itertools.chain.from_iterable(
+                zip(repeat(part.node), uuids(part.samples), strict=False) for part in snapshot.parts
+            )
+        return ((c.sample.node, c.sample.gpu.uuid) for c in self.contributions)
 
 
 class NodePart:
@@ -157,9 +169,17 @@ class NodeContributions(Chained[Contribution]):
     def __init__(self, parts: Sequence[NodePart]) -> None:
         super().__init__(parts, _CONTRIBUTIONS)
 
+    def __len__(self) -> int:
+        """Counted from each part's values and left-out GPUs, without making the contributions."""
+        return sum(map(len, map(_INCLUDED, self._parts))) + sum(map(len, map(_LEFT_OUT, self._parts)))
+
     def unread(self) -> list[Contribution]:
         """The GPUs left out, without making the others' contributions."""
         return list(itertools.chain.from_iterable(map(_LEFT_OUT, self._parts)))
+
+    def nodes(self) -> int:
+        """Nodes (parts) with a GPU in the value."""
+        return sum(map(bool, map(_INCLUDED, self._parts)))
 
 
 class NodeMemo:

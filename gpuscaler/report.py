@@ -130,6 +130,9 @@ async def _first_stream_message(
 def report_renderable(report: Report) -> Group:
     """The report for a person: the four answers, the GPUs that went in, what was left out, the HPA's math."""
     parts: list[Table | Text] = [_answers_table(report), _gpus_table(report)]
+    unlisted = unlisted_line(report)
+    if unlisted:
+        parts.append(Text(unlisted))
     left_out = left_out_lines(report)
     if left_out:
         parts.append(Text("\n".join(left_out), style="yellow"))
@@ -138,6 +141,14 @@ def report_renderable(report: Report) -> Group:
             parts.append(Text(line))
     parts.append(_replicas_text(report))
     return Group(*parts)
+
+
+def unlisted_line(report: Report) -> str:
+    """How many GPUs the server did not list (a big cluster's answer lists a few hundred), or ""."""
+    omitted = int((report.explanation or {}).get("gpusOmitted", 0))
+    if not omitted:
+        return ""
+    return f"{omitted} more GPU(s) are in the answer but not listed: a server lists a few hundred, left-out ones first."
 
 
 def selection_line(report: Report) -> str:
@@ -174,11 +185,10 @@ def left_out_lines(report: Report) -> list[str]:
     if not report.get_metrics.ok:
         return []
     gpus = [gpu for gpu in explanation.get("gpus", []) if not gpu.get("included")]
+    total = len(explanation.get("gpus", [])) + int(explanation.get("gpusOmitted", 0))
     lines = []
     if gpus:
-        lines.append(
-            f"The value leaves out {len(gpus)} of {len(explanation.get('gpus', []))} GPU(s); their share is not in it:"
-        )
+        lines.append(f"The value leaves out {len(gpus)} of {total} GPU(s); their share is not in it:")
         lines += [
             f"  GPU {g.get('index', 0)} ({g.get('uuid', '')}) on {g.get('node', '')}: {g.get('reason', '')}"
             for g in gpus

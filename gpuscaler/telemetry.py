@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from gpuscaler import __version__
-from gpuscaler.energy import IdleEnergy, IdleEnergyCounter, idle_energy, pods_of
+from gpuscaler.energy import GpuKey, IdleEnergy, IdleEnergyCounter, idle_energy, pods_of
 from gpuscaler.engine import Engine
 from gpuscaler.evaluation import Evaluation
 from gpuscaler.gpu_metrics import READINGS
@@ -197,8 +197,8 @@ class ServerTelemetry:
         engine.on_partial.append(self.observe_partial)
         self.distinct_queries.set_function(lambda: engine.distinct_stream_queries)
 
-    def idle_energy_of(self, samples: Iterable[GpuSample], window_seconds: float | None) -> IdleEnergy | None:
-        """Energy while idle of ``samples``' GPUs for Explain, over the window where the server can tell."""
+    def idle_energy_of(self, gpus: Iterable[GpuKey], window_seconds: float | None) -> IdleEnergy | None:
+        """Energy while idle of ``gpus`` for Explain, over the window where the server can tell."""
         return None
 
     def observe_rpc_started(self, method: str) -> None:
@@ -264,8 +264,8 @@ class Telemetry(ServerTelemetry):
             "gpuscaler_poll_lag_seconds", "How late the last poll tick started against its schedule.", registry=registry
         )
 
-    def idle_energy_of(self, samples: Iterable[GpuSample], window_seconds: float | None) -> IdleEnergy | None:
-        return idle_energy(self._history, samples, window_seconds)
+    def idle_energy_of(self, gpus: Iterable[GpuKey], window_seconds: float | None) -> IdleEnergy | None:
+        return idle_energy(self._history, gpus, window_seconds)
 
     def observe_nvml_call(self, call: str, seconds: float, error_code: int | None) -> None:
         self.nvml_call_seconds.labels(call).observe(seconds)

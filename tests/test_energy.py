@@ -7,7 +7,7 @@ from dataclasses import astuple
 
 import pytest
 
-from gpuscaler.energy import IdleEnergyCounter, idle_energy, interval, pods_of
+from gpuscaler.energy import IdleEnergyCounter, gpu_keys, idle_energy, interval, pods_of
 from gpuscaler.samples import PodRef, Snapshot
 from tests.builders import gpu_sample, history_of, snapshot
 
@@ -55,11 +55,11 @@ def test_idle_energy_over_a_window_sums_idle_and_busy_and_says_what_is_unknown()
     )
     latest = history.latest
     assert latest is not None
-    figure = idle_energy(history, [*latest.samples, *latest.samples], window_seconds=10.0)
+    figure = idle_energy(history, gpu_keys([*latest.samples, *latest.samples]), window_seconds=10.0)
     assert (figure.idle_joules, figure.busy_joules, figure.unknown_seconds, figure.gpus) == (160.0, 900.0, 2.0, 2)
     assert figure.seconds == 3.0
     assert figure.idle_share == pytest.approx(160.0 / 1060.0)
-    shorter = idle_energy(history, latest.samples[:1], window_seconds=1.0)
+    shorter = idle_energy(history, gpu_keys(latest.samples[:1]), window_seconds=1.0)
     assert (shorter.idle_joules, shorter.busy_joules) == (0.0, 400.0)
 
 
@@ -119,11 +119,11 @@ def test_the_counter_agrees_with_the_history_whether_a_tick_is_counted_by_column
         ticks.append(tick(sequence, *gpus, pods=(A,)))
         counter.observe(ticks[-1])
     latest = ticks[-1].samples
-    expected = idle_energy(history_of(*ticks), latest, window_seconds=None)
-    assert astuple(counter.summary(latest)) == pytest.approx(astuple(expected))
+    expected = idle_energy(history_of(*ticks), gpu_keys(latest), window_seconds=None)
+    assert astuple(counter.summary(gpu_keys(latest))) == pytest.approx(astuple(expected))
     assert expected.idle_joules > 0  # both paths were taken
     assert expected.unknown_seconds > 0
     for index in range(4):
-        alone = idle_energy(history_of(*ticks), latest[index : index + 1], window_seconds=None)
+        alone = idle_energy(history_of(*ticks), gpu_keys(latest[index : index + 1]), window_seconds=None)
         assert dict(counter.gpu_totals())[latest[index]] == pytest.approx(alone.idle_joules)
     assert counter.by_owner[("ml", "vllm-a")].joules == pytest.approx(expected.idle_joules)

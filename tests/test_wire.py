@@ -8,10 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from gpuscaler.evaluation import Contribution, Evaluation
 from gpuscaler.gateway.decoding import SnapshotDecoder
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
 from gpuscaler.gpu_metrics import READING_FIELDS
+from gpuscaler.metadata import Limits, parse_metadata
+from gpuscaler.report import Answer, Report, left_out_lines, unlisted_line
 from gpuscaler.samples import (
     DEVICE_FIELD,
     AttributionState,
@@ -24,8 +27,8 @@ from gpuscaler.samples import (
     Snapshot,
     column,
 )
-from gpuscaler.wire import sample_to_wire, snapshot_to_wire
-from tests.builders import gpu_sample, snapshot
+from gpuscaler.wire import MAX_EXPLAINED_GPUS, explanation_to_wire, sample_to_wire, snapshot_to_wire
+from tests.builders import failed_sample, gpu_sample, snapshot
 
 GPU_1 = GpuIdentity(1, "GPU-11111111-test", "Test GPU")
 
@@ -238,3 +241,28 @@ def test_the_protos_packed_order_is_the_metric_tables() -> None:
     words = re.search(r"in the order of the fields above \((.*?)\)", proto, re.S)
     assert words is not None
     assert tuple(name.strip(" /\n") for name in re.sub(r"\s*//\s*", " ", words[1]).split(",")) == READING_FIELDS
+
+
+def test_an_explanation_over_many_gpus_lists_a_few_hundred_and_counts_the_rest() -> None:
+    """Past MAX_EXPLAINED_GPUS rows an explanation lists the unreadable GPUs first and says how many it left
+    unlisted; `gpuscaler query` prints that count and counts them in its left-out line."""
+    samples = [gpu_sample(index, util=50.0, node=f"node-{index // 8}") for index in range(MAX_EXPLAINED_GPUS + 44)]
+    samples[-1] = failed_sample(299, ReadErrorKind.GPU_LOST)._replace(node="node-37")  # the last, listed first
+    cluster_view = snapshot(1, 1.0, tuple(samples))
+    query = parse_metadata({}, Limits(history_seconds=60)).value
+    contributions = tuple(
+        Contribution(s, None, 0, "lost") if s.errors else Contribution(s, s.gpu_utilization_percent, 1) for s in samples
+    )
+    evaluation = Evaluation(query, contributions, 50.0 * (len(samples) - 1), None, cluster_view)
+    explanation = explanation_to_wire(
+        parse_metadata({}, Limits(history_seconds=60)), evaluation, active=True, now=1.0, error_code=""
+    )
+    assert len(explanation.gpus) == MAX_EXPLAINED_GPUS
+    assert explanation.gpus_omitted == 44
+    assert [g.included for g in explanation.gpus[:2]] == [False, True]  # the lost GPU first
+    assert explanation.gpus[0].index == 299
+
+    fields = explanation.to_dict()
+    report = Report({}, Answer(True), Answer(True), Answer(True), Answer(True), fields, None, 1)
+    assert unlisted_line(report).startswith("44 more GPU(s) are in the answer but not listed")
+    assert left_out_lines(report)[0] == "The value leaves out 1 of 300 GPU(s); their share is not in it:"

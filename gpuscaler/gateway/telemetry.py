@@ -12,12 +12,11 @@ from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gpuscaler.energy import IdleEnergy
+from gpuscaler.energy import GpuKey, IdleEnergy
 from gpuscaler.gateway.idle_energy import WorkloadIdleEnergy
 from gpuscaler.gateway.subscriber import AgentSubscriber
 from gpuscaler.gateway.view import ClusterView
 from gpuscaler.pods import PodDirectory
-from gpuscaler.samples import GpuSample
 from gpuscaler.telemetry import ServerTelemetry
 
 AGENT_STATES = ("heard", "silent", "unheard", "refused", "replaced")
@@ -112,6 +111,6 @@ class GatewayTelemetry(ServerTelemetry):
         )
         view.on_compose = self.compose_seconds.observe
 
-    def idle_energy_of(self, samples: Iterable[GpuSample], window_seconds: float | None) -> IdleEnergy | None:
+    def idle_energy_of(self, gpus: Iterable[GpuKey], window_seconds: float | None) -> IdleEnergy | None:
         """Since this gateway first saw each GPU, whatever the window: the gateway keeps no history."""
-        return self.idle_energy.counter.summary(samples)
+        return self.idle_energy.counter.summary(gpus)

@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 from gpuscaler.durations import format_duration
-from gpuscaler.energy import IdleEnergy
+from gpuscaler.energy import GpuKey, IdleEnergy
 from gpuscaler.engine import Engine
 from gpuscaler.errors import InvalidRequest, Unavailable
 from gpuscaler.generated.gpuscaler import v1 as pb
-from gpuscaler.samples import GpuSample, Snapshot, WindowKey, WindowValues
+from gpuscaler.samples import Snapshot, WindowKey, WindowValues
 from gpuscaler.server.status import grpc_errors, status_for
 from gpuscaler.wire import explanation_to_wire, snapshot_to_wire, window_key_from_wire
 
@@ -23,7 +23,7 @@ MAX_WINDOWS = 64
 
 
 # Energy while idle of some GPUs over a window (seconds; None: all the server knows), for Explain.
-IdleEnergyOf = Callable[[Iterable[GpuSample], float | None], IdleEnergy | None]
+IdleEnergyOf = Callable[[Iterable[GpuKey], float | None], IdleEnergy | None]
 
 
 class AgentService(pb.AgentBase):
@@ -31,7 +31,7 @@ class AgentService(pb.AgentBase):
 
     def __init__(self, engine: Engine, idle_energy_of: IdleEnergyOf | None = None) -> None:
         self._engine = engine
-        self._idle_energy_of = idle_energy_of or (lambda samples, window_seconds: None)
+        self._idle_energy_of = idle_energy_of or (lambda gpus, window_seconds: None)
         self._reduced: tuple[int, dict[WindowKey, WindowValues]] = (-1, {})
 
     def _wire(self, snapshot: Snapshot, windows: Sequence[WindowKey] = ()) -> pb.Snapshot:
@@ -86,7 +86,7 @@ class AgentService(pb.AgentBase):
         evaluation = self._engine.evaluate(query.value)
         active = evaluation.value is not None and self._engine.is_active(query)
         code = status_for(evaluation.error).name if evaluation.error is not None else ""
-        idle = self._idle_energy_of((c.sample for c in evaluation.contributions), query.value.window_seconds)
+        idle = self._idle_energy_of(evaluation.gpu_keys(), query.value.window_seconds)
         return explanation_to_wire(
             query, evaluation, active=active, now=self._engine.now(), error_code=code, idle_energy=idle
         )

@@ -11,7 +11,7 @@ import pytest
 from gpuscaler.aggregation import WindowFunction
 from gpuscaler.engine import Engine
 from gpuscaler.errors import GpuscalerError
-from gpuscaler.evaluation import Evaluation, evaluate
+from gpuscaler.evaluation import Contribution, Evaluation, evaluate
 from gpuscaler.gateway.decoding import SnapshotDecoder
 from gpuscaler.gateway.view import ClusterView
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
@@ -30,7 +30,7 @@ from gpuscaler.samples import (
     metric_column,
     uuids,
 )
-from gpuscaler.wire import snapshot_to_wire
+from gpuscaler.wire import explained_gpus, snapshot_to_wire
 from tests.builders import ClusterSource, cluster, failed_sample, gpu_sample, history_of, snapshot
 from tests.gateway.test_view import Clock
 
@@ -119,6 +119,14 @@ def outcome(evaluation: Evaluation) -> object:
     return evaluation.value, described, list(evaluation.contributions), evaluation.unread
 
 
+def listed(evaluation: Evaluation, limit: int) -> tuple[list[Contribution], int]:
+    """The rows an explanation should list, said plainly: the GPUs left out of the value, then those that went
+    in, the first ``limit`` of them; and how many are not listed."""
+    everything = list(evaluation.contributions)
+    rows = ([c for c in everything if c.value is None] + [c for c in everything if c.value is not None])[:limit]
+    return (everything, 0) if len(everything) <= limit else (rows, len(everything) - limit)
+
+
 @pytest.mark.parametrize("agent", AGENTS)
 def test_columns_read_what_the_records_hold(agent: str) -> None:
     """Every reading and metric of decoded samples, read as a column, is what each GPU's record says."""
@@ -140,7 +148,7 @@ def test_columns_read_what_the_records_hold(agent: str) -> None:
 async def test_a_gateway_answers_from_columns_what_it_answers_from_records(agent: str) -> None:
     """Twelve nodes over the wire, half sending before each composition: the view's answers (columns, the memo)
     equal fresh evaluations over the same nodes' records and histories, contribution for contribution, whatever
-    its agents pack."""
+    its agents pack; so do their counts, their GPUs' names and the rows an explanation lists past its limit."""
     rng = random.Random(11)
     clock = Clock()
     view = ClusterView(history_seconds=600, compose_interval_seconds=1.0, clock=clock)
@@ -167,5 +175,8 @@ async def test_a_gateway_answers_from_columns_what_it_answers_from_records(agent
             assert answer.snapshot is composed
             expected = evaluate(query, fresh, now=clock.now, stale_after=engine.stale_after)
             assert outcome(answer) == outcome(expected), metadata
+            assert (len(answer.contributions), answer.nodes) == (len(expected.contributions), expected.nodes)
+            assert list(answer.gpu_keys()) == list(expected.gpu_keys())
+            assert explained_gpus(answer, limit=10) == explained_gpus(expected, limit=10) == listed(expected, 10)
             compared += 1
     assert compared == 28 * len(QUERIES)

@@ -299,6 +299,12 @@ class Explanation(betterproto2.Message):
     one, all the history the server keeps; absent when no GPU went in.
     """
 
+    gpus_omitted: "int" = betterproto2.field(24, betterproto2.TYPE_UINT32)
+    """
+    GPU rows not listed in `gpus`, to keep an answer over thousands of GPUs small and quick to send; the value
+    counts them. Past the limit, `gpus` lists every GPU left out of the value first, then GPUs that went in.
+    """
+
 
 default_message_pool.register_message("gpuscaler.v1", "Explanation", Explanation)
 
