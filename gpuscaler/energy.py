@@ -257,19 +257,27 @@ class IdleEnergyCounter:
         return found
 
     def summary(self, keys: Iterable[GpuKey]) -> IdleEnergy:
-        """Energy while idle of the GPUs ``keys`` name (each once), over all this counter has seen of them."""
-        idle = busy = unknown = covered = 0.0
-        gpus = 0
-        for node, uuid in sorted(set(keys)):
-            total, seen = self.gpus.get((node, uuid)), self._last.get(node)
-            if total is None or seen is None or uuid not in seen.uuids or total.first_at is None:
+        """Energy while idle of the GPUs ``keys`` name (each once), over all this counter has seen of them.
+
+        A GPU has an entry in ``gpus`` while it is on its node (its entry goes when it leaves), and the sums are
+        exact in any order (``math.fsum``): a gateway's all-GPU Explain sums 16,000 GPUs.
+        """
+        counted: list[_Total] = []
+        covered = 0.0
+        for key in set(keys):
+            total = self.gpus.get(key)
+            seen = self._last.get(key[0])
+            if total is None or seen is None or total.first_at is None:
                 continue
-            gpus += 1
-            idle += total.joules
-            busy += total.busy_joules
-            unknown += total.unknown_seconds
+            counted.append(total)
             covered = max(covered, seen.at - total.first_at)
-        return IdleEnergy(idle, busy, covered, unknown, gpus)
+        return IdleEnergy(
+            math.fsum(t.joules for t in counted),
+            math.fsum(t.busy_joules for t in counted),
+            covered,
+            math.fsum(t.unknown_seconds for t in counted),
+            len(counted),
+        )
 
     def forget_node(self, node: str) -> None:
         """A node that left (its agent left discovery) takes its GPUs' counters with it."""
