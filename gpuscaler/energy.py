@@ -16,22 +16,15 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from operator import ge, sub
 from typing import NamedTuple, Protocol, cast
 
-from gpuscaler.samples import GpuSample, Snapshot, column, uuids
+from gpuscaler.samples import GpuKey, GpuSample, Snapshot, column, uuids
 
 # How long a pod's or workload's counter is kept after its last interval, so that rate() spans a pause.
 FORGET_AFTER_SECONDS = 3600.0
-
-GpuKey = tuple[str, str]  # a GPU as energy figures name it: (node, UUID)
-
-
-def gpu_keys(samples: Iterable[GpuSample]) -> Iterator[GpuKey]:
-    """Each sample's GPU as (node, UUID)."""
-    return ((sample.node, sample.gpu.uuid) for sample in samples)
 
 
 class Interval(NamedTuple):

@@ -29,11 +29,13 @@ from gpuscaler.samples import (
     Absence,
     AttributionState,
     Chained,
+    GpuKey,
     GpuSample,
     ReadError,
     ReadErrorKind,
     Snapshot,
     Windowed,
+    gpu_keys,
     metric_column,
     uuids,
 )
@@ -106,7 +108,7 @@ class Evaluation:
             return self.contributions.nodes()
         return len({c.sample.node for c in self.contributions if c.value is not None})
 
-    def gpu_keys(self) -> Iterable[tuple[str, str]]:
+    def gpu_keys(self) -> Iterable[GpuKey]:
         """Each contribution's GPU as (node, UUID); a cluster's all-GPU answer names them from its nodes' UUID
         columns, without making the records."""
         snapshot = self.snapshot
@@ -114,7 +116,7 @@ class Evaluation:
             return itertools.chain.from_iterable(
                 zip(repeat(part.node), uuids(part.samples), strict=False) for part in snapshot.parts
             )
-        return ((c.sample.node, c.sample.gpu.uuid) for c in self.contributions)
+        return gpu_keys(c.sample for c in self.contributions)
 
 
 class NodePart:

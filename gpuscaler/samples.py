@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import enum
 from abc import abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import attrgetter
@@ -236,6 +236,14 @@ def column(samples: Sequence[GpuSample], reading: str) -> Sequence[float | None]
     if isinstance(samples, LazySamples):
         return samples.column(reading)
     return list(map(attrgetter(reading), samples))
+
+
+GpuKey = tuple[str, str]  # a GPU across a cluster: (node, UUID)
+
+
+def gpu_keys(samples: Iterable[GpuSample]) -> Iterator[GpuKey]:
+    """Each sample's GPU as (node, UUID)."""
+    return ((sample.node, sample.gpu.uuid) for sample in samples)
 
 
 def uuids(samples: Sequence[GpuSample]) -> list[str]:

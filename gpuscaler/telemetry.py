@@ -19,12 +19,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from gpuscaler import __version__
-from gpuscaler.energy import GpuKey, IdleEnergy, IdleEnergyCounter, idle_energy, pods_of
+from gpuscaler.energy import IdleEnergy, IdleEnergyCounter, idle_energy, pods_of
 from gpuscaler.engine import Engine
 from gpuscaler.evaluation import Evaluation
 from gpuscaler.gpu_metrics import READINGS
 from gpuscaler.history import History
-from gpuscaler.samples import DEVICE_FIELD, GpuSample
+from gpuscaler.samples import DEVICE_FIELD, GpuKey, GpuSample
 from gpuscaler.source import SnapshotSource
 
 UNARY_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

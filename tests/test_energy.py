@@ -7,8 +7,8 @@ from dataclasses import astuple
 
 import pytest
 
-from gpuscaler.energy import IdleEnergyCounter, gpu_keys, idle_energy, interval, pods_of
-from gpuscaler.samples import PodRef, Snapshot
+from gpuscaler.energy import IdleEnergyCounter, idle_energy, interval, pods_of
+from gpuscaler.samples import PodRef, Snapshot, gpu_keys
 from tests.builders import gpu_sample, history_of, snapshot
 
 A = PodRef("ml", "vllm-a", "server")

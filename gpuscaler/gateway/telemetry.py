@@ -12,11 +12,12 @@ from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gpuscaler.energy import GpuKey, IdleEnergy
+from gpuscaler.energy import IdleEnergy
 from gpuscaler.gateway.idle_energy import WorkloadIdleEnergy
 from gpuscaler.gateway.subscriber import AgentSubscriber
 from gpuscaler.gateway.view import ClusterView
 from gpuscaler.pods import PodDirectory
+from gpuscaler.samples import GpuKey
 from gpuscaler.telemetry import ServerTelemetry
 
 AGENT_STATES = ("heard", "silent", "unheard", "refused", "replaced")

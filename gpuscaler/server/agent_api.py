@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 from gpuscaler.durations import format_duration
-from gpuscaler.energy import GpuKey, IdleEnergy
+from gpuscaler.energy import IdleEnergy
 from gpuscaler.engine import Engine
 from gpuscaler.errors import InvalidRequest, Unavailable
 from gpuscaler.generated.gpuscaler import v1 as pb
-from gpuscaler.samples import Snapshot, WindowKey, WindowValues
+from gpuscaler.samples import GpuKey, Snapshot, WindowKey, WindowValues
 from gpuscaler.server.status import grpc_errors, status_for
 from gpuscaler.wire import explanation_to_wire, snapshot_to_wire, window_key_from_wire
 
