@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from e2e.conftest import StartAgent
 from e2e.support.agent import AgentProcess
 from e2e.support.clients import RpcFailure, ScalerClient, outcome, refusal
 from e2e.support.raw_h2 import PREFACE, grpc_call, grpc_frame, send_and_wait_for_close, unknown_frame
@@ -52,6 +53,16 @@ values = st.one_of(
     st.builds(lambda unit, count: unit * count, st.sampled_from(["9", "x", "é", "🙂", ","]), st.integers(1, 200_000)),
 )
 metadata_maps = st.dictionaries(keys, values, max_size=6)
+
+
+@pytest.fixture
+async def agent(start_agent: StartAgent) -> AgentProcess:
+    """An agent with 8 idle fake GPUs, waiting for a request's message as long as the tests' own clients need.
+
+    The grpclib client sends a call's headers, then spends seconds encoding a 16 MiB message on a busy
+    machine, longer than the default --request-timeout; what these tests check is what the agent reads.
+    """
+    return await start_agent("--request-timeout", "300")
 
 
 def check_refusal(failure: RpcFailure) -> None:

@@ -3,7 +3,7 @@
 A flag table maps each flag to its variable (without the prefix), its default and its help; ``add_flags``
 makes argparse flags of it, and every error names the flag (and the variable, when the value came from one)
 and what is allowed. ``SERVER_FLAGS`` are the flags both servers (``serve`` and ``gateway``) share, read
-into one ``ServerFlags``.
+into one ``ServerFlags``; its ``ConnectionLimits`` are what one gRPC peer may hold or send (docs/security.md).
 """
 
 from __future__ import annotations
@@ -40,6 +40,28 @@ class Address:
 
 
 @dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """What one gRPC peer may hold or send before the server cuts it off; docs/security.md says why each default.
+
+    The defaults fit KEDA, which sends every ScaledObject's calls and push streams over one connection per
+    operator and metrics adapter, inside the chart's memory limit.
+    """
+
+    handshake_timeout_seconds: float = 10.0
+    idle_timeout_seconds: float = 300.0
+    max_connections: int = 256
+    max_streams: int = 10_000
+    request_timeout_seconds: float = 10.0
+    max_resets_per_second: int = 100
+    max_pings_per_second: int = 10
+    write_buffer_limit_bytes: int = 1024 * 1024
+    write_timeout_seconds: float = 30.0
+
+
+DEFAULT_LIMITS = ConnectionLimits()
+
+
+@dataclass(frozen=True, slots=True)
 class ServerFlags:
     """What both servers read alike: where to listen, TLS and its reloads, /metrics, logs, and the drain."""
 
@@ -52,6 +74,7 @@ class ServerFlags:
     log_format: LogFormat
     log_level: str
     drain_timeout_seconds: float
+    limits: ConnectionLimits = DEFAULT_LIMITS
 
 
 SERVER_FLAGS: FlagTable = {
@@ -75,6 +98,48 @@ SERVER_FLAGS: FlagTable = {
         "DRAIN_TIMEOUT",
         str(DEFAULT_DRAIN_TIMEOUT_SECONDS),
         "seconds to end streams and finish calls on SIGTERM before exiting",
+    ),
+    "--handshake-timeout": (
+        "HANDSHAKE_TIMEOUT",
+        f"{DEFAULT_LIMITS.handshake_timeout_seconds:g}",
+        "seconds a new connection has for its TLS handshake and HTTP/2 preface",
+    ),
+    "--idle-timeout": (
+        "IDLE_TIMEOUT",
+        f"{DEFAULT_LIMITS.idle_timeout_seconds:g}",
+        "seconds a connection may hold no stream before it is sent GOAWAY and closed",
+    ),
+    "--max-connections": ("MAX_CONNECTIONS", str(DEFAULT_LIMITS.max_connections), "gRPC connections open at once"),
+    "--max-streams": (
+        "MAX_STREAMS",
+        str(DEFAULT_LIMITS.max_streams),
+        "streams open at once over all connections; past it a new stream is refused (REFUSED_STREAM)",
+    ),
+    "--request-timeout": (
+        "REQUEST_TIMEOUT",
+        f"{DEFAULT_LIMITS.request_timeout_seconds:g}",
+        "seconds a call's request message has to arrive after its headers",
+    ),
+    "--max-resets-per-second": (
+        "MAX_RESETS_PER_SECOND",
+        str(DEFAULT_LIMITS.max_resets_per_second),
+        "streams a peer may reset per second (bursts of 10 s worth); more is GOAWAY ENHANCE_YOUR_CALM",
+    ),
+    "--max-pings-per-second": (
+        "MAX_PINGS_PER_SECOND",
+        str(DEFAULT_LIMITS.max_pings_per_second),
+        "PING and SETTINGS frames a peer may send per second (bursts of 10 s worth, 2 more per call); "
+        "more is GOAWAY ENHANCE_YOUR_CALM",
+    ),
+    "--write-buffer-limit": (
+        "WRITE_BUFFER_LIMIT",
+        str(DEFAULT_LIMITS.write_buffer_limit_bytes),
+        "bytes of unsent output toward a peer past which its connection is not read until it drains",
+    ),
+    "--write-timeout": (
+        "WRITE_TIMEOUT",
+        f"{DEFAULT_LIMITS.write_timeout_seconds:g}",
+        "seconds a connection's output may stay past --write-buffer-limit before it is closed",
     ),
 }
 
@@ -125,6 +190,24 @@ def server_flags(args: argparse.Namespace, fail: Fail) -> ServerFlags:
         log_format=log_format,
         log_level=args.log_level,
         drain_timeout_seconds=seconds_flag(args.drain_timeout, "--drain-timeout", fail, 0, 300, above=True),
+        limits=connection_limits(args, fail),
+    )
+
+
+def connection_limits(args: argparse.Namespace, fail: Fail) -> ConnectionLimits:
+    """The flags of ``ConnectionLimits``, each checked."""
+    return ConnectionLimits(
+        handshake_timeout_seconds=seconds_flag(args.handshake_timeout, "--handshake-timeout", fail, 0, 600, above=True),
+        idle_timeout_seconds=seconds_flag(args.idle_timeout, "--idle-timeout", fail, 0, 86_400, above=True),
+        max_connections=count_flag(args.max_connections, "--max-connections", fail, 1, 100_000),
+        max_streams=count_flag(args.max_streams, "--max-streams", fail, 1, 1_000_000),
+        request_timeout_seconds=seconds_flag(args.request_timeout, "--request-timeout", fail, 0, 600, above=True),
+        max_resets_per_second=count_flag(args.max_resets_per_second, "--max-resets-per-second", fail, 1, 1_000_000),
+        max_pings_per_second=count_flag(args.max_pings_per_second, "--max-pings-per-second", fail, 1, 1_000_000),
+        write_buffer_limit_bytes=count_flag(
+            args.write_buffer_limit, "--write-buffer-limit", fail, 64 * 1024, 1024 * 1024 * 1024
+        ),
+        write_timeout_seconds=seconds_flag(args.write_timeout, "--write-timeout", fail, 0, 3600, above=True),
     )
 
 
@@ -142,6 +225,14 @@ def parse_address(text: str, error: Refusal) -> Address:
 def address_flag(text: str, flag: str, fail: Fail) -> Address:
     """``flag``'s HOST:PORT."""
     return parse_address(text, lambda allowed: fail(flag, text, allowed))
+
+
+def count_flag(text: str, flag: str, fail: Fail, low: int, high: int) -> int:
+    """``flag``'s whole number, from ``low`` to ``high``."""
+    stripped = text.strip().replace("_", "")
+    if not stripped.isdigit() or not low <= int(stripped) <= high:
+        raise fail(flag, text, f"must be a whole number from {low:,} to {high:,}")
+    return int(stripped)
 
 
 def parse_seconds(text: str, error: Refusal) -> float:

@@ -12,7 +12,7 @@ import itertools
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -25,7 +25,12 @@ from gpuscaler.evaluation import Evaluation
 from gpuscaler.gpu_metrics import READINGS
 from gpuscaler.history import History
 from gpuscaler.samples import DEVICE_FIELD, GpuKey, GpuSample
+from gpuscaler.server.connection_limits import LIMITS
+from gpuscaler.server.overload import LimitCounts
 from gpuscaler.source import SnapshotSource
+
+if TYPE_CHECKING:
+    from gpuscaler.server.grpc_server import ManyStreamsServer
 
 UNARY_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 NVML_LATENCY_BUCKETS = (0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
@@ -137,6 +142,36 @@ class GcPauses(Collector):
         yield family
 
 
+class TransportCollector(Collector):
+    """The gRPC server's connections, streams and request tasks, and its limits' actions, read at scrape time."""
+
+    def __init__(self, server: ManyStreamsServer) -> None:
+        self._server = server
+
+    def collect(self) -> Iterator[Metric]:
+        server = self._server
+        guard = server.guard
+        yield GaugeMetricFamily(
+            "gpuscaler_grpc_connections", "gRPC connections open, handshaking ones included.", len(guard.connections)
+        )
+        yield GaugeMetricFamily(
+            "gpuscaler_grpc_streams", "HTTP/2 streams grpclib holds, over all connections.", server.open_streams
+        )
+        yield GaugeMetricFamily(
+            "gpuscaler_grpc_handler_tasks",
+            "Request handler tasks alive, cancelled ones that have not finished included.",
+            server.handler_tasks,
+        )
+        limited = CounterMetricFamily(
+            "gpuscaler_grpc_limited",
+            "Times a connection limit acted (docs/security.md), by limit.",
+            labels=["limit"],
+        )
+        for limit in LIMITS:
+            limited.add_metric([limit], guard.limited[limit])
+        yield limited
+
+
 class ServerTelemetry:
     """The series both servers export, agent and gateway alike: RPCs, push streams, activation, partial answers."""
 
@@ -145,6 +180,7 @@ class ServerTelemetry:
         registry = self.registry
         Gauge("gpuscaler_build_info", "The running version.", ["version"], registry=registry).labels(__version__).set(1)
         registry.register(GcPauses.of_process())
+        registry.register(LimitCounts.of_process())
         self.rpc_handled = Counter(
             "gpuscaler_rpc_handled_total",
             "Finished RPCs by method and gRPC status; a client that hangs up counts as CANCELLED.",
@@ -196,6 +232,10 @@ class ServerTelemetry:
         engine.on_transition.append(self.observe_transition)
         engine.on_partial.append(self.observe_partial)
         self.distinct_queries.set_function(lambda: engine.distinct_stream_queries)
+
+    def watch_transport(self, server: ManyStreamsServer) -> None:
+        """Export what the gRPC server holds, and each time one of its connection limits acts."""
+        self.registry.register(TransportCollector(server))
 
     def idle_energy_of(self, gpus: Iterable[GpuKey], window_seconds: float | None) -> IdleEnergy | None:
         """Energy while idle of ``gpus`` for Explain, over the window where the server can tell."""

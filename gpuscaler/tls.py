@@ -65,21 +65,21 @@ class ReloadingServerTLS:
     """A server TLS context whose certificate, key and client CA follow their files.
 
     cert-manager rotates a mounted Secret by swapping a symlink; ``reload_if_changed`` notices the new
-    files and builds a fresh context, and every later handshake uses it (the SNI callback hands it to
-    the connection). Connections already open keep the session they negotiated, so streams survive.
-    A bad new file is logged by the caller and the old context stays in use.
+    files and builds a fresh context, and every later handshake uses it (``context`` is what the server
+    asks at each handshake). A session ticket or cached session belongs to the context that made it, so
+    after a rotation no session from before it resumes: a client the new CA did not sign cannot get back
+    in. Connections already open keep the session they negotiated, so streams survive. A bad new file is
+    logged by the caller and the old context stays in use.
     """
 
     def __init__(self, cert: Path, key: Path, client_ca: Path | None) -> None:
         self._files = (cert, key, client_ca)
         self._stamps = self._stamp_all()
         self.current = server_context(cert, key, client_ca)
-        # The context asyncio holds: it only dispatches each handshake to the current one.
-        self.listener = server_context(cert, key, client_ca)
-        self.listener.sni_callback = self._select
 
-    def _select(self, connection: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
-        connection.context = self.current
+    def context(self) -> ssl.SSLContext:
+        """The context for a handshake starting now."""
+        return self.current
 
     def _stamp_all(self) -> tuple[FileStamp, ...]:
         stamps: list[FileStamp] = []

@@ -7,19 +7,25 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import yaml
 
 from gpuscaler.durations import parse_duration
+from gpuscaler.flags import DEFAULT_LIMITS
 from gpuscaler.gateway.telemetry import GatewayTelemetry
 from gpuscaler.gateway.view import ClusterView
 from gpuscaler.gpu_metrics import METRICS, READINGS, Metric
 from gpuscaler.history import History
 from gpuscaler.metadata import FROM_ENV_SUFFIX, KEDA_KEYS, KNOWN_KEYS, QUERY_KEYS, Limits, parse_metadata
 from gpuscaler.profiles import PROFILES
-from gpuscaler.telemetry import Telemetry
+from gpuscaler.server.connection_limits import ConnectionGuard
+from gpuscaler.telemetry import Telemetry, TransportCollector
+
+if TYPE_CHECKING:
+    from gpuscaler.server.grpc_server import ManyStreamsServer
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -301,10 +307,11 @@ def _series_names() -> set[str]:
     agent = Telemetry(History(history_seconds=60, poll_interval_seconds=0.5)).registry
     view = ClusterView(history_seconds=60, clock=lambda: 0.0)
     gateway = GatewayTelemetry(view, dict, lambda: (0, 0, 0)).registry
+    server = SimpleNamespace(guard=ConnectionGuard(DEFAULT_LIMITS), open_streams=0, handler_tasks=0)
+    transport = TransportCollector(cast("ManyStreamsServer", server)).collect()
     return {
         family.name + ("_total" if family.type == "counter" else "")
-        for registry in (agent, gateway)
-        for family in registry.collect()
+        for family in [*agent.collect(), *gateway.collect(), *transport]
     }
 
 

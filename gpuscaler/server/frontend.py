@@ -76,15 +76,16 @@ class Frontend:
         health.set(engine.healthy())
         services: list[Any] = [scaler, AgentService(engine, telemetry.idle_energy_of), *extra_services]
         services.append(HealthService(health, service_names([scaler])))
-        server = ManyStreamsServer(services)
+        server = ManyStreamsServer(services, flags.limits, tls=tls.context if tls else None)
         tracker = RpcTracker()
         tracker.attach(server, services)
         tracker.add_observers(telemetry.observe_rpc_started, telemetry.observe_rpc)
+        server.on_expired.append(tracker.count_expired)
         telemetry.watch(engine)
+        telemetry.watch_transport(server)
         try:
-            await server.start(
-                flags.listen.host, flags.listen.port, ssl=tls.listener if tls else None, reuse_address=True
-            )
+            # TLS, when on, is not the listener's: the protocol does each handshake with the context of then.
+            await server.start(flags.listen.host, flags.listen.port, reuse_address=True)
         except OSError as error:
             raise StartupError(f"--listen {flags.listen}: cannot listen: {error.strerror}") from None
         front = cls(flags, engine, server, scaler, tracker, health, tls, None, _bound_port(server))

@@ -67,7 +67,10 @@ class RpcTracker:
                 code = error.status.name
                 raise
             except (asyncio.CancelledError, StreamTerminatedError):
-                code = "CANCELLED"  # the client went away, or the server is closing
+                # grpclib ends a call past its deadline by cancelling it too; otherwise the client went
+                # away, or the server is closing.
+                deadline = stream.deadline
+                code = "DEADLINE_EXCEEDED" if deadline is not None and not deadline.time_remaining() else "CANCELLED"
                 raise
             except TimeoutError:
                 code = "DEADLINE_EXCEEDED"
@@ -76,6 +79,12 @@ class RpcTracker:
                 self._finished(method, code, time.perf_counter() - started)
 
         event.method_func = tracked
+
+    def count_expired(self, path: str) -> None:
+        """A call answered DEADLINE_EXCEEDED before it started (its deadline had passed on arrival)."""
+        method = path if path in self._known else UNKNOWN_METHOD
+        self._started(method)
+        self._finished(method, "DEADLINE_EXCEEDED", 0.0)
 
     def _started(self, method: str) -> None:
         self.in_flight += 1

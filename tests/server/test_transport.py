@@ -8,6 +8,7 @@ import struct
 import grpclib.const
 import h2.config
 import h2.connection
+import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
@@ -24,6 +25,7 @@ from gpuscaler.generated.externalscaler import (
     MetricValue,
     ScaledObjectRef,
 )
+from gpuscaler.flags import DEFAULT_LIMITS
 from gpuscaler.gpu_metrics import Metric
 from gpuscaler.server.grpc_server import _H2Connection
 from tests.conftest import StartAgent
@@ -119,8 +121,8 @@ def _call(client: h2.connection.H2Connection, server: _H2Connection, stream_id: 
         client.receive_data(server.data_to_send())
 
 
-def test_the_stream_limit_holds_as_in_h2() -> None:
-    """Open streams up to MAX_CONCURRENT_STREAMS pass, one more is a protocol error, closed ones do not count."""
+def test_a_stream_past_the_limit_is_refused_and_the_connection_kept() -> None:
+    """Open streams up to MAX_CONCURRENT_STREAMS pass, one more is refused alone, closed ones do not count."""
     client, server = _pair(max_streams=3)
     for stream_id in range(1, 2 * grpc_server.SWEEP_EVERY_STREAMS, 2):
         _call(client, server, stream_id, end=True)  # finished calls never count against the limit
@@ -128,17 +130,35 @@ def test_the_stream_limit_holds_as_in_h2() -> None:
     for stream_id in (first, first + 2, first + 4):
         _call(client, server, stream_id, end=False)
     assert server.open_inbound_streams == 3
-    # A client that ignores the limit loses the connection (h2's client keeps it: make it forget).
+    # A client that ignores the limit has that stream refused (h2's client keeps it: make it forget).
+    refused = 0
+
+    def count() -> None:
+        nonlocal refused
+        refused += 1
+
+    server.on_refused = count
     client.remote_settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] = 1000
     client.remote_settings.acknowledge()
-    client.send_headers(first + 6, request_headers("/x"))
-    with pytest.raises(h2.exceptions.TooManyStreamsError):
-        server.receive_data(client.data_to_send())
+    client.send_headers(first + 6, [*request_headers("/x"), ("x-only-in-this-block", "1")])
+    client.send_data(first + 6, b"\0\0\0\0\0", end_stream=True)  # its body comes too, as clients send it
+    assert server.receive_data(client.data_to_send()) == []
+    events = client.receive_data(server.data_to_send())
+    resets = [e for e in events if isinstance(e, h2.events.StreamReset)]
+    assert [(r.stream_id, r.error_code) for r in resets] == [(first + 6, h2.errors.ErrorCodes.REFUSED_STREAM)]
+    assert refused == 1
+    # The connection goes on, and HPACK stayed in step: a block that refers to the refused one's entries decodes.
+    server.reset_stream(first)  # frees a place
+    client.receive_data(server.data_to_send())
+    client.send_headers(first + 8, [*request_headers("/x"), ("x-only-in-this-block", "1")], end_stream=True)
+    [received, *_] = server.receive_data(client.data_to_send())
+    assert isinstance(received, h2.events.RequestReceived)
+    assert ("x-only-in-this-block", "1") in received.headers
 
 
 def test_closed_streams_do_not_pile_up() -> None:
     """Thousands of finished calls on one connection leave at most SWEEP_EVERY_STREAMS closed streams held."""
-    client, server = _pair(max_streams=grpc_server.MAX_CONCURRENT_STREAMS)
+    client, server = _pair(max_streams=DEFAULT_LIMITS.max_streams)
     for stream_id in range(1, 20_000, 2):
         _call(client, server, stream_id, end=True)
         assert len(server.streams) <= grpc_server.SWEEP_EVERY_STREAMS + 1
@@ -150,10 +170,10 @@ async def test_finished_calls_leave_the_task_table(start_agent: StartAgent) -> N
     channel = Channel("127.0.0.1", agent.port)
     stub = ExternalScalerStub(channel)
     try:
-        for _ in range(3 * grpc_server.GC_EVERY_REQUESTS):
+        for _ in range(1_000):
             assert (await stub.is_active(ScaledObjectRef(scaler_metadata={}))).result is False
             [handler] = agent.frontend.server._handlers
-            assert len(handler._tasks) <= grpc_server.GC_EVERY_REQUESTS + 1
+            assert len(handler._tasks) <= 1
         await until(lambda: not handler._tasks)
     finally:
         channel.close()

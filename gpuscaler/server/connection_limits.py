@@ -1,0 +1,170 @@
+"""What one gRPC peer may hold or send, enforced: connections, streams, floods, silence and unread output.
+
+grpclib and h2 put no bound on any of these (docs/security.md has the report for upstream), so a peer that
+floods, resets, never reads or never speaks could grow the process without limit or stall the event loop
+that every other caller and the poll loop share. ``ConnectionGuard`` is the server-wide half: it admits
+connections and streams against ``ConnectionLimits``, runs one sweep for the timeouts of every connection,
+and records each time a limit acts (a count per limit, and one log line per limit per interval, so an attack
+cannot flood the log either). The protocol in ``grpc_server`` is the per-connection half: it counts frames
+into its ``TokenBucket``s and asks the guard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Protocol
+
+import structlog
+
+from gpuscaler.flags import ConnectionLimits
+
+log = structlog.get_logger(__name__)
+
+# The label values of gpuscaler_grpc_limited_total, one per limit that can act.
+LIMITS = (
+    "handshake_timeout",
+    "idle_timeout",
+    "max_connections",
+    "max_streams",
+    "request_timeout",
+    "reset_flood",
+    "ping_flood",
+    "write_stalled",
+    "protocol_error",
+)
+# A bucket holds this many seconds of its rate: a peer may burst, but not keep it up.
+BURST_SECONDS = 10.0
+# Each call the server accepts lets its peer send this many more PINGs: gRPC clients measure the connection's
+# bandwidth-delay product with one PING per burst of data they receive (grpc-go allows it the same way).
+PINGS_PER_CALL = 2
+# One log line per limit per interval, with how often it acted since the last.
+LOG_EVERY_SECONDS = 10.0
+SWEEP_MIN_SECONDS = 0.05
+SWEEP_MAX_SECONDS = 1.0
+
+
+class TokenBucket:
+    """``rate`` tokens a second, at most ``rate * BURST_SECONDS`` kept; ``take`` is False once they run out."""
+
+    __slots__ = ("_burst", "_rate", "_stamp", "_tokens")
+
+    def __init__(self, rate: float, now: float) -> None:
+        self._rate = rate
+        self._burst = rate * BURST_SECONDS
+        self._tokens = self._burst
+        self._stamp = now
+
+    def take(self, now: float) -> bool:
+        if self._tokens < 1.0:
+            self._tokens = min(self._burst, self._tokens + (now - self._stamp) * self._rate)
+            self._stamp = now
+            if self._tokens < 1.0:
+                return False
+        self._tokens -= 1.0
+        return True
+
+    def give(self, tokens: float) -> None:
+        self._tokens = min(self._burst, self._tokens + tokens)
+
+
+class Guarded(Protocol):
+    """What the sweep reads and does on one connection (``grpc_server._ManyStreamsProtocol``)."""
+
+    accepted_at: float
+    preface_done: bool
+    last_stream_at: float
+    write_stalled_since: float | None
+    peer: str
+
+    def open_streams(self) -> int: ...
+
+    def go_away_idle(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+class ConnectionGuard:
+    """The server-wide bookkeeping of ``ConnectionLimits``: admission, the sweep, and what acted."""
+
+    def __init__(self, limits: ConnectionLimits, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits
+        self.clock = clock
+        self.connections: set[Guarded] = set()
+        self.streams = 0  # calls accepted and not yet finished, over all connections
+        self.limited: Counter[str] = Counter()
+        self.on_limited: list[Callable[[str], None]] = []
+        self._logged: dict[str, tuple[float, int]] = {}  # limit -> (when last logged, times since)
+        self._sweep: asyncio.Task[None] | None = None
+
+    def admit_connection(self, connection: Guarded) -> bool:
+        if len(self.connections) >= self.limits.max_connections:
+            self.act("max_connections", connection.peer, open=len(self.connections))
+            return False
+        self.connections.add(connection)
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().create_task(self._run_sweep(), name="grpc-connection-sweep")
+        return True
+
+    def release_connection(self, connection: Guarded) -> None:
+        self.connections.discard(connection)
+
+    def admit_stream(self) -> bool:
+        """Count a new call against max_streams; False when it is past it (the caller refuses the stream)."""
+        if self.streams >= self.limits.max_streams:
+            return False
+        self.streams += 1
+        return True
+
+    def release_stream(self) -> None:
+        self.streams -= 1
+
+    def act(self, limit: str, peer: str, **detail: object) -> None:
+        """Count that ``limit`` acted on ``peer``; log it unless it was logged within LOG_EVERY_SECONDS."""
+        self.limited[limit] += 1
+        for observer in self.on_limited:
+            observer(limit)
+        now = self.clock()
+        last, since = self._logged.get(limit, (-LOG_EVERY_SECONDS, 0))
+        if now - last < LOG_EVERY_SECONDS:
+            self._logged[limit] = (last, since + 1)
+            return
+        self._logged[limit] = (now, 0)
+        log.warning("grpc_limited", limit=limit, peer=peer, times_since_last_line=since + 1, **detail)
+
+    def sweep_every_seconds(self) -> float:
+        limits = self.limits
+        shortest = min(limits.handshake_timeout_seconds, limits.idle_timeout_seconds, limits.write_timeout_seconds)
+        return min(SWEEP_MAX_SECONDS, max(SWEEP_MIN_SECONDS, shortest / 4))
+
+    def sweep(self) -> None:
+        """Close the connections past a timeout: no preface yet, idle, or not reading what they are sent."""
+        now, limits = self.clock(), self.limits
+        for connection in list(self.connections):
+            if not connection.preface_done:
+                if now - connection.accepted_at > limits.handshake_timeout_seconds:
+                    self.act("handshake_timeout", connection.peer, seconds=limits.handshake_timeout_seconds)
+                    self.release_connection(connection)
+                    connection.abort()
+            elif connection.write_stalled_since is not None:
+                if now - connection.write_stalled_since > limits.write_timeout_seconds:
+                    self.act("write_stalled", connection.peer, seconds=limits.write_timeout_seconds)
+                    self.release_connection(connection)
+                    connection.abort()
+            elif connection.open_streams() == 0 and now - connection.last_stream_at > limits.idle_timeout_seconds:
+                self.act("idle_timeout", connection.peer, seconds=limits.idle_timeout_seconds)
+                self.release_connection(connection)
+                connection.go_away_idle()
+
+    async def _run_sweep(self) -> None:
+        every = self.sweep_every_seconds()
+        while True:
+            await asyncio.sleep(every)
+            self.sweep()
+
+    def close(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None

@@ -1,0 +1,368 @@
+"""ConnectionLimits, enforced: token buckets, the guard's sweep, and each limit against a raw HTTP/2 peer.
+
+The in-process tests drive an agent over a socket with h2 as the client, at small limits, so each shows one
+limit acting (the connection cut or the stream refused), counted, and the good behaviour beside it intact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import struct
+from collections.abc import AsyncIterator, Callable
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.settings
+import pytest
+import structlog
+from grpclib.client import Channel
+
+from gpuscaler.agent import Agent
+from gpuscaler.flags import DEFAULT_LIMITS, ConnectionLimits
+from gpuscaler.generated.externalscaler import ExternalScalerStub, ScaledObjectRef
+from gpuscaler.server.connection_limits import BURST_SECONDS, LOG_EVERY_SECONDS, ConnectionGuard, TokenBucket
+from tests.conftest import StartAgent
+from tests.server.test_transport import request_headers
+from tests.waiting import until
+
+IS_ACTIVE = "/externalscaler.ExternalScaler/IsActive"
+STREAM_IS_ACTIVE = "/externalscaler.ExternalScaler/StreamIsActive"
+EMPTY_REF = struct.pack(">?I", False, 0)  # an empty ScaledObjectRef as a gRPC frame
+
+
+def test_a_bucket_allows_its_burst_then_its_rate() -> None:
+    """A full bucket gives its burst, then its rate; given tokens count up to the burst."""
+    bucket = TokenBucket(10, now=0.0)
+    assert all(bucket.take(0.0) for _ in range(int(10 * BURST_SECONDS)))
+    assert not bucket.take(0.0)
+    assert bucket.take(0.1)  # 0.1 s at 10 a second: one more
+    assert not bucket.take(0.1)
+    bucket.give(2)
+    assert bucket.take(0.1)
+    assert bucket.take(0.1)
+    assert not bucket.take(0.1)
+
+
+@dataclasses.dataclass(eq=False)
+class _Connection:
+    """What the sweep reads from a connection, and what it did to it."""
+
+    accepted_at: float = 0.0
+    preface_done: bool = True
+    last_stream_at: float = 0.0
+    write_stalled_since: float | None = None
+    peer: str = "127.0.0.1:1"
+    streams: int = 0
+    fate: str = "open"
+
+    def open_streams(self) -> int:
+        return self.streams
+
+    def go_away_idle(self) -> None:
+        self.fate = "idle"
+
+    def abort(self) -> None:
+        self.fate = "aborted"
+
+
+async def test_the_sweep_closes_each_kind_of_stuck_connection_and_only_those() -> None:
+    """No preface in time, idle, or not reading past the write timeout: closed; the rest are left alone."""
+    now = 100.0
+    limits = ConnectionLimits(handshake_timeout_seconds=1, idle_timeout_seconds=5, write_timeout_seconds=3)
+    guard = ConnectionGuard(limits, clock=lambda: now)
+    no_preface = _Connection(accepted_at=98.5, preface_done=False)
+    young = _Connection(accepted_at=99.5, preface_done=False)
+    idle = _Connection(last_stream_at=94.0)
+    streaming = _Connection(last_stream_at=0.0, streams=1)  # a push stream open for ever is not idle
+    stalled = _Connection(last_stream_at=99.0, streams=1, write_stalled_since=96.0)
+    draining = _Connection(last_stream_at=99.0, streams=1, write_stalled_since=98.0)
+    connections = [no_preface, young, idle, streaming, stalled, draining]
+    try:
+        for connection in connections:
+            assert guard.admit_connection(connection)
+        guard.sweep()
+    finally:
+        guard.close()
+    assert [c.fate for c in connections] == ["aborted", "open", "idle", "open", "aborted", "open"]
+    assert guard.connections == {young, streaming, draining}
+    assert guard.limited == {"handshake_timeout": 1, "idle_timeout": 1, "write_stalled": 1}
+
+
+async def test_connections_and_streams_are_admitted_up_to_their_limits() -> None:
+    """Admission counts up to each limit, and a release makes room again."""
+    guard = ConnectionGuard(dataclasses.replace(DEFAULT_LIMITS, max_connections=2, max_streams=3))
+    first, second, third = _Connection(), _Connection(), _Connection()
+    try:
+        assert guard.admit_connection(first)
+        assert guard.admit_connection(second)
+        assert not guard.admit_connection(third)
+        guard.release_connection(first)
+        assert guard.admit_connection(third)
+    finally:
+        guard.close()
+    assert [guard.admit_stream() for _ in range(4)] == [True, True, True, False]
+    guard.release_stream()
+    assert guard.admit_stream()
+    assert guard.limited == {"max_connections": 1}  # the caller of admit_stream counts its own refusal
+
+
+def test_an_acting_limit_logs_once_per_interval_and_counts_every_time() -> None:
+    """A thousand actions are a thousand counts and one log line, and the next line says how many it covers."""
+    now = 0.0
+    guard = ConnectionGuard(DEFAULT_LIMITS, clock=lambda: now)
+    seen: list[str] = []
+    guard.on_limited.append(seen.append)
+    with structlog.testing.capture_logs() as logged:
+        for _ in range(1_000):
+            guard.act("reset_flood", "127.0.0.1:9")
+        now = LOG_EVERY_SECONDS + 0.1
+        guard.act("reset_flood", "127.0.0.1:9")
+        guard.act("ping_flood", "127.0.0.1:9")
+    lines = [(line["limit"], line["times_since_last_line"]) for line in logged if line["event"] == "grpc_limited"]
+    assert lines == [("reset_flood", 1), ("reset_flood", 1_000), ("ping_flood", 1)]
+    assert guard.limited == {"reset_flood": 1_001, "ping_flood": 1}
+    assert len(seen) == 1_002
+
+
+class _Peer:
+    """A raw HTTP/2 client on a socket: h2 frames out, h2 events in."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        self.reader, self.writer = reader, writer
+        self.events: list[h2.events.Event] = []
+        self.closed = False
+
+    @classmethod
+    async def connect(cls, port: int, *, preface: bool = True) -> _Peer:
+        peer = cls(*await asyncio.open_connection("127.0.0.1", port))
+        if preface:
+            peer.h2.initiate_connection()
+            peer.send()
+        return peer
+
+    def send(self) -> None:
+        self.writer.write(self.h2.data_to_send())
+
+    async def read_until(self, done: Callable[[], bool], *, timeout: float = 10) -> None:
+        async with asyncio.timeout(timeout):
+            while not done() and not self.closed:
+                try:
+                    data = await self.reader.read(65_536)
+                except ConnectionResetError:
+                    data = b""
+                if not data:
+                    self.closed = True
+                    return
+                self.events += self.h2.receive_data(data)
+                self.send()
+
+    def goaway(self) -> h2.events.ConnectionTerminated | None:
+        return next((e for e in self.events if isinstance(e, h2.events.ConnectionTerminated)), None)
+
+    def resets(self) -> dict[int, h2.errors.ErrorCodes | int]:
+        return {e.stream_id: e.error_code for e in self.events if isinstance(e, h2.events.StreamReset)}
+
+    def call(self, stream_id: int, path: str = IS_ACTIVE, *, body: bool = True) -> None:
+        self.h2.send_headers(stream_id, request_headers(path), end_stream=not body)
+        if body:
+            self.h2.send_data(stream_id, EMPTY_REF, end_stream=True)
+        self.send()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+@pytest.fixture
+async def peers() -> AsyncIterator[list[_Peer]]:
+    """Raw peers a test opens, closed after it."""
+    opened: list[_Peer] = []
+    yield opened
+    for peer in opened:
+        peer.close()
+
+
+async def _good_call(agent: Agent) -> bool:
+    channel = Channel("127.0.0.1", agent.port)
+    try:
+        return (await ExternalScalerStub(channel).is_active(ScaledObjectRef(scaler_metadata={}), timeout=10)).result
+    finally:
+        channel.close()
+
+
+def _guard(agent: Agent) -> ConnectionGuard:
+    return agent.frontend.server.guard
+
+
+async def test_a_stream_past_max_streams_is_refused_on_any_connection_and_the_rest_go_on(
+    start_agent: StartAgent, peers: list[_Peer]
+) -> None:
+    """The stream past the limit over all connections is REFUSED_STREAM alone; a freed place takes a new one."""
+    agent = await start_agent("--max-streams", "4")
+    first = await _Peer.connect(agent.port)
+    second = await _Peer.connect(agent.port)
+    peers += [first, second]
+    for stream_id in (1, 3, 5):
+        first.call(stream_id, STREAM_IS_ACTIVE)
+    await until(lambda: _guard(agent).streams == 3)
+    second.call(1, STREAM_IS_ACTIVE)
+    second.call(3, STREAM_IS_ACTIVE)  # the fifth over both connections
+    await second.read_until(lambda: 3 in second.resets())
+    assert second.resets() == {3: h2.errors.ErrorCodes.REFUSED_STREAM}
+    assert second.goaway() is None
+    assert not second.closed
+    assert _guard(agent).limited["max_streams"] == 1
+    first.h2.reset_stream(1)
+    first.send()
+    await until(lambda: _guard(agent).streams == 3)
+    second.call(5, STREAM_IS_ACTIVE)  # a place is free again
+    await until(lambda: _guard(agent).streams == 4)
+
+
+async def test_a_reset_flood_is_told_to_calm_down_and_leaves_nothing_behind(
+    start_agent: StartAgent, peers: list[_Peer]
+) -> None:
+    """Resets past the burst get GOAWAY ENHANCE_YOUR_CALM, and no stream or task of them stays."""
+    agent = await start_agent("--max-resets-per-second", "10")
+    peer = await _Peer.connect(agent.port)
+    peers.append(peer)
+    stream_id = 1
+    while not peer.closed and peer.goaway() is None and stream_id < 2_000:
+        peer.h2.send_headers(stream_id, request_headers(STREAM_IS_ACTIVE))
+        peer.h2.send_data(stream_id, EMPTY_REF)
+        peer.h2.reset_stream(stream_id)
+        peer.send()
+        stream_id += 2
+        if stream_id % 50 == 1:
+            await _drain(peer)
+    await peer.read_until(lambda: peer.goaway() is not None)
+    terminated = peer.goaway()
+    assert terminated is not None
+    assert terminated.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    assert stream_id > 2 * 10 * BURST_SECONDS  # the burst was allowed first
+    assert _guard(agent).limited["reset_flood"] == 1
+    server = agent.frontend.server
+    await until(lambda: server.handler_tasks == 0 and server.open_streams == 0 and _guard(agent).streams == 0)
+    assert await _good_call(agent) is False
+
+
+def _ended_more_than(peer: _Peer, count: int) -> bool:
+    return sum(isinstance(e, h2.events.StreamEnded) for e in peer.events) > count
+
+
+async def _drain(peer: _Peer) -> None:
+    """Read what has arrived by now, without waiting for more."""
+    try:
+        async with asyncio.timeout(0.01):
+            await peer.read_until(lambda: False)
+    except TimeoutError:
+        pass
+
+
+async def test_a_ping_flood_is_told_to_calm_down_and_calls_earn_pings(
+    start_agent: StartAgent, peers: list[_Peer]
+) -> None:
+    """A ping with every call is fine however many calls; a bare flood gets GOAWAY ENHANCE_YOUR_CALM."""
+    agent = await start_agent("--max-pings-per-second", "5")
+    polite = await _Peer.connect(agent.port)
+    flood = await _Peer.connect(agent.port)
+    peers += [polite, flood]
+    for index in range(100):  # a ping per call, as gRPC clients do, far past the bare budget of 50
+        polite.call(2 * index + 1)
+        polite.h2.ping(struct.pack(">Q", index))
+        polite.send()
+        await polite.read_until(functools.partial(_ended_more_than, polite, index))
+    assert polite.goaway() is None
+    for index in range(200):
+        flood.h2.ping(struct.pack(">Q", index))
+    flood.send()
+    await flood.read_until(lambda: flood.goaway() is not None)
+    terminated = flood.goaway()
+    assert terminated is not None
+    assert terminated.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    assert _guard(agent).limited == {"ping_flood": 1}
+
+
+async def test_an_idle_connection_gets_goaway_and_a_silent_one_is_closed(
+    start_agent: StartAgent, peers: list[_Peer]
+) -> None:
+    """No stream for the idle timeout: GOAWAY NO_ERROR; no preface within the handshake timeout: closed."""
+    agent = await start_agent("--idle-timeout", "0.3", "--handshake-timeout", "0.3")
+    idle = await _Peer.connect(agent.port)
+    silent = await _Peer.connect(agent.port, preface=False)
+    peers += [idle, silent]
+    await idle.read_until(lambda: idle.goaway() is not None)
+    terminated = idle.goaway()
+    assert terminated is not None
+    assert terminated.error_code == h2.errors.ErrorCodes.NO_ERROR
+    await silent.read_until(lambda: False)
+    assert silent.closed
+    assert _guard(agent).limited == {"idle_timeout": 1, "handshake_timeout": 1}
+    await until(lambda: not _guard(agent).connections)
+
+
+async def test_connections_past_the_limit_are_closed_at_once(start_agent: StartAgent, peers: list[_Peer]) -> None:
+    """A connection past the limit is closed unanswered; once others close, calls get in again."""
+    agent = await start_agent("--max-connections", "2")
+    peers += [await _Peer.connect(agent.port), await _Peer.connect(agent.port)]
+    await until(lambda: len(_guard(agent).connections) == 2)
+    extra = await _Peer.connect(agent.port)
+    peers.append(extra)
+    await extra.read_until(lambda: False)
+    assert extra.closed
+    assert _guard(agent).limited == {"max_connections": 1}
+    for peer in peers[:2]:
+        peer.close()
+    await until(lambda: not _guard(agent).connections)
+    assert await _good_call(agent) is False
+
+
+async def test_a_protocol_error_is_answered_with_goaway_before_the_close(
+    start_agent: StartAgent, peers: list[_Peer]
+) -> None:
+    """A connection error gets a GOAWAY with its code before the close (grpclib sent none)."""
+    agent = await start_agent()
+    peer = await _Peer.connect(agent.port)
+    peers.append(peer)
+    # WINDOW_UPDATE with a zero increment on the connection: a connection error (RFC 9113 6.9).
+    peer.writer.write(struct.pack(">I", 4)[1:] + b"\x08\x00" + struct.pack(">II", 0, 0))
+    await peer.read_until(lambda: False)
+    terminated = peer.goaway()
+    assert terminated is not None
+    assert terminated.error_code == h2.errors.ErrorCodes.PROTOCOL_ERROR
+    assert _guard(agent).limited == {"protocol_error": 1}
+
+
+async def test_a_request_message_that_never_comes_ends_the_call(start_agent: StartAgent, peers: list[_Peer]) -> None:
+    """Headers without a message for the request timeout: DEADLINE_EXCEEDED, and the slot is free."""
+    agent = await start_agent("--request-timeout", "0.2")
+    peer = await _Peer.connect(agent.port)
+    peers.append(peer)
+    peer.h2.send_headers(1, request_headers(IS_ACTIVE))  # and no message
+    peer.send()
+    await peer.read_until(lambda: any(isinstance(e, h2.events.StreamEnded) for e in peer.events))
+    # A trailers-only answer: the status comes in the one block of headers.
+    [answer] = [dict(e.headers) for e in peer.events if isinstance(e, h2.events.ResponseReceived)]
+    assert answer["grpc-status"] == "4"  # DEADLINE_EXCEEDED
+    assert _guard(agent).limited == {"request_timeout": 1}
+    await until(lambda: _guard(agent).streams == 0)
+
+
+async def test_a_call_whose_deadline_passed_on_arrival_is_deadline_exceeded(
+    start_agent: StartAgent, peers: list[_Peer]
+) -> None:
+    """A deadline over before the call starts is DEADLINE_EXCEEDED with a content-type, counted so."""
+    agent = await start_agent()
+    peer = await _Peer.connect(agent.port)
+    peers.append(peer)
+    peer.h2.send_headers(1, [*request_headers(IS_ACTIVE), ("grpc-timeout", "1n")])
+    peer.h2.send_data(1, EMPTY_REF, end_stream=True)
+    peer.send()
+    await peer.read_until(lambda: any(isinstance(e, h2.events.ResponseReceived) for e in peer.events))
+    [answer] = [dict(e.headers) for e in peer.events if isinstance(e, h2.events.ResponseReceived)]
+    assert (answer["grpc-status"], answer["content-type"]) == ("4", "application/grpc")
+    assert agent.frontend.tracker.finished[(IS_ACTIVE, "DEADLINE_EXCEEDED")] == 1
