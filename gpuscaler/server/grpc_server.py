@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import functools
 import ssl
+import time
 from collections.abc import Callable, Collection
 from typing import Any, Literal, cast
 
@@ -80,6 +81,8 @@ REUSE_MAX_BYTES = 4096
 REUSED_ANSWERS: frozenset[type[Any]] = frozenset({GetMetricsResponse})
 # After a GOAWAY toward a peer cut off for a flood, how long it has to read it before the socket is dropped.
 GOAWAY_GRACE_SECONDS = 1.0
+# A reset this soon after its stream opened counts against --max-resets-per-second (see _stream_reset).
+RAPID_RESET_SECONDS = 1.0
 # A call with less than this left of its deadline when it starts cannot be answered in time.
 EXPIRED_WITHIN_SECONDS = 0.001
 
@@ -203,6 +206,7 @@ class _Connection(Connection):
     def create_stream(self, *, stream_id: int | None = None, wrapper: Any = None) -> Stream:
         stream = super().create_stream(stream_id=stream_id, wrapper=wrapper)
         stream.window_updated = _WindowWait(self.window_waiting)
+        stream.opened_at = time.monotonic()  # type: ignore[attr-defined]  # read when the peer resets it
         return stream
 
 
@@ -303,9 +307,19 @@ class _ManyStreamsProtocol(H2Protocol):
         accept(event)
 
     def _stream_reset(self, reset: Callable[[StreamReset], None], event: StreamReset) -> None:
+        # Only a reset soon after its stream opened counts: that is the rapid-reset attack, a stream the server
+        # starts work for and the peer drops at once, bypassing the stream limit. KEDA cancelling push streams
+        # it held for minutes (a ScaledObject deleted, the operator stopping) is no flood, however many at once.
+        stream = self.processor.streams.get(event.stream_id)
+        now = self.guard.clock()
         reset(event)
-        if event.remote_reset and not self._resets.take(self.guard.clock()):
-            self._calm("reset_flood", f"more than {self.guard.limits.max_resets_per_second} stream resets a second")
+        if (
+            event.remote_reset
+            and stream is not None
+            and now - cast(Any, stream).opened_at < RAPID_RESET_SECONDS
+            and not self._resets.take(now)
+        ):
+            self._calm("reset_flood", f"more than {self.guard.limits.max_resets_per_second} rapid resets a second")
 
     def _ping_received(self, event: PingReceived) -> None:
         if not self._pings.take(self.guard.clock()):

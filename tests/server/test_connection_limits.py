@@ -21,6 +21,7 @@ import pytest
 import structlog
 from grpclib.client import Channel
 
+import gpuscaler.server.grpc_server as grpc_server
 from gpuscaler.agent import Agent
 from gpuscaler.flags import DEFAULT_LIMITS, ConnectionLimits
 from gpuscaler.generated.externalscaler import ExternalScalerStub, ScaledObjectRef
@@ -143,6 +144,8 @@ class _Peer:
         if preface:
             peer.h2.initiate_connection()
             peer.send()
+            # The server's SETTINGS, acknowledged: h2 holds a peer to its raised stream limit only after that.
+            await peer.read_until(lambda: any(isinstance(e, h2.events.RemoteSettingsChanged) for e in peer.events))
         return peer
 
     def send(self) -> None:
@@ -366,3 +369,25 @@ async def test_a_call_whose_deadline_passed_on_arrival_is_deadline_exceeded(
     [answer] = [dict(e.headers) for e in peer.events if isinstance(e, h2.events.ResponseReceived)]
     assert (answer["grpc-status"], answer["content-type"]) == ("4", "application/grpc")
     assert agent.frontend.tracker.finished[(IS_ACTIVE, "DEADLINE_EXCEEDED")] == 1
+
+
+async def test_cancelling_streams_held_for_a_while_is_no_flood(
+    start_agent: StartAgent, peers: list[_Peer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hundreds of push streams reset at once, as KEDA does when ScaledObjects go, keep the connection."""
+    monkeypatch.setattr(grpc_server, "RAPID_RESET_SECONDS", 0.0)  # every stream here counts as held a while
+    agent = await start_agent("--max-resets-per-second", "10")
+    peer = await _Peer.connect(agent.port)
+    peers.append(peer)
+    ids = range(1, 601, 2)
+    for stream_id in ids:
+        peer.call(stream_id, STREAM_IS_ACTIVE)
+    await until(lambda: _guard(agent).streams == len(ids))
+    for stream_id in ids:  # three times the burst of 100
+        peer.h2.reset_stream(stream_id)
+    peer.send()
+    await until(lambda: _guard(agent).streams == 0)
+    peer.call(ids[-1] + 2)
+    await peer.read_until(functools.partial(_ended_more_than, peer, 0))
+    assert peer.goaway() is None
+    assert _guard(agent).limited == {}
