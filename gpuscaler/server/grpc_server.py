@@ -243,7 +243,7 @@ class _ManyStreamsProtocol(H2Protocol):
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer)
         if not self.guard.admit_connection(self):
-            self._raw.abort()
+            self.discard()
             return False
         self.admitted = True
         return True
@@ -370,8 +370,15 @@ class _ManyStreamsProtocol(H2Protocol):
             asyncio.get_running_loop().call_later(GOAWAY_GRACE_SECONDS, raw.abort)  # a no-op once closed
 
     def abort(self) -> None:
+        """Drop the socket now; its handler closes with it."""
         if self._raw is not None:
             self._raw.abort()
+        self.handler.close()  # one that never got to HTTP/2 would otherwise stay in the server's set for ever
+
+    def discard(self) -> None:
+        """Give up on a connection that never got to HTTP/2 (refused, or its TLS handshake failed)."""
+        self.guard.release_connection(self)
+        self.abort()
 
     def open_streams(self) -> int:
         processor = getattr(self, "processor", None)
@@ -460,11 +467,10 @@ class _TlsAccepting(asyncio.Protocol):
                 ssl_handshake_timeout=inner.guard.limits.handshake_timeout_seconds + 1,
             )
         except (OSError, ssl.SSLError, TimeoutError, ConnectionError):
-            inner.guard.release_connection(inner)  # a failed handshake is the client's; its alert says why
-            transport.abort()
+            inner.discard()  # a failed handshake is the client's; its alert told it why
             return
         if tls is None or tls.is_closing():
-            inner.guard.release_connection(inner)
+            inner.discard()
             return
         inner.connection_made(tls)
 
@@ -472,7 +478,7 @@ class _TlsAccepting(asyncio.Protocol):
         pass  # reading is paused until start_tls takes the transport
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self._inner.guard.release_connection(self._inner)
+        self._inner.discard()
         if self._handshake is not None:
             self._handshake.cancel()
 
