@@ -24,6 +24,7 @@ from gpuscaler.history import History
 from gpuscaler.poller import Poller
 from gpuscaler.server.fake_control import FakeControlService
 from gpuscaler.server.frontend import Frontend, cancel_all, run_in_background, run_until_signalled
+from gpuscaler.server.overload import quiet_accept_errors
 from gpuscaler.settings import ServeSettings
 from gpuscaler.telemetry import Telemetry
 
@@ -131,5 +132,6 @@ class Agent:
 
 async def serve(settings: ServeSettings) -> int:
     """Run until SIGTERM or SIGINT; the process's exit code."""
-    agent = await Agent.start(settings, build_collector(settings))
-    return await run_until_signalled(agent.stop)
+    with quiet_accept_errors(asyncio.get_running_loop()):
+        agent = await Agent.start(settings, build_collector(settings))
+        return await run_until_signalled(agent.stop)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import http.client
+import itertools
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -18,14 +21,17 @@ from gpuscaler import exposition
 from gpuscaler.errors import StartupError
 from gpuscaler.exposition import MetricsServer
 from gpuscaler.flags import Address
+from gpuscaler.server.overload import LimitCounts
 from tests.waiting import until
 
 Response = tuple[int, str, bytes]
 
 
-def get(port: int, path: str, *, method: str = "GET", headers: dict[str, str] | None = None) -> Response:
-    """Status, Content-Type and body of one request (blocking: run it on a thread)."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+def get(
+    port: int, path: str, *, method: str = "GET", headers: dict[str, str] | None = None, source: str = "127.0.0.1"
+) -> Response:
+    """Status, Content-Type and body of one request from ``source`` (blocking: run it on a thread)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10, source_address=(source, 0))
     try:
         connection.request(method, path, headers=headers or {})
         response = connection.getresponse()
@@ -64,12 +70,40 @@ def healthy() -> Healthy:
 
 
 @pytest.fixture
-async def server(registry: CollectorRegistry, healthy: Healthy) -> AsyncIterator[MetricsServer]:
+def counts() -> LimitCounts:
+    """The server's own counts of the limits that acted (not the process's, which other tests share)."""
+    return LimitCounts()
+
+
+@pytest.fixture
+async def server(registry: CollectorRegistry, healthy: Healthy, counts: LimitCounts) -> AsyncIterator[MetricsServer]:
     """A started server on a port the OS chose."""
-    server = MetricsServer(registry, Address("127.0.0.1", 0), healthy=healthy)
+    server = MetricsServer(registry, Address("127.0.0.1", 0), healthy=healthy, counts=counts)
     await server.start()
     yield server
     await server.stop()
+
+
+def connect_from(port: int, source: str, count: int = 1) -> list[socket.socket]:
+    """``count`` connections to ``port`` from the loopback address ``source`` (another peer than 127.0.0.1)."""
+    return [socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0)) for _ in range(count)]
+
+
+def closed_unanswered(connection: socket.socket) -> bool:
+    """Whether the server closes ``connection`` without answering a request on it."""
+    try:
+        connection.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        return connection.recv(100) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+
+
+def read_all(connection: socket.socket) -> bytes:
+    """Everything the server sends on ``connection`` until it closes it."""
+    chunks = []
+    while chunk := connection.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def connection_refused(port: int) -> bool:
@@ -123,8 +157,8 @@ async def test_index_unknown_paths_and_methods(server: MetricsServer) -> None:
     assert (await fetch(server.port, "/healthz", method="HEAD"))[::2] == (200, b"")
 
 
-async def test_an_oversized_request_is_refused(server: MetricsServer) -> None:
-    """Headers beyond the request budget get 431, and the server goes on answering."""
+async def test_an_oversized_request_is_refused(server: MetricsServer, counts: LimitCounts) -> None:
+    """Headers beyond the request budget get 431 and count, and the server goes on answering."""
     headers = {f"X-Filler-{n}": "x" * 1000 for n in range(10)}
     assert sum(len(k) + len(v) for k, v in headers.items()) > exposition.MAX_REQUEST_BYTES
     try:
@@ -133,40 +167,166 @@ async def test_an_oversized_request_is_refused(server: MetricsServer) -> None:
         status = 431
     assert status == 431
     assert (await fetch(server.port, "/metrics"))[0] == 200
+    assert counts.http["request_bytes"] == 1
 
 
 async def test_a_silent_client_blocks_no_scrape_and_is_dropped(
-    server: MetricsServer, monkeypatch: pytest.MonkeyPatch
+    server: MetricsServer, counts: LimitCounts, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A client that connects and sends nothing holds only its own connection, which closes after the timeout."""
     monkeypatch.setattr(exposition._Handler, "timeout", 0.2)
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as silent:
         assert (await fetch(server.port, "/metrics"))[0] == 200
         assert await asyncio.to_thread(silent.recv, 1) == b""  # closed by the server
+    await until(lambda: counts.http["idle_timeout"] == 1)
 
 
-async def test_connections_beyond_the_bound_are_closed(server: MetricsServer) -> None:
-    """Past MAX_CONNECTIONS open connections, a new one is closed unanswered; a freed slot answers again."""
+def trickle(port: int, every_seconds: float, *, give_up_after: float = 10.0) -> tuple[float, bytes]:
+    """Send a request line, then one header byte each ``every_seconds``, never ending the headers.
 
-    def connect(count: int) -> list[socket.socket]:
-        return [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(count)]
-
-    silent = await asyncio.to_thread(connect, exposition.MAX_CONNECTIONS)
-    try:
-        await until(lambda: server.connections == exposition.MAX_CONNECTIONS)
-        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as extra:
-            extra.sendall(b"GET / HTTP/1.0\r\n\r\n")
+    The seconds until the server closed the connection, and what it answered.
+    """
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+        started = time.monotonic()
+        connection.sendall(b"GET /metrics HTTP/1.0\r\nX-Slow: ")
+        connection.settimeout(every_seconds)
+        answer = b""
+        while time.monotonic() - started < give_up_after:
             try:
-                answer = await asyncio.to_thread(extra.recv, 100)
+                chunk = connection.recv(65536)
+            except TimeoutError:
+                try:
+                    connection.sendall(b"a")
+                except OSError:
+                    break
+                continue
             except ConnectionResetError:
-                answer = b""
-            assert answer == b""
+                break
+            if not chunk:
+                break
+            answer += chunk
+        return time.monotonic() - started, answer
+
+
+async def test_the_header_deadline_is_not_reset_by_trickled_bytes(
+    server: MetricsServer, counts: LimitCounts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that sends a header byte every 0.1 s (well inside the idle timeout) is answered 408 and closed at
+    the header deadline, counted; a request that arrives whole is not affected."""
+    monkeypatch.setattr(exposition, "HEADER_DEADLINE_SECONDS", 0.6)
+    assert exposition._Handler.timeout == exposition.IDLE_TIMEOUT_SECONDS == 5.0
+    seconds, answer = await asyncio.to_thread(trickle, server.port, 0.1)
+    assert 0.6 <= seconds < 2.0
+    assert answer.startswith(b"HTTP/1.0 408 Request Timeout\r\n"), answer
+    assert counts.http["header_deadline"] == 1
+    assert counts.http["idle_timeout"] == 0
+    assert (await fetch(server.port, "/healthz"))[0] == 200
+
+
+async def test_one_peer_cannot_hold_healthz_down(server: MetricsServer, counts: LimitCounts) -> None:
+    """One peer's slow connections past MAX_CONNECTIONS_PER_PEER are closed unanswered and counted; /healthz from
+    another address answers while that peer holds its share."""
+    per_peer = exposition.MAX_CONNECTIONS_PER_PEER
+    held = await asyncio.to_thread(connect_from, server.port, "127.0.0.2", 3 * per_peer)
+    try:
+        await until(lambda: counts.http["peer_connections"] == 2 * per_peer)
+        assert server.connections == per_peer
+        for _ in range(3):
+            assert (await fetch(server.port, "/healthz"))[0] == 200
+        [extra] = await asyncio.to_thread(connect_from, server.port, "127.0.0.2")
+        with extra:
+            assert await asyncio.to_thread(closed_unanswered, extra)
+        assert counts.http["peer_connections"] == 2 * per_peer + 1
+    finally:
+        for connection in held:
+            connection.close()
+    await until(lambda: server.connections == 0)
+
+
+async def test_connections_beyond_the_bound_are_closed(
+    server: MetricsServer, counts: LimitCounts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past MAX_CONNECTIONS open connections, a new one is closed unanswered and counted; a freed slot answers."""
+    monkeypatch.setattr(exposition, "MAX_CONNECTIONS", 6)
+    monkeypatch.setattr(exposition, "RESERVED_CONNECTIONS", 0)
+    silent = [
+        *await asyncio.to_thread(connect_from, server.port, "127.0.0.2", 4),
+        *await asyncio.to_thread(connect_from, server.port, "127.0.0.3", 2),
+    ]
+    try:
+        await until(lambda: server.connections == 6)
+        [extra] = await asyncio.to_thread(connect_from, server.port, "127.0.0.4")
+        with extra:
+            assert await asyncio.to_thread(closed_unanswered, extra)
+        assert counts.http["connections"] == 1
     finally:
         for connection in silent:
             connection.close()
     await until(lambda: server.connections == 0)  # each thread sees the end of its input and ends
     status, _, _ = await fetch(server.port, "/")
     assert status == 200
+
+
+async def test_the_reserve_is_for_peers_with_no_connection_open(
+    server: MetricsServer, counts: LimitCounts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last RESERVED_CONNECTIONS slots go only to a peer with none open: the kubelet's probe still gets in when
+    peers that already hold connections have taken the rest."""
+    monkeypatch.setattr(exposition, "MAX_CONNECTIONS", 6)
+    monkeypatch.setattr(exposition, "RESERVED_CONNECTIONS", 2)
+    held = [
+        *await asyncio.to_thread(connect_from, server.port, "127.0.0.2", 2),
+        *await asyncio.to_thread(connect_from, server.port, "127.0.0.3", 2),
+    ]
+    try:
+        await until(lambda: server.connections == 4)
+        [third] = await asyncio.to_thread(connect_from, server.port, "127.0.0.2")  # under its own cap of 4
+        with third:
+            assert await asyncio.to_thread(closed_unanswered, third)
+        assert counts.http["connections"] == 1
+        assert (await fetch(server.port, "/healthz"))[0] == 200  # 127.0.0.1 holds none: a reserved slot
+        held += await asyncio.to_thread(connect_from, server.port, "127.0.0.4")
+        await until(lambda: server.connections == 5)
+        assert (await fetch(server.port, "/healthz"))[0] == 200  # the last slot
+    finally:
+        for connection in held:
+            connection.close()
+    await until(lambda: server.connections == 0)
+
+
+async def test_accept_out_of_descriptors_backs_off_instead_of_spinning(
+    server: MetricsServer, counts: LimitCounts, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """While accept() fails with EMFILE the listener pauses 0.1 s, then 0.2, 0.4, ... (not a retry per wake-up of
+    a listener that stays readable), counts each failure and logs one line; the waiting client is then answered."""
+    failures: list[float] = []
+    failing = True
+    accept = exposition._Server.get_request
+
+    def exhausted(self: exposition._Server) -> tuple[socket.socket, object]:
+        if failing:
+            failures.append(time.monotonic())
+            raise OSError(errno.EMFILE, "Too many open files")
+        return accept(self)
+
+    monkeypatch.setattr(exposition._Server, "get_request", exhausted)
+    waiting = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    with waiting:
+        waiting.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+        await until(lambda: len(failures) >= 4)
+        assert not server.accepting
+        pauses = [later - earlier for earlier, later in itertools.pairwise(failures)]
+        for pause, backoff in zip(pauses, (0.1, 0.2, 0.4), strict=False):
+            assert backoff - 0.01 <= pause < backoff + 0.5, pauses
+        failing = False
+        answer = await asyncio.to_thread(read_all, waiting)
+    assert answer.startswith(b"HTTP/1.0 200 OK\r\n"), answer
+    await until(lambda: server.accepting)
+    assert counts.accept_errors[("metrics", "EMFILE")] == len(failures) <= 5
+    logged = [line for line in capfd.readouterr().err.splitlines() if "accept_failed" in line]
+    assert len(logged) == 1, logged
+    assert "errno=EMFILE" in logged[0]
+    assert "listener=metrics" in logged[0]
 
 
 async def test_collectors_run_on_the_loop_thread(registry: CollectorRegistry, server: MetricsServer) -> None:
@@ -184,7 +344,7 @@ async def test_collectors_run_on_the_loop_thread(registry: CollectorRegistry, se
 
 
 async def test_a_stuck_loop_is_a_503_not_a_hang(
-    registry: CollectorRegistry, server: MetricsServer, monkeypatch: pytest.MonkeyPatch
+    registry: CollectorRegistry, server: MetricsServer, counts: LimitCounts, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """When the loop cannot answer within the deadline the scrape is a 503, and the next one answers again."""
     monkeypatch.setattr(exposition, "ANSWER_TIMEOUT_SECONDS", 0.2)
@@ -205,6 +365,7 @@ async def test_a_stuck_loop_is_a_503_not_a_hang(
     thread.start()
     await asyncio.to_thread(thread.join)
     assert answers[0][0] == 503
+    assert counts.http["answer_timeout"] == 1
     assert (await fetch(server.port, "/metrics"))[0] == 200
 
 

@@ -28,6 +28,7 @@ from gpuscaler.gateway.telemetry import GatewayTelemetry
 from gpuscaler.gateway.view import ClusterView
 from gpuscaler.pods import PodDirectory
 from gpuscaler.server.frontend import Frontend, cancel_all, run_in_background, run_until_signalled
+from gpuscaler.server.overload import quiet_accept_errors
 from gpuscaler.tls import client_context
 
 log = structlog.get_logger(__name__)
@@ -186,5 +187,6 @@ def _pod_counts(directory: PodDirectory | None) -> tuple[int, int, int] | None:
 
 async def run_gateway(settings: GatewaySettings) -> int:
     """Run until SIGTERM or SIGINT; the process's exit code."""
-    gateway = await Gateway.start(settings)
-    return await run_until_signalled(gateway.stop)
+    with quiet_accept_errors(asyncio.get_running_loop()):
+        gateway = await Gateway.start(settings)
+        return await run_until_signalled(gateway.stop)
