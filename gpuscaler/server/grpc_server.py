@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import functools
 import ssl
-import time
 from collections.abc import Callable, Collection
 from typing import Any, Literal, cast
 
@@ -60,6 +59,7 @@ from hyperframe.frame import HeadersFrame, RstStreamFrame
 from gpuscaler.flags import ConnectionLimits
 from gpuscaler.generated.externalscaler import GetMetricsRequest, GetMetricsResponse, ScaledObjectRef
 from gpuscaler.server.connection_limits import PINGS_PER_CALL, ConnectionGuard, TokenBucket
+from gpuscaler.server.lean_streams import LeanEvent, LeanStream
 
 # Every request we serve is a ScaledObjectRef or smaller: a name (at most 253 bytes), a namespace (63) and
 # the trigger's metadata, about twenty short keys; a large real one (a long podSelector) is under 1 KiB.
@@ -175,7 +175,7 @@ class _CoalescingTransport:
         return getattr(self._transport, name)  # is_closing, get_extra_info, ...
 
 
-class _WindowWait(asyncio.Event):
+class _WindowWait(LeanEvent):
     """A stream's ``window_updated``, known to its connection while the stream waits on it."""
 
     def __init__(self, waiting: set[_WindowWait]) -> None:
@@ -204,10 +204,8 @@ class _Connection(Connection):
         self.window_waiting: set[_WindowWait] = set()
 
     def create_stream(self, *, stream_id: int | None = None, wrapper: Any = None) -> Stream:
-        stream = super().create_stream(stream_id=stream_id, wrapper=wrapper)
-        stream.window_updated = _WindowWait(self.window_waiting)
-        stream.opened_at = time.monotonic()  # type: ignore[attr-defined]  # read when the peer resets it
-        return stream
+        window = _WindowWait(self.window_waiting)
+        return LeanStream(self, self._connection, self._transport, window, stream_id=stream_id, wrapper=wrapper)
 
 
 class _ManyStreamsProtocol(H2Protocol):
@@ -316,7 +314,8 @@ class _ManyStreamsProtocol(H2Protocol):
         if (
             event.remote_reset
             and stream is not None
-            and now - cast(Any, stream).opened_at < RAPID_RESET_SECONDS
+            and stream.created is not None
+            and now - stream.created < RAPID_RESET_SECONDS
             and not self._resets.take(now)
         ):
             self._calm("reset_flood", f"more than {self.guard.limits.max_resets_per_second} rapid resets a second")
