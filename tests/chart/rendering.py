@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from gpuscaler.flags import ENV_PREFIX, SERVER_FLAGS
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "gpuscaler"
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
@@ -193,3 +195,31 @@ def restricted_violations(spec: Mapping[str, Any]) -> list[str]:
 def yaml_documents(path: Path) -> Iterator[Manifest]:
     """The non-empty YAML documents of the file at ``path``."""
     yield from (doc for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")) if doc)
+
+
+def connection_limit_settings(component: str) -> list[tuple[str, str, str]]:
+    """(``--set`` assignment, variable, rendered value) for each of ``component``'s connectionLimits."""
+    values = {
+        "handshakeTimeout": ("GPUSCALER_HANDSHAKE_TIMEOUT", "2.5"),
+        "idleTimeout": ("GPUSCALER_IDLE_TIMEOUT", "60"),
+        "maxConnections": ("GPUSCALER_MAX_CONNECTIONS", "64"),
+        "maxStreams": ("GPUSCALER_MAX_STREAMS", "2000"),
+        "requestTimeout": ("GPUSCALER_REQUEST_TIMEOUT", "5"),
+        "maxResetsPerSecond": ("GPUSCALER_MAX_RESETS_PER_SECOND", "50"),
+        "maxPingsPerSecond": ("GPUSCALER_MAX_PINGS_PER_SECOND", "20"),
+        "writeBufferLimit": ("GPUSCALER_WRITE_BUFFER_LIMIT", "4194304"),
+        "writeTimeout": ("GPUSCALER_WRITE_TIMEOUT", "15"),
+    }
+    return [
+        (f"{component}.connectionLimits.{key}={value}", variable, value) for key, (variable, value) in values.items()
+    ]
+
+
+def connection_limit_defaults() -> dict[str, str]:
+    """The connection limits' variables as the chart renders its defaults: the flags' own defaults."""
+    variables = {variable for _, variable, _ in connection_limit_settings("agent")}
+    return {
+        ENV_PREFIX + env: default
+        for env, default, _ in SERVER_FLAGS.values()
+        if ENV_PREFIX + env in variables and default is not None
+    }

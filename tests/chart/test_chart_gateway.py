@@ -16,6 +16,8 @@ from tests.chart.rendering import (
     TOOL_BUILD_TIMEOUT_SECONDS,
     Helm,
     Manifest,
+    connection_limit_defaults,
+    connection_limit_settings,
     env_values,
     find,
     of_kind,
@@ -77,6 +79,7 @@ def test_defaults_are_the_documented_ones(helm: Helm) -> None:
         "GPUSCALER_LOG_LEVEL": "info",
         "GPUSCALER_DRAIN_TIMEOUT": "5",
         "GPUSCALER_METRICS_LISTEN": "0.0.0.0:9402",
+        **connection_limit_defaults(),
     }
 
 
@@ -88,6 +91,7 @@ SETTABLE = [
     ("gateway.log.format=console", "GPUSCALER_LOG_FORMAT", "console"),
     ("gateway.log.level=debug", "GPUSCALER_LOG_LEVEL", "debug"),
     ("gateway.drainTimeout=2", "GPUSCALER_DRAIN_TIMEOUT", "2"),
+    *connection_limit_settings("gateway"),
     ("gateway.metrics.port=9500", "GPUSCALER_METRICS_LISTEN", "0.0.0.0:9500"),
     ("gateway.metrics.enabled=false", "GPUSCALER_METRICS_LISTEN", ""),
     ("gateway.tls.secretName=g", "GPUSCALER_TLS_CERT", "/etc/gpuscaler/tls/tls.crt"),

@@ -26,6 +26,8 @@ from tests.chart.rendering import (
     Helm,
     Manifest,
     agent_container,
+    connection_limit_defaults,
+    connection_limit_settings,
     env_field_refs,
     env_values,
     find,
@@ -261,6 +263,7 @@ def test_default_settings_are_the_documented_ones(helm: Helm) -> None:
         "GPUSCALER_METRICS_LISTEN": "0.0.0.0:9402",
         "GPUSCALER_POD_RESOURCES_SOCKET": "",
         "GPUSCALER_PROCESSES": "false",
+        **connection_limit_defaults(),
     }
 
 
@@ -273,6 +276,7 @@ SETTABLE = [
     ("agent.log.format=console", "GPUSCALER_LOG_FORMAT", "console"),
     ("agent.log.level=debug", "GPUSCALER_LOG_LEVEL", "debug"),
     ("agent.drainTimeout=2.5", "GPUSCALER_DRAIN_TIMEOUT", "2.5"),
+    *connection_limit_settings("agent"),
     ("agent.metrics.port=9500", "GPUSCALER_METRICS_LISTEN", "0.0.0.0:9500"),
     ("agent.metrics.enabled=false", "GPUSCALER_METRICS_LISTEN", ""),
     (

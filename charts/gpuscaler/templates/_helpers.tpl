@@ -145,3 +145,25 @@ app.kubernetes.io/part-of: gpuscaler
 {{- define "gpuscaler.gatewayWatchesPods" -}}
 {{- if and .Values.gateway.enabled (eq .Values.gateway.podDirectory "kubernetes") }}true{{ end }}
 {{- end }}
+
+{{/* The GPUSCALER_* variables of a process's connectionLimits (docs/security.md). */}}
+{{- define "gpuscaler.connectionLimitsEnv" -}}
+- name: GPUSCALER_HANDSHAKE_TIMEOUT
+  value: {{ .handshakeTimeout | quote }}
+- name: GPUSCALER_IDLE_TIMEOUT
+  value: {{ .idleTimeout | quote }}
+- name: GPUSCALER_MAX_CONNECTIONS
+  value: {{ .maxConnections | quote }}
+- name: GPUSCALER_MAX_STREAMS
+  value: {{ .maxStreams | quote }}
+- name: GPUSCALER_REQUEST_TIMEOUT
+  value: {{ .requestTimeout | quote }}
+- name: GPUSCALER_MAX_RESETS_PER_SECOND
+  value: {{ .maxResetsPerSecond | quote }}
+- name: GPUSCALER_MAX_PINGS_PER_SECOND
+  value: {{ .maxPingsPerSecond | quote }}
+- name: GPUSCALER_WRITE_BUFFER_LIMIT
+  value: {{ .writeBufferLimit | int64 | quote }}
+- name: GPUSCALER_WRITE_TIMEOUT
+  value: {{ .writeTimeout | quote }}
+{{- end }}
