@@ -121,7 +121,7 @@ def _handshake(context: ssl.SSLContext, port: int, session: ssl.SSLSession | Non
         except (ssl.SSLError, OSError):
             return _Handshake(None, False, False)
         with tls:
-            resumed = tls.session_reused
+            resumed = bool(tls.session_reused)
             try:
                 tls.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
                 accepted = bool(tls.recv(4096))  # the server's SETTINGS; a refused client certificate is an alert

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from typing import cast
 
 import grpclib.const
 import h2.config
@@ -18,6 +19,7 @@ from grpclib.client import Channel
 import gpuscaler.server.grpc_server as grpc_server
 from gpuscaler.agent import Agent
 from gpuscaler.collectors.fake import FakeCollector
+from gpuscaler.flags import DEFAULT_LIMITS
 from gpuscaler.generated.externalscaler import (
     ExternalScalerStub,
     GetMetricsRequest,
@@ -25,7 +27,6 @@ from gpuscaler.generated.externalscaler import (
     MetricValue,
     ScaledObjectRef,
 )
-from gpuscaler.flags import DEFAULT_LIMITS
 from gpuscaler.gpu_metrics import Metric
 from gpuscaler.server.grpc_server import _H2Connection
 from tests.conftest import StartAgent
@@ -153,7 +154,7 @@ def test_a_stream_past_the_limit_is_refused_and_the_connection_kept() -> None:
     client.send_headers(first + 8, [*request_headers("/x"), ("x-only-in-this-block", "1")], end_stream=True)
     [received, *_] = server.receive_data(client.data_to_send())
     assert isinstance(received, h2.events.RequestReceived)
-    assert ("x-only-in-this-block", "1") in received.headers
+    assert ("x-only-in-this-block", "1") in cast(list[tuple[str, str]], received.headers)
 
 
 def test_closed_streams_do_not_pile_up() -> None:
