@@ -8,7 +8,8 @@ state after each step.
 
 A poller calls GetMetricSpec, GetMetrics and IsActive as KEDA does, for a node-wide sum and a pod query,
 and keeps a StreamIsActive open for each; every answer is recorded. The checker knows the truth: the sum
-over the listed nodes' GPUs (a lost GPU is left out of all-GPU answers, as documented). An answer is
+over the listed nodes' GPUs, a lost GPU's load included (its share is unknown, not 0: with six GPUs the
+default maxUnreadable leaves none out, and a node with nothing readable is unknown). An answer is
 made up when no true state during its flight, give or take the time a change takes to arrive, is that
 low, node by node: a made-up zero is a value below the sum of each node's lowest true part in its window,
 a made-up false an inactive answer while even that sum is active. There must be none. Errors are allowed:
@@ -71,10 +72,10 @@ class Truth:
     nodes: dict[str, NodeTruth]
 
     def share(self, query: str, name: str) -> float:
-        """One node's true part of ``query``: its readable GPUs (GPU 0 only, for the pods' query), if listed."""
+        """One node's true part of ``query``: its GPUs, lost ones too (GPU 0 only, for the pods' query), if listed."""
         node = self.nodes[name]
         gpus = (0,) if query == "pods" else (0, 1)
-        return sum(node.loads[gpu] for gpu in gpus if gpu not in node.lost) if node.listed else 0.0
+        return sum(node.loads[gpu] for gpu in gpus) if node.listed else 0.0
 
     def value(self, query: str) -> float:
         """The true value of ``query`` over the cluster."""

@@ -50,7 +50,17 @@ async def test_one_failed_gpu_of_eight(start_agent: StartAgent, keda_proto: Keda
 
             others = ",".join(str(i) for i in range(8) if i != FAILED_GPU)
             assert await client.metric_value({"gpuIndex": others}) == 7 * 40
-            assert await client.metric_value({}) == 7 * 40  # all GPUs: the unreadable one is left out, not a 0
+            # All GPUs: a GPU without the metric is outside it and left out; a lost or hung one is unknown, and
+            # 1 of 8 is beyond the default maxUnreadable (5% of 8 is 0). Within maxUnreadable it is left out.
+            if failure == "not_supported":
+                assert await client.metric_value({}) == 7 * 40
+            else:
+                [spec] = await client.get_metric_spec({})
+                refused = await refusal(client.get_metrics({}, spec.metric_name))
+                assert refused.code == "UNAVAILABLE", refused
+                assert "cannot be read on 1 of the 8 selected GPUs" in refused.message
+                assert f"GPU {FAILED_GPU} ({FAILED_UUID})" in refused.message
+            assert await client.metric_value({"maxUnreadable": "1"}) == 7 * 40
             assert await client.is_active({"gpuIndex": "7"}) is True
 
             for metadata in ({"gpuIndex": str(FAILED_GPU)}, {"gpuIndex": f"2,{FAILED_GPU}"}):

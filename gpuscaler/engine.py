@@ -29,7 +29,7 @@ ACTIVATION_IDLE_SECONDS = 15 * 60.0
 # KEDA sends each ScaledObject's same metadata on every call; parsed queries are kept for that many
 # distinct metadata of at most that many keys and characters, so a client sending ever new metadata
 # costs at most about PARSE_CACHE_ENTRIES * PARSE_CACHE_MAX_CHARS characters, and a huge request
-# costs no more than parsing it did. There are 28 known keys.
+# costs no more than parsing it did. There are 30 known keys.
 PARSE_CACHE_ENTRIES = 1024
 PARSE_CACHE_MAX_KEYS = 32
 PARSE_CACHE_MAX_CHARS = 2048
@@ -79,7 +79,7 @@ class Engine:
         self._memo = NodeMemo() if cluster else None
         self.closing = False
         self.on_transition: list[Callable[[bool], None]] = []
-        # Called with every answer that left out GPUs or nodes (an all-GPU query with a lost GPU, minNodes).
+        # Called with every answer that left out GPUs or nodes (lost GPUs within maxUnreadable, minNodes).
         self.on_partial: list[Callable[[Evaluation], None]] = []
         self._left_out: dict[ValueQuery, tuple[frozenset[str], float]] = {}
 
@@ -153,7 +153,7 @@ class Engine:
             observer(evaluation)
         names = frozenset(
             [f"GPU {c.sample.gpu.index} ({c.sample.gpu.uuid}) on {c.sample.node}: {c.reason}" for c in gpus]
-            + [f"node {a.node or '?'} (agent {a.agent}): {a.reason}" for a in evaluation.absent]
+            + [f"node {a.node or '?'}{f' (agent {a.agent})' if a.agent else ''}: {a.reason}" for a in evaluation.absent]
         )
         seen = self._left_out.get(evaluation.query)
         self._left_out[evaluation.query] = (names, self._clock())
@@ -163,7 +163,10 @@ class Engine:
                 selection=evaluation.query.describe_selection(),
                 metric=evaluation.query.metric.value,
                 left_out=sorted(names),
-                detail="an all-GPU query answers with the GPUs it can read; name GPUs to make it strict",
+                detail=(
+                    "the answer leaves out GPUs it cannot read within maxUnreadable, and nodes within minNodes; "
+                    "maxUnreadable 0 or naming GPUs makes it strict"
+                ),
             )
 
     def is_active(self, query: Query) -> bool:

@@ -1,7 +1,9 @@
 """Evaluating a query over the history: per-GPU values, the aggregate, or the error KEDA must get.
 
-Selecting all GPUs leaves out those whose value cannot be read (and says why); naming GPUs by index or
-UUID requires every one of them. No readable GPU at all is an error, never a 0, because a 0 scales in.
+Naming GPUs by index or UUID requires every one of them. Selecting all GPUs (or pods) leaves out those
+whose value cannot be read only while they are within ``maxUnreadable``, and says why; a node none of whose
+selected GPUs can be read is unknown, like a silent node (``_judge_unreadable``). No readable GPU at all is
+an error, never a 0, because a 0 scales in.
 
 A query that selects pods groups the GPUs by the pods that hold them (the kubelet's assignment):
 each pod reduces its GPUs with the pod aggregation, then the pods combine with the aggregation. A
@@ -24,7 +26,7 @@ from gpuscaler.aggregation import aggregate
 from gpuscaler.errors import GpuscalerError, InvalidMetadata, Unavailable, Unsupported
 from gpuscaler.gpu_metrics import METRICS, Metric
 from gpuscaler.pods import PodDirectory, uid_key
-from gpuscaler.query import GpuSelection, PodSelection, ValueQuery
+from gpuscaler.query import DEFAULT_MAX_UNREADABLE, GpuSelection, PodSelection, ValueQuery
 from gpuscaler.samples import (
     Absence,
     AttributionState,
@@ -42,6 +44,8 @@ from gpuscaler.samples import (
 from gpuscaler.scale_targets import resolve as resolve_scale_target
 from gpuscaler.shares import Share, pod_share, share_basis
 from gpuscaler.source import SnapshotSource
+
+HeldPods = tuple[tuple[str, str], ...]  # (namespace, pod) of a selection that an absent node held
 
 
 class Contribution(NamedTuple):
@@ -83,7 +87,8 @@ class Evaluation:
     error: GpuscalerError | None
     snapshot: Snapshot | None
     pods: tuple[PodValue, ...] = ()
-    # Nodes the value left out because minNodes allowed it (without minNodes, an absent node is an error).
+    # Nodes the value left out because minNodes allowed it (without minNodes, an absent node is an error): silent
+    # or unheard ones, and heard ones none of whose selected GPUs can be read (``Absence.heard``).
     absent: tuple[Absence, ...] = ()
     # The selection as evaluated, where it differs from the query's words (scaleTargetPods resolved to a workload).
     selection: str | None = None
@@ -318,10 +323,14 @@ def evaluate(
             return _failed(query, snapshot, Unavailable(f"{error.message}; {_cannot_hear(snapshot.absent, snapshot)}"))
         return _failed(query, snapshot, error)
     # Named GPUs were all found on nodes that are heard; all GPUs need every node.
-    gate = _gate(query, snapshot, [(absence, ()) for absence in snapshot.absent] if query.selection.everything else [])
+    silent: list[tuple[Absence, HeldPods]] = (
+        [(absence, ()) for absence in snapshot.absent] if query.selection.everything else []
+    )
+    gate = _gate(query, snapshot, silent)
     if isinstance(gate, GpuscalerError):
         return _failed(query, snapshot, gate)
 
+    node_parts: list[NodePart] | None = None
     try:
         contributions: Sequence[Contribution]
         if memo is not None and snapshot.cluster and query.selection.everything:
@@ -340,10 +349,142 @@ def evaluate(
     failure: GpuscalerError | None = None
     if not selected:
         failure = Unavailable(_no_gpus(snapshot))
-    elif left_out and (not included or not query.selection.everything):
+    elif left_out and not query.selection.everything:
+        failure = _unreadable(query.metric, left_out)  # named GPUs must all be readable
+    elif left_out:
+        by_node = (
+            _parts_left_out(snapshot, node_parts)
+            if node_parts is not None
+            else _left_out_by_node(snapshot, contributions)
+        )
+        judged = _judge_unreadable(query, snapshot, by_node, len(included), silent)
+        if isinstance(judged, GpuscalerError):
+            failure = judged
+        elif judged is not None:
+            gate = judged
+    if failure is None and not included:
         failure = _unreadable(query.metric, left_out)
     value = None if failure is not None else aggregate(query.aggregation, included)
     return Evaluation(query, contributions, value, failure, snapshot, absent=gate)
+
+
+class NodeLeftOut(NamedTuple):
+    """One node's GPUs (or pods' GPUs) that an evaluation could not read, and how many it could."""
+
+    node: str
+    part: Snapshot | None  # the node's snapshot in a cluster view
+    readable: int
+    left_out: Sequence[Contribution]
+
+
+def _unknown(contribution: Contribution) -> bool:
+    """Whether a GPU left out has a value that is unknown now (lost, hung, not read, nothing in its window),
+    rather than none at all: a GPU that does not support the metric is outside its domain, and never counts."""
+    error = contribution.error
+    return contribution.value is None and (error is None or error.kind is not ReadErrorKind.NOT_SUPPORTED)
+
+
+def _parts_left_out(snapshot: Snapshot, node_parts: Sequence[NodePart]) -> list[NodeLeftOut]:
+    """The nodes of a cluster evaluation that left something out: found in C, as most nodes leave out nothing."""
+    parts = snapshot.parts
+    return [
+        NodeLeftOut(parts[index].node, parts[index], len(node_parts[index].included), node_parts[index].left_out)
+        for index in itertools.compress(range(len(node_parts)), map(_LEFT_OUT, node_parts))
+    ]
+
+
+def _left_out_by_node(snapshot: Snapshot, contributions: Iterable[Contribution]) -> list[NodeLeftOut]:
+    """The nodes whose contributions leave something out, in order, with how many of theirs were read."""
+    readable: dict[str, int] = {}
+    left: dict[str, list[Contribution]] = {}
+    for contribution in contributions:
+        node = contribution.sample.node
+        if contribution.value is None:
+            left.setdefault(node, []).append(contribution)
+        else:
+            readable[node] = readable.get(node, 0) + 1
+    parts = {part.node: part for part in snapshot.parts} if snapshot.cluster else {}
+    return [NodeLeftOut(node, parts.get(node), readable.get(node, 0), gpus) for node, gpus in left.items()]
+
+
+def _judge_unreadable(
+    query: ValueQuery,
+    snapshot: Snapshot,
+    by_node: Sequence[NodeLeftOut],
+    readable: int,
+    silent: Sequence[tuple[Absence, HeldPods]],
+) -> tuple[Absence, ...] | GpuscalerError | None:
+    """Unreadable is not zero: what an answer does with selected GPUs it cannot read now. One rule, agent and gateway:
+
+    - a node none of whose selected GPUs can be read is unknown, like a silent node: the answer is UNAVAILABLE
+      naming it, unless ``minNodes`` is met without it (it counts as not heard); on an agent, that node is all
+      there is, so the answer is UNAVAILABLE;
+    - unknown GPUs on nodes that answer with others are left out while they are within ``maxUnreadable`` of the
+      GPUs the answer would count; beyond it the answer is UNAVAILABLE naming them.
+
+    GPUs that do not support the metric are left out and counted in neither. Returns the absences the value
+    may leave out (when it leaves out a node), the error KEDA must get instead, or None: nothing changes.
+    """
+    unreadable: list[NodeLeftOut] = []
+    left_out: list[Contribution] = []
+    for node in by_node:
+        unknown = [c for c in node.left_out if _unknown(c)]
+        if not unknown:
+            continue
+        if node.readable == 0:
+            unreadable.append(node)
+        else:
+            left_out.extend(unknown)
+    gate: tuple[Absence, ...] | None = None
+    if unreadable:
+        if not snapshot.cluster:
+            return _unreadable(query.metric, unreadable[0].left_out)
+        absences = [(_unreadable_node(node, snapshot), _holding(node.left_out)) for node in unreadable]
+        judged = _gate(query, snapshot, [*silent, *absences], heard=len(snapshot.nodes) - len(unreadable))
+        if isinstance(judged, GpuscalerError):
+            return judged
+        gate = judged
+    if left_out:
+        total = readable + len(left_out)
+        allowed = query.max_unreadable.allowed(total)
+        if len(left_out) > allowed:
+            return _too_many_unreadable(query, snapshot, left_out, total, allowed)
+    return gate
+
+
+def _unreadable_node(node: NodeLeftOut, snapshot: Snapshot) -> Absence:
+    gpus = list({c.sample.gpu.uuid: c for c in node.left_out}.values())  # a GPU two selected pods hold, once
+    details = "; ".join(f"GPU {c.sample.gpu.index} ({c.sample.gpu.uuid}): {c.reason}" for c in gpus[:MAX_GPUS_NAMED])
+    if len(gpus) > MAX_GPUS_NAMED:
+        details += f"; and {len(gpus) - MAX_GPUS_NAMED} more"
+    reason = f"none of its {len(gpus)} selected GPU(s) can be read ({details})"
+    since = node.part.taken_at if node.part is not None else snapshot.taken_at
+    return Absence("", node.node, since, reason, last=node.part, heard=True)
+
+
+def _holding(left_out: Iterable[Contribution]) -> HeldPods:
+    """The selected pods whose GPUs these are (none in an all-GPU query)."""
+    return tuple(sorted({c.pod for c in left_out if c.pod is not None}))
+
+
+def _too_many_unreadable(
+    query: ValueQuery, snapshot: Snapshot, left_out: Sequence[Contribution], total: int, allowed: int
+) -> GpuscalerError:
+    where = snapshot.cluster
+    details = "; ".join(
+        f"GPU {c.sample.gpu.index} ({c.sample.gpu.uuid}){f' on {c.sample.node}' if where else ''}: {c.reason}"
+        for c in left_out[:MAX_GPUS_NAMED]
+    )
+    if len(left_out) > MAX_GPUS_NAMED:
+        details += f"; and {len(left_out) - MAX_GPUS_NAMED} more"
+    tolerance = query.max_unreadable.describe()
+    if query.max_unreadable == DEFAULT_MAX_UNREADABLE:
+        tolerance += " (the default)"
+    return Unavailable(
+        f"{query.metric.value} cannot be read on {len(left_out)} of the {total} selected GPUs, and maxUnreadable "
+        f"{tolerance} lets an answer leave out {allowed} of them: {details}. Their share is unknown, not 0, and "
+        "leaving it out could scale the workload in; maxUnreadable sets how many may be left out"
+    )
 
 
 def _named_parts(
@@ -406,25 +547,27 @@ def select(selection: GpuSelection, snapshot: Snapshot) -> Sequence[GpuSample]:
     return samples
 
 
-HeldPods = tuple[tuple[str, str], ...]  # (namespace, pod) of a selection that an absent node held
 MAX_ABSENCES_NAMED = 5
+MAX_GPUS_NAMED = 5
 
 
 def _gate(
-    query: ValueQuery, snapshot: Snapshot, relevant: Sequence[tuple[Absence, HeldPods]]
+    query: ValueQuery, snapshot: Snapshot, relevant: Sequence[tuple[Absence, HeldPods]], heard: int | None = None
 ) -> tuple[Absence, ...] | GpuscalerError:
     """The absences the value may leave out, or the error KEDA must get instead.
 
-    Unknown is not zero: a node the answer needs and cannot hear makes the answer UNAVAILABLE, unless
+    Unknown is not zero: a node the answer needs and cannot hear (or read) makes the answer UNAVAILABLE, unless
     ``minNodes`` says how many heard nodes are enough; then those are left out (and named in Explain).
+    ``heard`` is how many nodes count as heard, when some fresh ones have nothing readable.
     """
     if query.min_nodes is not None:
-        fresh = len(snapshot.nodes)
+        fresh = len(snapshot.nodes) if heard is None else heard
         known = snapshot.known_nodes
         required = query.min_nodes.required(known)
         if fresh < required:
+            readable = "" if heard is None else " with a readable GPU"
             return Unavailable(
-                f"only {fresh} of {known} known nodes sent fresh samples, and minNodes "
+                f"only {fresh} of {known} known nodes sent fresh samples{readable}, and minNodes "
                 f"{query.min_nodes.describe()} needs {required}; answering from too little data could scale "
                 "the workload in"
             )
@@ -439,19 +582,25 @@ def _unknown_share(relevant: Sequence[tuple[Absence, HeldPods]], snapshot: Snaps
     for absence, held in relevant[:MAX_ABSENCES_NAMED]:
         clause = absence.describe(snapshot.taken_at)
         if held:
-            clause += f", and it held {_listing(f'{ns}/{name}' for ns, name in held)}"
+            clause += f", and it {'holds' if absence.heard else 'held'} {_listing(f'{ns}/{name}' for ns, name in held)}"
         clauses.append(clause)
     if len(relevant) > MAX_ABSENCES_NAMED:
         clauses.append(f"and {len(relevant) - MAX_ABSENCES_NAMED} more")
+    read = any(absence.heard for absence, _ in relevant)
+    hear = "hear or read" if read else "hear"
+    again = "heard and read again" if read else "heard again"
     if pods is None:
-        scope = f"the value needs every node's GPUs, and {len(relevant)} of {snapshot.known_nodes} cannot be heard"
-        until = "until it is heard again or its agent leaves discovery (the node is removed)"
+        scope = (
+            f"the value needs every node's GPUs, and {len(relevant)} of {snapshot.known_nodes} cannot be "
+            f"{'heard or read' if read else 'heard'}"
+        )
+        until = f"until it is {again} or its agent leaves discovery (the node is removed)"
     else:
-        scope = f"{pods.describe()} may hold GPUs the gateway cannot hear"
-        until = "until the node is heard again, the pods are deleted, or its agent leaves discovery"
+        scope = f"{pods.describe()} may hold GPUs the gateway cannot {hear}"
+        until = f"until the node is {again}, the pods are deleted, or its agent leaves discovery"
     return (
         f"{scope}: {'; '.join(clauses)}. That share is unknown, not 0, {until}; minNodes lets the answer "
-        "leave out nodes that cannot be heard"
+        f"leave out nodes that cannot be {'heard or read' if read else 'heard'}"
     )
 
 
@@ -532,7 +681,8 @@ def _evaluate_pods(
     failure = _attribution_failure(pods, snapshot, directory)
     if failure is not None:
         return _failed(query, snapshot, failure)
-    gate = _gate(query, snapshot, _pod_absences(pods, snapshot, directory))
+    silent = _pod_absences(pods, snapshot, directory)
+    gate = _gate(query, snapshot, silent)
     if isinstance(gate, GpuscalerError):
         return _failed(query, snapshot, gate)
 
@@ -591,10 +741,28 @@ def _evaluate_pods(
         )
     elif not values:
         value = 0.0  # no selected pod holds a GPU on any node, and no node that cannot be heard may hold one
-    elif not included:
-        value, error = None, _unreadable(query.metric, [c for c in contributions if c.value is None])
     else:
-        value = aggregate(query.aggregation, included)
+        value = None
+        left_out = [c for c in contributions if c.value is None]
+        judged = (
+            _judge_unreadable(
+                query, snapshot, _left_out_by_node(snapshot, contributions), len(contributions) - len(left_out), silent
+            )
+            if left_out
+            else None
+        )
+        if isinstance(judged, GpuscalerError):
+            error = judged
+        else:
+            gate = judged if judged is not None else gate
+            # minNodes left out these nodes, whose selected GPUs none can be read: as if they were silent.
+            gone = {absence.node for absence in gate if absence.heard}
+            if included:
+                value = aggregate(query.aggregation, included)
+            elif all(p.node in gone for p in values):
+                value = 0.0  # every selected pod is on a node minNodes lets the answer leave out
+            else:
+                error = _unreadable(query.metric, left_out)
     return Evaluation(
         query, tuple(contributions), value, error, snapshot, tuple(values), absent=gate, selection=pods.describe()
     )

@@ -19,11 +19,13 @@ from gpuscaler.errors import InvalidMetadata
 from gpuscaler.gpu_metrics import METRICS, Metric
 from gpuscaler.profiles import DEFAULT_METRIC, PROFILES
 from gpuscaler.query import (
+    DEFAULT_MAX_UNREADABLE,
     ActivationRule,
     GpuSelection,
     NodeQuorum,
     PodSelection,
     Query,
+    UnreadableTolerance,
     ValueQuery,
     default_metric_name,
 )
@@ -56,6 +58,7 @@ QUERY_KEYS = (
     "podSelector",
     "podAggregation",
     "minNodes",
+    "maxUnreadable",
     "scaleTargetPods",
 )
 POD_KEYS = ("namespace", "pod", "workload", "podSelector")
@@ -71,6 +74,7 @@ _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _OBJECT_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _POD_GLOB = re.compile(r"^[-a-z0-9.*?\[\]!]{1,253}$")
 MAX_MIN_NODES = 100_000
+MAX_UNREADABLE_COUNT = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +170,9 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: st
         window_function=window_function,
         pods=pods,
         min_nodes=_parse_min_nodes(raw["minNodes"]) if "minNodes" in raw else None,
+        max_unreadable=(
+            _parse_max_unreadable(raw["maxUnreadable"]) if "maxUnreadable" in raw else DEFAULT_MAX_UNREADABLE
+        ),
         scale_target_ignored=scale_target_pods and bool(explicit),
     )
     metric_name = _parse_metric_name(raw["metricName"]) if "metricName" in raw else default_metric_name(value)
@@ -202,6 +209,11 @@ def _resolve_keys(metadata: Mapping[str, str]) -> dict[str, str]:
         raise InvalidMetadata(
             f"keys {gpu_keys[0]!r} and {pod_keys[0]!r} are both set; select GPUs either by GPU or by the pods "
             "that hold them"
+        )
+    if "maxUnreadable" in resolved and gpu_keys:
+        raise InvalidMetadata(
+            f"keys 'maxUnreadable' and {gpu_keys[0]!r} are both set; GPUs named by {gpu_keys[0]} must all be readable "
+            "(the query is strict), so maxUnreadable does not apply: leave it out"
         )
     scale_target_pods = resolved.get("scaleTargetPods", "").strip().lower() == "true" and not gpu_keys
     if "podAggregation" in resolved and not pod_keys and not scale_target_pods:
@@ -377,6 +389,27 @@ def _parse_min_nodes(text: str) -> NodeQuorum:
     if not 1 <= count <= MAX_MIN_NODES:
         raise InvalidMetadata(f"minNodes {text!r} is out of range; it must be between 1 and {MAX_MIN_NODES}")
     return NodeQuorum(count=count)
+
+
+def _parse_max_unreadable(text: str) -> UnreadableTolerance:
+    item = text.strip()
+    allowed = "use a GPU count like '0' or '2', or a share of the selected GPUs like '5%'"
+    if item.endswith("%"):
+        try:
+            percent = float(item[:-1])
+        except ValueError:
+            raise InvalidMetadata(f"maxUnreadable {text!r} is not a number; {allowed}") from None
+        if not 0 <= percent <= 100:  # also refuses nan
+            raise InvalidMetadata(f"maxUnreadable {text!r} is out of range; a share must be from 0% to 100%")
+        return UnreadableTolerance(fraction=percent / 100.0)
+    if not re.fullmatch(r"\d{1,6}", item):
+        raise InvalidMetadata(f"maxUnreadable {text!r} is not allowed; {allowed}")
+    count = int(item)
+    if count > MAX_UNREADABLE_COUNT:
+        raise InvalidMetadata(
+            f"maxUnreadable {text!r} is out of range; a count must be from 0 to {MAX_UNREADABLE_COUNT}"
+        )
+    return UnreadableTolerance(count=count)
 
 
 def _parse_indices(text: str) -> tuple[int, ...] | None:

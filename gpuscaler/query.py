@@ -87,6 +87,31 @@ class NodeQuorum:
 
 
 @dataclass(frozen=True, slots=True)
+class UnreadableTolerance:
+    """How many of a selection's GPUs an answer may leave out because they cannot be read now (``maxUnreadable``):
+    a count, or a fraction of the GPUs it would count. Only GPUs on nodes that still answer with some readable GPU
+    are counted against it; a node with nothing readable is unknown, like a silent node (``minNodes``)."""
+
+    count: int | None = None
+    fraction: float | None = None
+
+    def allowed(self, gpus: int) -> int:
+        """How many of ``gpus`` may be left out: a share rounds down, so a small selection is strict."""
+        if self.count is not None:
+            return self.count
+        assert self.fraction is not None
+        return math.floor(self.fraction * gpus + 1e-9)
+
+    def describe(self) -> str:
+        return str(self.count) if self.count is not None else f"{100 * (self.fraction or 0):g}%"
+
+
+# 5%: half the HPA's default tolerance (10%, --horizontal-pod-autoscaler-tolerance), so what it leaves out alone
+# never moves a steady HPA; and strict below 20 GPUs, so one 8-GPU node (or two) answers UNAVAILABLE for one lost GPU.
+DEFAULT_MAX_UNREADABLE = UnreadableTolerance(fraction=0.05)
+
+
+@dataclass(frozen=True, slots=True)
 class ValueQuery:
     """The part of a query that decides its value; queries equal here share one evaluation."""
 
@@ -97,6 +122,7 @@ class ValueQuery:
     window_function: WindowFunction
     pods: PodSelection | None = None
     min_nodes: NodeQuorum | None = None
+    max_unreadable: UnreadableTolerance = DEFAULT_MAX_UNREADABLE
     # scaleTargetPods was set beside an explicit selector, which wins; the description says so.
     scale_target_ignored: bool = False
 

@@ -196,7 +196,8 @@ def left_out_lines(report: Report) -> list[str]:
     for absent in explanation.get("absent", []):
         who = f"node {absent.get('node')}" if absent.get("node") else "an agent not heard from"
         agent, reason = absent.get("agent", ""), absent.get("reason", "")
-        lines.append(f"The value leaves out {who} (agent {agent}), as minNodes allows: {reason}")
+        by = f" (agent {agent})" if agent else ""  # a node that is heard, with nothing readable, names no agent
+        lines.append(f"The value leaves out {who}{by}, as minNodes allows: {reason}")
     return lines
 
 

@@ -328,6 +328,10 @@ class Absence:
     ``node`` is None for a listed agent that has sent no snapshot since the gateway started, or whose
     snapshots are refused (it claims a node another agent reports). ``last`` is the node's newest
     snapshot, which says which pods it held; ``since`` is wall-clock seconds since the epoch.
+
+    ``heard`` marks a node that is heard but none of whose selected GPUs can be read now (every one lost or
+    hung): as unknown as a silent node, for one answer. The gateway keeps no history, so ``since`` is when
+    the snapshot that says so was taken, and ``agent`` is empty (the node's snapshot does not name it).
     """
 
     agent: str
@@ -335,9 +339,12 @@ class Absence:
     since: float
     reason: str
     last: Snapshot | None = None
+    heard: bool = False
 
     def describe(self, now: float) -> str:
         """One clause for an error message: who, since when, and why."""
+        if self.heard:
+            return f"node {self.node!r} is heard, but {self.reason}"
         when = datetime.datetime.fromtimestamp(self.since, datetime.UTC).isoformat(timespec="seconds")
         ago = f"{max(0.0, now - self.since):.1f}s ago"
         who = f"node {self.node!r} (agent {self.agent})" if self.node else f"agent {self.agent}"

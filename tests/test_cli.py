@@ -40,18 +40,22 @@ async def test_query_json_shows_what_keda_gets(agent: Agent, capsys: pytest.Capt
 
 
 async def test_query_shows_errors_and_left_out_gpus(agent: Agent, capsys: pytest.CaptureFixture[str]) -> None:
-    """A failed GPU appears as left out with its reason, in the table too; a query that needs it shows KEDA's error."""
+    """A failed GPU makes a small all-GPU query UNAVAILABLE (maxUnreadable), and within maxUnreadable appears as left
+    out with its reason, in the table too; a query that names it shows KEDA's error."""
     address = f"127.0.0.1:{agent.port}"
     assert await run_cli("fake", "fail", "--address", address, "--gpu", "3", "--error", "lost") == 0
     await next_tick(agent)
     capsys.readouterr()
 
-    assert await run_cli("query", "--address", address, "--output", "json") == 0
-    gpus = json.loads(capsys.readouterr().out)["explanation"]["gpus"]
+    assert await run_cli("query", "--address", address, "--output", "json") == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["get_metrics"]["code"] == "UNAVAILABLE"
+    assert "1 of the 4 selected GPUs, and maxUnreadable 5% (the default)" in report["get_metrics"]["message"]
+    gpus = report["explanation"]["gpus"]
     assert [gpu["included"] for gpu in gpus] == [True, True, True, False]
     assert "gpu_lost" in gpus[3]["reason"]
 
-    assert await run_cli("query", "--address", address) == 0
+    assert await run_cli("query", "--address", address, "maxUnreadable=1") == 0
     table = capsys.readouterr().out
     assert "The value leaves out 1 of 4 GPU(s)" in table
     assert "GPU 3 (GPU-fake-test-node-3)" in table

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from contextlib import ExitStack
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -14,8 +15,8 @@ from gpuscaler.errors import Unavailable
 from gpuscaler.evaluation import Evaluation, evaluate
 from gpuscaler.history import History
 from gpuscaler.query import Query, ValueQuery
-from gpuscaler.samples import GpuSample, ReadErrorKind
-from tests.builders import failed_sample, gpu_sample, history_of, snapshot, utilizations
+from gpuscaler.samples import GpuSample, ReadErrorKind, Snapshot
+from tests.builders import ClusterSource, cluster, failed_sample, gpu_sample, history_of, snapshot, utilizations
 
 HYSTERESIS = {"activationThreshold": "50", "deactivationThreshold": "20"}
 
@@ -272,3 +273,45 @@ def test_healthy(samples: tuple[GpuSample, ...], age: float, expected: bool) -> 
 def test_not_healthy_before_the_first_poll(node: Node) -> None:
     """With no sample yet the agent is not SERVING."""
     assert node.engine.healthy() is False
+
+
+def test_a_hung_busy_gpu_never_pushes_false_on_an_agent(node: Node) -> None:
+    """The only busy GPU hangs beside an idle one: leaving it out would read 0 and push false; it stays unknown."""
+    node.utilization(60.0, 0.0)
+    query = node.query(**HYSTERESIS)
+    with node.engine.subscribe(query) as subscription:
+        assert subscription.active is True
+        for _ in range(3):
+            node.tick(failed_sample(0, ReadErrorKind.TIMEOUT), gpu_sample(1, util=0.0))
+            assert wake_ups(subscription) == (False, True)
+            with pytest.raises(Unavailable, match="cannot be read on 1 of the 2 selected GPUs"):
+                node.engine.is_active(query)
+
+
+def test_a_gateway_never_pushes_false_while_a_busy_node_cannot_be_read() -> None:
+    """Behind a gateway, busy node B's GPUs all hang: no false pushed, IsActive UNAVAILABLE naming B, until read."""
+    idle = Snapshot(1, 0.0, 0.0, "gpu-a", samples=(gpu_sample(0, util=0.0, node="gpu-a", uuid="GPU-a-0"),))
+    busy = Snapshot(1, 0.0, 0.0, "gpu-b", samples=(gpu_sample(0, util=95.0, node="gpu-b", uuid="GPU-b-0"),))
+    hung = replace(busy, samples=(failed_sample(0, ReadErrorKind.TIMEOUT)._replace(node="gpu-b"),))
+    clock = ManualClock()
+    source = ClusterSource(cluster(idle, busy))
+    engine = Engine(source, clock=clock, cluster=True)
+
+    def compose(*parts: Snapshot) -> None:
+        clock.now += 0.5
+        source.view = replace(cluster(*parts, at=clock.now), sequence=source.view.sequence + 1)
+        engine.on_snapshot(source.view)
+
+    query = engine.parse(HYSTERESIS)
+    with engine.subscribe(query) as subscription:
+        assert subscription.active is True
+        for _ in range(3):
+            compose(idle, hung)
+            assert wake_ups(subscription) == (False, True)
+            with pytest.raises(Unavailable, match="node 'gpu-b' is heard, but none of its 1 selected GPU"):
+                engine.is_active(query)
+        with engine.subscribe(query) as opened_while_unknown:
+            assert opened_while_unknown.active is None
+            compose(idle, busy)
+            assert wake_ups(opened_while_unknown) == (True, True)
+        assert wake_ups(subscription) == (False, True)

@@ -9,7 +9,7 @@ from gpuscaler.errors import GpuscalerError, InvalidMetadata, Unavailable, Unsup
 from gpuscaler.evaluation import Evaluation, evaluate
 from gpuscaler.gpu_metrics import Metric
 from gpuscaler.history import History
-from gpuscaler.query import GpuSelection, ValueQuery
+from gpuscaler.query import DEFAULT_MAX_UNREADABLE, GpuSelection, UnreadableTolerance, ValueQuery
 from gpuscaler.samples import GpuSample, ReadError, ReadErrorKind
 from tests.builders import (
     NODE,
@@ -33,9 +33,10 @@ def query(
     selection: GpuSelection | None = None,
     window: float | None = None,
     function: WindowFunction = WindowFunction.AVG,
+    max_unreadable: UnreadableTolerance = DEFAULT_MAX_UNREADABLE,
 ) -> ValueQuery:
     """A value query: by default the sum of gpu_utilization over every GPU, latest sample."""
-    return ValueQuery(metric, aggregation, selection or GpuSelection(), window, function)
+    return ValueQuery(metric, aggregation, selection or GpuSelection(), window, function, max_unreadable=max_unreadable)
 
 
 def run(value_query: ValueQuery, history: History, *, now: float | None = None) -> Evaluation:
@@ -172,9 +173,9 @@ def test_the_listing_of_a_nodes_gpus_does_not_read_as_a_count(values: tuple[floa
     ],
 )
 def test_all_gpu_query_leaves_out_an_unreadable_gpu_with_its_reason(kind: ReadErrorKind, reason: str) -> None:
-    """Over all GPUs, one that cannot be read is left out (and says why); the others still answer."""
+    """Over all GPUs, one that cannot be read is left out within maxUnreadable (and says why); the others answer."""
     samples = (gpu_sample(0, util=40.0), failed_sample(1, kind, "nvml says no"), gpu_sample(2, util=50.0))
-    evaluation = run(query(), history_of(snapshot(1, 0.0, samples)))
+    evaluation = run(query(max_unreadable=UnreadableTolerance(count=1)), history_of(snapshot(1, 0.0, samples)))
     assert evaluation.error is None
     assert evaluation.value == 90.0
     left_out = evaluation.contributions[1]
@@ -182,6 +183,38 @@ def test_all_gpu_query_leaves_out_an_unreadable_gpu_with_its_reason(kind: ReadEr
     assert left_out.reason is not None
     assert left_out.reason.startswith(reason)
     assert [c.value for c in evaluation.contributions] == [40.0, None, 50.0]
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [ReadErrorKind.GPU_LOST, ReadErrorKind.TIMEOUT, ReadErrorKind.OTHER],
+    ids=lambda kind: kind.value,
+)
+def test_one_unreadable_gpu_of_eight_is_unavailable_by_default(kind: ReadErrorKind) -> None:
+    """One node's 8 GPUs, one lost or hung: under the default 5% (0 of 8) the answer is UNAVAILABLE naming it.
+
+    Leaving it out would scale a busy node in by 1/8; with maxUnreadable 1 it is left out, and 0 is strict.
+    """
+    samples = (*(gpu_sample(i, util=95.0) for i in range(7)), failed_sample(7, kind, "nvml says no"))
+    history = history_of(snapshot(1, 0.0, samples))
+    error = failure(run(query(), history))
+    assert type(error) is Unavailable
+    assert error.message.startswith("gpu_utilization cannot be read on 1 of the 8 selected GPUs")
+    assert "maxUnreadable 5% (the default) lets an answer leave out 0 of them" in error.message
+    assert f"GPU 7 ({uuid_of(7)}): {kind.value}: nvml says no" in error.message
+    assert "on node" not in error.message  # an agent's own GPUs
+    assert "maxUnreadable 0 lets" in failure(run(query(max_unreadable=UnreadableTolerance(count=0)), history)).message
+    tolerant = run(query(max_unreadable=UnreadableTolerance(count=1)), history)
+    assert (tolerant.error, tolerant.value) == (None, 7 * 95.0)
+    assert [c.sample.gpu.index for c in tolerant.unread] == [7]
+
+
+def test_a_gpu_without_the_metric_is_left_out_whatever_the_tolerance() -> None:
+    """NOT_SUPPORTED is outside the metric's domain, not unknown: left out even with maxUnreadable 0."""
+    samples = (gpu_sample(0, util=40.0), unsupported_sample(1))
+    evaluation = run(query(max_unreadable=UnreadableTolerance(count=0)), history_of(snapshot(1, 0.0, samples)))
+    assert (evaluation.error, evaluation.value) == (None, 40.0)
+    assert [c.sample.gpu.index for c in evaluation.unread] == [1]
 
 
 def test_left_out_gpu_says_when_it_was_last_read() -> None:
@@ -306,15 +339,16 @@ def mig_instance(slot: int, *, used: int) -> GpuSample:
 
 
 def mig_history() -> History:
-    """One snapshot: a MIG GPU's two instances (250 and 500 of 1000 bytes used) beside a whole GPU."""
-    samples = (mig_instance(0, used=250), mig_instance(1, used=500), gpu_sample(1, util=30.0, power=200.0, limit=400.0))
+    """One snapshot: a MIG GPU's two instances (250 and 500 of 1000 bytes used) beside a whole GPU (100 of 1000)."""
+    whole = gpu_sample(1, util=30.0, power=200.0, limit=400.0, used=100, total=1000)
+    samples = (mig_instance(0, used=250), mig_instance(1, used=500), whole)
     return history_of(snapshot(1, 0.0, samples))
 
 
 @pytest.mark.parametrize(
     ("value_query", "expected", "included"),
     [
-        pytest.param(query(metric=Metric.MEMORY_USED_PERCENT), 75.0, [True, True, False], id="memory-used"),
+        pytest.param(query(metric=Metric.MEMORY_USED_PERCENT), 85.0, [True, True, True], id="memory-used"),
         pytest.param(query(), 30.0, [False, False, True], id="utilisation-from-the-whole-gpu-only"),
         pytest.param(query(metric=Metric.POWER_PERCENT), 50.0, [False, False, True], id="power-percent"),
     ],

@@ -8,15 +8,16 @@ without it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
 
 from gpuscaler.errors import InvalidMetadata, Unavailable
-from gpuscaler.evaluation import Evaluation, evaluate
+from gpuscaler.evaluation import Evaluation, NodeMemo, evaluate
 from gpuscaler.metadata import Limits, parse_metadata
 from gpuscaler.pods import PodInfo
-from gpuscaler.samples import Attribution, AttributionState, PodRef, Snapshot
+from gpuscaler.samples import DEVICE_FIELD, Attribution, AttributionState, PodRef, ReadError, ReadErrorKind, Snapshot
 from tests.builders import cluster, gpu_sample, silent, snapshot, source_of, unheard
 
 LIMITS = Limits(history_seconds=600, cluster=True)
@@ -171,3 +172,106 @@ def test_an_unheard_agent_blocks_a_workload_only_where_its_pods_may_run(
 def test_without_a_directory_an_unheard_agent_blocks_pod_queries() -> None:
     """Without a pod directory nothing says where the pods run, so an unheard agent may hold them."""
     assert "agent 10.0.0.8:6000" in unavailable(run(cluster(BUSY, absent=[unheard()]), pod="trainer-*"))
+
+
+# Unreadable is not zero: a heard node whose selected GPUs cannot be read, and the maxUnreadable tolerance.
+
+
+def gpus(name: str, count: int, *, util: float = 95.0, failed: Sequence[int] = ()) -> Snapshot:
+    """Node ``name`` with ``count`` GPUs at ``util``, those in ``failed`` hanging (every read times out)."""
+    hung = (ReadError(DEVICE_FIELD, ReadErrorKind.TIMEOUT, "previous read has not returned (hung NVML call)"),)
+    samples = tuple(
+        gpu_sample(
+            i, util=None if i in failed else util, node=name, uuid=f"GPU-{name}-{i}", errors=hung if i in failed else ()
+        )
+        for i in range(count)
+    )
+    return replace(snapshot(1, 0.0, samples, node=name), attribution=Attribution(AttributionState.OK))
+
+
+IDLE = gpus("gpu-a", 2, util=0.0)
+HUNG = gpus("gpu-b", 4, failed=range(4))
+
+
+def both_ways(view: Snapshot, **metadata: str) -> Evaluation:
+    """Evaluate with and without the gateway's per-node memo (its columns path); both must agree."""
+    query = parse_metadata(metadata, LIMITS, namespace="ml").value
+    plain = evaluate(query, source_of(view), now=0.0, stale_after=5.0)
+    memoized = evaluate(query, source_of(view), now=0.0, stale_after=5.0, memo=NodeMemo())
+    assert (memoized.value, type(memoized.error), memoized.absent) == (plain.value, type(plain.error), plain.absent)
+    assert (memoized.error.message if memoized.error else None) == (plain.error.message if plain.error else None)
+    return plain
+
+
+def test_a_heard_node_whose_gpus_all_hang_is_unknown_like_a_silent_one() -> None:
+    """Busy node B's four GPUs all hang: not the idle node's 0, but UNAVAILABLE naming B and why (issue 19)."""
+    message = unavailable(both_ways(cluster(IDLE, HUNG)))
+    assert "1 of 2 cannot be heard or read" in message
+    assert "node 'gpu-b' is heard, but none of its 4 selected GPU(s) can be read" in message
+    assert "GPU 0 (GPU-gpu-b-0): timeout: previous read has not returned (hung NVML call)" in message
+    assert "unknown, not 0" in message
+    assert "minNodes lets the answer leave out nodes that cannot be heard or read" in message
+
+
+def test_min_nodes_leaves_out_a_wholly_unreadable_node_which_counts_as_not_heard() -> None:
+    """With minNodes met without it, the answer is the rest's and names B absent; B never counts as heard."""
+    evaluation = both_ways(cluster(IDLE, HUNG), minNodes="1")
+    assert (evaluation.error, evaluation.value, evaluation.nodes) == (None, 0.0, 1)
+    [absent] = evaluation.absent
+    assert (absent.node, absent.heard, absent.agent) == ("gpu-b", True, "")
+    assert [c.sample.gpu.uuid for c in evaluation.unread] == [f"GPU-gpu-b-{i}" for i in range(4)]
+    message = unavailable(both_ways(cluster(IDLE, HUNG), minNodes="2"))
+    assert "only 1 of 2 known nodes sent fresh samples with a readable GPU, and minNodes 2 needs 2" in message
+    assert "only 1 of 3" in unavailable(both_ways(cluster(IDLE, HUNG, absent=[silent(OTHER)]), minNodes="2"))
+    both = both_ways(cluster(IDLE, HUNG, absent=[silent(OTHER)]), minNodes="1")
+    assert [(a.node, a.heard) for a in both.absent] == [("gpu-b", False), ("gpu-b", True)]
+
+
+def test_one_hung_gpu_of_eight_on_one_node_is_unavailable_by_default() -> None:
+    """Leaving out 1 of 8 busy GPUs scales in by 1/8: the default 5% of 8 is 0, so the answer names it instead."""
+    message = unavailable(both_ways(cluster(gpus("gpu-b", 8, failed=[7]))))
+    assert message.startswith("gpu_utilization cannot be read on 1 of the 8 selected GPUs")
+    assert "maxUnreadable 5% (the default) lets an answer leave out 0 of them" in message
+    assert "GPU 7 (GPU-gpu-b-7) on gpu-b: timeout" in message
+    tolerant = both_ways(cluster(gpus("gpu-b", 8, failed=[7])), maxUnreadable="1")
+    assert tolerant.error is None
+    assert tolerant.value == pytest.approx(7 * 95.0)
+
+
+def big_cluster(nodes: int, *, broken: int = 1) -> Snapshot:
+    """``nodes`` nodes of 8 GPUs at 95%, the first ``broken`` of them with GPU 3 hung."""
+    return cluster(*(gpus(f"gpu-{n:04d}", 8, failed=[3] if n < broken else ()) for n in range(nodes)))
+
+
+def test_one_hung_gpu_among_two_thousand_nodes_is_left_out_and_said() -> None:
+    """One broken GPU of 16,000 does not make every cluster-wide answer UNAVAILABLE: left out, and named."""
+    view = big_cluster(2000)
+    evaluation = both_ways(view)
+    assert evaluation.error is None
+    assert evaluation.value == pytest.approx((16_000 - 1) * 95.0)
+    assert evaluation.absent == ()
+    assert [(c.sample.node, c.sample.gpu.uuid) for c in evaluation.unread] == [("gpu-0000", "GPU-gpu-0000-3")]
+    assert "maxUnreadable 0 lets an answer leave out 0" in unavailable(both_ways(view, maxUnreadable="0"))
+    assert both_ways(view, maxUnreadable="1").error is None
+    # 5% of 16,000 is 800: the 801st hung GPU makes the answer UNAVAILABLE.
+    assert both_ways(big_cluster(2000, broken=800)).error is None
+    assert "801 of the 16000 selected GPUs" in unavailable(both_ways(big_cluster(2000, broken=801)))
+
+
+def test_a_node_whose_gpus_lack_the_metric_is_not_unknown() -> None:
+    """NOT_SUPPORTED (MIG utilisation, no GPM) is outside the metric's domain: left out, never UNAVAILABLE."""
+    unsupported = (ReadError("gpu_utilization", ReadErrorKind.NOT_SUPPORTED, "Not Supported"),)
+    mig = replace(snapshot(1, 0.0, (gpu_sample(0, node="gpu-m", uuid="MIG-1", errors=unsupported),), node="gpu-m"))
+    evaluation = both_ways(cluster(IDLE, gpus("gpu-b", 2, util=50.0), mig), maxUnreadable="0")
+    assert (evaluation.error, evaluation.value, evaluation.absent) == (None, 100.0, ())
+
+
+def test_a_workload_on_a_node_whose_gpus_all_hang_is_unknown() -> None:
+    """The workload's only node is heard but its GPUs hang: UNAVAILABLE naming the node and the pods it holds."""
+    hung = node("gpu-a", (0.0, "trainer-1"), (0.0, "trainer-2"))
+    hung = replace(hung, samples=tuple(s._replace(gpu_utilization_percent=None) for s in hung.samples))
+    message = unavailable(run(cluster(OTHER, hung), Directory(*TRAINERS), workload="trainer"))
+    assert "node 'gpu-a' is heard, but none of its 2 selected GPU(s) can be read" in message
+    assert "it holds ml/trainer-1, ml/trainer-2" in message
+    allowed = run(cluster(OTHER, hung), Directory(*TRAINERS), workload="trainer", minNodes="1")
+    assert (allowed.error, allowed.value, [a.node for a in allowed.absent]) == (None, 0.0, ["gpu-a"])

@@ -8,7 +8,7 @@ import pytest
 
 from gpuscaler.aggregation import Aggregation
 from gpuscaler.errors import InvalidMetadata, Unavailable, Unsupported
-from gpuscaler.evaluation import evaluate
+from gpuscaler.evaluation import Evaluation, evaluate
 from gpuscaler.metadata import Limits, parse_metadata
 from gpuscaler.pods import PodInfo
 from gpuscaler.query import NodeQuorum, Query
@@ -134,26 +134,45 @@ def test_a_workload_with_no_pods_is_zero() -> None:
     assert value_of(parse(workload="overflow")) == 0.0
 
 
-def test_a_pod_whose_gpus_cannot_be_read_is_left_out_with_the_reason() -> None:
-    """A replica with no readable GPU leaves the sum and says why; all unreadable is an error."""
-    broken = node("node-c", (0.0, (pod("trainer-c1"),)))
-    unreadable = broken.samples[0]._replace(gpu_utilization_percent=None)
-    view = cluster(NODE_A, replace(broken, samples=(unreadable,)))
-    directory = Directory(*DIRECTORY._pods.values(), PodInfo("ml", "trainer-c1", {}, "trainer"))
-    evaluation = evaluate(
-        parse(workload="trainer").value, source_of(view), now=0.0, stale_after=5.0, directory=directory
-    )
-    assert evaluation.value == pytest.approx(70.0)
-    [left_out] = [p for p in evaluation.pods if p.value is None]
+def test_a_replica_whose_gpus_cannot_be_read_is_unknown_not_left_out() -> None:
+    """A replica none of whose GPUs can be read is not a replica at 0.
+
+    On a node with nothing else readable in the selection, the node is unknown like a silent one: UNAVAILABLE
+    naming it and the pod, unless minNodes is met without it. On a node that answers with other selected GPUs,
+    the GPU counts against maxUnreadable: beyond it UNAVAILABLE, within it the replica is left out and says why.
+    """
+    c1, c2 = PodInfo("ml", "trainer-c1", {}, "trainer"), PodInfo("ml", "trainer-c2", {}, "trainer")
+    directory = Directory(*DIRECTORY._pods.values(), c1, c2)
+
+    def run(view: Snapshot, **metadata: str) -> Evaluation:
+        query = parse_dict({"workload": "trainer", **metadata}).value
+        return evaluate(query, source_of(view), now=0.0, stale_after=5.0, directory=directory)
+
+    def unreadable_first(part: Snapshot) -> Snapshot:
+        first = part.samples[0]._replace(gpu_utilization_percent=None)
+        return replace(part, samples=(first, *part.samples[1:]))
+
+    broken = unreadable_first(node("node-c", (0.0, (pod("trainer-c1"),))))
+    blocked = run(cluster(NODE_A, NODE_B, broken))
+    assert isinstance(blocked.error, Unavailable)
+    assert "node 'node-c' is heard, but none of its 1 selected GPU(s) can be read" in blocked.error.message
+    assert "it holds ml/trainer-c1" in blocked.error.message
+    allowed = run(cluster(NODE_A, NODE_B, broken), minNodes="2")
+    assert allowed.value == pytest.approx(150.0)
+    assert [(a.node, a.heard) for a in allowed.absent] == [("node-c", True)]
+    assert isinstance(run(cluster(NODE_A, NODE_B, broken), minNodes="3").error, Unavailable)
+
+    beside = unreadable_first(node("node-c", (0.0, (pod("trainer-c1"),)), (40.0, (pod("trainer-c2"),))))
+    strict = run(cluster(NODE_A, NODE_B, beside))
+    assert isinstance(strict.error, Unavailable)
+    assert "cannot be read on 1 of the 6 selected GPUs" in strict.error.message
+    tolerant = run(cluster(NODE_A, NODE_B, beside), maxUnreadable="1")
+    assert tolerant.value == pytest.approx(190.0)
+    [left_out] = [p for p in tolerant.pods if p.value is None]
     assert left_out.pod == "trainer-c1"
     assert "could be read" in (left_out.reason or "")
 
-    alone = evaluate(
-        parse(pod="trainer-c1").value,
-        source_of(cluster(replace(broken, samples=(unreadable,)))),
-        now=0.0,
-        stale_after=5.0,
-    )
+    alone = evaluate(parse(pod="trainer-c1").value, source_of(cluster(broken)), now=0.0, stale_after=5.0)
     assert isinstance(alone.error, Unavailable)
 
 

@@ -11,7 +11,7 @@ from gpuscaler.aggregation import Aggregation, WindowFunction
 from gpuscaler.errors import InvalidMetadata
 from gpuscaler.gpu_metrics import Metric
 from gpuscaler.metadata import Limits, parse_metadata
-from gpuscaler.query import ActivationRule, GpuSelection, Query
+from gpuscaler.query import DEFAULT_MAX_UNREADABLE, ActivationRule, GpuSelection, Query, UnreadableTolerance
 
 LIMITS = Limits(history_seconds=600.0)  # the agent's default --history 10m
 URL_SAFE_LOWERCASE = re.compile(r"^[a-z0-9][a-z0-9._-]*[a-z0-9]$")
@@ -42,6 +42,7 @@ def test_no_keys_give_the_documented_defaults() -> None:
     assert query.activation == ActivationRule(5.0, 5.0)
     assert query.profile is None
     assert query.metric_name == "gpuscaler-gpu_utilization-sum"
+    assert query.value.max_unreadable == DEFAULT_MAX_UNREADABLE == UnreadableTolerance(fraction=0.05)
 
 
 @pytest.mark.parametrize(
@@ -114,6 +115,13 @@ EVERY_KEY: list[tuple[dict[str, str], Check, object]] = [
     ({"metricName": "a" * 100}, lambda q: q.metric_name, "a" * 100),
     ({"profile": "training"}, lambda q: q.profile, "training"),
     ({"profile": " batch "}, lambda q: q.profile, "batch"),
+    ({"maxUnreadable": "0"}, lambda q: q.value.max_unreadable, UnreadableTolerance(count=0)),
+    ({"maxUnreadable": " 2 "}, lambda q: q.value.max_unreadable, UnreadableTolerance(count=2)),
+    ({"maxUnreadable": "5%"}, lambda q: q.value.max_unreadable, UnreadableTolerance(fraction=0.05)),
+    ({"maxUnreadable": "0%"}, lambda q: q.value.max_unreadable, UnreadableTolerance(fraction=0.0)),
+    ({"maxUnreadable": "100%"}, lambda q: q.value.max_unreadable, UnreadableTolerance(fraction=1.0)),
+    ({"maxUnreadable": "2", "namespace": "ml"}, lambda q: q.value.max_unreadable, UnreadableTolerance(count=2)),
+    ({"maxUnreadable": "1"}, lambda q: q.metric_name, "gpuscaler-gpu_utilization-sum"),
     ({"pollIntervalSeconds": "15"}, lambda q: q, parse_metadata({}, LIMITS)),
     ({"pollIntervalSeconds": "0.5"}, lambda q: q, parse_metadata({}, LIMITS)),
 ]
@@ -248,6 +256,14 @@ def test_unknown_key_is_refused_even_beside_valid_ones() -> None:
             id="two-shorthands",
         ),
         pytest.param({"gpuIndex": "0", "gpuUUID": "GPU-a"}, ["'gpuIndex'", "'gpuUUID'"], id="index-and-uuid"),
+        pytest.param(
+            {"gpuUUID": "GPU-a", "maxUnreadable": "1"},
+            ["'maxUnreadable'", "'gpuUUID'", "must all be readable"],
+            id="tolerance-and-uuid",
+        ),
+        pytest.param(
+            {"gpuIndex": "0", "maxUnreadable": "0"}, ["'maxUnreadable'", "'gpuIndex'"], id="tolerance-and-index"
+        ),
     ],
 )
 def test_conflicting_keys_are_refused(metadata: dict[str, str], fragments: list[str]) -> None:
@@ -318,6 +334,16 @@ BAD_VALUES: list[tuple[str, str, str]] = [
     ("metricName", "gpu util", "lowercase"),
     ("metricName", "gpu\n", "lowercase"),
     ("metricName", "a" * 101, "1-100"),
+    ("maxUnreadable", "-1", "a GPU count like '0' or '2', or a share of the selected GPUs like '5%'"),
+    ("maxUnreadable", "two", "a GPU count like '0' or '2', or a share of the selected GPUs like '5%'"),
+    ("maxUnreadable", "", "a GPU count like '0' or '2'"),
+    ("maxUnreadable", "1.5", "a GPU count like '0' or '2'"),
+    ("maxUnreadable", "1000000", "a GPU count like '0' or '2'"),
+    ("maxUnreadable", "100001", "a count must be from 0 to 100000"),
+    ("maxUnreadable", "x%", "is not a number"),
+    ("maxUnreadable", "101%", "a share must be from 0% to 100%"),
+    ("maxUnreadable", "-5%", "a share must be from 0% to 100%"),
+    ("maxUnreadable", "nan%", "a share must be from 0% to 100%"),
 ]
 
 

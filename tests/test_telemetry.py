@@ -168,14 +168,15 @@ async def test_lost_fake_gpu_reads_down(start_agent: StartAgent) -> None:
 async def test_an_answer_without_a_lost_gpu_is_counted_and_logged_once(
     start_agent: StartAgent, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """An all-GPU answer that leaves out a lost GPU counts in gpuscaler_partial_answers_total, logged on change."""
+    """An all-GPU answer that leaves out a lost GPU (within maxUnreadable) counts in gpuscaler_partial_answers_total,
+    logged on change."""
     agent = await start_agent("--poll-interval", "0.1")
     assert isinstance(agent.collector, FakeCollector)
     agent.collector.fail(2, Failure.LOST)
     await next_tick(agent)
     channel = Channel("127.0.0.1", agent.port)
     stub = ExternalScalerStub(channel)
-    ref = ScaledObjectRef(name="a", namespace="b", scaler_metadata={})
+    ref = ScaledObjectRef(name="a", namespace="b", scaler_metadata={"maxUnreadable": "1"})
     try:
         for _ in range(3):
             await stub.get_metrics(

@@ -101,11 +101,18 @@ async def test_watch_refuses_a_window_it_cannot_name(agent: Agent, channel: Chan
 
 
 async def test_explain_shows_each_gpu_and_the_result(agent: Agent, channel: Channel) -> None:
-    """Explain gives the resolved query, each GPU's windowed value or reason, and the value and state."""
+    """Explain gives the resolved query, each GPU's windowed value or reason (one left out within maxUnreadable),
+    and the value and state."""
     fake(agent).set_values(None, {Metric.POWER_DRAW: 200.0})
     fake(agent).fail(1, Failure.LOST)
     await next_tick(agent)
-    metadata = {"metric": "power_draw", "window": "1s", "windowFunction": "max", "activationThreshold": "100"}
+    metadata = {
+        "metric": "power_draw",
+        "window": "1s",
+        "windowFunction": "max",
+        "activationThreshold": "100",
+        "maxUnreadable": "1",
+    }
     request = pb.ExplainRequest(scaler_metadata=metadata)
     explanation = await pb.AgentStub(channel).explain(request)
 
