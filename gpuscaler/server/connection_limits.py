@@ -17,11 +17,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Protocol
 
-import structlog
-
 from gpuscaler.flags import ConnectionLimits
-
-log = structlog.get_logger(__name__)
+from gpuscaler.server.overload import LogEvery
 
 # The label values of gpuscaler_grpc_limited_total, one per limit that can act.
 LIMITS = (
@@ -40,8 +37,6 @@ BURST_SECONDS = 10.0
 # Each call the server accepts lets its peer send this many more PINGs: gRPC clients measure the connection's
 # bandwidth-delay product with one PING per burst of data they receive (grpc-go allows it the same way).
 PINGS_PER_CALL = 2
-# One log line per limit per interval, with how often it acted since the last.
-LOG_EVERY_SECONDS = 10.0
 SWEEP_MIN_SECONDS = 0.05
 SWEEP_MAX_SECONDS = 1.0
 
@@ -96,7 +91,7 @@ class ConnectionGuard:
         self.streams = 0  # calls accepted and not yet finished, over all connections
         self.limited: Counter[str] = Counter()
         self.on_limited: list[Callable[[str], None]] = []
-        self._logged: dict[str, tuple[float, int]] = {}  # limit -> (when last logged, times since)
+        self._logs = {limit: LogEvery("grpc_limited", clock=clock, limit=limit) for limit in LIMITS}
         self._sweep: asyncio.Task[None] | None = None
 
     def admit_connection(self, connection: Guarded) -> bool:
@@ -126,13 +121,7 @@ class ConnectionGuard:
         self.limited[limit] += 1
         for observer in self.on_limited:
             observer(limit)
-        now = self.clock()
-        last, since = self._logged.get(limit, (-LOG_EVERY_SECONDS, 0))
-        if now - last < LOG_EVERY_SECONDS:
-            self._logged[limit] = (last, since + 1)
-            return
-        self._logged[limit] = (now, 0)
-        log.warning("grpc_limited", limit=limit, peer=peer, times_since_last_line=since + 1, **detail)
+        self._logs[limit](peer=peer, **detail)
 
     def sweep_every_seconds(self) -> float:
         limits = self.limits

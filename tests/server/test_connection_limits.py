@@ -26,7 +26,8 @@ import gpuscaler.server.grpc_server as grpc_server
 from gpuscaler.agent import Agent
 from gpuscaler.flags import DEFAULT_LIMITS, ConnectionLimits
 from gpuscaler.generated.externalscaler import ExternalScalerStub, ScaledObjectRef
-from gpuscaler.server.connection_limits import BURST_SECONDS, LOG_EVERY_SECONDS, ConnectionGuard, TokenBucket
+from gpuscaler.server.connection_limits import BURST_SECONDS, ConnectionGuard, TokenBucket
+from gpuscaler.server.overload import LOG_EVERY_SECONDS
 from tests.conftest import StartAgent
 from tests.server.test_transport import request_headers
 from tests.waiting import until
