@@ -13,13 +13,11 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
-from e2e.support.cluster import Cluster, answer, eventually, explain
+from e2e.support.cluster import Cluster, Pushes, answer, eventually, explain, is_active
 from e2e.support.process import Process
-from gpuscaler.generated import externalscaler as keda
 from tests.fakes.fake_kubelet import Assignment, FakeKubelet, short_socket_path
 
 NODES = ("node-1", "node-2", "node-3")
@@ -109,36 +107,6 @@ async def test_both_gateways_give_the_same_hand_computed_answers(cluster: Cluste
     assert sorted(p.pod for p in explanation.pods) == ["trainer-5d8f-a", "trainer-5d8f-b"]
 
 
-class Pushes:
-    """Every StreamIsActive message one gateway pushes for one query, read in the background."""
-
-    def __init__(self, gateway: Process, **metadata: str) -> None:
-        self.seen: list[bool] = []
-        self._channel = Channel("127.0.0.1", gateway.port)
-        ref = keda.ScaledObjectRef(name="so", namespace="ml", scaler_metadata=metadata)
-        self._stream = keda.ExternalScalerStub(self._channel).stream_is_active(ref)
-        self._reader = asyncio.create_task(self._read())
-
-    async def _read(self) -> None:
-        async for message in self._stream:
-            self.seen.append(message.result)
-
-    async def close(self) -> None:
-        self._reader.cancel()
-        await asyncio.gather(self._reader, return_exceptions=True)
-        self._channel.close()
-
-
-async def is_active(gateway: Process, **metadata: str) -> bool:
-    """The gateway's IsActive answer for ``metadata`` from namespace ml."""
-    channel = Channel("127.0.0.1", gateway.port)
-    try:
-        ref = keda.ScaledObjectRef(name="so", namespace="ml", scaler_metadata=metadata)
-        return (await keda.ExternalScalerStub(channel).is_active(ref, timeout=5)).result
-    finally:
-        channel.close()
-
-
 def names_node(node: str) -> Callable[[object], bool]:
     """Accepts UNAVAILABLE naming ``node``: unknown, not zero."""
 
@@ -147,11 +115,6 @@ def names_node(node: str) -> Callable[[object], bool]:
         return unavailable and f"node {node!r}" in str(getattr(got, "message", ""))
 
     return accept
-
-
-async def pushed(push: Pushes) -> list[bool]:
-    """What ``push`` has received so far, as a call for ``eventually`` to repeat."""
-    return push.seen
 
 
 async def test_a_killed_busy_agent_is_unknown_on_both_gateways_until_it_is_gone_on_purpose(
@@ -170,7 +133,7 @@ async def test_a_killed_busy_agent_is_unknown_on_both_gateways_until_it_is_gone_
     pushes = [Pushes(gateway, **metadata) for gateway in cluster.gateways for metadata in queries]
     try:
         for push in pushes:
-            await eventually(partial(pushed, push), lambda seen: seen == [True], timeout=15)
+            await eventually(push.pushed, lambda seen: seen == [True], timeout=15)
 
         port = cluster.agents["node-1"].port
         cluster.agents["node-1"].kill()

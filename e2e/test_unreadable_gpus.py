@@ -15,13 +15,11 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
-from e2e.support.cluster import CONSOLE_SCRIPT, Cluster, answer, eventually, explain
+from e2e.support.cluster import CONSOLE_SCRIPT, Cluster, Pushes, answer, eventually, explain, is_active
 from e2e.support.process import Process
-from gpuscaler.generated import externalscaler as keda
 from tests.fakes.fake_kubelet import FakeKubelet, short_socket_path
 
 IDLE, BUSY = "node-a", "node-b"
@@ -68,39 +66,6 @@ async def fake(agent: Process, *args: str) -> None:
     async with asyncio.timeout(30):
         output, _ = await process.communicate()
     assert process.returncode == 0, output.decode(errors="replace")
-
-
-class Pushes:
-    """Every StreamIsActive message the gateway pushes for one query, read in the background."""
-
-    def __init__(self, gateway: Process, **metadata: str) -> None:
-        self.seen: list[bool] = []
-        self._channel = Channel("127.0.0.1", gateway.port)
-        ref = keda.ScaledObjectRef(name="so", namespace="ml", scaler_metadata=metadata)
-        self._stream = keda.ExternalScalerStub(self._channel).stream_is_active(ref)
-        self._reader = asyncio.create_task(self._read())
-
-    async def _read(self) -> None:
-        async for message in self._stream:
-            self.seen.append(message.result)
-
-    async def pushed(self) -> list[bool]:
-        return self.seen
-
-    async def close(self) -> None:
-        self._reader.cancel()
-        await asyncio.gather(self._reader, return_exceptions=True)
-        self._channel.close()
-
-
-async def is_active(scaler: Process, **metadata: str) -> bool:
-    """IsActive for ``metadata`` from a ScaledObject in ml."""
-    channel = Channel("127.0.0.1", scaler.port)
-    try:
-        ref = keda.ScaledObjectRef(name="so", namespace="ml", scaler_metadata=metadata)
-        return (await keda.ExternalScalerStub(channel).is_active(ref, timeout=5)).result
-    finally:
-        channel.close()
 
 
 async def outcome(call: Callable[[], Awaitable[object]]) -> object:

@@ -151,3 +151,37 @@ async def eventually(call: Callable[[], Awaitable[object]], accept: Callable[[ob
             return time.monotonic() - started
         await asyncio.sleep(0.05)
     raise AssertionError(f"not accepted within {timeout:g}s; last: {last!r}")
+
+
+class Pushes:
+    """Every StreamIsActive message one scaler pushes for one query, read in the background."""
+
+    def __init__(self, scaler: Process, **metadata: str) -> None:
+        self.seen: list[bool] = []
+        self._channel = Channel("127.0.0.1", scaler.port)
+        ref = keda.ScaledObjectRef(name="so", namespace="ml", scaler_metadata=metadata)
+        self._stream = keda.ExternalScalerStub(self._channel).stream_is_active(ref)
+        self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        async for message in self._stream:
+            self.seen.append(message.result)
+
+    async def pushed(self) -> list[bool]:
+        """What has arrived so far, as a call for ``eventually`` to repeat."""
+        return self.seen
+
+    async def close(self) -> None:
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+        self._channel.close()
+
+
+async def is_active(scaler: Process, **metadata: str) -> bool:
+    """The scaler's IsActive answer for ``metadata`` from a ScaledObject in namespace ml."""
+    channel = Channel("127.0.0.1", scaler.port)
+    try:
+        ref = keda.ScaledObjectRef(name="so", namespace="ml", scaler_metadata=metadata)
+        return (await keda.ExternalScalerStub(channel).is_active(ref, timeout=5)).result
+    finally:
+        channel.close()
