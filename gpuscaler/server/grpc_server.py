@@ -2,8 +2,13 @@
 
 KEDA multiplexes every ScaledObject's calls and push streams over ONE HTTP/2 connection per scaler
 address. h2 announces MAX_CONCURRENT_STREAMS = 100, so the 101st open StreamIsActive would make every
-later call from KEDA wait. grpclib has no setting for it; we raise it the way grpclib itself raises
-INITIAL_WINDOW_SIZE, with a SETTINGS update right after the connection preface.
+later call from KEDA wait. grpclib has no setting for it; we raise it to ``--max-streams`` the way grpclib
+itself raises INITIAL_WINDOW_SIZE, with a SETTINGS update right after the connection preface.
+
+Neither grpclib nor h2 bounds what a peer may hold or send. ``ConnectionLimits`` do, here and in
+``connection_limits`` (docs/security.md lists each limit and the upstream report): a stream past the limit
+is refused alone, floods and protocol errors get a GOAWAY before the close, and a peer that does not read
+is not read either. TLS is done per connection (``_TlsAccepting``), so a rotated context revokes sessions.
 
 After ``close()`` grpclib still starts a handler for every request that arrives on an open connection,
 and as the process exits those handlers never run ("Task was destroyed but it is pending!"). Ours
