@@ -6,6 +6,8 @@ import logging
 import sys
 from typing import Literal
 
+from h2.exceptions import StreamClosedError
+
 # structlog imports rich whenever it is installed (it is, for `gpuscaler query`), to render exceptions
 # on a console: 5 MiB and 50 ms of the agent's start. Our processors format exceptions as text before
 # any renderer sees them (format_exc_info), so structlog never uses rich here: import it with rich
@@ -62,6 +64,17 @@ def configure(*, log_format: LogFormat, level: str, node: str | None = None) -> 
             foreign_pre_chain=shared,
         )
     )
+    handler.addFilter(drop_client_resets)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(max(numeric, logging.WARNING))
+
+
+def drop_client_resets(record: logging.LogRecord) -> bool:
+    """False for grpclib's "Application error" when the client reset its stream while we answered it.
+
+    h2 knows the stream is closed a moment before grpclib does, so an answer written in that moment fails with
+    StreamClosedError; the client went away, which rpc_tracking counts as CANCELLED. Nothing else is dropped.
+    """
+    error = record.exc_info[1] if record.exc_info else None
+    return not (record.name.startswith("grpclib") and isinstance(error, StreamClosedError))

@@ -32,6 +32,9 @@ LIMITS = (
     "write_stalled",
     "protocol_error",
 )
+# Places beyond --max-streams that only unary calls may take: KEDA holds its push streams and polls on one
+# connection, and a call refused beside them is a scaler error.
+CALL_RESERVE = 256
 # A bucket holds this many seconds of its rate: a peer may burst, but not keep it up.
 BURST_SECONDS = 10.0
 # Each call the server accepts lets its peer send this many more PINGs: gRPC clients measure the connection's
@@ -88,7 +91,8 @@ class ConnectionGuard:
         self.limits = limits
         self.clock = clock
         self.connections: set[Guarded] = set()
-        self.streams = 0  # calls accepted and not yet finished, over all connections
+        self.streams = 0  # streams accepted and not yet finished, over all connections
+        self.push_streams = 0  # those of them that are server streams (StreamIsActive, WatchSnapshots)
         self.limited: Counter[str] = Counter()
         self.on_limited: list[Callable[[str], None]] = []
         self._logs = {limit: LogEvery("grpc_limited", clock=clock, limit=limit) for limit in LIMITS}
@@ -106,15 +110,25 @@ class ConnectionGuard:
     def release_connection(self, connection: Guarded) -> None:
         self.connections.discard(connection)
 
-    def admit_stream(self) -> bool:
-        """Count a new call against max_streams; False when it is past it (the caller refuses the stream)."""
-        if self.streams >= self.limits.max_streams:
+    def admit_stream(self, *, streaming: bool) -> bool:
+        """Count a new stream; False past its limit (the caller refuses it).
+
+        Push streams may take ``max_streams`` places, and all streams together CALL_RESERVE more, so KEDA's
+        GetMetrics still gets in beside the most push streams it may hold.
+        """
+        if self.streams >= self.limits.max_streams + CALL_RESERVE:
             return False
+        if streaming:
+            if self.push_streams >= self.limits.max_streams:
+                return False
+            self.push_streams += 1
         self.streams += 1
         return True
 
-    def release_stream(self) -> None:
+    def release_stream(self, *, streaming: bool) -> None:
         self.streams -= 1
+        if streaming:
+            self.push_streams -= 1
 
     def act(self, limit: str, peer: str, **detail: object) -> None:
         """Count that ``limit`` acted on ``peer``; log it unless it was logged within LOG_EVERY_SECONDS."""

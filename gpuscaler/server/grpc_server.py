@@ -57,13 +57,14 @@ from h2.events import (
     WindowUpdated,
 )
 from h2.exceptions import ProtocolError, TooManyStreamsError
+from h2.frame_buffer import FrameBuffer
 from h2.settings import SettingCodes
 from h2.stream import StreamClosedBy
 from hyperframe.frame import HeadersFrame, RstStreamFrame
 
 from gpuscaler.flags import ConnectionLimits
 from gpuscaler.generated.externalscaler import GetMetricsRequest, GetMetricsResponse, ScaledObjectRef
-from gpuscaler.server.connection_limits import PINGS_PER_CALL, ConnectionGuard, TokenBucket
+from gpuscaler.server.connection_limits import CALL_RESERVE, PINGS_PER_CALL, ConnectionGuard, TokenBucket
 from gpuscaler.server.lean_streams import LeanEvent, LeanStream
 
 # Every request we serve is a ScaledObjectRef or smaller: a name (at most 253 bytes), a namespace (63) and
@@ -76,6 +77,8 @@ MAX_RECEIVE_MESSAGE_BYTES = 8 * 1024
 # h2 decodes the whole block (its default allows 64 KiB, ~25 ms of HPACK) in one callback. gRPC's own
 # servers default to 8 KiB of metadata too. A larger block closes the connection.
 MAX_HEADER_LIST_BYTES = 8 * 1024
+# HPACK can shrink a header list, so the encoded block may be a little larger than the list it decodes to.
+MAX_HEADER_BLOCK_BYTES = 2 * MAX_HEADER_LIST_BYTES
 # How many streams may close between two of h2's walks over every stream (see _H2Connection).
 SWEEP_EVERY_STREAMS = 512
 # KEDA's requests, decoded once per distinct bytes (see _ReusingCodec): at most this many, each at most this long.
@@ -111,6 +114,10 @@ class _H2Connection(H2Connection):
     _sweep_at = 0  # len(self.streams) at which the next walk runs
     on_refused: Callable[[], None] | None = None
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.incoming_buffer = _BoundedFrameBuffer(server=not self.config.client_side)
+
     @property
     def open_inbound_streams(self) -> int:
         held = len(self.streams)
@@ -136,6 +143,21 @@ class _H2Connection(H2Connection):
         if self.on_refused is not None:
             self.on_refused()
         return [refusal], []
+
+
+class _BoundedFrameBuffer(FrameBuffer):
+    """h2's frame buffer, refusing a header block before it grows past MAX_HEADER_BLOCK_BYTES undecoded.
+
+    h2 joins a HEADERS frame and its CONTINUATIONs before decoding them and allows 64 frames of up to 16 KiB:
+    about 1 MiB a connection held for a block MAX_HEADER_LIST_BYTES would refuse anyway (200 connections took
+    the agent past its memory limit). A block past the bound is the peer's protocol error.
+    """
+
+    def _update_header_buffer(self, f: Any) -> Any:
+        frame = super()._update_header_buffer(f)
+        if self._headers_buffer and sum(len(part.data) for part in self._headers_buffer) > MAX_HEADER_BLOCK_BYTES:
+            raise ProtocolError(f"a header block of more than {MAX_HEADER_BLOCK_BYTES} bytes")
+        return frame
 
 
 class _CoalescingTransport:
@@ -260,7 +282,7 @@ class _ManyStreamsProtocol(H2Protocol):
         h2_connection = self.connection._connection  # grpclib keeps the H2Connection private
         h2_connection.update_settings(
             {
-                SettingCodes.MAX_CONCURRENT_STREAMS: limits.max_streams,
+                SettingCodes.MAX_CONCURRENT_STREAMS: limits.max_streams + CALL_RESERVE,
                 SettingCodes.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST_BYTES,
             }
         )
@@ -339,7 +361,7 @@ class _ManyStreamsProtocol(H2Protocol):
             self._calm("ping_flood", f"more than {self.guard.limits.max_pings_per_second} PINGs and SETTINGS a second")
 
     def _refused(self) -> None:
-        self.guard.act("max_streams", self.peer, per_connection=self.guard.limits.max_streams)
+        self.guard.act("max_streams", self.peer, per_connection=self.guard.limits.max_streams + CALL_RESERVE)
 
     def _calm(self, limit: str, reason: str) -> None:
         """GOAWAY ENHANCE_YOUR_CALM and close: the peer sends more than any real client does."""
@@ -517,15 +539,24 @@ class _RefusingHandler(ConnectionHandler):
         pass  # nothing finished stays in the table or the cancelled set: no rebuild is needed
 
     def accept(self, stream: Stream, headers: Any, release_stream: Callable[[], Any]) -> None:
-        if self.closing or not self._guard.admit_stream():
+        streaming = self._is_streaming(headers)
+        if self.closing or not self._guard.admit_stream(streaming=streaming):
             if not self.closing:
                 self._guard.act("max_streams", _peer_of(stream), open=self._guard.streams)
             stream.reset_nowait(ErrorCodes.REFUSED_STREAM)
             release_stream()
             return
-        task = self.loop.create_task(self._handle(stream, headers, release_stream))
+        release = _Once(release_stream)
+        task = self.loop.create_task(self._handle(stream, headers, release))
         self._tasks[stream] = task
-        task.add_done_callback(functools.partial(self._finished, stream))
+        task.add_done_callback(functools.partial(self._finished, stream, release, streaming))
+
+    def _is_streaming(self, headers: Any) -> bool:
+        for name, value in headers:
+            if name == ":path":
+                method = self.mapping.get(value)  # an unknown path is answered UNIMPLEMENTED, a unary call
+                return method is not None and bool(method.cardinality.server_streaming)
+        return False
 
     async def _handle(self, stream: Stream, headers: Any, release_stream: Callable[[], Any]) -> None:
         deadline = Deadline.from_headers(headers)
@@ -540,8 +571,11 @@ class _RefusingHandler(ConnectionHandler):
             self.mapping, stream, headers, self.codec, self.status_details_codec, self.dispatch, release_stream
         )
 
-    def _finished(self, stream: Stream, task: asyncio.Task[None]) -> None:
-        self._guard.release_stream()
+    def _finished(self, stream: Stream, release: _Once, streaming: bool, task: asyncio.Task[None]) -> None:
+        # A task cancelled before its first step (the peer's RST_STREAM came in the same read as its
+        # HEADERS) never ran the handler's own release: grpclib would hold the stream for the connection's life.
+        release()
+        self._guard.release_stream(streaming=streaming)
         if self._tasks.get(stream) is task:
             del self._tasks[stream]
         self._cancelled.discard(task)
@@ -556,6 +590,20 @@ class _RefusingHandler(ConnectionHandler):
     def tasks(self) -> int:
         """Request tasks alive on this connection, cancelled ones that have not finished included."""
         return len(self._tasks) + len(self._cancelled)
+
+
+class _Once:
+    """``release_stream`` that does its work the first time only: grpclib's pops the stream, once."""
+
+    __slots__ = ("_release",)
+
+    def __init__(self, release: Callable[[], Any]) -> None:
+        self._release: Callable[[], Any] | None = release
+
+    def __call__(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
 
 async def _answer_deadline_exceeded(stream: Stream) -> None:

@@ -16,6 +16,7 @@ from grpclib._typing import IServable
 from grpclib.events import RecvRequest, listen
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.server import Server, Stream
+from h2.exceptions import StreamClosedError
 
 # The method label of a call to a method no service has (answered UNIMPLEMENTED).
 UNKNOWN_METHOD = "unknown"
@@ -74,6 +75,9 @@ class RpcTracker:
                 raise
             except TimeoutError:
                 code = "DEADLINE_EXCEEDED"
+                raise
+            except StreamClosedError:
+                code = "CANCELLED"  # the client reset the stream while we answered (h2 knew before grpclib)
                 raise
             finally:
                 self._finished(method, code, time.perf_counter() - started)

@@ -26,7 +26,7 @@ import gpuscaler.server.grpc_server as grpc_server
 from gpuscaler.agent import Agent
 from gpuscaler.flags import DEFAULT_LIMITS, ConnectionLimits
 from gpuscaler.generated.externalscaler import ExternalScalerStub, ScaledObjectRef
-from gpuscaler.server.connection_limits import BURST_SECONDS, ConnectionGuard, TokenBucket
+from gpuscaler.server.connection_limits import BURST_SECONDS, CALL_RESERVE, ConnectionGuard, TokenBucket
 from gpuscaler.server.overload import LOG_EVERY_SECONDS
 from tests.conftest import StartAgent
 from tests.server.test_transport import request_headers
@@ -107,9 +107,17 @@ async def test_connections_and_streams_are_admitted_up_to_their_limits() -> None
         assert guard.admit_connection(third)
     finally:
         guard.close()
-    assert [guard.admit_stream() for _ in range(4)] == [True, True, True, False]
-    guard.release_stream()
-    assert guard.admit_stream()
+    assert [guard.admit_stream(streaming=True) for _ in range(4)] == [True, True, True, False]
+    # Calls have CALL_RESERVE places of their own beyond the push streams' limit.
+    assert all(guard.admit_stream(streaming=False) for _ in range(CALL_RESERVE))
+    assert not guard.admit_stream(streaming=False)
+    guard.release_stream(streaming=False)
+    assert not guard.admit_stream(streaming=True)  # the push streams' own limit
+    assert guard.admit_stream(streaming=False)
+    guard.release_stream(streaming=True)
+    guard.release_stream(streaming=False)
+    assert guard.admit_stream(streaming=True)
+    assert guard.push_streams == 3
     assert guard.limited == {"max_connections": 1}  # the caller of admit_stream counts its own refusal
 
 
