@@ -87,6 +87,8 @@ REUSE_ENTRIES = 1024
 REUSE_MAX_BYTES = 4096
 # Answers a handler gives out again as the same, never-changed message object (ExternalScalerService): encoded once.
 REUSED_ANSWERS: frozenset[type[Any]] = frozenset({GetMetricsResponse})
+# At most this much of what a peer sent is taken in per turn of the event loop (_ManyStreamsProtocol._feed).
+FEED_BYTES = 4 * 1024
 # After a GOAWAY toward a peer cut off for a flood, how long it has to read it before the socket is dropped.
 GOAWAY_GRACE_SECONDS = 1.0
 # A reset this soon after its stream opened counts against --max-resets-per-second (see _stream_reset).
@@ -258,6 +260,8 @@ class _ManyStreamsProtocol(H2Protocol):
         self.handshake: asyncio.Task[None] | None = None
         self._early: list[bytes] | None = []  # data that came before connection_made
         self._discarding = False
+        self._backlog: list[memoryview] | None = None  # what a read brought beyond FEED_BYTES, still to take in
+        self._paused: set[str] = set()  # why reading is paused: "write" (peer not reading), "backlog"
         self._raw: asyncio.Transport | None = None
         self._resets = TokenBucket(guard.limits.max_resets_per_second, now)
         self._pings = TokenBucket(guard.limits.max_pings_per_second, now)
@@ -312,6 +316,34 @@ class _ManyStreamsProtocol(H2Protocol):
             # TLS hands over what came with the end of the handshake before start_tls returns to us.
             self._early.append(data)
             return
+        if self._backlog is not None:
+            self._backlog.append(memoryview(data))  # TLS had more decrypted before reading paused: after the rest
+            return
+        self._feed(memoryview(data))
+
+    def _feed(self, data: memoryview) -> None:
+        """Take in at most FEED_BYTES now, and the rest in later turns of the loop, not reading meanwhile.
+
+        One read can hold 256 KiB of frames: thousands of calls or resets handled in one callback, while
+        every other caller and the poll loop wait. In slices, other connections take their turns between.
+        """
+        if len(data) > FEED_BYTES:
+            self._backlog = [data[FEED_BYTES:]]
+            data = data[:FEED_BYTES]
+            self._pause_reading("backlog")
+            asyncio.get_running_loop().call_soon(self._feed_backlog)
+        self._take_in(bytes(data))
+
+    def _feed_backlog(self) -> None:
+        backlog, self._backlog = self._backlog, None
+        if backlog is None or self._discarding:
+            return
+        rest = memoryview(b"".join(backlog))
+        if len(rest) <= FEED_BYTES:
+            self._resume_reading("backlog")
+        self._feed(rest)
+
+    def _take_in(self, data: bytes) -> None:
         try:
             events = self.connection.feed(data)
         except ProtocolError as error:
@@ -415,13 +447,21 @@ class _ManyStreamsProtocol(H2Protocol):
         # (PINGs, SETTINGS, calls) can make us buffer more; the guard closes it past write_timeout_seconds.
         super().pause_writing()
         self.write_stalled_since = self.guard.clock()
-        if self._raw is not None:
-            self._raw.pause_reading()
+        self._pause_reading("write")
 
     def resume_writing(self) -> None:
         super().resume_writing()
         self.write_stalled_since = None
-        if self._raw is not None and not self._raw.is_closing():
+        self._resume_reading("write")
+
+    def _pause_reading(self, reason: str) -> None:
+        if not self._paused and self._raw is not None:
+            self._raw.pause_reading()
+        self._paused.add(reason)
+
+    def _resume_reading(self, reason: str) -> None:
+        self._paused.discard(reason)
+        if not self._paused and self._raw is not None and not self._raw.is_closing():
             self._raw.resume_reading()
 
     def connection_lost(self, exc: BaseException | None) -> None:

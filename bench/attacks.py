@@ -1,0 +1,448 @@
+"""Issue 19's attacks on the gRPC port at full size: what a good caller sees beside each, and the memory it costs.
+
+    .venv/bin/python -m bench attacks                       # every attack, full size: about 12 minutes on 2 cores
+    .venv/bin/python -m bench.attacks --quick               # every attack at a 20th of the size: about 3 minutes
+    .venv/bin/python -m bench.attacks rapid_reset ping_flood  # some of them
+
+Each attack gets a fresh agent (``gpuscaler serve --collector fake --fake-gpus 8``, 0.5 s poll, the default
+connection limits) and, for the ``*_gateway`` ones, a ``gpuscaler gateway`` over it that is attacked instead.
+A good caller (GetMetrics one after another on its own grpcio channel and connection, as KEDA polls) runs
+for ``--baseline`` seconds before the attack, through it, and for ``--after`` seconds after it. The attack runs
+in its own process (``python -m e2e.support.attacks``), so the attacker's CPU is not the measuring loop's; on
+2 cores it still competes with the server for them. Resident memory (VmRSS) and open file descriptors of the
+attacked process (and the agent behind a gateway) are read every 0.1 s: before, at the peak, and at the end
+of the ``--after`` seconds.
+
+Goals (issue 19), each reported with ``met``: resident memory back within 50 MiB of before, ``--after``
+seconds after the attack; the good caller's p99 during the attack at most 3 times its baseline, and no error;
+and 10,000 StreamIsActive open on one connection fit the chart's agent memory limit
+(charts/gpuscaler/values.yaml) with 25% to spare. Writes bench/results/attacks.json (attacks-quick.json with
+``--quick``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import re
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+
+from bench.common import RESULTS, print_table, summary_ms, write_result
+from bench.target import python_bytecode
+from e2e.support import attacks
+from e2e.support.agent import AgentProcess
+from e2e.support.certs import TlsFiles, grpcio_credentials, make_certificates
+from e2e.support.clients import GrpcioScaler
+from e2e.support.keda_grpcio import KedaProto, generate
+from e2e.support.process import Process
+from gpuscaler.server.connection_limits import LIMITS
+
+ROOT = Path(__file__).resolve().parents[1]
+VALUES = ROOT / "charts" / "gpuscaler" / "values.yaml"
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+SAMPLE_EVERY_SECONDS = 0.1
+RSS_BACK_WITHIN_MIB = 50.0
+P99_AT_MOST_TIMES_BASELINE = 3.0
+MEMORY_SPARE = 0.25
+ATTACK_TIMEOUT_SECONDS = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class Attack:
+    """One row: the attacker's arguments at full size, what ``--quick`` divides, and what it is aimed at."""
+
+    name: str
+    what: str
+    argv: tuple[str, ...]
+    scaled: tuple[str, ...] = ("--count",)  # the flags ``--quick`` divides by QUICK_DIVISOR
+    gateway: bool = False
+    tls: bool = False
+    agent_flags: tuple[str, ...] = ()
+
+
+QUICK_DIVISOR = 20
+QUICK_HOLD_SECONDS = 12.0
+HOLDING = ("idle-tcp", "idle-tls", "streams", "headers-only", "continuation-flood")  # attacks that hold, then end
+ATTACKS = (
+    Attack("rapid_reset", "100k HEADERS+DATA+RST_STREAM on one connection", ("rapid-reset", "--count", "100000")),
+    Attack(
+        "rapid_reset_reconnecting",
+        "100k HEADERS+DATA+RST_STREAM, a new connection each time one is closed",
+        ("rapid-reset", "--count", "100000", "--reconnect", "--seconds", "120"),
+    ),
+    Attack(
+        "rapid_reset_gateway",
+        "100k HEADERS+DATA+RST_STREAM on one connection to the gateway",
+        ("rapid-reset", "--count", "100000"),
+        gateway=True,
+    ),
+    Attack(
+        "grpcio_cancels",
+        "grpcio cancels (push streams after their first message, unary calls in flight), 50/s",
+        ("grpcio-cancels", "--count", "3000", "--rate", "50", "--seconds", "120"),
+    ),
+    Attack("idle_tcp", "2,000 TCP connections that send nothing", ("idle-tcp", "--count", "2000", "--seconds", "20")),
+    Attack(
+        "idle_tls_no_client_hello",
+        "200 connections to a TLS port that never send a ClientHello",
+        ("idle-tcp", "--count", "200", "--seconds", "20"),
+        tls=True,
+    ),
+    Attack(
+        "idle_tls_no_preface",
+        "200 TLS connections that finish the handshake and send no HTTP/2 preface",
+        ("idle-tls", "--count", "200", "--seconds", "20"),
+        tls=True,
+    ),
+    Attack(
+        "streams_10000",
+        "10,000 StreamIsActive on one connection, held 20 s",
+        ("streams", "--count", "10000", "--seconds", "20"),
+    ),
+    Attack(
+        "headers_only_3x10000",
+        "3 connections x 10,000 HEADERS-only streams (no request message), held 20 s",
+        ("headers-only", "--count", "10000", "--connections", "3", "--seconds", "20"),
+    ),
+    Attack(
+        "ping_flood",
+        "PINGs as fast as they go from a peer that never reads, 20 s",
+        ("ping-flood", "--count", "2000000", "--seconds", "20"),
+    ),
+    Attack(
+        "ping_flood_gateway",
+        "PINGs as fast as they go from a peer that never reads, at the gateway",
+        ("ping-flood", "--count", "2000000", "--seconds", "20"),
+        gateway=True,
+    ),
+    Attack(
+        "settings_flood",
+        "SETTINGS as fast as they go from a peer that never reads, 20 s",
+        ("settings-flood", "--count", "2000000", "--seconds", "20"),
+    ),
+    Attack(
+        "deadlines_1ms",
+        "50k GetMetrics with a 1 ms deadline, 50 in flight, one grpcio channel",
+        ("deadlines", "--count", "50000", "--concurrency", "50", "--seconds", "120"),
+    ),
+    Attack(
+        "continuation_flood",
+        "200 connections, each a header block of 63 x 16 kB CONTINUATIONs never ended, held 20 s",
+        ("continuation-flood", "--connections", "200", "--seconds", "20"),
+        scaled=("--connections",),
+    ),
+)
+
+
+@dataclass
+class Samples:
+    """RSS (MiB) and fds of some processes, every SAMPLE_EVERY_SECONDS, with their monotonic times."""
+
+    pids: dict[str, int]
+    rows: list[tuple[float, dict[str, tuple[float, int]]]] = field(default_factory=list)
+
+    def take(self) -> None:
+        """One reading of every process (one that has exited is left out)."""
+        reading = {}
+        for name, pid in self.pids.items():
+            with contextlib.suppress(OSError, AssertionError):
+                reading[name] = (attacks.rss_mib(pid), attacks.open_fds(pid))
+        self.rows.append((time.monotonic(), reading))
+
+    async def run(self) -> None:
+        """Readings until cancelled."""
+        while True:
+            self.take()
+            await asyncio.sleep(SAMPLE_EVERY_SECONDS)
+
+    def between(self, name: str, start: float, end: float) -> list[tuple[float, int]]:
+        """``name``'s (RSS, fds) readings taken from ``start`` to ``end``."""
+        return [row[name] for at, row in self.rows if start <= at <= end and name in row]
+
+
+def agent_memory_limit_mib() -> float:
+    """The chart's agent memory limit (agent.resources.limits.memory), MiB."""
+    values = yaml.safe_load(VALUES.read_text(encoding="utf-8"))
+    text = str(values["agent"]["resources"]["limits"]["memory"])
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi)?", text)
+    if match is None:
+        raise ValueError(f"agent memory limit {text!r} is not a quantity this bench reads")
+    number, unit = float(match.group(1)), match.group(2) or ""
+    return number * {"Ki": 1 / 1024, "Mi": 1.0, "Gi": 1024.0, "": 1 / 2**20}[unit]
+
+
+def quick_argv(attack: Attack) -> list[str]:
+    """The attacker's arguments with the ``scaled`` flags divided by QUICK_DIVISOR, and what is held held for
+    QUICK_HOLD_SECONDS: past the default handshake and request timeouts (10 s), so that they act."""
+    argv = list(attack.argv)
+    for index, arg in enumerate(argv[:-1]):
+        if arg in attack.scaled:
+            argv[index + 1] = str(max(1, int(argv[index + 1]) // QUICK_DIVISOR))
+        if arg == "--seconds" and attack.argv[0] in HOLDING:
+            argv[index + 1] = f"{QUICK_HOLD_SECONDS:g}"
+    return argv
+
+
+@contextlib.asynccontextmanager
+async def servers(attack: Attack, folder: Path, tls: TlsFiles | None) -> AsyncIterator[tuple[str, dict[str, int], int]]:
+    """The attacked server for the block: (its address, the pids to sample, its /metrics port)."""
+    agent = await asyncio.to_thread(
+        AgentProcess.start,
+        *attack.agent_flags,
+        log_dir=folder / "logs",
+        gpus=8,
+        poll_interval=0.5,
+        tls=tls if attack.tls else None,
+    )
+    gateway: Process | None = None
+    try:
+        if not attack.gateway:
+            yield agent.address, {"agent": agent.pid}, agent.metrics_port
+            return
+        gateway = await asyncio.to_thread(attacks.gateway_process([agent.address], folder / "logs").start)
+        assert gateway.process is not None
+        pids = {"gateway": gateway.process.pid, "agent": agent.pid}
+        yield f"127.0.0.1:{gateway.port}", pids, attacks.metrics_port_of(gateway)
+    finally:
+        if gateway is not None:
+            await gateway.terminate()
+        agent.expect_errors = True  # a measurement, not a test: what it logged is in the logs folder
+        await agent.terminate(timeout=60)
+
+
+def good_client(address: str, proto: KedaProto, tls: TlsFiles | None) -> GrpcioScaler:
+    """The good caller's grpcio channel, on a connection of its own (TLS when the server serves it)."""
+    if tls is None:
+        return GrpcioScaler(grpc.aio.insecure_channel(address, options=OWN_CONNECTION), proto)
+    credentials = grpcio_credentials(tls, client_cert=False)
+    channel = grpc.aio.secure_channel(address, credentials, options=tls.grpcio_options + OWN_CONNECTION)
+    return GrpcioScaler(channel, proto)
+
+
+def limited_counts(metrics_port: int) -> dict[str, float]:
+    """``gpuscaler_grpc_limited_total`` by limit; empty when the server has no such series."""
+    try:
+        return {limit: attacks.limited(metrics_port, limit) for limit in LIMITS}
+    except attacks.MissingMetric:
+        return {}
+
+
+async def run_attacker(argv: Sequence[str], port: int, tls: TlsFiles | None) -> dict[str, Any]:
+    """``python -m e2e.support.attacks`` in its own process; its last JSON line (or what went wrong)."""
+    command = [sys.executable, "-m", "e2e.support.attacks", *argv, "--port", str(port)]
+    if tls is not None and argv[0] == "idle-tls":
+        command += ["--tls-ca", str(tls.ca)]
+    child = await asyncio.create_subprocess_exec(
+        *command, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        async with asyncio.timeout(ATTACK_TIMEOUT_SECONDS):
+            out, err = await child.communicate()
+    except TimeoutError:
+        child.kill()
+        await child.wait()
+        return {"error": f"the attacker ran past {ATTACK_TIMEOUT_SECONDS:g}s"}
+    lines = out.decode().splitlines()
+    if child.returncode != 0 or not lines:
+        return {"error": f"the attacker exited {child.returncode}", "stderr": err.decode()[-2000:]}
+    report: dict[str, Any] = json.loads(lines[-1])
+    return report
+
+
+async def measure(
+    attack: Attack, argv: Sequence[str], folder: Path, proto: KedaProto, tls: TlsFiles | None, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One attack: baseline, attack, after; the good caller's figures, the samples, the limits that acted."""
+    async with servers(attack, folder, tls) as (address, pids, metrics_port):
+        client = good_client(address, proto, tls if attack.tls else None)
+        samples = Samples(pids)
+        sampler = asyncio.create_task(samples.run())
+        try:
+            async with attacks.good_caller(client, {} if attack.gateway else None) as good:
+                limited_before = await asyncio.to_thread(limited_counts, metrics_port)
+                baseline_start = time.monotonic()
+                await asyncio.sleep(args.baseline)
+                attack_start = time.monotonic()
+                report = await run_attacker(argv, int(address.rsplit(":", 1)[1]), tls if attack.tls else None)
+                attack_end = time.monotonic()
+                await asyncio.sleep(args.after)
+                end = time.monotonic()
+                limited_after = await asyncio.to_thread(limited_counts, metrics_port)
+        finally:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
+            await client.close()
+    baseline = [s for at, s in good.latencies if baseline_start <= at < attack_start]
+    during = [s for at, s in good.latencies if attack_start <= at < attack_end]
+    after = [s for at, s in good.latencies if attack_end <= at <= end]
+    errors = Counter(f.code for at, f in good.errors if at >= baseline_start)
+    processes = {}
+    for name in pids:
+        before = samples.between(name, baseline_start, attack_start)
+        peak = samples.between(name, attack_start, end)
+        last = samples.between(name, end - 1.0, end)
+        processes[name] = {
+            "rss_mib_before": round(before[-1][0], 1) if before else None,
+            "rss_mib_peak": round(max(r for r, _ in peak), 1) if peak else None,
+            "rss_mib_after": round(last[-1][0], 1) if last else None,
+            "fds_before": before[-1][1] if before else None,
+            "fds_peak": max(f for _, f in peak) if peak else None,
+            "fds_after": last[-1][1] if last else None,
+        }
+    attacked = processes["gateway" if attack.gateway else "agent"]
+    baseline_p99 = summary_ms(baseline)["p99_ms"] if baseline else None
+    during_summary = summary_ms(during) if during else {"n": 0}
+    rss_back = (
+        attacked["rss_mib_after"] is not None
+        and attacked["rss_mib_before"] is not None
+        and attacked["rss_mib_after"] - attacked["rss_mib_before"] <= RSS_BACK_WITHIN_MIB
+    )
+    p99_ok = (
+        baseline_p99 is not None
+        and bool(during)
+        and during_summary["p99_ms"] <= P99_AT_MOST_TIMES_BASELINE * baseline_p99
+    )
+    return {
+        "attack": attack.name,
+        "what": attack.what,
+        "target": "gateway" if attack.gateway else "agent",
+        "attacker_argv": list(argv),
+        "attacker": report,
+        "attack_seconds": round(attack_end - attack_start, 2),
+        "good_caller": {
+            "baseline": summary_ms(baseline) if baseline else {"n": 0},
+            "during": during_summary,
+            "after": summary_ms(after) if after else {"n": 0},
+            "errors": dict(errors),
+        },
+        "processes": processes,
+        "limited": {
+            k: v - limited_before.get(k, 0.0) for k, v in limited_after.items() if v - limited_before.get(k, 0)
+        },
+        "goals": {
+            "rss_back_within_50_mib": rss_back,
+            "good_caller_p99_at_most_3x_baseline": p99_ok,
+            "good_caller_no_error": not errors,
+        },
+    }
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every chosen attack, one after another, each on fresh servers."""
+    chosen = [a for a in ATTACKS if not args.names or a.name in args.names]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gpuscaler-bench-attacks-") as scratch:
+        folder = Path(scratch)
+        proto = generate(folder / "stubs")
+        tls = make_certificates(folder / "certs") if any(a.tls for a in chosen) else None
+        for attack in chosen:
+            argv = quick_argv(attack) if args.quick else list(attack.argv)
+            print(f"{attack.name}: {attack.what}" + (" (quick)" if args.quick else ""), flush=True)
+            rows.append(await measure(attack, argv, folder, proto, tls, args))
+    limit = agent_memory_limit_mib()
+    result: dict[str, Any] = {
+        "benchmark": "issue 19's attacks on the gRPC port, a good caller beside each",
+        "quick": args.quick,
+        "baseline_seconds": args.baseline,
+        "after_seconds": args.after,
+        "rows": rows,
+    }
+    streams = next((r for r in rows if r["attack"] == "streams_10000"), None)
+    if streams is not None:
+        peak = streams["processes"]["agent"]["rss_mib_peak"]
+        held = streams["attacker"].get("with_a_message")
+        result["streams_10000_fit"] = {
+            "agent_memory_limit_mib": limit,
+            "at_most_mib": limit * (1 - MEMORY_SPARE),
+            "peak_rss_mib": peak,
+            "streams_with_a_message": held,
+            "met": peak is not None and peak <= limit * (1 - MEMORY_SPARE) and not args.quick,
+        }
+    return result
+
+
+def show(result: dict[str, Any]) -> None:
+    """Two tables: the good caller before and during each attack; memory, fds and the limits that acted."""
+    quick = " (quick)" if result["quick"] else ""
+    callers, memory = [], []
+    for row in result["rows"]:
+        good, attacked = row["good_caller"], row["processes"][row["target"]]
+        goals = row["goals"]
+        callers.append(
+            (
+                row["attack"],
+                good["baseline"].get("median_ms", "-"),
+                good["baseline"].get("p99_ms", "-"),
+                good["during"].get("median_ms", "-"),
+                good["during"].get("p99_ms", "-"),
+                ",".join(f"{k}={v}" for k, v in good["errors"].items()) or "0",
+                "met" if goals["good_caller_p99_at_most_3x_baseline"] and goals["good_caller_no_error"] else "NOT",
+            )
+        )
+        memory.append(
+            (
+                row["attack"],
+                f"{attacked['rss_mib_before']}/{attacked['rss_mib_peak']}/{attacked['rss_mib_after']}",
+                f"{attacked['fds_before']}/{attacked['fds_peak']}/{attacked['fds_after']}",
+                ",".join(f"{k}={v:g}" for k, v in row["limited"].items()) or "-",
+                "met" if goals["rss_back_within_50_mib"] else "NOT",
+            )
+        )
+    print_table(
+        "Good caller beside each attack" + quick,
+        ["attack", "p50 ms", "p99 ms", "p50 during", "p99 during", "errors", "goal"],
+        callers,
+    )
+    print_table(
+        "Attacked process" + quick, ["attack", "RSS MiB before/peak/after", "fds", "limits acted", "goal"], memory
+    )
+    if "streams_10000_fit" in result:
+        fit = result["streams_10000_fit"]
+        print(
+            f"10,000 streams: peak RSS {fit['peak_rss_mib']} MiB, at most {fit['at_most_mib']:g} MiB "
+            f"(the chart's {fit['agent_memory_limit_mib']:g} MiB less {MEMORY_SPARE:.0%}): "
+            f"{'met' if fit['met'] else 'not met'}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chosen attacks (all by default), write results/attacks.json, print the table."""
+    parser = argparse.ArgumentParser(prog="python -m bench.attacks", description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", metavar="ATTACK", help=", ".join(a.name for a in ATTACKS))
+    parser.add_argument("--quick", action="store_true", help=f"each attack at 1/{QUICK_DIVISOR} of its size")
+    parser.add_argument("--baseline", type=float, default=None, help="seconds of good caller before (5; quick 2)")
+    parser.add_argument("--after", type=float, default=None, help="seconds after the attack (10; quick 3)")
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.names if name not in {a.name for a in ATTACKS}]
+    if unknown:
+        parser.error(f"unknown attack {unknown[0]!r}; use: {', '.join(a.name for a in ATTACKS)}")
+    args.baseline = args.baseline if args.baseline is not None else (2.0 if args.quick else 5.0)
+    args.after = args.after if args.after is not None else (3.0 if args.quick else 10.0)
+    python_bytecode()
+    started = time.monotonic()
+    result = asyncio.run(run(args))
+    result["bench_seconds"] = round(time.monotonic() - started, 1)
+    name = "attacks-quick" if args.quick else "attacks"
+    if args.names:  # a partial run keeps the full one's file
+        name += ("-" + "-".join(args.names)) if len(args.names) <= 2 else "-some"
+    path = write_result(name, result)
+    show(result)
+    print(f"wrote {path.relative_to(RESULTS.parent)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
