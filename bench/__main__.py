@@ -1,9 +1,10 @@
 """``python -m bench [NAME...]``: run the agent's benchmarks, write ``bench/results/<name>.json``, print tables.
 
 Names: push, unary, idle, startup (all four by default); compare (ours beside ``--command``, alternating
-runs); and gateway (``bench.gateway``, run on its own). unary, idle and startup measure our agent unless
-``--command`` (a server to start, with ``{port}`` where it listens) or ``--address`` (unary only: a server
-already running) names another ExternalScaler server.
+runs); gateway (``bench.gateway``, run on its own); and attacks (``bench.attacks``, issue 19's attacks on the
+gRPC port, run on its own: ``python -m bench.attacks --quick`` for a short check). unary, idle and startup
+measure our agent unless ``--command`` (a server to start, with ``{port}`` where it listens) or ``--address``
+(unary only: a server already running) names another ExternalScaler server.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from bench.harness import Bench, Options, bench_folder
 from bench.target import OURS_NAME, Target, python_bytecode
 
 BENCHES: dict[str, ModuleType] = {"push": push, "unary": unary, "idle": idle, "startup": startup}
-OTHERS = ("compare", "gateway")
+OTHERS = ("compare", "gateway", "attacks")
 
 
 def _numbers(kind: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
@@ -44,7 +45,9 @@ def _pair(text: str) -> tuple[str, str]:
 def main(argv: list[str] | None = None) -> int:
     """Run the named benchmarks (push, unary, idle and startup by default), write each result file, print its table."""
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="*", metavar="NAME", help="push, unary, idle, startup, compare, gateway")
+    parser.add_argument(
+        "names", nargs="*", metavar="NAME", help="push, unary, idle, startup, compare, gateway, attacks"
+    )
     defaults = Options()
     parser.add_argument("--tries", type=int, default=defaults.tries, help="push and start-up samples (20)")
     parser.add_argument("--seconds", type=float, default=defaults.seconds, help="seconds per unary cell (5)")
@@ -90,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with bench_folder() as bench:
         for name in names:
-            if name == "gateway":
-                subprocess.run([sys.executable, "-m", "bench.gateway"], check=True)
+            if name in ("gateway", "attacks"):
+                subprocess.run([sys.executable, "-m", f"bench.{name}"], check=True)
                 continue
             started = time.monotonic()
             result = asyncio.run(_run(name, bench, options, args.rounds))
