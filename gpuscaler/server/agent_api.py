@@ -33,10 +33,21 @@ class AgentService(pb.AgentBase):
         self._engine = engine
         self._idle_energy_of = idle_energy_of or (lambda gpus, window_seconds: None)
         self._reduced: tuple[int, dict[WindowKey, WindowValues]] = (-1, {})
+        self._bare: tuple[int, pb.Snapshot | None] = (-1, None)  # the last snapshot's message without windows
 
     def _wire(self, snapshot: Snapshot, windows: Sequence[WindowKey] = ()) -> pb.Snapshot:
-        reduced = {window: self._reduce(snapshot, window) for window in windows}
-        return snapshot_to_wire(snapshot, poll_interval_seconds=self._engine.source.interval_seconds, windows=reduced)
+        if not windows:
+            # One message per snapshot whoever asks, never changed once made: the server's codec encodes it once
+            # (REUSED_ANSWERS), so a flood of GetSnapshot costs a lookup per call, not an encoding of every GPU.
+            sequence, message = self._bare
+            if message is None or sequence != snapshot.sequence:
+                message = self._to_wire(snapshot, {})
+                self._bare = (snapshot.sequence, message)
+            return message
+        return self._to_wire(snapshot, {window: self._reduce(snapshot, window) for window in windows})
+
+    def _to_wire(self, snapshot: Snapshot, windows: dict[WindowKey, WindowValues]) -> pb.Snapshot:
+        return snapshot_to_wire(snapshot, poll_interval_seconds=self._engine.source.interval_seconds, windows=windows)
 
     def _reduce(self, snapshot: Snapshot, window: WindowKey) -> WindowValues:
         """``window`` for every GPU of ``snapshot``, once per snapshot whoever asks."""

@@ -66,6 +66,7 @@ from hyperframe.frame import HeadersFrame, RstStreamFrame
 
 from gpuscaler.flags import ConnectionLimits
 from gpuscaler.generated.externalscaler import GetMetricsRequest, GetMetricsResponse, ScaledObjectRef
+from gpuscaler.generated.gpuscaler.v1 import Snapshot as AgentSnapshot
 from gpuscaler.server.connection_limits import CALL_RESERVE, PINGS_PER_CALL, ConnectionGuard, TokenBucket
 from gpuscaler.server.lean_streams import LeanEvent, LeanStream
 
@@ -87,8 +88,9 @@ SWEEP_EVERY_STREAMS = 512
 REUSED_REQUESTS: frozenset[type[Any]] = frozenset({ScaledObjectRef, GetMetricsRequest})
 REUSE_ENTRIES = 1024
 REUSE_MAX_BYTES = 4096
-# Answers a handler gives out again as the same, never-changed message object (ExternalScalerService): encoded once.
-REUSED_ANSWERS: frozenset[type[Any]] = frozenset({GetMetricsResponse})
+# Answers a handler gives out again as the same, never-changed message object (ExternalScalerService,
+# AgentService's snapshot without windows): encoded once.
+REUSED_ANSWERS: frozenset[type[Any]] = frozenset({GetMetricsResponse, AgentSnapshot})
 # At most this much of what a peer sent is taken in per turn of the event loop (_ManyStreamsProtocol._feed).
 FEED_BYTES = 4 * 1024
 # After a GOAWAY toward a peer cut off for a flood, how long it has to read it before the socket is dropped.

@@ -15,6 +15,7 @@ from gpuscaler.gateway.decoding import SnapshotDecoder
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
 from gpuscaler.gpu_metrics import Metric
+from gpuscaler.server.agent_api import AgentService
 from tests.server.test_external_scaler import next_tick
 
 
@@ -135,3 +136,20 @@ async def test_explain_reports_the_error_keda_would_get(agent: Agent, channel: C
     assert explanation.value is None
     assert explanation.error_code == "FAILED_PRECONDITION"
     assert "GPU 0" in explanation.error_message
+
+
+async def test_every_getsnapshot_of_one_tick_gets_one_message_encoded_once(agent: Agent, channel: Channel) -> None:
+    """A flood of GetSnapshot costs one message and one encoding per tick, not one per call."""
+    service = AgentService(agent.engine)
+    await next_tick(agent)
+    first = await service.get_snapshot(pb.GetSnapshotRequest())
+    assert await service.get_snapshot(pb.GetSnapshotRequest()) is first  # no tick between: nothing awaited
+    codec = agent.frontend.server._codec
+    assert codec.encode(first, pb.Snapshot) is codec.encode(first, pb.Snapshot)
+    await next_tick(agent)
+    later = await service.get_snapshot(pb.GetSnapshotRequest())
+    assert later is not first
+    assert later.sequence > first.sequence
+    # Over the wire, the answers are what the message encodes to.
+    answered = await pb.AgentStub(channel).get_snapshot(pb.GetSnapshotRequest())
+    assert answered.node == first.node
