@@ -49,6 +49,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpuscaler", description="NVIDIA GPU telemetry as autoscaling signals for KEDA."
     )
+    # As `gpuscaler version` prints it; the flag is what users of most tools try first.
+    parser.add_argument("--version", action="version", version=f"gpuscaler {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser("serve", help="run the node agent", description="Run the node agent.")

@@ -67,6 +67,8 @@ KNOWN_KEYS = frozenset(QUERY_KEYS) | KEDA_KEYS
 
 FROM_ENV_SUFFIX = "FromEnv"
 MIN_TARGET = 0.001  # KEDA keeps milli precision; a smaller target rounds to 0 and is refused there
+# KEDA turns a target into int64 milli-units (resource.NewMilliQuantity): a larger one overflows there.
+MAX_TARGET = (2**63 - 1) // 1000
 _E = TypeVar("_E", Metric, Aggregation, WindowFunction)
 _T = TypeVar("_T")
 _METRIC_NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,98}[a-z0-9])?$")
@@ -120,7 +122,7 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: st
     if target_from_shorthand is not None:
         target = target_from_shorthand[1]
     if "targetValue" in raw:
-        target = _parse_float("targetValue", raw["targetValue"], minimum=MIN_TARGET, exclusive=False)
+        target = _parse_float("targetValue", raw["targetValue"], minimum=MIN_TARGET, maximum=MAX_TARGET)
     if "aggregation" in raw:
         aggregation = _parse_enum("aggregation", raw["aggregation"], Aggregation)
     if "activationThreshold" in raw:
@@ -263,19 +265,21 @@ def _shorthand_target(raw: Mapping[str, str], chosen: Metric) -> tuple[Metric, f
             )
         if "targetValue" in raw:
             raise InvalidMetadata(f"keys {key!r} and 'targetValue' are both set; set one target")
-        return metric, _parse_float(key, raw[key], minimum=MIN_TARGET, exclusive=False)
+        return metric, _parse_float(key, raw[key], minimum=MIN_TARGET, maximum=MAX_TARGET)
     return None
 
 
-def _parse_float(key: str, text: str, *, minimum: float, exclusive: bool = False) -> float:
+def _parse_float(key: str, text: str, *, minimum: float, exclusive: bool = False, maximum: float = math.inf) -> float:
     try:
         number = float(text.strip())
     except ValueError:
         raise InvalidMetadata(f"{key} {text!r} is not a number; use a decimal like '70' or '0.5'") from None
     if not math.isfinite(number):
         raise InvalidMetadata(f"{key} {text!r} is not finite; use a finite decimal")
-    if number < minimum or (exclusive and number == minimum):
+    if number < minimum or (exclusive and number == minimum) or number > maximum:
         bound = f"> {_fmt(minimum)}" if exclusive else f">= {_fmt(minimum)}"
+        if maximum != math.inf:
+            bound += f" and <= {int(maximum):,} (KEDA keeps a target as int64 thousandths)"
         raise InvalidMetadata(f"{key} {text!r} is out of range; it must be {bound}")
     return number
 

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from gpuscaler import __version__
 from gpuscaler.agent import Agent
 from gpuscaler.cli import main
 from tests.conftest import StartAgent
@@ -104,3 +105,14 @@ async def test_a_fake_change_answers_once_a_tick_has_read_it(start_agent: StartA
     latest = agent.engine.source.latest
     assert latest is not None
     assert latest.samples[1].errors
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["version"]])
+def test_the_version_prints_with_the_flag_and_the_command(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """`gpuscaler --version` and `gpuscaler version` print the same line and exit 0."""
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's version action exits
+        code = int(exit_.code or 0)
+    assert code == 0
+    assert capsys.readouterr().out == f"gpuscaler {__version__}\n"

@@ -354,3 +354,12 @@ def test_relative_links_resolve(path: Path) -> None:
         if not linked.exists() or missing_anchor:
             broken.append(target)
     assert not broken
+
+
+def test_metadata_doc_names_every_profile() -> None:
+    """The `profile` row of docs/metadata.md's key table names every profile, each GPM variant as its suffix."""
+    text = (DOCS / "metadata.md").read_text(encoding="utf-8")
+    [row] = [row for row in _markdown_table(text, "key", "type", "default") if _name(row["key"]) == "profile"]
+    named = set(re.findall(r"`([a-z-]+)`", row["allowed"]))
+    expanded = named | {f"{name}-gpm" for name in named if "`-gpm`" in row["allowed"]}
+    assert set(PROFILES) <= expanded

@@ -10,7 +10,7 @@ import pytest
 from gpuscaler.aggregation import Aggregation, WindowFunction
 from gpuscaler.errors import InvalidMetadata
 from gpuscaler.gpu_metrics import Metric
-from gpuscaler.metadata import Limits, parse_metadata
+from gpuscaler.metadata import MAX_TARGET, Limits, parse_metadata
 from gpuscaler.query import DEFAULT_MAX_UNREADABLE, ActivationRule, GpuSelection, Query, UnreadableTolerance
 
 LIMITS = Limits(history_seconds=600.0)  # the agent's default --history 10m
@@ -593,3 +593,12 @@ def test_profile_window_longer_than_history_is_refused() -> None:
         parse_metadata({"profile": "training"}, Limits(history_seconds=60))
     assert "profile 'training'" in raised.value.message
     assert "--history" in raised.value.message
+
+
+@pytest.mark.parametrize("key", ["targetValue", "targetGpuUtilization"])
+def test_a_target_keda_cannot_hold_is_refused_naming_the_bound(key: str) -> None:
+    """KEDA keeps a target as int64 thousandths: up to MAX_TARGET is taken, above it refused with the bound."""
+    assert parse({key: str(MAX_TARGET - 1)}).target == MAX_TARGET - 1  # the bound itself is no float64
+    message = refusal({key: "1e308"})
+    assert message.startswith(f"{key} '1e308' is out of range")
+    assert f"<= {MAX_TARGET:,}" in message
