@@ -141,7 +141,7 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: st
     elif profile is not None and window_seconds is not None and window_seconds > limits.history_seconds:
         raise InvalidMetadata(
             f"profile {profile.name!r} averages over {format_duration(window_seconds)}, longer than this server's "
-            f"--history of {format_duration(limits.history_seconds)}; set a shorter window or raise --history"
+            f"--history of {format_duration(limits.history_seconds)}; set a shorter window or {RAISE_HISTORY}"
         )
     if "windowFunction" in raw:
         window_function = _parse_enum("windowFunction", raw["windowFunction"], WindowFunction)
@@ -240,9 +240,21 @@ def _unknown_key_message(key: str) -> str:
     return f"unknown key {key!r}; {hint}"
 
 
+# How to get a longer window, as a refusal says it: the flag, and the chart values that set it.
+RAISE_HISTORY = "raise --history (the chart's agent.history, or gateway.history behind the gateway)"
+# The HPA's metric types, which KEDA takes as the trigger's own metricType field beside `metadata:`.
+HPA_METRIC_TYPES = ("AverageValue", "Value", "Utilization")
+
+
 def _parse_metric(raw: Mapping[str, str], default: Metric) -> Metric:
     for key in ("metric", "metricType"):
         if key in raw:
+            if key == "metricType" and raw[key].strip() in HPA_METRIC_TYPES:
+                raise InvalidMetadata(
+                    f"metricType {raw[key]!r} in metadata is not the HPA's metric type: set metricType: "
+                    f"{raw[key].strip()} on the trigger itself, beside metadata: (docs/hpa.md). In metadata, "
+                    "metricType is an alias of metric: use one of: " + ", ".join(metric.value for metric in Metric)
+                )
             return _parse_enum(key, raw[key], Metric)
     return default
 
@@ -306,7 +318,7 @@ def _parse_window(text: str, limits: Limits) -> float:
         raise InvalidMetadata(
             # "this server": an agent or the gateway, each with its own --history.
             f"window {text!r} is longer than this server's --history of {format_duration(limits.history_seconds)}; "
-            "use a shorter window or raise --history"
+            f"use a shorter window or {RAISE_HISTORY}"
         )
     return seconds
 

@@ -602,3 +602,17 @@ def test_a_target_keda_cannot_hold_is_refused_naming_the_bound(key: str) -> None
     message = refusal({key: "1e308"})
     assert message.startswith(f"{key} '1e308' is out of range")
     assert f"<= {MAX_TARGET:,}" in message
+
+
+@pytest.mark.parametrize("kind", ["Value", "AverageValue", "Utilization"])
+def test_an_hpa_metric_type_in_metadata_points_at_the_trigger_field(kind: str) -> None:
+    """metricType: Value put in metadata names the trigger-level field it belongs to, and the alias it is here."""
+    message = refusal({"metricType": kind})
+    assert f"set metricType: {kind} on the trigger itself, beside metadata:" in message
+    assert "alias of metric" in message
+
+
+def test_a_window_past_the_history_names_the_chart_keys_that_raise_it() -> None:
+    """The refusal says which chart value raises --history, on the agent and behind the gateway."""
+    message = refusal({"window": "20m"})
+    assert "raise --history (the chart's agent.history, or gateway.history behind the gateway)" in message
