@@ -267,7 +267,11 @@ async def _fake(args: argparse.Namespace, channel: Channel) -> int:
         )
         if not unknown_method:
             raise
-        message = "this agent has no fake GPUs; `gpuscaler fake` drives `gpuscaler serve --collector fake`"
+        message = (
+            f"{args.address} has no fake GPUs: `gpuscaler fake` drives an agent started with `--collector fake`, "
+            "and a gateway or an NVML agent has none (in `make dev`, 127.0.0.1:6000 is the gateway and the "
+            "agents are 127.0.0.1:6001 to 6003: pass --address)"
+        )
         raise GRPCError(Status.UNIMPLEMENTED, message) from None
 
 

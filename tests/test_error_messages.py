@@ -102,7 +102,9 @@ async def test_fake_against_an_nvml_agent_says_it_has_no_fake_gpus(capsys: pytes
     finally:
         await agent.stop()
     assert code == 1
-    assert capsys.readouterr().err.startswith("gpuscaler fake heal: UNIMPLEMENTED: this agent has no fake GPUs")
+    error = capsys.readouterr().err
+    assert error.startswith(f"gpuscaler fake heal: UNIMPLEMENTED: 127.0.0.1:{agent.port} has no fake GPUs")
+    assert "pass --address" in error
 
 
 async def test_fake_value_errors_quote_the_value_as_typed(agent: Agent, capsys: pytest.CaptureFixture[str]) -> None:
