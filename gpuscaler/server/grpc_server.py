@@ -36,9 +36,10 @@ import functools
 import math
 import ssl
 from asyncio import sslproto
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, Literal, cast
 
+import grpclib.server
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.encoding.proto import ProtoCodec, ProtoStatusDetailsCodec, _googleapis_available
 from grpclib.events import RecvRequest, listen
@@ -48,6 +49,7 @@ from grpclib.protocol import Connection, EventsProcessor, H2Protocol, Stream, _s
 from grpclib.server import Handler as ConnectionHandler
 from grpclib.server import Server, request_handler
 from grpclib.server import Stream as ServerStream
+from grpclib.utils import DeadlineWrapper
 from h2.connection import H2Connection, _decode_headers
 from h2.errors import ErrorCodes
 from h2.events import (
@@ -99,6 +101,29 @@ GOAWAY_GRACE_SECONDS = 1.0
 RAPID_RESET_SECONDS = 1.0
 # A call with less than this left of its deadline when it starts cannot be answered in time.
 EXPIRED_WITHIN_SECONDS = 0.001
+
+
+class _DeadlineWrapper(DeadlineWrapper):
+    """grpclib's deadline, which cancels the call when it passes, even when it passed before the call began.
+
+    grpclib's ``start`` raises TimeoutError outside the wrapper that turns it into DEADLINE_EXCEEDED when no
+    time is left (docs/security.md, item 5), and no precheck can close that race: the process can be
+    descheduled between ours in ``_H2Connection._handle`` and grpclib's. Scheduling the cancel for "now"
+    instead lets grpclib's own handling answer DEADLINE_EXCEEDED.
+    """
+
+    @contextlib.contextmanager
+    def start(self, deadline: Deadline) -> Iterator[None]:
+        timer = asyncio.get_running_loop().call_later(
+            max(deadline.time_remaining(), 0.0), self.cancel, TimeoutError("Deadline exceeded")
+        )
+        try:
+            yield
+        finally:
+            timer.cancel()
+
+
+grpclib.server.DeadlineWrapper = _DeadlineWrapper  # type: ignore[attr-defined]  # the name request_handler looks up
 
 
 class _H2Connection(H2Connection):
@@ -577,8 +602,8 @@ class _RefusingHandler(ConnectionHandler):
     of resets (CVE-2023-44487's rapid reset, or KEDA cancelling) no task, stream or message is held.
 
     A call whose deadline has passed (or is within EXPIRED_WITHIN_SECONDS) when it starts is answered
-    DEADLINE_EXCEEDED here: grpclib would raise it as an unexpected TimeoutError, which reached the client
-    as UNKNOWN "Internal Server Error".
+    DEADLINE_EXCEEDED here, before grpclib builds anything for it; one that runs out between this check and
+    grpclib's is cancelled by ``_DeadlineWrapper``.
     """
 
     def __init__(self, *args: Any, guard: ConnectionGuard, expired: Callable[[str], None]) -> None:

@@ -389,6 +389,28 @@ async def test_a_call_whose_deadline_passed_on_arrival_is_deadline_exceeded(
     assert agent.frontend.tracker.finished[(IS_ACTIVE, "DEADLINE_EXCEEDED")] == 1
 
 
+async def test_a_deadline_that_runs_out_after_our_check_is_still_deadline_exceeded(
+    start_agent: StartAgent, peers: list[_Peer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With our precheck passed (here: turned off), a deadline already over when grpclib starts the call ends
+    OK or DEADLINE_EXCEEDED, not in grpclib's "Timeout occurred" error (UNKNOWN at the client)."""
+    monkeypatch.setattr(grpc_server, "EXPIRED_WITHIN_SECONDS", -1.0)
+    agent = await start_agent()
+    peer = await _Peer.connect(agent.port)
+    peers.append(peer)
+    peer.h2.send_headers(1, [*request_headers(IS_ACTIVE), ("grpc-timeout", "1n")])
+    peer.h2.send_data(1, EMPTY_REF, end_stream=True)
+    peer.send()
+    await peer.read_until(lambda: any(isinstance(e, h2.events.StreamEnded) for e in peer.events))
+    answers = [
+        _headers(e) for e in peer.events if isinstance(e, h2.events.ResponseReceived | h2.events.TrailersReceived)
+    ]
+    # The handler may finish before the cancel scheduled for "now" runs: OK is a fair answer too.
+    assert {a["grpc-status"] for a in answers if "grpc-status" in a} <= {"0", "4"}, answers
+    finished = {code for method, code in agent.frontend.tracker.finished if method == IS_ACTIVE}
+    assert finished <= {"OK", "DEADLINE_EXCEEDED"}, finished
+
+
 async def test_cancelling_streams_held_for_a_while_is_no_flood(
     start_agent: StartAgent, peers: list[_Peer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
