@@ -112,6 +112,10 @@ async def test_a_busy_node_whose_gpus_all_hang_is_unknown_at_the_gateway_not_zer
         # The gateway has seen all four hang once a query naming them says so (naming GPUs is strict).
         named = partial(answer, gateway, gpuUUID=busy_uuids())
         await eventually(named, lambda got: unavailable(got, *busy_uuids().split(",")), timeout=15)
+        # Each says when agent B last read it, which a gateway holding B's newest snapshot alone cannot know.
+        message = str(getattr(await outcome(named), "message", ""))
+        assert message.count("; last read 20") == BUSY_GPUS, message
+        assert "last read never" not in message, message
         seen_at = (await explain(gateway, gpuUUID=busy_uuids())).snapshot_sequence
 
         got = await outcome(partial(answer, gateway, **ACTIVE))

@@ -835,7 +835,8 @@ def _contribution(
         error = sample.error_for(query.metric)
         reason = _reason(query.metric, error)
         if error is not None and error.kind is not ReadErrorKind.NOT_SUPPORTED:
-            reason += f"; last read {_last_read(source, sample, query.metric)}"
+            last = "never since its agent started" if error.last_read_at is None else _clock(error.last_read_at)
+            reason += f"; last read {last}"
         return Contribution(sample, None, 0, reason, error, pod, share=basis)
     window = query.window
     if window is None:
@@ -861,14 +862,6 @@ def _unreadable(metric: Metric, left_out: Sequence[Contribution]) -> GpuscalerEr
     if all(c.error is not None and c.error.kind is ReadErrorKind.NOT_SUPPORTED for c in left_out):
         return Unsupported(message)
     return Unavailable(message)
-
-
-def _last_read(source: SnapshotSource, sample: GpuSample, metric: Metric) -> str:
-    for snapshot in source.newest_first(sample.node):
-        for other in snapshot.samples:
-            if other.gpu.uuid == sample.gpu.uuid and other.value(metric) is not None:
-                return _clock(snapshot.taken_at)
-    return "never, within the history"
 
 
 def _no_gpus(snapshot: Snapshot) -> str:

@@ -17,6 +17,7 @@ import structlog
 
 from gpuscaler.collectors.base import Collector
 from gpuscaler.history import History
+from gpuscaler.last_reads import LastReads
 from gpuscaler.samples import (
     ATTRIBUTION_OFF,
     DEVICE_FIELD,
@@ -74,6 +75,7 @@ class Poller:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._sequence = 0
         self._last_discovery = 0.0
+        self._last_reads = LastReads()
 
     @property
     def devices(self) -> list[GpuIdentity]:
@@ -116,7 +118,7 @@ class Poller:
         taken_at = time.time()
         if started - self._last_discovery >= REDISCOVER_EVERY_SECONDS:
             await self.rediscover()
-        samples = await self._read_all(started)
+        samples = self._last_reads.stamp(await self._read_all(started), taken_at)
         if self._on_tick is not None:
             self._on_tick(loop.time() - started, self._lag)
         attributed, attribution = (

@@ -44,6 +44,9 @@ class ReadError(NamedTuple):
     field: str
     kind: ReadErrorKind
     detail: str
+    # When the agent last read this field (for DEVICE_FIELD: the GPU), seconds since the epoch; None when it has
+    # not since it started, or the field is NOT_SUPPORTED. The poll loop stamps it (``last_reads.py``).
+    last_read_at: float | None = None
 
 
 class PodRef(NamedTuple):

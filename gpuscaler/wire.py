@@ -67,7 +67,12 @@ def sample_to_wire(sample: GpuSample) -> pb.GpuSample:
         temperature_celsius=sample.temperature_celsius,
         power_draw_watts=sample.power_draw_watts,
         power_limit_watts=sample.power_limit_watts,
-        errors=[pb.ReadError(field=e.field, kind=_KIND_TO_WIRE[e.kind], detail=e.detail) for e in sample.errors],
+        errors=[
+            pb.ReadError(
+                field=e.field, kind=_KIND_TO_WIRE[e.kind], detail=e.detail, last_read_unix_seconds=e.last_read_at
+            )
+            for e in sample.errors
+        ],
         pods=[pb.PodRef(namespace=p.namespace, pod=p.pod, container=p.container) for p in sample.pods],
         sm_active_percent=sample.sm_active_percent,
         sm_occupancy_percent=sample.sm_occupancy_percent,

@@ -74,9 +74,13 @@ def gpu_sample(
     )
 
 
-def failed_sample(index: int, kind: ReadErrorKind, detail: str = "fake failure") -> GpuSample:
-    """A GPU whose whole device read failed, as NVML reports a lost or hung GPU."""
-    return gpu_sample(index, errors=(ReadError(DEVICE_FIELD, kind, detail),))
+def failed_sample(
+    index: int, kind: ReadErrorKind, detail: str = "fake failure", *, last_read_at: float | None = None
+) -> GpuSample:
+    """A GPU whose whole device read failed, as NVML reports a lost or hung GPU; its agent last read it at
+    ``last_read_at`` seconds after EPOCH (None: never since it started)."""
+    stamp = None if last_read_at is None else EPOCH + last_read_at
+    return gpu_sample(index, errors=(ReadError(DEVICE_FIELD, kind, detail, stamp),))
 
 
 def unsupported_sample(index: int) -> GpuSample:

@@ -42,6 +42,7 @@ ROOMS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "gpuscaler.attribution.",
             "gpuscaler.source",
             "gpuscaler.history",
+            "gpuscaler.last_reads",
             "gpuscaler.poller",
         ),
     ),

@@ -217,17 +217,15 @@ def test_a_gpu_without_the_metric_is_left_out_whatever_the_tolerance() -> None:
     assert [c.sample.gpu.index for c in evaluation.unread] == [1]
 
 
-def test_left_out_gpu_says_when_it_was_last_read() -> None:
-    """A GPU that failed after reading fine says when it was last read; one never read says so."""
-    history = history_of(
-        snapshot(1, 0.0, (gpu_sample(0, util=10.0), failed_sample(1, ReadErrorKind.GPU_LOST))),
-        snapshot(2, 1.0, (failed_sample(0, ReadErrorKind.GPU_LOST), failed_sample(1, ReadErrorKind.GPU_LOST))),
-        snapshot(3, 2.0, (failed_sample(0, ReadErrorKind.GPU_LOST), failed_sample(1, ReadErrorKind.GPU_LOST))),
-    )
-    evaluation = run(query(), history)
+def test_left_out_gpu_says_when_its_agent_last_read_it() -> None:
+    """A GPU that failed after reading fine says when its agent last read it, from the error's stamp (a gateway
+    keeps one snapshot per node: the history cannot tell); one never read says so."""
+    lost_after_reading = failed_sample(0, ReadErrorKind.GPU_LOST, last_read_at=0.0)
+    never_read = failed_sample(1, ReadErrorKind.GPU_LOST)
+    evaluation = run(query(), history_of(snapshot(3, 2.0, (lost_after_reading, never_read))))
     reasons = [c.reason or "" for c in evaluation.contributions]
     assert "last read 2023-11-14T22:13:20.000+00:00" in reasons[0]
-    assert "last read never, within the history" in reasons[1]
+    assert "last read never since its agent started" in reasons[1]
 
 
 @pytest.mark.parametrize(

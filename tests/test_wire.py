@@ -85,6 +85,16 @@ SAMPLES = [
     ),
     pytest.param(
         gpu_sample(
+            3,
+            errors=(
+                ReadError(DEVICE_FIELD, ReadErrorKind.GPU_LOST, "GPU is lost", 1_700_000_123.25),
+                ReadError("temperature", ReadErrorKind.TIMEOUT, "hung", 0.0),
+            ),
+        ),
+        id="last-read-stamps",
+    ),
+    pytest.param(
+        gpu_sample(
             0,
             util=90.0,
             pods=(PodRef("ml", "vllm-0", "server"), PodRef("ml", "vllm-1", "server")),

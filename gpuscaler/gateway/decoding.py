@@ -295,7 +295,15 @@ class SnapshotDecoder:
         else:  # an agent that sends only the fields (older, or another implementation)
             readings = [getattr(gpu, name) if gpu.HasField(name) else None for name in READING_FIELDS]
         errors = (
-            tuple(ReadError(e.field, _KIND_FROM_PB2.get(e.kind, ReadErrorKind.OTHER), e.detail) for e in gpu.errors)
+            tuple(
+                ReadError(
+                    e.field,
+                    _KIND_FROM_PB2.get(e.kind, ReadErrorKind.OTHER),
+                    e.detail,
+                    e.last_read_unix_seconds if e.HasField("last_read_unix_seconds") else None,
+                )
+                for e in gpu.errors
+            )
             if gpu.errors
             else ()
         )

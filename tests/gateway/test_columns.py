@@ -106,7 +106,7 @@ def over_the_wire(history: History, decoder: SnapshotDecoder, *, at: float, agen
 
 class NewestOnly(ClusterSource):
     """The reference: windows from each node's history, as its agent reduces them, but each node's newest
-    snapshot only, as a gateway keeps (an error's "last read" looks no further back)."""
+    snapshot only, as a gateway keeps."""
 
     def newest_first(self, node: str) -> Iterator[Snapshot]:
         return iter([part for part in self.view.parts if part.node == node])

@@ -263,7 +263,7 @@ async def test_a_reset_flood_is_told_to_calm_down_and_leaves_nothing_behind(
     assert await _good_call(agent) is False
 
 
-def _headers(event: h2.events.ResponseReceived) -> dict[str, str]:
+def _headers(event: h2.events.ResponseReceived | h2.events.TrailersReceived) -> dict[str, str]:
     """An answer's headers: text, as the peer's h2 decodes them with header_encoding set."""
     return dict(cast(list[tuple[str, str]], event.headers))
 

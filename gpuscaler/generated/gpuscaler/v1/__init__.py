@@ -628,6 +628,12 @@ class ReadError(betterproto2.Message):
 
     detail: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
 
+    last_read_unix_seconds: "float | None" = betterproto2.field(4, betterproto2.TYPE_DOUBLE, optional=True)
+    """
+    When the agent last read this field (for `device`: the GPU) before it failed, seconds since the Unix epoch.
+    Absent: not since the agent started, or the field is not supported.
+    """
+
 
 default_message_pool.register_message("gpuscaler.v1", "ReadError", ReadError)
 

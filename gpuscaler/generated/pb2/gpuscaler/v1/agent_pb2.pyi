@@ -88,14 +88,16 @@ class WindowedValues(_message.Message):
     def __init__(self, window: _Optional[_Union[WindowSpec, _Mapping]] = ..., values: _Optional[_Iterable[_Union[WindowedValue, _Mapping]]] = ..., problem: _Optional[str] = ..., packed_values: _Optional[_Iterable[float]] = ..., packed_samples: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReadError(_message.Message):
-    __slots__ = ("field", "kind", "detail")
+    __slots__ = ("field", "kind", "detail", "last_read_unix_seconds")
     FIELD_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    LAST_READ_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
     field: str
     kind: ReadErrorKind
     detail: str
-    def __init__(self, field: _Optional[str] = ..., kind: _Optional[_Union[ReadErrorKind, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+    last_read_unix_seconds: float
+    def __init__(self, field: _Optional[str] = ..., kind: _Optional[_Union[ReadErrorKind, str]] = ..., detail: _Optional[str] = ..., last_read_unix_seconds: _Optional[float] = ...) -> None: ...
 
 class Attribution(_message.Message):
     __slots__ = ("state", "detail")
