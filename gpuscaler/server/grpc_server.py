@@ -44,7 +44,7 @@ from grpclib.const import Cardinality, Handler, Status
 from grpclib.encoding.proto import ProtoCodec, ProtoStatusDetailsCodec, _googleapis_available
 from grpclib.events import RecvRequest, listen
 from grpclib.exceptions import GRPCError
-from grpclib.metadata import Deadline
+from grpclib.metadata import Deadline, decode_timeout
 from grpclib.protocol import Connection, EventsProcessor, H2Protocol, Stream, _set_nodelay
 from grpclib.server import Handler as ConnectionHandler
 from grpclib.server import Server, request_handler
@@ -382,6 +382,13 @@ class _ManyStreamsProtocol(H2Protocol):
         self.last_stream_at = self.guard.clock()
         self._pings.give(PINGS_PER_CALL)
         accept(event)
+        stream = self.processor.streams.get(event.stream_id)
+        if isinstance(stream, LeanStream) and stream.created is not None:
+            for name, value in cast(list[tuple[str, str]], event.headers):
+                if name == "grpc-timeout":
+                    with contextlib.suppress(ValueError):  # grpclib answers a bad one itself
+                        stream.deadline_at = stream.created + decode_timeout(value)
+                    break
 
     def _stream_reset(self, reset: Callable[[StreamReset], None], event: StreamReset) -> None:
         # Only a reset soon after its stream opened counts: that is the rapid-reset attack, a stream the server
@@ -395,6 +402,9 @@ class _ManyStreamsProtocol(H2Protocol):
             and stream is not None
             and stream.created is not None
             and now - stream.created < RAPID_RESET_SECONDS
+            # A client cancelling a call whose deadline has passed (grpc-go and grpcio do, on a slow server) is
+            # no attack: the server would end that call now anyway.
+            and not (isinstance(stream, LeanStream) and stream.deadline_at is not None and now >= stream.deadline_at)
             and not self._resets.take(now)
         ):
             self._calm("reset_flood", f"more than {self.guard.limits.max_resets_per_second} rapid resets a second")
@@ -486,6 +496,7 @@ class _ManyStreamsProtocol(H2Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.guard.release_connection(self)
+        self._discarding, self._backlog = True, None  # a backlog still scheduled must not feed a closed connection
         if hasattr(self, "processor"):
             super().connection_lost(exc)
 

@@ -120,3 +120,4 @@ class LeanStream(Stream):
         self.buffer = _LeanBuffer(functools.partial(connection.ack, stream_id))
         self.connection.streams_started += 1
         self.created = self.connection.last_stream_created = time.monotonic()
+        self.deadline_at: float | None = None  # created + the call's grpc-timeout, where it has one

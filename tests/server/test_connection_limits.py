@@ -7,10 +7,12 @@ limit acting (the connection cut or the stream refused), counted, and the good b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import struct
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import cast
 
 import h2.config
@@ -409,6 +411,58 @@ async def test_a_deadline_that_runs_out_after_our_check_is_still_deadline_exceed
     assert {a["grpc-status"] for a in answers if "grpc-status" in a} <= {"0", "4"}, answers
     finished = {code for method, code in agent.frontend.tracker.finished if method == IS_ACTIVE}
     assert finished <= {"OK", "DEADLINE_EXCEEDED"}, finished
+
+
+async def test_cancelling_calls_past_their_deadline_is_no_flood(
+    start_agent: StartAgent, peers: list[_Peer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client cancels a call whose deadline passed before a slow server answered (grpcio and grpc-go do): three
+    times the reset burst of such calls keeps the connection; the server would have ended each call anyway."""
+
+    @contextlib.contextmanager
+    def slow_to_notice(self: object, deadline: object) -> Iterator[None]:
+        yield  # a server too busy to have ended the calls at their deadline yet
+
+    monkeypatch.setattr(grpc_server._DeadlineWrapper, "start", slow_to_notice)
+    monkeypatch.setattr(grpc_server, "EXPIRED_WITHIN_SECONDS", -1.0)  # nor answered them as they arrived
+    agent = await start_agent("--max-resets-per-second", "10")
+    peer = await _Peer.connect(agent.port)
+    peers.append(peer)
+    ids = range(1, int(2 * 3 * 10 * BURST_SECONDS) + 1, 2)
+    for stream_id in ids:
+        peer.h2.send_headers(stream_id, [*request_headers(STREAM_IS_ACTIVE), ("grpc-timeout", "1m")])
+        peer.h2.send_data(stream_id, EMPTY_REF, end_stream=True)
+    peer.send()
+    opened = time.monotonic()
+    await until(lambda: _guard(agent).streams == len(ids))
+    await until(lambda: time.monotonic() - opened > 0.002)  # every deadline (1 ms) has passed
+    for stream_id in ids:
+        peer.h2.reset_stream(stream_id)
+    peer.send()
+    await until(lambda: _guard(agent).streams == 0)
+    assert peer.goaway() is None
+    assert _guard(agent).limited == {}
+
+
+async def test_a_connection_that_goes_while_its_backlog_waits_takes_nothing_more_in(
+    start_agent: StartAgent, peers: list[_Peer]
+) -> None:
+    """Thousands of calls in one write are taken in FEED_BYTES a turn; a peer that goes meanwhile leaves the rest
+    unread, with no error from feeding a closed connection."""
+    errors: list[dict[str, object]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _, context: errors.append(context))
+    agent = await start_agent()
+    peer = await _Peer.connect(agent.port)
+    peers.append(peer)
+    for stream_id in range(1, 2 * 2_000, 2):
+        peer.h2.send_headers(stream_id, request_headers(IS_ACTIVE))
+        peer.h2.send_data(stream_id, EMPTY_REF, end_stream=True)
+    peer.send()
+    peer.writer.transport.abort()
+    server = agent.frontend.server
+    await until(lambda: not _guard(agent).connections and server.handler_tasks == 0)
+    assert await _good_call(agent) is False
+    assert errors == []
 
 
 async def test_cancelling_streams_held_for_a_while_is_no_flood(
