@@ -7,6 +7,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The runtime dependencies alone (no mypy, ruff, pytest, ...): enough for `make dev`. A full install counts as one.
+RUNTIME_STAMP := $(VENV)/.installed-runtime
 PROTOS := $(shell find protos -name '*.proto' | sort)
 GENERATED := gpuscaler/generated
 # Checked and tested folders that exist in this checkout.
@@ -26,7 +28,17 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP) ## Create .venv with the pinned dependencies
 
-dev: $(STAMP) ## Run the dev stack with fake GPUs as local processes (Ctrl-C stops it)
+$(RUNTIME_STAMP): pyproject.toml constraints.txt
+	@if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ] && [ $(STAMP) -nt constraints.txt ]; then \
+		echo "$(VENV) already has every dependency"; \
+	else \
+		test -x $(BIN)/python || $(PYTHON) -m venv $(VENV); \
+		echo "installing gpuscaler's runtime dependencies into $(VENV) ('make test' adds the dev tools)"; \
+		$(BIN)/pip install --quiet --constraint constraints.txt -e .; \
+	fi
+	touch $@
+
+dev: $(RUNTIME_STAMP) ## Run the dev stack with fake GPUs as local processes (Ctrl-C stops it); runtime deps only
 	$(BIN)/python dev/stack.py
 
 test: $(STAMP) proto-check lint typecheck ## Every check CI runs: generated code, lint, types, unit, e2e, chart

@@ -2,8 +2,15 @@
 
 compose.yaml stays the one definition of the stack: each service's ``entrypoint`` + ``command`` runs with its
 ``environment``, where an address it binds (``0.0.0.0:6000``) or calls (``node-b:6000``) becomes 127.0.0.1 and the
-port compose.yaml publishes for it, and a bind-mounted folder (``/scenarios``) the host's. The other keys (image,
-user, ...) mean nothing to a local process; ``--port-offset N`` moves every port, to run beside another stack.
+port compose.yaml publishes for it, a bind-mounted folder (``/scenarios``) the host's, and a named volume a folder
+of a temporary directory that lives as long as the stack. The other keys (image, user, ...) mean nothing to a local
+process; ``--port-offset N`` moves every port, to run beside another stack.
+
+A service is up once it has logged the event its ``gpuscaler.dev/up-when-logged`` label names (at once without the
+label). A service that exits before every service is up stops the whole stack (a second ``make dev`` on taken ports
+must not run half a stack); one that exits later is reported, and the others keep running, as the nodes of a
+cluster do when one agent dies. Lines typed into the stack's terminal control single services: ``stop NAME``,
+``kill NAME`` (SIGKILL, as a crash), ``start NAME``, ``status``.
 """
 
 from __future__ import annotations
@@ -15,8 +22,10 @@ import os
 import re
 import signal
 import sys
+import tempfile
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -25,6 +34,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 ADDRESS = re.compile(r"\b(?P<host>[\w.-]+):(?P<port>\d+)\b")
 STOP_GRACE_SECONDS = 15.0  # compose.yaml's stop_grace_period: longer than the agent's drain
+COMMANDS = "stop NAME, kill NAME, start NAME, status"
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,9 +47,15 @@ class Service:
     ports: dict[str, str]  # the port's name in compose.yaml -> the local address
     labels: dict[str, str]
 
+    @property
+    def up_when_logged(self) -> str | None:
+        """The log event after which the service counts as up; None: as soon as it runs."""
+        return self.labels.get("gpuscaler.dev/up-when-logged")
 
-def load(port_offset: int = 0) -> list[Service]:
-    """compose.yaml's services, mapped onto the host; they start in file order, as every client here retries."""
+
+def load(port_offset: int, volumes: Path) -> list[Service]:
+    """compose.yaml's services, mapped onto the host; they start in file order, as every client here retries.
+    Named volumes become folders under ``volumes``."""
     text = (ROOT / "compose.yaml").read_text(encoding="utf-8")
     if "$" in text:
         sys.exit("stack: compose.yaml uses ${...} interpolation, which dev/stack.py does not do")
@@ -51,6 +67,11 @@ def load(port_offset: int = 0) -> list[Service]:
         for port in spec.get("ports", [])
     }
 
+    def host_path(source: str) -> Path:
+        if source.startswith((".", "/")):  # a bind mount
+            return (ROOT / source).resolve()
+        return volumes / source  # a named volume
+
     def local(name: str, mounts: list[list[str]], word: object) -> str:
         def address(match: re.Match[str]) -> str:
             key = (name if match["host"] == "0.0.0.0" else match["host"], int(match["port"]))
@@ -61,7 +82,7 @@ def load(port_offset: int = 0) -> list[Service]:
         text = ADDRESS.sub(address, str(word))
         for source, target in mounts:
             if text == target or text.startswith(f"{target}/"):
-                return str((ROOT / source).resolve()) + text[len(target) :]
+                return str(host_path(source)) + text[len(target) :]
         return text
 
     services = []
@@ -79,89 +100,243 @@ def load(port_offset: int = 0) -> list[Service]:
     return services
 
 
-def banner(services: list[Service]) -> list[str]:
-    """What ``make dev`` prints first: every service's addresses, and where a KEDA-like client connects."""
+def banner(services: list[Service], pids: dict[str, int] | None = None) -> list[str]:
+    """What ``make dev`` prints once every service is up: each service's process and addresses, where a
+    KEDA-like client connects, and how to stop one service."""
     width = max(len(service.name) for service in services)
     lines = [f"gpuscaler dev stack: compose.yaml's {len(services)} services as local processes"]
     for service in services:
+        pid = f"pid {pids[service.name]:<8}" if pids and service.name in pids else ""
         ports = "".join(f"{name} {address}  " for name, address in service.ports.items())
-        lines.append(f"  {service.name:<{width}}  {ports}{service.labels.get('gpuscaler.dev/description', '')}")
+        description = service.labels.get("gpuscaler.dev/description", "")
+        lines.append(f"  {service.name:<{width}}  {pid}{ports}{description}")
     for service in services:
         if service.labels.get("gpuscaler.dev/keda-endpoint") == "true":
             lines.append(f"KEDA-like clients connect to {service.ports['grpc']} ({service.name}), e.g.:")
             lines.append(f"  .venv/bin/gpuscaler query --address {service.ports['grpc']} profile=training")
+            lines.append(f"  .venv/bin/gpuscaler query --address {service.ports['grpc']} namespace=ml workload=trainer")
+    lines.append(f"Type a command and Enter here to drive one service ({COMMANDS}); the others keep running.")
     lines.append("Ctrl-C stops them all.")
     return lines
 
 
-async def run(services: list[Service], write: Callable[[str], None]) -> int:
-    """Starts every service and copies its output behind its name; on SIGINT or SIGTERM, or when one service
-    exits, stops them all. Returns 0 when every service stopped cleanly."""
+def describe_exit(code: int) -> str:
+    """An exit status as a person reads it: ``code 1``, ``SIGKILL``."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-code).name}"
+    return f"code {code}"
+
+
+@dataclass(eq=False)
+class Running:
+    """A service's process and the task that copies its output; ``up`` is set once it is up."""
+
+    service: Service
+    child: asyncio.subprocess.Process
+    up: asyncio.Event = field(default_factory=asyncio.Event)
+    pump: asyncio.Task[None] | None = None
+    stopped_on_purpose: bool = False
+
+
+class Stack:
+    """The services' processes, their output behind their names, and the commands typed into the terminal."""
+
+    def __init__(self, services: list[Service], write: Callable[[str], None]) -> None:
+        self.services = {service.name: service for service in services}
+        self.write = write
+        self.width = max(len(name) for name in self.services)
+        self.running: dict[str, Running] = {}
+        self.exits: asyncio.Queue[Running] = asyncio.Queue()
+        # The developer's own agent settings (GPUSCALER_COLLECTOR=nvml, say) would override compose.yaml's defaults.
+        environment = {key: value for key, value in os.environ.items() if not key.startswith("GPUSCALER_")}
+        path = os.pathsep.join(filter(None, (str(Path(sys.executable).parent), os.environ.get("PATH"))))
+        self.environment = environment | {"PATH": path}
+
+    async def start(self, name: str) -> Running:
+        service = self.services[name]
+        child = await asyncio.create_subprocess_exec(
+            *service.argv,
+            env=self.environment | service.environment,
+            cwd=ROOT,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            # Its own process group: Ctrl-C reaches only us, and we stop each group (a shell and its children).
+            start_new_session=True,
+        )
+        running = Running(service, child)
+        running.pump = asyncio.create_task(self._pump(running))
+        if service.up_when_logged is None:
+            running.up.set()
+        self.running[name] = running
+        return running
+
+    async def _pump(self, running: Running) -> None:
+        prefix = f"{running.service.name:<{self.width}} |"
+        event = running.service.up_when_logged
+        assert running.child.stdout is not None
+        async for raw in running.child.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            self.write(f"{prefix} {line}")
+            if event is not None and re.search(rf"\b{re.escape(event)}\b", line):
+                running.up.set()
+        self.write(f"{prefix} exited with {describe_exit(await running.child.wait())}")
+        self.exits.put_nowait(running)
+
+    async def stop(self, running: Running, signals: tuple[signal.Signals, ...]) -> None:
+        """Each signal in turn to the service's process group, waiting the grace period after each but the last."""
+        running.stopped_on_purpose = True
+        child = running.child
+        for signum in signals:
+            if child.returncode is not None:  # its pid, and so the group's id, may belong to someone else by now
+                break
+            with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+                os.killpg(child.pid, signum)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(child.wait(), STOP_GRACE_SECONDS)
+        if running.pump is not None:
+            await running.pump
+
+    async def command(self, line: str) -> None:
+        """One line typed into the stack's terminal."""
+        words = line.split()
+        if not words:
+            return
+        if words == ["status"]:
+            for name in self.services:
+                running = self.running.get(name)
+                state = "not running"
+                if running is not None and running.child.returncode is None:
+                    state = f"running, pid {running.child.pid}"
+                elif running is not None and running.child.returncode is not None:
+                    state = f"exited with {describe_exit(running.child.returncode)}"
+                self.write(f"stack: {name:<{self.width}}  {state}")
+            return
+        if len(words) != 2 or words[0] not in ("start", "stop", "kill") or words[1] not in self.services:
+            self.write(f"stack: {line.strip()!r}? Commands: {COMMANDS}; services: {', '.join(self.services)}")
+            return
+        verb, name = words
+        running = self.running.get(name)
+        alive = running is not None and running.child.returncode is None
+        if verb == "start":
+            if alive:
+                self.write(f"stack: {name} is already running")
+                return
+            started = await self.start(name)
+            self.write(f"stack: started {name} again (pid {started.child.pid})")
+        elif running is None or not alive:
+            self.write(f"stack: {name} is not running; type 'start {name}' to start it")
+        else:
+            self.write(f"stack: {'stopping' if verb == 'stop' else 'killing'} {name} (pid {running.child.pid})")
+            signals = (signal.SIGTERM, signal.SIGKILL) if verb == "stop" else (signal.SIGKILL,)
+            await self.stop(running, signals)
+
+    def report_exit(self, running: Running) -> None:
+        """Says that a service ended while the others run on, and how to bring it back."""
+        name = running.service.name
+        others = [n for n, r in self.running.items() if n != name and r.child.returncode is None]
+        how = "stopped" if running.stopped_on_purpose else "exited"
+        code = describe_exit(running.child.returncode if running.child.returncode is not None else 0)
+        self.write(
+            f"stack: {name} {how} ({code}); {len(others)} other service(s) keep running ({', '.join(others)}). "
+            f"Type 'start {name}' here to start it again; Ctrl-C stops the stack."
+        )
+
+    async def all_up(self) -> None:
+        """Returns once every service started so far is up."""
+        for running in list(self.running.values()):
+            await running.up.wait()
+
+    async def stop_all(self) -> None:
+        """Stops every service still running, each SIGTERM then SIGKILL, and waits for all their output."""
+        alive = [r for r in self.running.values() if r.child.returncode is None]
+        await asyncio.gather(*(self.stop(r, (signal.SIGTERM, signal.SIGKILL)) for r in alive))
+        await asyncio.gather(*(r.pump for r in self.running.values() if r.pump is not None))
+
+
+async def run(services: list[Service], write: Callable[[str], None], commands: asyncio.Queue[str] | None = None) -> int:
+    """Starts every service, copies its output behind its name, and prints the banner once all are up. Until SIGINT
+    or SIGTERM: a service that exits is reported and the others go on, and each line put into ``commands`` is a
+    command (``stop NAME``, ...). A service that exits before all are up stops every service, and returns 1.
+    Otherwise returns 0 when every service still running at the signal stopped cleanly."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    # The developer's own agent settings (GPUSCALER_COLLECTOR=nvml, say) would override compose.yaml's defaults.
-    environment = {key: value for key, value in os.environ.items() if not key.startswith("GPUSCALER_")}
-    environment["PATH"] = os.pathsep.join(filter(None, (str(Path(sys.executable).parent), os.environ.get("PATH"))))
-    width = max(len(service.name) for service in services)
-    children: list[asyncio.subprocess.Process] = []
-    pumps: list[asyncio.Task[None]] = []
+    commands = commands if commands is not None else asyncio.Queue()
+    stack = Stack(services, write)
+    stopping = asyncio.create_task(stop.wait())
     try:
         for service in services:
-            child = await asyncio.create_subprocess_exec(
-                *service.argv,
-                env=environment | service.environment,
-                cwd=ROOT,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                # Its own process group: Ctrl-C reaches only us, and we stop each group (a shell and its children).
-                start_new_session=True,
-            )
-            children.append(child)
-            pumps.append(asyncio.create_task(_pump(f"{service.name:<{width}} |", child, write)))
-        for line in banner(services):
+            await stack.start(service.name)
+        all_up = asyncio.create_task(stack.all_up())
+        first_exit = asyncio.create_task(stack.exits.get())
+        await asyncio.wait([all_up, first_exit, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if not all_up.done():  # one exited, or Ctrl-C, before every service was up
+            all_up.cancel()
+            if not first_exit.done():
+                first_exit.cancel()
+                return 0
+            name = first_exit.result().service.name
+            write(f"stack: {name} exited before every service was up; stopping the others")
+            return 1
+        first_exit.cancel()
+        pids = {name: running.child.pid for name, running in stack.running.items()}
+        for line in banner(services, pids):
             write(line)
-        stopped = asyncio.create_task(stop.wait())
-        await asyncio.wait([stopped, *pumps], return_when=asyncio.FIRST_COMPLETED)
-        stopped.cancel()
+        while not stopping.done():
+            exited = asyncio.create_task(stack.exits.get())
+            typed = asyncio.create_task(commands.get())
+            done, _ = await asyncio.wait([stopping, exited, typed], return_when=asyncio.FIRST_COMPLETED)
+            if exited in done:
+                stack.report_exit(exited.result())
+            else:
+                exited.cancel()
+            if typed in done:
+                await stack.command(typed.result())
+            else:
+                typed.cancel()
+        final = [r for r in stack.running.values() if r.child.returncode is None]
+        await stack.stop_all()
+        return 0 if all(r.child.returncode in (0, -signal.SIGTERM) for r in final) else 1
     finally:
-        await asyncio.gather(*(_stop(child) for child in children))
-        await asyncio.gather(*pumps)
-    return 0 if all(child.returncode in (0, -signal.SIGTERM) for child in children) else 1
+        stopping.cancel()
+        await stack.stop_all()
 
 
-async def _pump(prefix: str, child: asyncio.subprocess.Process, write: Callable[[str], None]) -> None:
-    assert child.stdout is not None
-    async for line in child.stdout:
-        write(f"{prefix} {line.decode(errors='replace').rstrip()}")
-    write(f"{prefix} exited with code {await child.wait()}")
+def read_commands(loop: asyncio.AbstractEventLoop, commands: asyncio.Queue[str]) -> None:
+    """Feeds lines typed into the terminal to ``commands``, from a thread (stdin has no portable async reader)."""
 
+    def reader() -> None:
+        with contextlib.suppress(OSError, ValueError):  # EIO in the background, a closed stdin at exit
+            for line in sys.stdin:
+                loop.call_soon_threadsafe(commands.put_nowait, line)
 
-async def _stop(child: asyncio.subprocess.Process) -> None:
-    """SIGTERM to the child's process group, SIGKILL after the grace period."""
-    if child.returncode is not None:  # its pid, and so the group's id, may belong to someone else by now
-        return
-    for signum in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
-            os.killpg(child.pid, signum)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(child.wait(), STOP_GRACE_SECONDS)
-            return
+    threading.Thread(target=reader, name="stack-commands", daemon=True).start()
 
 
 def main() -> int:
-    """Run the stack until Ctrl-C or a service exits; the exit status is 0 when every service stopped cleanly."""
+    """Run the stack until Ctrl-C; the exit status is 0 when every service then stopped cleanly."""
     parser = argparse.ArgumentParser(description="Run compose.yaml's services as local processes.")
     parser.add_argument(
         "--port-offset", type=int, default=0, help="add N to every published port, to run beside another stack"
     )
     args = parser.parse_args()
-    try:
-        return asyncio.run(run(load(args.port_offset), partial(print, flush=True)))
-    except OSError as error:  # a command that cannot start; those started before it have been stopped
-        parser.exit(1, f"stack: cannot run {error.filename}: {error.strerror}\n")
+    # A stack moved to the background that reads the terminal would be stopped by SIGTTIN; ignored, the read
+    # fails instead, and the commands are off while it runs there.
+    signal.signal(signal.SIGTTIN, signal.SIG_IGN)
+
+    async def main_async(volumes: Path) -> int:
+        commands: asyncio.Queue[str] = asyncio.Queue()
+        read_commands(asyncio.get_running_loop(), commands)
+        return await run(load(args.port_offset, volumes), partial(print, flush=True), commands)
+
+    with tempfile.TemporaryDirectory(prefix="gpuscaler-dev-") as volumes:
+        try:
+            return asyncio.run(main_async(Path(volumes)))
+        except OSError as error:  # a command that cannot start; those started before it have been stopped
+            parser.exit(1, f"stack: cannot run {error.filename}: {error.strerror}\n")
 
 
 if __name__ == "__main__":

@@ -118,10 +118,14 @@ def test_there_is_one_example_per_profile_and_trigger(trigger: str) -> None:
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[f"{p.parent.name}/{p.name}" for p in EXAMPLES])
 def test_examples_use_metadata_the_agent_accepts_and_the_chart_service(helm: Helm, example: Path) -> None:
-    """Each example's trigger metadata parses with the agent's own parser, and its address is the chart's Service."""
+    """Each example's trigger metadata parses with the agent's own parser (given the ScaledObject's namespace and
+    name, as KEDA sends them), and its address is the chart's Service."""
     (scaled_object,) = yaml_documents(example)
     (trigger,) = scaled_object["spec"]["triggers"]
-    parse_metadata(trigger["metadata"], Limits(history_seconds=600))
+    metadata = scaled_object["metadata"]
+    parse_metadata(
+        trigger["metadata"], Limits(history_seconds=600), namespace=metadata["namespace"], name=metadata["name"]
+    )
     service = find(helm.template(CI_VALUES[0]), "Service", RELEASE)
     port = service["spec"]["ports"][0]["port"]
     assert trigger["metadata"]["scalerAddress"] == f"{RELEASE}.{NAMESPACE}.svc.cluster.local:{port}"

@@ -81,9 +81,14 @@ def test_defaults_render_the_agent_its_services_and_nothing_optional(helm: Helm)
 
 
 def test_agents_run_on_gpu_nodes_only_and_tolerate_the_gpu_taint(helm: Helm) -> None:
-    """The DaemonSet selects GPU-feature-discovery's label and tolerates nvidia.com/gpu:NoSchedule."""
+    """The DaemonSet requires one of the GPU node labels (not GPU feature discovery's alone) and tolerates
+    nvidia.com/gpu:NoSchedule."""
     spec = pod_spec(daemonset(helm))
-    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert "nodeSelector" not in spec
+    (terms,) = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"].values()
+    keys = [expression["key"] for term in terms for expression in term["matchExpressions"]]
+    assert "nvidia.com/gpu.present" in keys
+    assert "feature.node.kubernetes.io/pci-10de.present" in keys
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
     assert spec["runtimeClassName"] == "nvidia"
     assert spec["priorityClassName"] == "system-node-critical"
@@ -99,41 +104,168 @@ def test_upgrades_roll_one_node_at_a_time(helm: Helm) -> None:
     assert tls["rollingUpdate"] == {"maxUnavailable": "10%"}
 
 
-def test_defaults_pass_pod_security_restricted(helm: Helm) -> None:
-    """Non-root, read-only root, no capabilities, no escalation, RuntimeDefault seccomp, no host paths."""
+# What Pod Security "restricted" refuses in the default agent, each for the kubelet's pod-resources socket
+# (docs/install.md#the-agents-privileges): a hostPath of its folder, and uid 0, the only user that can connect to it.
+POD_RESOURCES_VIOLATIONS = [
+    "volume pod-resources: ['hostPath']",
+    "agent: runAsNonRoot is not true",
+    "agent: runAsUser 0",
+]
+
+
+def kubelet_refusals(spec: Manifest) -> list[str]:
+    """Why the kubelet would refuse to start a container of the pod: runAsNonRoot true with uid 0."""
+    pod_context = spec.get("securityContext", {})
+    refused = []
+    for container in spec["containers"]:
+        context = pod_context | container.get("securityContext", {})
+        if context.get("runAsNonRoot") is True and context.get("runAsUser") == 0:
+            refused.append(f"{container['name']}: runAsNonRoot with runAsUser 0")
+    return refused
+
+
+def test_defaults_read_the_kubelet_as_uid_0_with_no_privilege(helm: Helm) -> None:
+    """By default the agent mounts the pod-resources folder read-only and runs as uid 0, and has nothing else: no
+    capabilities, no escalation, a read-only root, RuntimeDefault seccomp; runAsNonRoot is false, not a refusal."""
     ds = daemonset(helm)
     spec = pod_spec(ds)
-    assert restricted_violations(spec) == []
+    assert restricted_violations(spec) == POD_RESOURCES_VIOLATIONS
+    assert kubelet_refusals(spec) == []
+    assert spec["securityContext"] == {
+        "runAsUser": 0,
+        "runAsGroup": 0,
+        "runAsNonRoot": False,
+        "fsGroup": 65532,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
     context = agent_container(ds)["securityContext"]
-    assert context["readOnlyRootFilesystem"] is True
-    assert context["capabilities"] == {"drop": ["ALL"]}
-    assert spec["securityContext"]["runAsUser"] == 65532
+    assert context == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert "privileged" not in context
+    assert {"name": "pod-resources", "hostPath": {"path": "/var/lib/kubelet/pod-resources", "type": "Directory"}} in (
+        spec["volumes"]
+    )
+    mount = next(m for m in agent_container(ds)["volumeMounts"] if m["name"] == "pod-resources")
+    assert mount == {"name": "pod-resources", "mountPath": "/var/lib/kubelet/pod-resources", "readOnly": True}
+    assert env_values(agent_container(ds))["GPUSCALER_POD_RESOURCES_SOCKET"] == mount["mountPath"] + "/kubelet.sock"
     assert spec["automountServiceAccountToken"] is False
     assert spec["enableServiceLinks"] is False, "service links would inject GPUSCALER_* look-alike variables"
 
 
+def test_without_pod_resources_the_agent_is_non_root_and_restricted(helm: Helm) -> None:
+    """agent.podResources.enabled=false is the one switch to an agent Pod Security "restricted" admits: uid 65532,
+    runAsNonRoot, no hostPath, and attribution off."""
+    ds = daemonset(helm, "restricted")
+    spec = pod_spec(ds)
+    assert restricted_violations(spec) == []
+    assert restricted_violations(pod_spec(find(helm.template(CI["restricted"]), "Deployment"))) == []
+    assert (spec["securityContext"]["runAsUser"], spec["securityContext"]["runAsNonRoot"]) == (65532, True)
+    assert spec["securityContext"]["runAsGroup"] == 65532
+    assert env_values(agent_container(ds))["GPUSCALER_POD_RESOURCES_SOCKET"] == ""
+    assert [v["name"] for v in spec["volumes"]] == ["tmp"]
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (
+            ("agent.podSecurityContext.runAsNonRoot=true",),
+            "agent.podSecurityContext.runAsNonRoot is true but the agent runs as uid 0 (derived from "
+            "agent.podResources.enabled=true): the kubelet refuses to start such a pod",
+        ),
+        (
+            ("agent.securityContext.runAsNonRoot=true",),
+            "agent.securityContext.runAsNonRoot is true but the agent runs as uid 0",
+        ),
+        (
+            (
+                "agent.podResources.enabled=false",
+                "agent.podSecurityContext.runAsUser=0",
+                "agent.podSecurityContext.runAsNonRoot=true",
+            ),
+            "agent.podSecurityContext.runAsNonRoot is true but the agent runs as uid 0 "
+            "(agent.podSecurityContext.runAsUser)",
+        ),
+        (
+            (
+                "agent.podResources.enabled=false",
+                "agent.securityContext.runAsUser=0",
+                "agent.podSecurityContext.runAsNonRoot=true",
+            ),
+            "agent.podSecurityContext.runAsNonRoot is true but the agent runs as uid 0 "
+            "(agent.securityContext.runAsUser)",
+        ),
+    ],
+)
+def test_run_as_non_root_beside_uid_0_is_refused(helm: Helm, sets: tuple[str, ...], message: str) -> None:
+    """A pod the kubelet would refuse to start (runAsNonRoot true, uid 0) fails the render, naming the keys."""
+    assert message in helm.template_error(CI["defaults"], sets=sets)
+
+
+@pytest.mark.parametrize(
+    ("sets", "user", "non_root"),
+    [
+        ((), 0, False),
+        (("agent.podResources.enabled=false",), 65532, True),
+        (("agent.podSecurityContext.runAsUser=1000",), 1000, True),
+        (("agent.securityContext.runAsUser=1000",), 1000, True),
+        (("agent.podResources.enabled=false", "agent.securityContext.runAsUser=0"), 0, False),
+        (("agent.podSecurityContext.runAsNonRoot=false",), 0, False),
+    ],
+)
+def test_run_as_non_root_follows_the_user_the_container_gets(
+    helm: Helm, sets: tuple[str, ...], user: int, non_root: bool
+) -> None:
+    """runAsNonRoot, when not set, is derived from the user the agent container ends up with, wherever it is set."""
+    spec = pod_spec(daemonset(helm, sets=sets))
+    context = spec["securityContext"] | agent_container(daemonset(helm, sets=sets)).get("securityContext", {})
+    assert (context["runAsUser"], context["runAsNonRoot"]) == (user, non_root)
+    assert kubelet_refusals(spec) == []
+
+
+@pytest.mark.parametrize("scenario", sorted(CI))
+def test_no_scenario_renders_a_pod_the_kubelet_refuses(helm: Helm, scenario: str) -> None:
+    """In every ci/ scenario, no agent or gateway pod has runAsNonRoot true beside uid 0."""
+    for manifest in helm.template(CI[scenario]):
+        if manifest["kind"] in ("DaemonSet", "Deployment"):
+            assert kubelet_refusals(pod_spec(manifest)) == [], (scenario, manifest["metadata"]["name"])
+
+
+def test_the_refusal_check_notices_a_refused_pod() -> None:
+    """kubelet_refusals finds runAsNonRoot true beside uid 0 at either level, so the test above can fail."""
+    spec: Manifest = {
+        "securityContext": {"runAsNonRoot": True},
+        "containers": [{"name": "a", "securityContext": {"runAsUser": 0}}],
+    }
+    assert kubelet_refusals(spec) == ["a: runAsNonRoot with runAsUser 0"]
+    spec["securityContext"] = {"runAsNonRoot": True, "runAsUser": 0}
+    spec["containers"] = [{"name": "a"}]
+    assert kubelet_refusals(spec) == ["a: runAsNonRoot with runAsUser 0"]
+
+
 @pytest.mark.parametrize("scenario", ["fake", "no-runtime-class", "tls", "servicemonitor", "networkpolicy"])
-def test_other_scenarios_stay_restricted_except_where_documented(helm: Helm, scenario: str) -> None:
-    """Only agent.nvmlHostMounts and agent.podResources leave Pod Security "restricted", each by its hostPath."""
-    problems = restricted_violations(pod_spec(daemonset(helm, scenario)))
-    if scenario == "tls":  # podResources.enabled mounts the kubelet's socket folder
-        assert problems == ["volume pod-resources: ['hostPath']"]
-    else:
-        assert problems == []
+def test_other_scenarios_widen_the_agent_only_for_the_kubelet(helm: Helm, scenario: str) -> None:
+    """Outside agent.nvmlHostMounts and agent.processes, the agent leaves Pod Security "restricted" only for the
+    kubelet's socket (its hostPath and uid 0)."""
+    assert restricted_violations(pod_spec(daemonset(helm, scenario))) == POD_RESOURCES_VIOLATIONS
 
 
 def test_processes_add_the_host_pid_namespace_and_nothing_else(helm: Helm) -> None:
-    """agent.processes.enabled sets hostPID and --processes; the agent stays non-root, capability-free, read-only."""
+    """agent.processes.enabled sets hostPID and --processes; the agent keeps the default's user (uid 0, for the
+    kubelet), no capabilities and a read-only root, and gets no host /proc."""
     ds = daemonset(helm, "processes")
     spec = pod_spec(ds)
     assert spec["hostPID"] is True
-    assert restricted_violations(spec) == ["hostPID", "volume pod-resources: ['hostPath']"]
+    assert restricted_violations(spec) == ["hostPID", *POD_RESOURCES_VIOLATIONS]
     container = agent_container(ds)
     assert env_values(container)["GPUSCALER_PROCESSES"] == "true"
     context = container["securityContext"]
     assert context == agent_container(daemonset(helm))["securityContext"]
     assert context["capabilities"] == {"drop": ["ALL"]}
-    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"] == pod_spec(daemonset(helm))["securityContext"]
     assert [v["name"] for v in spec["volumes"]] == ["tmp", "pod-resources"]  # no host /proc
 
 
@@ -152,8 +284,10 @@ def test_host_mounts_grant_privileged_only_in_that_mode(helm: Helm) -> None:
         assert context["privileged"] is True
         assert "allowPrivilegeEscalation" not in context, "the API rejects it as false beside privileged"
         assert context["readOnlyRootFilesystem"] is True
-        assert pod_spec(ds)["securityContext"]["runAsNonRoot"] is True
+        assert pod_spec(ds)["securityContext"] == pod_spec(daemonset(helm))["securityContext"]
         assert "privileged" in " ".join(restricted_violations(pod_spec(ds)))
+    for ds in of_kind(helm.template(CI["host-mounts"], sets=("agent.podResources.enabled=false",)), "DaemonSet"):
+        assert pod_spec(ds)["securityContext"]["runAsUser"] == 65532, "privileged, but not root without the kubelet"
 
 
 def test_host_mounts_render_one_daemonset_per_architecture_with_its_library(helm: Helm) -> None:
@@ -168,7 +302,7 @@ def test_host_mounts_render_one_daemonset_per_architecture_with_its_library(helm
     for arch, ds in by_arch.items():
         volumes = {v["name"]: v for v in pod_spec(ds)["volumes"]}
         assert volumes["libnvidia-ml"]["hostPath"] == {"path": expected[arch], "type": "File"}
-        assert pod_spec(ds)["nodeSelector"]["nvidia.com/gpu.present"] == "true"
+        assert pod_spec(ds)["affinity"] == pod_spec(daemonset(helm))["affinity"], "the GPU node labels apply too"
         container = agent_container(ds)
         mount = next(m for m in container["volumeMounts"] if m["name"] == "libnvidia-ml")
         assert mount["readOnly"] is True
@@ -198,7 +332,11 @@ def test_host_mounts_dev_mode_mounts_the_whole_dev_for_one_architecture(helm: He
     (ds,) = of_kind(helm.template(CI["host-mounts-dev"]), "DaemonSet")
     assert pod_spec(ds)["nodeSelector"]["kubernetes.io/arch"] == "amd64"
     host_paths = {v["hostPath"]["path"]: v["hostPath"]["type"] for v in pod_spec(ds)["volumes"] if "hostPath" in v}
-    assert host_paths == {"/usr/lib64/libnvidia-ml.so.1": "File", "/dev": "Directory"}
+    assert host_paths == {
+        "/usr/lib64/libnvidia-ml.so.1": "File",
+        "/dev": "Directory",
+        "/var/lib/kubelet/pod-resources": "Directory",
+    }
 
 
 def test_runtime_class_can_be_emptied(helm: Helm) -> None:
@@ -251,7 +389,7 @@ def test_the_downward_api_names_the_node_and_pod(helm: Helm) -> None:
 
 
 def test_default_settings_are_the_documented_ones(helm: Helm) -> None:
-    """The defaults as environment variables: nvml, both listeners, JSON logs, PodResources off."""
+    """The defaults as environment variables: nvml, both listeners, JSON logs, the kubelet's PodResources socket."""
     assert env_values(agent_container(daemonset(helm))) == {
         "GPUSCALER_COLLECTOR": "nvml",
         "GPUSCALER_LISTEN": "0.0.0.0:6000",
@@ -261,7 +399,7 @@ def test_default_settings_are_the_documented_ones(helm: Helm) -> None:
         "GPUSCALER_LOG_LEVEL": "info",
         "GPUSCALER_DRAIN_TIMEOUT": "5",
         "GPUSCALER_METRICS_LISTEN": "0.0.0.0:9402",
-        "GPUSCALER_POD_RESOURCES_SOCKET": "",
+        "GPUSCALER_POD_RESOURCES_SOCKET": "/var/lib/kubelet/pod-resources/kubelet.sock",
         "GPUSCALER_PROCESSES": "false",
         **connection_limit_defaults(),
     }
@@ -279,10 +417,11 @@ SETTABLE = [
     *connection_limit_settings("agent"),
     ("agent.metrics.port=9500", "GPUSCALER_METRICS_LISTEN", "0.0.0.0:9500"),
     ("agent.metrics.enabled=false", "GPUSCALER_METRICS_LISTEN", ""),
+    ("agent.podResources.enabled=false", "GPUSCALER_POD_RESOURCES_SOCKET", ""),
     (
-        "agent.podResources.enabled=true",
+        "agent.podResources.hostPath=/run/kubelet/pod-resources",
         "GPUSCALER_POD_RESOURCES_SOCKET",
-        "/var/lib/kubelet/pod-resources/kubelet.sock",
+        "/run/kubelet/pod-resources/kubelet.sock",
     ),
     ("agent.collector=fake,agent.fake.gpus=16", "GPUSCALER_FAKE_GPUS", "16"),
     ("agent.processes.enabled=true", "GPUSCALER_PROCESSES", "true"),
@@ -463,10 +602,13 @@ def test_resources_request_little_and_cap_memory(helm: Helm) -> None:
 
 
 def test_root_filesystem_stays_read_only_with_a_scratch_tmp(helm: Helm) -> None:
-    """The only writable path is /tmp, a size-limited emptyDir."""
+    """The only writable path is /tmp, a size-limited emptyDir; the kubelet's folder is mounted read-only."""
     ds = daemonset(helm)
     assert {"name": "tmp", "emptyDir": {"sizeLimit": "16Mi"}} in pod_spec(ds)["volumes"]
-    assert agent_container(ds)["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    assert agent_container(ds)["volumeMounts"] == [
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "pod-resources", "mountPath": "/var/lib/kubelet/pod-resources", "readOnly": True},
+    ]
 
 
 def test_old_clusters_without_grpc_probes_are_refused(helm: Helm) -> None:

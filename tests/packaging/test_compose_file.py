@@ -24,6 +24,7 @@ COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())
 SERVICES: dict[str, Any] = COMPOSE["services"]
 AGENTS = {name: spec for name, spec in SERVICES.items() if spec.get("command", [None])[0] == "serve"}
 (KEDA_ENDPOINT,) = [name for name, spec in SERVICES.items() if spec["labels"].get("gpuscaler.dev/keda-endpoint")]
+(KUBELET,) = [name for name, spec in SERVICES.items() if "fake_kubelet.py" in " ".join(spec["entrypoint"])]
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 
@@ -88,9 +89,9 @@ def test_agents_are_nodes_with_different_gpu_counts_and_scenarios() -> None:
 def test_each_agent_scenario_loads_for_its_gpu_count() -> None:
     """Every --fake-scenario file (through its bind mount) passes the agent's own scenario check."""
     for name, spec in AGENTS.items():
-        (mount,) = spec["volumes"]
-        source, target = mount.split(":")[:2]
         container_path = flag(spec["command"], "--fake-scenario")
+        (target,) = [target for target in _mounts(spec) if container_path.startswith(f"{target}/")]
+        source = _mounts(spec)[target]
         host_path = ROOT / source / Path(container_path).relative_to(target)
         load_scenario(host_path, gpu_count=int(flag(spec["command"], "--fake-gpus")))
         assert host_path.parent == ROOT / "dev" / "scenarios", name
@@ -124,7 +125,8 @@ def test_the_gateway_subscribes_to_every_agent() -> None:
 
 def test_a_client_shows_what_keda_sees() -> None:
     """The one other service runs `gpuscaler query` in a loop against KEDA's endpoint."""
-    (client,) = [spec for name, spec in SERVICES.items() if name not in AGENTS and name != KEDA_ENDPOINT]
+    others = {*AGENTS, KEDA_ENDPOINT, KUBELET}
+    (client,) = [spec for name, spec in SERVICES.items() if name not in others]
     script = " ".join(client["command"])
     assert f"gpuscaler query --address {KEDA_ENDPOINT}:6000" in script
     assert "while :" in script
@@ -139,6 +141,55 @@ def test_containers_run_like_the_chart_runs_the_agent() -> None:
         assert spec["security_opt"] == ["no-new-privileges:true"], name
         assert spec["image"] == f"gpuscaler:{VERSION}", name
         assert spec["build"] == {"context": ".", "dockerfile": "Containerfile"}, name
+
+
+def _mounts(spec: dict[str, Any]) -> dict[str, str]:
+    """A service's volumes: container path -> source (a host path or a named volume)."""
+    return {volume.split(":")[1]: volume.split(":")[0] for volume in spec.get("volumes", [])}
+
+
+def test_a_fake_kubelet_serves_each_agent_its_node_s_socket() -> None:
+    """The fake kubelet makes its sockets in the named volume every agent mounts (read-only) where the kubelet's
+    folder is, and each agent reads the socket named for its node, which dev/kubelet.yaml lists."""
+    kubelet = SERVICES[KUBELET]
+    socket_dir = flag(kubelet["command"], "--socket-dir")
+    volume = _mounts(kubelet)[socket_dir]
+    assert volume in COMPOSE["volumes"], "a named volume, shared with the agents"
+    assignments = ROOT / "dev" / Path(flag(kubelet["command"], "--assignments")).relative_to(_dev_mount(kubelet))
+    nodes = yaml.safe_load(assignments.read_text())["nodes"]
+    for name, spec in AGENTS.items():
+        assert _mounts(spec)[socket_dir] == volume, name
+        assert f"{volume}:{socket_dir}:ro" in spec["volumes"], f"{name} mounts the kubelet's folder read-only"
+        node = spec["environment"]["NODE_NAME"]
+        assert spec["environment"]["GPUSCALER_POD_RESOURCES_SOCKET"] == f"{socket_dir}/{node}.sock"
+        assert node in nodes, f"dev/kubelet.yaml assigns no GPU on {node}"
+
+
+def _dev_mount(spec: dict[str, Any]) -> str:
+    """Where a service mounts the repository's dev/ folder."""
+    (target,) = [target for target, source in _mounts(spec).items() if source == "./dev"]
+    return target
+
+
+def test_the_gateway_reads_the_dev_pod_directory() -> None:
+    """The gateway's --pod-directory is dev/pods.yaml through its mount, a file the gateway's own parser accepts."""
+    from gpuscaler.gateway.pod_directory import parse_static_file
+
+    gateway = SERVICES[KEDA_ENDPOINT]
+    path = Path(flag(gateway["command"], "--pod-directory"))
+    host_path = ROOT / "dev" / path.relative_to(_dev_mount(gateway))
+    assert host_path == ROOT / "dev" / "pods.yaml"
+    pods, targets = parse_static_file(host_path.read_text(), source=str(host_path))
+    assert pods
+    assert targets
+
+
+def test_agents_and_the_kubelet_run_as_uid_0_and_the_rest_as_the_image_user() -> None:
+    """As the chart runs them: the agents as uid 0 (the kubelet's socket admits its owner only), the gateway and
+    the client as 65532; every one without capabilities."""
+    for name, spec in SERVICES.items():
+        expected = "0:0" if name in AGENTS or name == KUBELET else "65532:65532"
+        assert spec["user"] == expected, name
 
 
 def test_agent_and_gateway_entrypoint_is_the_images() -> None:

@@ -1,8 +1,11 @@
-"""`make dev`: compose.yaml's stack as local processes, serving what it prints, until Ctrl-C stops all of it."""
+"""`make dev`: compose.yaml's stack as local processes, serving what it prints (pod queries included), surviving one
+service's end, until Ctrl-C stops all of it; and installed with the runtime dependencies alone."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import importlib.metadata
 import json
 import os
 import random
@@ -77,6 +80,25 @@ class Stack:
         _until(lambda: _gpus(address), lambda got: got == nodes or self.process.poll() is not None)
         assert self.process.poll() is None, self.tail()
 
+    def type(self, command: str) -> None:
+        """A line typed into the stack's terminal."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+
+    def said(self, pattern: str) -> str:
+        """Waits for an output line that matches ``pattern`` (a regular expression), and returns it."""
+        found = _until(
+            lambda: next((line for line in list(self.lines) if re.search(pattern, line)), None),
+            lambda line: line is not None or self.process.poll() is not None,
+        )
+        assert found is not None, f"the stack ended without saying {pattern!r}:\n{self.tail()}"
+        return found
+
+    def address(self, port: int) -> str:
+        """127.0.0.1 and compose.yaml's published ``port``, moved by this stack's offset."""
+        return f"127.0.0.1:{port + self.offset}"
+
     def tail(self) -> str:
         return "\n".join(self.lines[-30:])
 
@@ -89,7 +111,8 @@ def running_stack() -> Iterator[Stack]:
     offset = _until(lambda: random.randrange(10_000, 23_000), lambda n: all(_free(p + n) for p in PUBLISHED))
     process = subprocess.Popen(
         [sys.executable, "dev/stack.py", "--port-offset", str(offset)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
     )  # fmt: skip
     assert process.stdout is not None
     stack = Stack(offset, process)
@@ -104,6 +127,8 @@ def running_stack() -> Iterator[Stack]:
         process.wait(timeout=60)
         reader.join(timeout=60)  # it reads to the end: only the stack itself holds the pipe
         process.stdout.close()
+        assert process.stdin is not None
+        process.stdin.close()
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +142,7 @@ def dev_stack() -> Iterator[Stack]:
 def test_it_serves_every_node_and_the_gateway_at_the_addresses_it_prints(dev_stack: Stack) -> None:
     """The banner names every port compose.yaml publishes; each agent answers there as its own node with its
     GPUs, the gateway for all of them, and each metrics address serves that node's series."""
-    # The gateway answered, so the banner is out: it comes before anything can answer.
+    dev_stack.said("^Ctrl-C stops them all.$")  # the banner comes once every service is up
     lines = dev_stack.lines
     first = next(line for line in lines if line.startswith("gpuscaler dev stack"))
     banner = lines[lines.index(first) : lines.index("Ctrl-C stops them all.")]
@@ -147,7 +172,7 @@ def test_the_readme_dev_commands_work_against_it(dev_stack: Stack) -> None:
     """Each command README shows for a running `make dev` succeeds against it (on its ports; `--watch` left out,
     so it runs once), and the query after `fake fail` gets the UNAVAILABLE KEDA would."""
     readme = (ROOT / "README.md").read_text()
-    match = re.search(r"With `make dev` running.*?```sh\n(.*?)```", readme, re.S)
+    match = re.search(r"`make dev` installs only the runtime.*?in another terminal:\n\n```sh\n(.*?)```", readme, re.S)
     assert match is not None
     commands = match[1].splitlines()
     assert any("fake fail" in command for command in commands)
@@ -224,3 +249,176 @@ def test_ctrl_c_stops_every_process_it_started_and_exits_0() -> None:
         timeout=5,
     )
     assert all(_free(port + stack.offset) for port in PUBLISHED)
+
+
+# Which pod holds which GPU (dev/kubelet.yaml) and who each pod is (dev/pods.yaml): what pod queries must find.
+ASSIGNED: dict[str, dict[str, list[int]]] = yaml.safe_load((ROOT / "dev" / "kubelet.yaml").read_text())["nodes"]
+DIRECTORY: dict[str, Any] = yaml.safe_load((ROOT / "dev" / "pods.yaml").read_text())
+
+
+def _held_by(namespace: str, chosen: Callable[[dict[str, Any]], bool]) -> set[tuple[str, int]]:
+    """(node, GPU index) of every GPU the kubelet gives the directory's pods of ``namespace`` that ``chosen`` picks."""
+    pods = {f"{namespace}/{pod['pod']}" for pod in DIRECTORY["pods"] if pod["namespace"] == namespace and chosen(pod)}
+    return {
+        (node, index) for node, held in ASSIGNED.items() for pod, gpus in held.items() if pod in pods for index in gpus
+    }
+
+
+def _pod_query(address: str, *words: str) -> tuple[bool, set[tuple[str, int]]]:
+    """Whether `gpuscaler query` got a value, and the (node, index) of the GPUs that went in."""
+    command = [str(BIN / "gpuscaler"), "query", "--address", address, "--output", "json", *words]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    report = json.loads(result.stdout)
+    gpus = {(gpu["node"], gpu["index"]) for gpu in report["explanation"]["gpus"]}
+    return bool(report["get_metrics"]["ok"]), gpus
+
+
+POD_QUERIES = [
+    (("namespace=ml", "workload=trainer", "profile=training"), "ml", lambda pod: pod["workload"] == "trainer"),
+    (
+        ("namespace=ml", "podSelector=app=vllm,tier=serving", "metric=gpu_utilization"),
+        "ml",
+        lambda pod: pod["labels"].get("app") == "vllm" and pod["labels"].get("tier") == "serving",
+    ),
+    (
+        ("namespace=ml", "pod=trainer-7c9d8-x*", "metric=gpu_utilization"),
+        "ml",
+        lambda pod: pod["pod"].startswith("trainer-7c9d8-x"),
+    ),
+    (("namespace=team-b", "workload=vllm", "metric=gpu_utilization"), "team-b", lambda pod: pod["workload"] == "vllm"),
+    (
+        ("--scaled-object", "ml/vllm", "scaleTargetPods=true", "profile=vllm-inference"),
+        "ml",
+        lambda pod: pod["workload"] == "vllm",
+    ),
+]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("words", "namespace", "chosen"), POD_QUERIES, ids=[" ".join(q[0]) for q in POD_QUERIES])
+def test_pod_queries_count_exactly_the_gpus_the_fake_kubelet_gives_those_pods(
+    dev_stack: Stack, words: tuple[str, ...], namespace: str, chosen: Callable[[dict[str, Any]], bool]
+) -> None:
+    """Through the gateway, `workload`, `podSelector`, `pod` and `scaleTargetPods` each get a value made of the GPUs
+    dev/kubelet.yaml assigns to the pods dev/pods.yaml says they select, and no other GPU."""
+    expected = _held_by(namespace, chosen)
+    assert expected, "the query selects some GPU, or the check says nothing"
+    gateway = dev_stack.address(6000)
+    ok, gpus = _until(lambda: _pod_query(gateway, *words), lambda got: got == (True, expected), timeout=30)
+    assert (ok, gpus) == (True, expected)
+
+
+def test_the_two_pod_files_describe_the_same_pods() -> None:
+    """Every pod that holds a GPU in dev/kubelet.yaml is in dev/pods.yaml on that node and the other way round, and
+    every GPU index exists on its node."""
+    held = {(node, pod) for node, pods in ASSIGNED.items() for pod in pods}
+    known = {(pod["node"], f"{pod['namespace']}/{pod['pod']}") for pod in DIRECTORY["pods"] if pod.get("gpus")}
+    assert held == known
+    for node, pods in ASSIGNED.items():
+        assert all(0 <= index < NODES[node] for gpus in pods.values() for index in gpus), node
+    for node, pods in ASSIGNED.items():
+        indices = [index for gpus in pods.values() for index in gpus]
+        assert len(indices) == len(set(indices)), f"two pods hold one GPU of {node}"
+
+
+def _quiet_node_commands() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    match = re.search(r"\*\*One node goes quiet\.\*\*.*?```sh\n(.*?)```", readme, re.S)
+    assert match is not None, "README shows what a quiet node looks like"
+    return match[1].splitlines()
+
+
+@pytest.mark.timeout(300)
+def test_one_agent_ending_leaves_the_rest_serving_and_ctrl_c_still_stops_all() -> None:
+    """kill -9 of one agent (its PID from the banner): the stack says so and how to start it again; the other
+    agents, the kubelet and the gateway keep serving, and the README's quiet-node commands get what their comments
+    say; `start` brings it back, `stop` ends one cleanly, and Ctrl-C then stops everything with status 0."""
+    with running_stack() as stack:
+        pid = int(re.findall(r"pid (\d+)", stack.said(r"^\s+node-b\s+pid \d+"))[0])
+        os.kill(pid, signal.SIGKILL)
+        stack.said(r"^stack: node-b exited \(signal SIGKILL\); 5 other service\(s\) keep running .*'start node-b'")
+        for name, spec in SERVICES.items():
+            if name != "node-b" and spec["command"][0] == "serve":
+                node = spec["environment"]["NODE_NAME"]
+                stack.answers(stack.address(int(spec["ports"][0]["published"])), {node: NODES[node]})
+        gateway = stack.address(6000)
+        _until(lambda: _pod_query(gateway, "profile=batch")[0], lambda ok: not ok)  # gpu-node-b is silent now
+        for command in _quiet_node_commands():
+            command = re.sub(r"gpuscaler query", f"gpuscaler query --address {gateway}", command)
+            command = command.replace(".venv/bin/", f"{BIN}/")
+            result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
+            comment = command.partition("#")[2]
+            if named := re.search(r"UNAVAILABLE, naming (\S+)", comment):
+                assert result.returncode == 1, (command, result.stdout)
+                assert "UNAVAILABLE" in result.stdout, command
+                assert named[1] in result.stdout, command
+            else:
+                assert result.returncode == 0, (command, result.stdout, result.stderr)
+        stack.type("start node-b")
+        stack.said(r"^stack: started node-b again \(pid \d+\)")
+        stack.answers(gateway, NODES)
+        stack.type("stop node-a")
+        stack.said(r"^stack: node-a stopped \(code 0\); 5 other service\(s\) keep running")
+        stack.type("start node-a")
+        stack.answers(gateway, NODES)
+        os.killpg(stack.process.pid, signal.SIGINT)
+        assert stack.process.wait(timeout=60) == 0, stack.tail()
+
+
+def test_unknown_commands_are_answered_with_the_list(dev_stack: Stack) -> None:
+    """A line the stack does not know is answered with the commands and the services, and changes nothing."""
+    dev_stack.type("restart everything")
+    line = dev_stack.said(r"^stack: 'restart everything'\?")
+    assert "start NAME" in line
+    assert all(name in line for name in SERVICES)
+    dev_stack.answers(dev_stack.address(6000), NODES)
+
+
+def test_make_dev_installs_the_runtime_dependencies_only(tmp_path: Path) -> None:
+    """In a fresh clone `make dev` installs gpuscaler without its [dev] extra (no mypy, ruff, pytest), and
+    `make test` still installs it all."""
+    venv = f"VENV={tmp_path / 'venv'}"
+    dev = subprocess.run(["make", "-n", "dev", venv], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert dev.returncode == 0, dev.stderr
+    assert "pip install --quiet --constraint constraints.txt -e .;" in dev.stdout
+    assert "[dev]" not in dev.stdout
+    assert "dev/stack.py" in dev.stdout
+    full = subprocess.run(["make", "-n", "test", venv], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "-e '.[dev]'" in full.stdout
+
+
+def _requirements(distribution: str) -> set[str]:
+    """The normalised names of a distribution's requirements outside any extra."""
+    names = set()
+    for requirement in importlib.metadata.requires(distribution) or []:
+        if "extra ==" not in requirement:
+            name = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", requirement)
+            assert name is not None, requirement
+            names.add(re.sub(r"[-_.]+", "-", name[0]).lower())
+    return names
+
+
+def test_the_dev_stack_imports_only_what_make_dev_installs() -> None:
+    """dev/*.py import the standard library, gpuscaler and gpuscaler's runtime dependencies (with theirs) only, so
+    the light install of `make dev` runs them."""
+    runtime: set[str] = set()
+    todo = _requirements("gpuscaler")
+    while todo:
+        name = todo.pop()
+        runtime.add(name)
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            todo |= _requirements(name) - runtime
+    providers = importlib.metadata.packages_distributions()
+    for path in sorted((ROOT / "dev").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        imported = {
+            alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+        }
+        imported |= {
+            node.module.split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level
+        }
+        for module in sorted(imported - set(sys.stdlib_module_names) - {"__future__", "gpuscaler"}):
+            distributions = {re.sub(r"[-_.]+", "-", d).lower() for d in providers.get(module, [])}
+            assert distributions & runtime, f"{path.name} imports {module}, which `make dev` does not install"

@@ -1,0 +1,174 @@
+"""A fake kubelet for the dev stack: the PodResources API on one unix socket per fake node, from dev/kubelet.yaml.
+
+Each agent of compose.yaml reads its node's socket exactly as it reads a real kubelet's, so the gateway's pod
+queries (``workload``, ``pod``, ``podSelector``, ``scaleTargetPods``) answer over the dev stack's fake GPUs. The
+file is read again at every ``List`` whose answer it could change (its modification time moved), so editing it
+moves GPUs between pods while the stack runs. The sockets are made as the kubelet makes its own: ``srwxr-xr-x`` in
+a ``0750`` folder, both the owner's, so only an agent running as the same user can connect (the chart runs the
+agent as uid 0 for that reason; docs/install.md).
+
+Usage: ``python dev/fake_kubelet.py --assignments dev/kubelet.yaml --socket-dir DIR``; ``DIR/<node>.sock`` for each
+node in the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+from grpclib.server import Server
+
+from gpuscaler.generated import v1 as kubelet
+
+GPU_RESOURCE = "nvidia.com/gpu"
+SOCKET_MODE = 0o755  # the kubelet's: only its owner may write, and connecting to a unix socket is a write
+FOLDER_MODE = 0o750
+
+
+class AssignmentError(ValueError):
+    """The assignments file is not what this module's docstring describes; the message names the entry."""
+
+
+def device_id(node: str, index: int) -> str:
+    """The NVIDIA device plugin's id for a whole GPU: its UUID, which for fake GPUs is ``GPU-fake-<node>-<index>``."""
+    return f"GPU-fake-{node}-{index}"
+
+
+def parse_assignments(text: str, source: str) -> dict[str, dict[tuple[str, str], tuple[int, ...]]]:
+    """node -> (namespace, pod) -> GPU indices, from the file's ``nodes`` mapping of ``NAMESPACE/POD: [INDEX, ...]``."""
+    document = yaml.safe_load(text) or {}
+    if not isinstance(document, dict) or set(document) - {"nodes"} or not isinstance(document.get("nodes"), dict):
+        raise AssignmentError(f"{source}: expected a mapping with one key, 'nodes'")
+    nodes: dict[str, dict[tuple[str, str], tuple[int, ...]]] = {}
+    for node, pods in document["nodes"].items():
+        if not isinstance(pods, dict):
+            raise AssignmentError(f"{source}: nodes.{node} must map NAMESPACE/POD to a list of GPU indices")
+        nodes[str(node)] = {}
+        for key, indices in pods.items():
+            namespace, _, pod = str(key).partition("/")
+            if not namespace or not pod:
+                raise AssignmentError(f"{source}: nodes.{node}.{key}: use NAMESPACE/POD")
+            if not isinstance(indices, list) or not all(isinstance(i, int) and i >= 0 for i in indices):
+                raise AssignmentError(f"{source}: nodes.{node}.{key}: expected a list of GPU indices, got {indices!r}")
+            nodes[str(node)][(namespace, pod)] = tuple(indices)
+    return nodes
+
+
+@dataclass
+class Assignments:
+    """The file, read again when its modification time changes; a broken edit keeps the last good assignments."""
+
+    path: Path
+    nodes: dict[str, dict[tuple[str, str], tuple[int, ...]]] = field(default_factory=dict)
+    _mtime: float | None = None
+
+    def current(self) -> dict[str, dict[tuple[str, str], tuple[int, ...]]]:
+        mtime = self.path.stat().st_mtime
+        if mtime != self._mtime:
+            try:
+                self.nodes = parse_assignments(self.path.read_text(encoding="utf-8"), str(self.path))
+            except (AssignmentError, yaml.YAMLError) as error:
+                if self._mtime is None:
+                    raise
+                print(f"fake_kubelet_reload_failed keeping=previous error={error}", flush=True)
+            self._mtime = mtime
+        return self.nodes
+
+
+@dataclass(eq=False)
+class NodeKubelet(kubelet.PodResourcesListerBase):
+    """One node's PodResources ``List``: each assigned pod as one container holding its GPUs."""
+
+    node: str
+    assignments: Assignments
+
+    async def list(self, message: kubelet.ListPodResourcesRequest) -> kubelet.ListPodResourcesResponse:
+        pods = self.assignments.current().get(self.node, {})
+        return kubelet.ListPodResourcesResponse(
+            pod_resources=[
+                kubelet.PodResources(
+                    name=pod,
+                    namespace=namespace,
+                    containers=[
+                        kubelet.ContainerResources(
+                            name="main",
+                            devices=[
+                                kubelet.ContainerDevices(
+                                    resource_name=GPU_RESOURCE,
+                                    device_ids=[device_id(self.node, index) for index in indices],
+                                )
+                            ],
+                        )
+                    ],
+                )
+                for (namespace, pod), indices in sorted(pods.items())
+            ]
+        )
+
+    async def get_allocatable_resources(
+        self, message: kubelet.AllocatableResourcesRequest
+    ) -> kubelet.AllocatableResourcesResponse:
+        return kubelet.AllocatableResourcesResponse()
+
+    async def get(self, message: kubelet.GetPodResourcesRequest) -> kubelet.GetPodResourcesResponse:
+        raise GRPCError(Status.UNIMPLEMENTED, "the dev stack's fake kubelet answers List only")
+
+
+async def serve(assignments: Assignments, socket_dir: Path) -> None:
+    """Serves every node's socket until SIGINT or SIGTERM, then removes the sockets."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    servers: list[tuple[Server, Path]] = []
+    try:
+        for node in sorted(assignments.current()):
+            path = socket_dir / f"{node}.sock"
+            _remove(path)  # left by a killed run
+            server = Server([NodeKubelet(node, assignments)])
+            await server.start(path=str(path))
+            path.chmod(SOCKET_MODE)
+            servers.append((server, path))
+        pods = sum(len(pods) for pods in assignments.nodes.values())
+        sockets = ",".join(str(path) for _, path in servers)
+        print(f"fake_kubelet_started nodes={len(servers)} pods={pods} sockets={sockets}", flush=True)
+        await stop.wait()
+    finally:
+        for server, path in servers:
+            server.close()
+            await server.wait_closed()
+            _remove(path)
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+def main() -> int:
+    """Parse the flags, check the file once, and serve."""
+    parser = argparse.ArgumentParser(description="The dev stack's fake kubelet: PodResources on unix sockets.")
+    parser.add_argument("--assignments", type=Path, required=True, help="YAML of nodes -> NAMESPACE/POD -> GPUs")
+    parser.add_argument("--socket-dir", type=Path, required=True, help="folder for one <node>.sock per node")
+    args = parser.parse_args()
+    assignments = Assignments(args.assignments)
+    try:
+        assignments.current()
+        args.socket_dir.mkdir(parents=True, exist_ok=True)
+        args.socket_dir.chmod(FOLDER_MODE)
+    except (OSError, AssignmentError, yaml.YAMLError) as error:
+        parser.exit(2, f"fake kubelet: {error}\n")
+    asyncio.run(serve(assignments, args.socket_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
