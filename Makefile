@@ -12,7 +12,7 @@ RUNTIME_STAMP := $(VENV)/.installed-runtime
 PROTOS := $(shell find protos -name '*.proto' | sort)
 GENERATED := gpuscaler/generated
 # Checked and tested folders that exist in this checkout.
-PY_DIRS := $(wildcard gpuscaler tests e2e bench dev)
+PY_DIRS := $(wildcard gpuscaler tests e2e bench dev image)
 TEST_DIRS := $(wildcard tests e2e)
 
 .PHONY: help venv dev test test-under-load unit e2e e2e-full e2e-keda lint typecheck proto proto-check bench chart-test image docs lock clean
@@ -95,8 +95,24 @@ bench: $(STAMP) ## Measurements; writes bench/results/*.json
 chart-test: $(STAMP) ## Helm chart checks with the real helm
 	$(BIN)/pytest tests/chart
 
-image: ## Build the container image (needs docker or podman)
-	$${ENGINE:-$$(command -v podman || command -v docker)} build -f Containerfile -t gpuscaler:$$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml) .
+# The image: podman or docker where one answers, else buildah (installed with apt-get on first use, like mmdebstrap).
+# Leaves build/image/gpuscaler-<version>-<arch>.oci.tar and its SBOM (.cdx.json); see image/build.py.
+# IMAGE_ARCH=arm64 builds the arm64 image on an amd64 machine with qemu-user-static; PYTHON_IMAGE=python:3.11-slim-bookworm
+# builds on an upstream image instead of the Debian base; ENGINE=buildah|podman|docker chooses the engine.
+IMAGE_ARCH ?=
+IMAGE_FLAGS = $(if $(IMAGE_ARCH),--arch $(IMAGE_ARCH)) $(if $(PYTHON_IMAGE),--python-image $(PYTHON_IMAGE)) \
+	$(if $(ENGINE),--engine $(ENGINE))
+
+.PHONY: image-arm64 image-lock
+
+image: ## Build the image into build/image/ and check it (no engine needed: buildah when none answers)
+	$(PYTHON) -m image.build image $(IMAGE_FLAGS)
+
+image-arm64: ## The arm64 image (Grace nodes), built here under qemu-user-static
+	$(PYTHON) -m image.build image $(IMAGE_FLAGS) --arch arm64
+
+image-lock: ## Re-pin image/debian-packages-<arch>.lock to the Debian archive's versions now
+	$(PYTHON) -m image.build lock $(IMAGE_FLAGS)
 
 TOOLS := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/gpuscaler-tools
 D2_VERSION := v0.7.2

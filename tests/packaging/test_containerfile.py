@@ -69,7 +69,7 @@ def settings(stage: list[Instruction], keyword: str) -> dict[str, str]:
 
 
 TEXT = CONTAINERFILE.read_text()
-BUILD, RUNTIME = stages(TEXT)
+RUNTIME_BASE, BUILD, RUNTIME = stages(TEXT)
 ARGS = dict(re.findall(r"^ARG (\w+)=(\S+)$", TEXT, flags=re.MULTILINE))
 
 
@@ -91,9 +91,12 @@ def test_hadolint_finds_nothing() -> None:
 
 
 def test_the_build_is_two_stages_on_slim_python_without_cuda() -> None:
-    """A build stage and a runtime stage, both on a slim Python of the project's version; no CUDA base."""
-    froms = [stage[0].arguments for stage in (BUILD, RUNTIME)]
-    assert froms == ["${PYTHON_IMAGE} AS build", "${PYTHON_IMAGE}"]
+    """A build stage on PYTHON_IMAGE and a runtime on RUNTIME_IMAGE (named, so the SBOM step can read its package
+    list), both a slim Python of the project's version unless `make image` passes its Debian bases; no CUDA base."""
+    froms = [stage[0].arguments for stage in (RUNTIME_BASE, BUILD, RUNTIME)]
+    assert froms == ["${RUNTIME_IMAGE} AS runtime-base", "${PYTHON_IMAGE} AS build", "runtime-base"]
+    assert len(RUNTIME_BASE) == 1, "the runtime base is only named, never changed"
+    assert ARGS["RUNTIME_IMAGE"] == "${PYTHON_IMAGE}"
     base = ARGS["PYTHON_IMAGE"]
     assert re.fullmatch(r"python:3\.1[1-9]-slim-\w+", base), base
     assert PROJECT["requires-python"] == ">=3.11"
@@ -101,10 +104,15 @@ def test_the_build_is_two_stages_on_slim_python_without_cuda() -> None:
 
 
 def test_the_runtime_stage_only_copies_the_built_environment() -> None:
-    """The shipped stage runs no commands and copies only the venv from the build stage: nothing to compile."""
+    """The shipped stage runs no commands (the Debian runtime has no shell to run them) and copies only the venv
+    and its SBOM from the build stage: no shell, no compiler, no pip comes in."""
     copies = [i.arguments for i in RUNTIME if i.keyword in ("COPY", "ADD")]
-    assert copies == ["--from=build /opt/gpuscaler /opt/gpuscaler"]
+    assert copies == [
+        "--from=build /opt/gpuscaler /opt/gpuscaler",
+        "--from=build /sbom.cdx.json /usr/share/doc/gpuscaler/sbom.cdx.json",
+    ]
     assert not [i for i in RUNTIME if i.keyword == "RUN"]
+    assert "--without-pip" in " ".join(i.arguments for i in BUILD if i.keyword == "RUN")
 
 
 def test_it_runs_as_a_numeric_non_root_user() -> None:
@@ -139,6 +147,7 @@ def test_oci_labels_carry_source_version_and_licence_of_the_project() -> None:
     assert labels["org.opencontainers.image.source"] == PROJECT["urls"]["Source"]
     assert labels["org.opencontainers.image.licenses"] == PROJECT["license"]
     assert labels["org.opencontainers.image.version"] == "${VERSION}"
+    assert labels["org.opencontainers.image.revision"] == "${REVISION}"
     assert ARGS["VERSION"] == PROJECT["version"]
     chart = yaml.safe_load((ROOT / "charts/gpuscaler/Chart.yaml").read_text())
     assert chart["appVersion"] == ARGS["VERSION"]
@@ -157,26 +166,39 @@ def test_the_build_context_holds_only_what_the_build_copies() -> None:
     rules = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
     assert rules[0] == "*", "an allow-list: nothing enters the context unless named"
     allowed = {rule.removeprefix("!").rstrip("/") for rule in rules if rule.startswith("!")}
-    sources = {word for i in BUILD if i.keyword == "COPY" for word in i.arguments.split()[:-1]}
+    copies = [i.arguments.split() for i in BUILD if i.keyword == "COPY" and not i.arguments.startswith("--from=")]
+    sources = {word for words in copies for word in words[:-1]}
     assert sources <= allowed
     assert not {".venv", ".git"} & allowed
 
 
-def _build_step_script(wheels: Path, venv: Path) -> str:
-    """The build stage's RUN, pointed at scratch folders and this interpreter instead of the image's."""
-    (run,) = [i.arguments for i in BUILD if i.keyword == "RUN"]
-    script = run.replace("/wheels", str(wheels)).replace("/opt/gpuscaler", str(venv))
+def _build_step_script(scratch: Path, venv: Path, status: Path) -> str:
+    """The build stage's RUNs, pointed at scratch folders and this interpreter instead of the image's; the SBOM
+    step reads ``status`` as the runtime's dpkg status."""
+    script = " && ".join(i.arguments for i in BUILD if i.keyword == "RUN")
+    script = script.replace("/wheels", str(scratch / "wheels")).replace("/opt/gpuscaler", str(venv))
+    script = script.replace("> requirements.txt", f"> {scratch / 'requirements.txt'}")
+    script = script.replace("--requirement requirements.txt", f"--requirement {scratch / 'requirements.txt'}")
+    script = script.replace("/runtime/status", str(status)).replace("/runtime/os-release", str(status.parent / "os"))
+    script = script.replace("/sbom.cdx.json", str(scratch / "sbom.cdx.json"))
     script = script.replace("${VERSION}", ARGS["VERSION"])
     script = re.sub(r"(?<![\w/-])pip(?![\w-])", f"{sys.executable} -m pip", script)
-    return re.sub(r"(?<![\w/.-])python(?![\w.-])", sys.executable, script)
+    return re.sub(r"(?<![\w/.-])python3?(?![\w.-])", sys.executable, script)
 
 
 @pytest.mark.timeout(600)
 def test_the_build_step_yields_a_small_venv_whose_gpuscaler_runs(tmp_path: Path) -> None:
-    """Run as written, the build step makes a venv with the console script, the agent's version and no dev tools."""
-    wheels, venv = tmp_path / "wheels", tmp_path / "venv"
-    script = _build_step_script(wheels, venv)
+    """Run as written, the build steps make a venv with the console script, the agent's version and no dev tools,
+    and an SBOM of the runtime's packages and the venv's distributions."""
+    venv, status = tmp_path / "venv", tmp_path / "status"
+    status.write_text("Package: libc6\nStatus: install ok installed\nVersion: 2.36-9\nArchitecture: amd64\n")
+    (tmp_path / "os").write_text("ID=debian\nVERSION_ID=12\n")
+    script = _build_step_script(tmp_path, venv, status)
     subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, check=True, timeout=540)
+    sbom = json.loads((tmp_path / "sbom.cdx.json").read_text())
+    purls = {component["purl"] for component in sbom["components"]}
+    assert "pkg:deb/debian/libc6@2.36-9?arch=amd64&distro=debian-12" in purls
+    assert f"pkg:pypi/gpuscaler@{PROJECT['version']}" in purls
     version = subprocess.run(
         [str(venv / "bin" / "gpuscaler"), "version"], capture_output=True, text=True, check=True, timeout=60
     )
