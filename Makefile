@@ -15,7 +15,7 @@ GENERATED := gpuscaler/generated
 PY_DIRS := $(wildcard gpuscaler tests e2e bench dev image)
 TEST_DIRS := $(wildcard tests e2e)
 
-.PHONY: help venv dev test test-under-load unit e2e e2e-full e2e-keda lint typecheck proto proto-check bench chart-test image docs lock clean
+.PHONY: help venv dev test test-under-load unit e2e e2e-full e2e-keda e2e-node lint typecheck proto proto-check bench chart-test image docs lock clean
 
 help: ## List the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -59,6 +59,10 @@ e2e-full: $(STAMP) ## End-to-end tests at full size (10,000 streams, long fuzzin
 e2e-keda: $(STAMP) ## The real KEDA on a loopback control plane (builds etcd, Kubernetes, KEDA once: ~30 min cold)
 	$(BIN)/python -m e2e.keda.tools
 	GPUSCALER_E2E_KEDA=1 $(BIN)/pytest e2e/keda -o timeout=600
+
+e2e-node: $(STAMP) ## The chart on a real kubelet, containerd and KEDA (root; builds the image, node tools once)
+	$(MAKE) image
+	$(BIN)/python -m e2e.node -o timeout=900
 
 lint: $(STAMP) ## ruff check and format check
 	$(BIN)/ruff check .

@@ -1,9 +1,10 @@
 """A Kubernetes control plane with KEDA on 127.0.0.1: etcd, kube-apiserver, kube-controller-manager, KEDA's operator
 and metrics adapter as local processes, and a small REST client for the tests.
 
-There is no kubelet and no scheduler. The controller manager runs the Deployment, ReplicaSet and HPA controllers, so a
-Deployment's ``spec.replicas`` is what KEDA and the HPA decided; ``PodStandIn`` plays the kubelet's one part the HPA
-reads (a pod is Running and Ready), because ``metricType: Value`` multiplies by the ready pods.
+For ``make e2e-keda`` there is no kubelet and no scheduler. The controller manager runs the Deployment, ReplicaSet and
+HPA controllers, so a Deployment's ``spec.replicas`` is what KEDA and the HPA decided; ``PodStandIn`` plays the
+kubelet's one part the HPA reads (a pod is Running and Ready), because ``metricType: Value`` multiplies by the ready
+pods. ``make e2e-node`` starts the same plane with other ``PlaneSettings`` (e2e/node/node.py), and pods really run.
 
 Every process logs to its own file in the folder given to ``ControlPlane.start``; ``tails`` gathers them for a failed
 test's report.
@@ -53,14 +54,44 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     ("v1", "Secret"): ("secrets", True),
     ("v1", "Service"): ("services", True),
     ("v1", "Pod"): ("pods", True),
+    ("v1", "ConfigMap"): ("configmaps", True),
+    ("v1", "ServiceAccount"): ("serviceaccounts", True),
+    ("v1", "Node"): ("nodes", False),
     ("apps/v1", "Deployment"): ("deployments", True),
+    ("apps/v1", "DaemonSet"): ("daemonsets", True),
     ("apps/v1", "StatefulSet"): ("statefulsets", True),
+    ("node.k8s.io/v1", "RuntimeClass"): ("runtimeclasses", False),
     ("keda.sh/v1alpha1", "ScaledObject"): ("scaledobjects", True),
     ("keda.sh/v1alpha1", "TriggerAuthentication"): ("triggerauthentications", True),
     ("apiregistration.k8s.io/v1", "APIService"): ("apiservices", False),
     ("admissionregistration.k8s.io/v1", "ValidatingWebhookConfiguration"): ("validatingwebhookconfigurations", False),
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): ("customresourcedefinitions", False),
 }
+
+
+@dataclass(frozen=True)
+class PlaneSettings:
+    """What differs between the suites' control planes; the defaults are e2e-keda's (loopback only, no pod runs)."""
+
+    # The address the API server advertises in the `kubernetes` Service's endpoints. 127.0.0.1 writes none (the API
+    # refuses loopback endpoints); another address is served on every interface and put in the certificate, so that
+    # pods reach the API through the `kubernetes` Service's ClusterIP, as in-cluster clients do.
+    advertise_address: str = "127.0.0.1"
+    # Service accounts as a cluster has them: the ServiceAccount admission plugin, the controllers that create each
+    # namespace's `default` account and its `kube-root-ca.crt`, so a pod's projected API token can be mounted.
+    service_accounts: bool = False
+    # Controllers beyond the Deployment, ReplicaSet, HPA and garbage-collector ones (e.g. "daemonset-controller").
+    more_controllers: tuple[str, ...] = ()
+    # The HPA's scale-down stabilisation window (the controller manager's default is 5 minutes).
+    downscale_stabilization: str | None = None
+    # Mark every pod Running and Ready (there is no kubelet).
+    pod_stand_in: bool = True
+    # Admit privileged containers and host namespaces (the API server refuses them otherwise).
+    allow_privileged: bool = False
+
+
+SERVICE_CLUSTER_IP_RANGE = "10.96.0.0/24"
+KUBERNETES_SERVICE_IP = "10.96.0.1"  # the first address of the range: the `kubernetes` Service's ClusterIP
 
 
 class ControlPlaneFailed(AssertionError):
@@ -252,18 +283,24 @@ class ControlPlane:
     certificates: TlsFiles
     daemons: list[Daemon] = field(default_factory=list)
     stand_in: PodStandIn | None = None
+    settings: PlaneSettings = field(default_factory=PlaneSettings)
+    api_port: int = 0
+    kubeconfig: Path | None = None
 
     # --- start -------------------------------------------------------------------------------------------
 
     @classmethod
-    def start(cls, directory: Path, programs: Mapping[str, Path]) -> ControlPlane:
+    def start(
+        cls, directory: Path, programs: Mapping[str, Path], settings: PlaneSettings | None = None
+    ) -> ControlPlane:
         """Starts everything in order, each waited for; on any failure stops what started and raises."""
         directory.mkdir(parents=True, exist_ok=True)
         certificates = make_certificates(directory / "pki")
         token = secrets.token_hex(16)
         api_port = free_port()
         server = f"https://127.0.0.1:{api_port}"
-        plane = cls(directory, Kube(server, token, certificates.ca), certificates)
+        plane = cls(directory, Kube(server, token, certificates.ca), certificates, settings=settings or PlaneSettings())
+        plane.api_port = api_port
         try:
             plane._start_all(programs, token, api_port)
         except BaseException:
@@ -273,6 +310,7 @@ class ControlPlane:
 
     def _start_all(self, programs: Mapping[str, Path], token: str, api_port: int) -> None:
         kubeconfig = self._write_kubeconfig(token)
+        self.kubeconfig = kubeconfig
         self._start_etcd(programs["etcd"])
         self._start_apiserver(programs["kube-apiserver"], token, api_port)
         self._start_controller_manager(programs["kube-controller-manager"], kubeconfig)
@@ -280,17 +318,22 @@ class ControlPlane:
         self._install_keda_api_objects(adapter_port)
         self._start_keda(programs["keda-operator"], programs["keda-adapter"], kubeconfig, adapter_port)
         self._start_keda_webhooks(programs["keda-webhooks"], kubeconfig)
-        self.stand_in = PodStandIn(self.kube)
-        self.stand_in.start()
+        if self.settings.pod_stand_in:
+            self.stand_in = PodStandIn(self.kube)
+            self.stand_in.start()
 
-    def _daemon(self, name: str, argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Daemon:
+    def start_daemon(self, name: str, argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Daemon:
+        """Starts one process that logs to ``<name>.log`` in the plane's folder and is stopped with the plane
+        (newest first), without the caller's KUBE*, KEDA* and WATCH_* environment."""
         env = {key: value for key, value in os.environ.items() if not key.startswith(("KUBE", "KEDA", "WATCH_"))}
         env.update(environ or {})
         daemon = Daemon(name, list(argv), self.directory / f"{name}.log", env).start()
         self.daemons.append(daemon)
         return daemon
 
-    def _wait(self, what: str, ready: Callable[[], bool], daemons: Sequence[Daemon]) -> None:
+    def wait_for(self, what: str, ready: Callable[[], bool], daemons: Sequence[Daemon]) -> None:
+        """Polls ``ready`` until it is true; raises with the daemons' log tails after START_TIMEOUT_SECONDS, or at
+        once when one of them exits."""
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
         last: BaseException | None = None
         while time.monotonic() < deadline:
@@ -326,7 +369,7 @@ class ControlPlane:
     def _start_etcd(self, etcd: Path) -> None:
         client, peer = free_port(), free_port()
         self.etcd_url = f"http://127.0.0.1:{client}"
-        daemon = self._daemon(
+        daemon = self.start_daemon(
             "etcd",
             [
                 str(etcd),
@@ -346,33 +389,58 @@ class ControlPlane:
         def healthy() -> bool:
             return bool(json.loads(_http_get(client, "/health")).get("health") == "true")
 
-        self._wait("etcd", healthy, [daemon])
+        self.wait_for("etcd", healthy, [daemon])
+
+    def _apiserver_network_flags(self) -> list[str]:
+        """Where the API server listens and what it advertises, with the certificate that goes with it."""
+        pki, advertise = self.certificates, self.settings.advertise_address
+        if advertise == "127.0.0.1":
+            return [
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--tls-cert-file={pki.server_cert}",
+                f"--tls-private-key-file={pki.server_key}",
+                # Endpoints on loopback are refused; without a reconciler there is no kubernetes Endpoints to write.
+                "--endpoint-reconciler-type=none",
+            ]
+        # Pods dial the `kubernetes` Service's ClusterIP and verify it; the suite dials 127.0.0.1.
+        cert, key = make_server_certificate(
+            pki,
+            self.directory / "apiserver-certs",
+            "kubernetes.default.svc",
+            more_names=["DNS:localhost", "IP:127.0.0.1", f"IP:{advertise}", f"IP:{KUBERNETES_SERVICE_IP}"],
+        )
+        return [
+            "--bind-address=0.0.0.0",
+            f"--advertise-address={advertise}",
+            # Logs and exec reach the kubelet at the node's address (no DNS knows its name).
+            "--kubelet-preferred-address-types=InternalIP",
+            f"--tls-cert-file={cert}",
+            f"--tls-private-key-file={key}",
+        ]
 
     def _start_apiserver(self, apiserver: Path, token: str, port: int) -> None:
         pki = self.certificates
         tokens = self.directory / "tokens.csv"
         tokens.write_text(f'{token},admin,admin,"system:masters"\n')
-        daemon = self._daemon(
+        # No ServiceAccount controller runs for e2e-keda, and nothing there mounts a token.
+        admission = [] if self.settings.service_accounts else ["--disable-admission-plugins=ServiceAccount"]
+        daemon = self.start_daemon(
             "kube-apiserver",
             [
                 str(apiserver),
                 f"--etcd-servers={self.etcd_url}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
+                *self._apiserver_network_flags(),
                 f"--secure-port={port}",
-                f"--tls-cert-file={pki.server_cert}",
-                f"--tls-private-key-file={pki.server_key}",
                 f"--token-auth-file={tokens}",
                 # The test control plane's only users are the suite and its own components, all admin.
                 "--authorization-mode=AlwaysAllow",
-                "--service-cluster-ip-range=10.96.0.0/24",
+                f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
                 f"--service-account-issuer={self.kube.server}",
                 f"--service-account-key-file={pki.server_cert}",
                 f"--service-account-signing-key-file={pki.server_key}",
-                # No ServiceAccount controller runs, and nothing here mounts a token.
-                "--disable-admission-plugins=ServiceAccount",
-                # Endpoints on loopback are refused; without a reconciler there is no kubernetes Endpoints to write.
-                "--endpoint-reconciler-type=none",
+                *admission,
+                *(["--allow-privileged=true"] if self.settings.allow_privileged else []),
                 # The aggregation layer, so the API server proxies external.metrics.k8s.io to KEDA's adapter.
                 f"--requestheader-client-ca-file={pki.ca}",
                 "--requestheader-allowed-names=",
@@ -385,26 +453,36 @@ class ControlPlane:
                 "--profiling=false",
             ],
         )
-        self._wait("kube-apiserver", lambda: self.kube.text("/readyz") == "ok", [daemon])
+        self.wait_for("kube-apiserver", lambda: self.kube.text("/readyz") == "ok", [daemon])
 
     def _start_controller_manager(self, manager: Path, kubeconfig: Path) -> None:
-        daemon = self._daemon(
+        settings = self.settings
+        # The garbage collector deletes the HPA of a deleted ScaledObject (KEDA relies on its owner reference).
+        controllers = ["deployment", "replicaset", "horizontalpodautoscaling", "garbagecollector"]
+        controllers += settings.more_controllers
+        more_flags = []
+        if settings.service_accounts:
+            controllers += ["serviceaccount-controller", "root-ca-certificate-publisher-controller"]
+            more_flags.append(f"--root-ca-file={self.certificates.ca}")
+        if settings.downscale_stabilization is not None:
+            more_flags.append(f"--horizontal-pod-autoscaler-downscale-stabilization={settings.downscale_stabilization}")
+        daemon = self.start_daemon(
             "kube-controller-manager",
             [
                 str(manager),
                 f"--kubeconfig={kubeconfig}",
-                # The garbage collector deletes the HPA of a deleted ScaledObject (KEDA relies on its owner reference).
-                "--controllers=deployment,replicaset,horizontalpodautoscaling,garbagecollector",
+                f"--controllers={','.join(controllers)}",
                 "--leader-elect=false",
                 "--secure-port=0",
                 "--use-service-account-credentials=false",
                 f"--horizontal-pod-autoscaler-sync-period={HPA_SYNC_SECONDS}s",
                 "--concurrent-horizontal-pod-autoscaler-syncs=5",
+                *more_flags,
             ],
         )
         # Without a secure port it serves no health endpoint; its log says when each controller runs.
         started = ('"Starting controller" controller="deployment"', '"Starting HPA controller"', 'name="replicaset"')
-        self._wait("kube-controller-manager", lambda: all(line in daemon.log_text() for line in started), [daemon])
+        self.wait_for("kube-controller-manager", lambda: all(line in daemon.log_text() for line in started), [daemon])
 
     def _install_keda_api_objects(self, adapter_port: int) -> None:
         crds = sorted((tools.keda_source() / "config" / "crd" / "bases").glob("*.yaml"))
@@ -412,7 +490,7 @@ class ControlPlane:
             self.kube.apply(yaml.safe_load(crd.read_text()))
         for crd in crds:
             name = yaml.safe_load(crd.read_text())["metadata"]["name"]
-            self._wait(f"CRD {name}", partial(self._established, name), [])
+            self.wait_for(f"CRD {name}", partial(self._established, name), [])
         self.kube.apply(namespace(KEDA_NAMESPACE))
         # The API server refuses loopback Endpoints, but follows an ExternalName Service to the adapter's port.
         self.kube.apply(_localhost_service(ADAPTER_SERVICE, adapter_port))
@@ -456,7 +534,7 @@ class ControlPlane:
             "KEDA_CLUSTER_OBJECT_NAMESPACE": KEDA_NAMESPACE,
         }
         metrics_service = f"127.0.0.1:{free_port()}"
-        operator_daemon = self._daemon(
+        operator_daemon = self.start_daemon(
             "keda-operator",
             [
                 str(operator),
@@ -472,7 +550,7 @@ class ControlPlane:
             ],
             environ,
         )
-        adapter_daemon = self._daemon(
+        adapter_daemon = self.start_daemon(
             "keda-adapter",
             [
                 str(adapter),
@@ -497,7 +575,7 @@ class ControlPlane:
             condition = _condition(self.kube.get(path), "Available")
             return condition is not None and condition.get("status") == "True"
 
-        self._wait("KEDA's external metrics API", available, [operator_daemon, adapter_daemon])
+        self.wait_for("KEDA's external metrics API", available, [operator_daemon, adapter_daemon])
 
     def _start_keda_webhooks(self, webhooks: Path, kubeconfig: Path) -> None:
         """KEDA's admission webhooks, registered with failurePolicy Fail: what they refuse, the API server refuses."""
@@ -505,7 +583,7 @@ class ControlPlane:
         # The API server verifies the name <service>.<namespace>.svc, even behind an ExternalName Service.
         make_server_certificate(self.certificates, cert_dir, f"{WEBHOOKS_SERVICE}.{KEDA_NAMESPACE}.svc")
         port, probe = free_port(), free_port()
-        daemon = self._daemon(
+        daemon = self.start_daemon(
             "keda-webhooks",
             [
                 str(webhooks),
@@ -519,7 +597,7 @@ class ControlPlane:
             {"KUBECONFIG": str(self.directory / "kubeconfig"), "POD_NAMESPACE": KEDA_NAMESPACE},
         )
 
-        self._wait("KEDA's admission webhooks", lambda: _http_get(probe, "/readyz") == "ok", [daemon])
+        self.wait_for("KEDA's admission webhooks", lambda: _http_get(probe, "/readyz") == "ok", [daemon])
         self.kube.apply(_localhost_service(WEBHOOKS_SERVICE, port))
         configuration = yaml.safe_load(
             (tools.keda_source() / "config" / "webhooks" / "validation_webhooks.yaml").read_text()
@@ -644,9 +722,9 @@ def secret(name: str, namespace_name: str, files: Mapping[str, bytes]) -> Json:
 
 
 @contextlib.contextmanager
-def running(directory: Path) -> Iterator[ControlPlane]:
+def running(directory: Path, settings: PlaneSettings | None = None) -> Iterator[ControlPlane]:
     """Builds the tools if needed, starts the control plane, and stops it on the way out."""
-    plane = ControlPlane.start(directory, tools.build_all())
+    plane = ControlPlane.start(directory, tools.build_all(), settings)
     try:
         yield plane
     finally:

@@ -6,6 +6,7 @@ A second, unrelated CA signs nothing the agent trusts; clients that verify with 
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,10 +64,18 @@ def make_certificates(directory: Path) -> TlsFiles:
     return TlsFiles(ca, server_cert, server_key, client_cert, client_key, other)
 
 
-def make_server_certificate(files: TlsFiles, directory: Path, name: str) -> tuple[Path, Path]:
-    """A server certificate and key for the DNS name ``name``, signed by ``files.ca`` (whose key lies beside it)."""
+def make_server_certificate(
+    files: TlsFiles, directory: Path, name: str, *, more_names: Sequence[str] = (), client_auth: bool = False
+) -> tuple[Path, Path]:
+    """A server certificate and key for the DNS name ``name``, signed by ``files.ca`` (whose key lies beside it).
+
+    ``more_names`` are further subjectAltName entries as openssl writes them (``DNS:x``, ``IP:10.96.0.1``);
+    ``client_auth`` lets the certificate authenticate a client too (an agent that a gateway dials with mTLS).
+    """
     directory.mkdir(parents=True, exist_ok=True)
     cert, key = directory / "tls.crt", directory / "tls.key"
+    names = ",".join([f"DNS:{name}", *more_names])
+    usage = "serverAuth,clientAuth" if client_auth else "serverAuth"
     _signed(
         directory,
         key,
@@ -74,7 +83,7 @@ def make_server_certificate(files: TlsFiles, directory: Path, name: str) -> tupl
         files.ca,
         files.ca.with_name("ca.key"),
         subject=name,
-        extensions=f"subjectAltName=DNS:{name}\nextendedKeyUsage=serverAuth\n",
+        extensions=f"subjectAltName={names}\nextendedKeyUsage={usage}\n",
     )
     return cert, key
 

@@ -1,0 +1,329 @@
+"""KEDA's operator and the HPA scale GPU workloads on the real node, off the chart's gateway, at the Service address
+the docs name.
+
+The chart is installed as the README says (namespace gpuscaler labelled for Pod Security "privileged", then helm),
+with ``chart.BASE_SETS`` and the documented ``agent.podResources.enabled: true``: the agent reads the real kubelet's
+PodResources. Workloads are busybox Deployments whose pods request ``nvidia.com/gpu``; the fake device plugin gives
+each the UUID of one of the agent's fake GPUs. ``gpuscaler fake set`` on the agent pod makes GPUs busy or idle.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e.keda.control_plane import Json, namespace
+from e2e.keda.scenario import ReplicaHistory, expected_replicas, scaled_object
+from e2e.node.chart import EXAMPLES, NAMESPACE, Release, counted_gpus, fake_set, install, query
+from e2e.node.cluster import (
+    GPU_RESOURCE,
+    REPOSITORY_ROOT,
+    Deadline,
+    Holding,
+    NodeCluster,
+    eventually,
+    gpu_deployment,
+    in_thread,
+    pod_resources,
+)
+from e2e.node.conftest import FAKE_GPUS, record
+from gpuscaler.hpa import MetricType
+from tests.test_docs import EXTERNAL_TRIGGERS, YAML_SOURCES
+
+# Every percent reading a profile or metric may scale on, at 100 (busy) or 0 (idle).
+BUSY = {"gpu_utilization": 100.0, "memory_utilization": 100.0, "sm_active": 100.0, "sm_occupancy": 100.0}
+BUSY |= {"tensor_active": 100.0, "dram_bandwidth": 100.0}
+IDLE = dict.fromkeys(BUSY, 0.0)
+SETTLE_SECONDS = 5.0
+STEP_TIMEOUT_SECONDS = 180.0
+
+
+@pytest.fixture(scope="module")
+def installed(chart_cluster: NodeCluster) -> Iterator[Release]:
+    """The chart as the README installs it, with the documented podResources on; uninstalled after the module."""
+    kube = chart_cluster.kube
+    document = namespace(NAMESPACE)
+    document["metadata"]["labels"] = {"pod-security.kubernetes.io/enforce": "privileged"}
+    kube.apply(document)
+    release = install(chart_cluster, sets={"agent.podResources.enabled": "true"})
+    try:
+        release.wait_ready()
+        yield release
+    finally:
+        release.uninstall()
+
+
+def uuid_index(uuid: str) -> int:
+    """The fake GPU's index in its UUID (GPU-fake-<node>-<index>, and ::<n> for a time-sliced replica)."""
+    return int(uuid.split("::")[0].rsplit("-", 1)[1])
+
+
+async def held(cluster: NodeCluster, namespace_name: str, app: str, pods: list[Json] | None = None) -> dict[str, str]:
+    """The GPUs the kubelet reports for ``pods`` (default: every pod of Deployment ``app`` now), by UUID (a
+    time-sliced replica as its GPU), to ns/pod."""
+    if pods is None:
+        pods = await in_thread(cluster.pods, namespace_name, f"app={app}")
+    names = {pod["metadata"]["name"] for pod in pods}
+    holdings: list[Holding] = await pod_resources()
+    return {
+        device.split("::")[0]: f"{h.namespace}/{h.pod}"
+        for h in holdings
+        if h.namespace == namespace_name and h.pod in names and h.resource == GPU_RESOURCE
+        for device in h.device_ids
+    }
+
+
+async def wait_counted(
+    cluster: NodeCluster, address: str, metadata: dict[str, str], expected: dict[str, str] | tuple[str, str]
+) -> tuple[Json, dict[str, str]]:
+    """Waits until the gateway's answer for ``metadata`` counts exactly ``expected`` (uuid -> ns/pod), or, given
+    (namespace, app), exactly what the kubelet reports for that Deployment's pods at the time; returns the answer
+    and the GPUs."""
+
+    async def ask() -> tuple[Json, dict[str, str]]:
+        wanted = expected if isinstance(expected, dict) else await held(cluster, *expected)
+        return await query(address, metadata), wanted
+
+    return await eventually(
+        f"the gateway to count exactly the GPUs of {expected} for {metadata}",
+        60,
+        ask,
+        lambda found: counted_gpus(found[0]) == found[1],
+    )
+
+
+def _value(answer: Json) -> float:
+    metrics = answer["get_metrics"]
+    assert metrics["ok"], f"GetMetrics failed: {metrics}"
+    return float(metrics["fields"]["metricValues"][0]["metricValueFloat"])
+
+
+async def test_keda_scales_a_gpu_workload_on_exactly_its_own_gpus(installed: Release) -> None:
+    """trainer's pods hold one GPU each. Its busy GPUs scale it 1 -> 2 -> 3 (AverageValue, target 60), each new pod
+    starts on an idle GPU of its own, and the gateway counts exactly the GPUs trainer's pods hold; idle, it goes back
+    to 1 and the deleted pods' GPUs leave the count; a pod deleted and replaced is replaced in the count too."""
+    cluster, ns, app = installed.cluster, "scaling", "trainer"
+    await in_thread(cluster.apply, namespace(ns))
+    await in_thread(cluster.apply, gpu_deployment(app, ns, replicas=1))
+    history = ReplicaHistory(cluster.plane, ns, app)
+    agent, address = await in_thread(installed.agent_address), await in_thread(installed.service_address)
+    await fake_set(agent, "all", **IDLE)
+    metadata = {"scalerAddress": address, "workload": app, "metric": "gpu_utilization", "targetValue": "60"}
+    asked = {**metadata, "namespace": ns}  # what KEDA's ScaledObjectRef implies
+
+    async def step(replicas: int, busy: int) -> dict[str, str]:
+        """Waits for ``replicas`` Ready pods, holding distinct GPUs that the gateway counts, and for the value to be
+        ``busy`` x 90; returns the GPUs."""
+        pods = await in_thread(cluster.wait_running, ns, f"app={app}", replicas)
+        gpus = await held(cluster, ns, app, pods)
+        assert len(gpus) == replicas, f"{replicas} pods hold {gpus}"
+        answer, _ = await wait_counted(cluster, address, asked, gpus)
+        assert _value(answer) == pytest.approx(90.0 * busy), answer["get_metrics"]
+        return gpus
+
+    gpus = await step(1, 0)
+    manifest = scaled_object(app, trigger="external", metadata=metadata, min_replicas=1, max_replicas=FAKE_GPUS)
+    manifest["metadata"]["namespace"] = ns
+    await in_thread(cluster.apply, manifest)
+    await in_thread(_wait_scaled_object_ready, cluster, ns, app)
+
+    busy: list[str] = []
+    for replicas in (2, 3):
+        # Make the newest pod's GPU busy: the sum rises by 90, and ceil(sum / 60) asks for one more replica.
+        newest = sorted(set(gpus) - set(busy))[0]
+        busy.append(newest)
+        await fake_set(agent, uuid_index(newest), gpu_utilization=90)
+        expected = expected_replicas(
+            MetricType.AVERAGE_VALUE, value=90.0 * len(busy), target=60, current=replicas - 1, maximum=FAKE_GPUS
+        )
+        assert expected == replicas
+        await history.wait_equal(replicas, STEP_TIMEOUT_SECONDS)
+        gpus = await step(replicas, len(busy))
+        await history.hold(replicas, SETTLE_SECONDS)
+
+    # Idle: the HPA goes back to minReplicaCount; the deleted pods' GPUs leave the count.
+    await fake_set(agent, "all", gpu_utilization=0)
+    await history.wait_equal(1, STEP_TIMEOUT_SECONDS)
+    (survivor,) = await in_thread(cluster.wait_running, ns, f"app={app}", 1)
+    remaining = await held(cluster, ns, app, [survivor])
+    await wait_counted(cluster, address, asked, remaining)
+    assert set(remaining) <= set(gpus)
+
+    # KEDA lets go (its HPA goes with the ScaledObject); a pod deleted by hand is replaced in the count.
+    await in_thread(cluster.delete, manifest)
+    await in_thread(cluster.wait_gone, manifest)
+    await in_thread(cluster.kube.delete, {"apiVersion": "v1", "kind": "Pod", "metadata": survivor["metadata"]})
+    replacement = await in_thread(_wait_replacement, cluster, ns, app, survivor["metadata"]["name"])
+    await wait_counted(cluster, address, asked, await held(cluster, ns, app, [replacement]))
+    record(f"workload journey ({ns}/{app}, external, target 60): replicas {history.describe()}")
+    history.stop()
+    await in_thread(cluster.delete, gpu_deployment(app, ns, replicas=0))
+    await in_thread(cluster.wait_running, ns, f"app={app}", 0)
+    await wait_counted(cluster, address, asked, {})
+
+
+def _wait_replacement(cluster: NodeCluster, ns: str, app: str, deleted: str) -> Json:
+    pods = Deadline(f"{app}'s replacement for {deleted}", STEP_TIMEOUT_SECONDS).until(
+        lambda: cluster.running_pods(ns, f"app={app}"),
+        lambda found: len(found) == 1 and found[0]["metadata"]["name"] != deleted,
+        cluster.check_alive,
+    )
+    return pods[0]
+
+
+# --- the documented ScaledObjects ------------------------------------------------------------------------
+
+
+def documented() -> list[Any]:
+    """Every ScaledObject of README.md and the chart's examples, read from the files when collected."""
+    cases = []
+    for source in YAML_SOURCES:
+        if source.path != REPOSITORY_ROOT / "README.md" and not source.path.is_relative_to(EXAMPLES):
+            continue
+        for document in yaml.safe_load_all(source.text):
+            if isinstance(document, dict) and document.get("kind") == "ScaledObject":
+                cases.append(pytest.param(document, id=f"{source.id}:{document['metadata']['name']}"))
+    return cases
+
+
+def _signal(manifest: Json) -> tuple[str, str]:
+    """The workload whose GPUs the ScaledObject's trigger reads: (namespace, Deployment name)."""
+    ns = manifest["metadata"].get("namespace", "default")
+    triggers = [t for t in manifest["spec"]["triggers"] if t["type"] in EXTERNAL_TRIGGERS]
+    assert len(triggers) == 1, f"one external trigger expected: {triggers}"
+    metadata = triggers[0]["metadata"]
+    if "workload" in metadata:
+        return metadata.get("namespace", ns), metadata["workload"]
+    if metadata.get("scaleTargetPods") == "true":
+        return ns, manifest["spec"]["scaleTargetRef"]["name"]
+    raise AssertionError(f"the suite gives pods only to workload or scaleTargetPods triggers, not to {metadata}")
+
+
+async def _restart_agent(release: Release) -> str:
+    """Deletes the agent pod so the next journey starts from a fresh history (windows of up to 2 minutes would carry
+    the last journey's load); returns the new pod's address once it is Ready."""
+    cluster = release.cluster
+    (old,) = await in_thread(release.agent_pods)
+    await in_thread(cluster.kube.delete, {"apiVersion": "v1", "kind": "Pod", "metadata": old["metadata"]})
+    await in_thread(
+        Deadline("the agent's replacement", STEP_TIMEOUT_SECONDS).until,
+        release.agent_pods,
+        lambda pods: len(pods) == 1 and pods[0]["metadata"]["uid"] != old["metadata"]["uid"],
+    )
+    await in_thread(release.wait_ready)
+    return await in_thread(release.agent_address)
+
+
+@pytest.mark.parametrize("document", documented())
+async def test_a_documented_scaled_object_scales_its_workload(installed: Release, document: Json) -> None:
+    """Applied as written: KEDA makes it Ready and leaves its target alone while the GPUs are idle; when the GPUs of
+    the workload its trigger names get busy, KEDA and the HPA scale the target up (0 -> 1 for a scale from zero),
+    and the gateway counts exactly the GPUs the kubelet gave that workload's pods."""
+    cluster = installed.cluster
+    manifest = copy.deepcopy(document)
+    name, ns = manifest["metadata"]["name"], manifest["metadata"].get("namespace", "default")
+    spec = manifest["spec"]
+    target = spec["scaleTargetRef"]["name"]
+    minimum = int(spec.get("minReplicaCount", 0))
+    signal_ns, signal = _signal(manifest)
+    trigger = next(t for t in spec["triggers"] if t["type"] in EXTERNAL_TRIGGERS)
+    asked = {**trigger["metadata"], "namespace": trigger["metadata"].get("namespace", ns)}
+    await in_thread(cluster.apply, namespace(ns))
+    deployments = [gpu_deployment(target, ns, replicas=max(minimum, 1) if signal == target else 0)]
+    if signal != target:
+        deployments.append(gpu_deployment(signal, signal_ns, replicas=1))
+    try:
+        for deployment in deployments:
+            await in_thread(cluster.apply, deployment)
+        history = ReplicaHistory(cluster.plane, ns, target)
+        await in_thread(cluster.wait_running, signal_ns, f"app={signal}", max(minimum, 1))
+        # A fresh agent: the windows (up to 2 minutes) must not carry the last journey's load.
+        agent = await _restart_agent(installed)
+        address = await in_thread(installed.service_address)
+        assert trigger["metadata"]["scalerAddress"] == address, "the documented address is the chart's Service"
+        await wait_counted(cluster, address, asked, (signal_ns, signal))
+
+        await in_thread(cluster.apply, manifest)
+        await in_thread(_wait_scaled_object_ready, cluster, ns, name)
+        _, start = await history.wait_for(lambda replicas: True, 30, "recorded")
+        await history.hold(start, SETTLE_SECONDS)  # idle GPUs: KEDA leaves it where it is
+        busy_at = time.monotonic()
+        await fake_set(agent, "all", **BUSY)
+        at, reached = await history.wait_for(
+            lambda replicas: replicas > start, STEP_TIMEOUT_SECONDS, f"more than {start}", after=busy_at
+        )
+        _, gpus = await wait_counted(cluster, address, asked, (signal_ns, signal))
+        record(
+            f"{name} ({ns}, {trigger['type']}, min {minimum}, signal {signal_ns}/{signal}): {start} -> {reached} "
+            f"{at - busy_at:.1f} s after the GPUs got busy; replicas {history.describe()}; {signal}'s pods hold "
+            f"{len(gpus)} GPU(s), all counted"
+        )
+        history.stop()
+    finally:
+        await in_thread(cluster.delete, manifest)
+        await in_thread(cluster.wait_gone, manifest)
+        for deployment in deployments:
+            await in_thread(cluster.delete, deployment)
+        for deployment in deployments:
+            meta = deployment["metadata"]
+            await in_thread(cluster.wait_running, meta["namespace"], f"app={meta['name']}", 0)
+
+
+def _wait_scaled_object_ready(cluster: NodeCluster, ns: str, name: str) -> Json:
+    path = f"/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects/{name}"
+
+    def ready(found: Json | None) -> bool:
+        conditions = ((found or {}).get("status") or {}).get("conditions") or []
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+    found = Deadline(f"ScaledObject {ns}/{name} Ready", 60).until(
+        lambda: cluster.kube.get(path), ready, cluster.check_alive
+    )
+    assert found is not None
+    hpa = cluster.kube.get(f"/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers/keda-hpa-{name}")
+    assert hpa is not None, f"KEDA made no HPA for {name}: {found.get('status')}"
+    return found
+
+
+async def test_time_sliced_replicas_are_counted_as_the_gpu_they_share(installed: Release) -> None:
+    """With NVIDIA's time-slicing naming (GPU 0 offered as two replicas, ``<uuid>::0`` and ``<uuid>::1``), two pods
+    share one GPU: each container sees its replica in NVIDIA_VISIBLE_DEVICES, and the gateway counts that GPU once for
+    each of the two pods."""
+    cluster, ns, app = installed.cluster, "time-slicing", "shared"
+    await in_thread(cluster.node.start_device_plugin, 1, 2)
+    try:
+        await in_thread(cluster.apply, namespace(ns))
+        await in_thread(cluster.apply, gpu_deployment(app, ns, replicas=2))
+        pods = await in_thread(cluster.wait_running, ns, f"app={app}", 2)
+        holdings = [h for h in await pod_resources() if h.namespace == ns and h.resource == GPU_RESOURCE]
+        replicas = sorted(device for h in holdings for device in h.device_ids)
+        gpu = replicas[0].split("::")[0]
+        assert replicas == [f"{gpu}::0", f"{gpu}::1"], holdings
+        for holding in holdings:
+            log = await in_thread(cluster.log, ns, holding.pod)
+            assert f"gpus={holding.device_ids[0]}" in log, log
+        address = await in_thread(installed.service_address)
+        asked = {"scalerAddress": address, "workload": app, "metric": "gpu_utilization", "namespace": ns}
+        names = {f"{ns}/{pod['metadata']['name']}" for pod in pods}
+
+        async def counted() -> list[tuple[str, str]]:
+            answer = await query(address, asked)
+            gpus = (answer.get("explanation") or {}).get("gpus", [])
+            return sorted((g["uuid"], f"{g.get('namespace')}/{g.get('pod')}") for g in gpus if g.get("included"))
+
+        await eventually(
+            f"the gateway to count {gpu} once for each of {sorted(names)}",
+            60,
+            counted,
+            lambda found: found == sorted((gpu, name) for name in names),
+        )
+        record(f"time-slicing: {sorted(names)} hold {replicas}; the gateway counts {gpu} for each")
+        await in_thread(cluster.delete, gpu_deployment(app, ns, replicas=0))
+        await in_thread(cluster.wait_running, ns, f"app={app}", 0)
+    finally:
+        await in_thread(cluster.node.start_device_plugin, FAKE_GPUS, 1)
