@@ -41,8 +41,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpuscaler.generated import externalscaler as keda
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
-from gpuscaler.samples import ATTRIBUTION_OFF, GpuIdentity, GpuSample, Snapshot
-from gpuscaler.wire import snapshot_to_wire
+from gpuscaler.model.samples import ATTRIBUTION_OFF, GpuIdentity, GpuSample, Snapshot
+from gpuscaler.server.wire import snapshot_to_wire
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("gpuscaler")
 WATCH = "/gpuscaler.v1.Agent/WatchSnapshots"

@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuscaler.attribution.processes import ProcReader
-from gpuscaler.collectors.base import CollectorUnavailable
-from gpuscaler.collectors.nvml import NvmlCollector
-from gpuscaler.gpu_metrics import READING_FIELDS
-from gpuscaler.samples import GpuSample
+from gpuscaler.agent.attribution.processes import ProcReader
+from gpuscaler.agent.collectors.base import CollectorUnavailable
+from gpuscaler.agent.collectors.nvml import NvmlCollector
+from gpuscaler.model.gpu_metrics import READING_FIELDS
+from gpuscaler.model.samples import GpuSample
 
 # A child process that keeps GPU 0 busy with matrix products for the given seconds (torch, else cupy).
 LOAD = """

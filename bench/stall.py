@@ -31,13 +31,13 @@ from typing import Any
 
 from bench.common import print_table, summary_ms, write_result
 from e2e.support.raw_h2 import grpc_call, grpc_frame
-from gpuscaler.agent import Agent
-from gpuscaler.collectors.fake import FakeCollector
+from gpuscaler.agent.collectors.fake import FakeCollector
+from gpuscaler.agent.history import History
+from gpuscaler.agent.process import Agent
 from gpuscaler.generated import externalscaler as keda
 from gpuscaler.generated.gpuscaler import v1 as pb
-from gpuscaler.history import History
-from gpuscaler.metadata import Limits, parse_metadata
-from gpuscaler.samples import Snapshot
+from gpuscaler.model.samples import Snapshot
+from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.server.grpc_server import MAX_HEADER_LIST_BYTES, MAX_RECEIVE_MESSAGE_BYTES
 from tests.conftest import serve_settings
 from tests.load import busy_processes
@@ -200,7 +200,7 @@ class Probe:
 
 def _fill_history(agent: Agent) -> None:
     """Ten minutes of snapshots before the newest, so that a window reads as many samples as it ever will."""
-    history = agent.engine.source
+    history = agent.evaluator.source
     assert isinstance(history, History)
     latest = history.latest
     assert latest is not None

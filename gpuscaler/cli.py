@@ -21,18 +21,18 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from gpuscaler import __version__, logs
-from gpuscaler.collectors.base import CollectorUnavailable
-from gpuscaler.errors import ConfigError, StartupError
+from gpuscaler.agent.collectors.base import CollectorUnavailable
+from gpuscaler.agent.settings import add_serve_flags, settings_from_args
 from gpuscaler.gateway.settings import add_gateway_flags, gateway_settings_from_args
 from gpuscaler.generated.gpuscaler import v1 as pb
-from gpuscaler.settings import add_serve_flags, settings_from_args
+from gpuscaler.model.errors import ConfigError, StartupError
 
 # The client commands' modules (rich, the report, the client channel) load only for those commands:
 # `serve` starts in less time and memory without them.
 if TYPE_CHECKING:
     from grpclib.client import Channel
 
-    from gpuscaler.client import ClientOptions
+    from gpuscaler.client.channels import ClientOptions
 
 CLIENT_TIMEOUT_SECONDS = 5.0
 # Allocations between two young collections of the gateway (the default is 700); see `_gateway`.
@@ -187,7 +187,7 @@ def _unreachable(error: BaseException, *, tls: bool) -> str:
 
 
 def _serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    from gpuscaler.agent import serve
+    from gpuscaler.agent.process import serve
 
     settings = settings_from_args(args, environ)
     logs.configure(log_format=settings.server.log_format, level=settings.server.log_level, node=settings.node_name)
@@ -199,7 +199,7 @@ def _serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
 
 
 def _client_options(args: argparse.Namespace) -> ClientOptions:
-    from gpuscaler.client import ClientOptions, client_address
+    from gpuscaler.client.channels import ClientOptions, client_address
 
     return ClientOptions(
         address=client_address(args.address),
@@ -211,7 +211,7 @@ def _client_options(args: argparse.Namespace) -> ClientOptions:
 
 
 async def _client_command(args: argparse.Namespace) -> int:
-    from gpuscaler.client import open_channel
+    from gpuscaler.client.channels import open_channel
 
     options = _client_options(args)
     async with open_channel(options) as channel:
@@ -224,7 +224,7 @@ async def _query(args: argparse.Namespace, channel: Channel) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from gpuscaler.report import DEFAULT_SCALED_OBJECT, Report, collect, render_table, report_renderable
+    from gpuscaler.client.explain import DEFAULT_SCALED_OBJECT, Report, collect, render_table, report_renderable
 
     metadata = dict(_pairs(args.metadata, "KEY=VALUE"))
     if args.replicas < 1:

@@ -14,9 +14,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuscaler.durations import parse_duration
-from gpuscaler.errors import ConfigError
 from gpuscaler.logs import LOG_LEVELS, LogFormat, default_format
+from gpuscaler.model.durations import parse_duration
+from gpuscaler.model.errors import ConfigError
 
 ENV_PREFIX = "GPUSCALER_"
 DEFAULT_LISTEN = "0.0.0.0:6000"

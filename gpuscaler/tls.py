@@ -5,8 +5,8 @@ from __future__ import annotations
 import ssl
 from pathlib import Path
 
-from gpuscaler.errors import ConfigError
 from gpuscaler.flags import paired
+from gpuscaler.model.errors import ConfigError
 
 
 def server_context(cert: Path, key: Path, client_ca: Path | None) -> ssl.SSLContext:

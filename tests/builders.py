@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from gpuscaler.history import History
-from gpuscaler.samples import (
+from gpuscaler.agent.history import History
+from gpuscaler.model.samples import (
     DEVICE_FIELD,
     Absence,
     GpuIdentity,
@@ -18,7 +18,7 @@ from gpuscaler.samples import (
     Windowed,
     WindowKey,
 )
-from gpuscaler.source import Announcer, SnapshotListener, window_column
+from gpuscaler.signals.source import Announcer, SnapshotListener, window_column
 
 NODE = "node-a"
 # Wall clock of the snapshot at monotonic 0: the values only show up in messages.

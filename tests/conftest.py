@@ -9,10 +9,10 @@ import pytest
 from grpclib.client import Channel
 
 from gpuscaler import logs
-from gpuscaler.agent import Agent
+from gpuscaler.agent.collectors.fake import FakeCollector
+from gpuscaler.agent.process import Agent
+from gpuscaler.agent.settings import ServeSettings, settings_from_args
 from gpuscaler.cli import build_parser
-from gpuscaler.collectors.fake import FakeCollector
-from gpuscaler.settings import ServeSettings, settings_from_args
 
 StartAgent = Callable[..., Coroutine[Any, Any, Agent]]
 

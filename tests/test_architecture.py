@@ -10,70 +10,37 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "gpuscaler"
 
-# The rooms, lowest first, as docs/architecture.md draws them. A module may import from its own room and
-# from any room below it; never from above. A prefix ending in "." stands for every module in that package.
-ROOMS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    (
-        "words",
-        (
-            "gpuscaler",
-            "gpuscaler.errors",
-            "gpuscaler.durations",
-            "gpuscaler.logs",
-            "gpuscaler.flags",
-            "gpuscaler.aggregation",
-            "gpuscaler.rates",
-            "gpuscaler.shares",
-            "gpuscaler.selectors",
-            "gpuscaler.gpu_metrics",
-            "gpuscaler.samples",
-            "gpuscaler.pods",
-            "gpuscaler.hpa",
-            "gpuscaler.generated",
-            "gpuscaler.generated.",
-        ),
-    ),
-    (
-        "read and keep",
-        (
-            "gpuscaler.collectors",
-            "gpuscaler.collectors.",
-            "gpuscaler.attribution",
-            "gpuscaler.attribution.",
-            "gpuscaler.source",
-            "gpuscaler.history",
-            "gpuscaler.last_reads",
-            "gpuscaler.poller",
-        ),
-    ),
-    (
-        "ask and compute",
-        (
-            "gpuscaler.query",
-            "gpuscaler.profiles",
-            "gpuscaler.metadata",
-            "gpuscaler.evaluation",
-            "gpuscaler.energy",
-            "gpuscaler.scale_targets",
-            "gpuscaler.activation",
-            "gpuscaler.engine",
-        ),
-    ),
-    (
-        "answer",
-        (
-            "gpuscaler.wire",
-            "gpuscaler.telemetry",
-            "gpuscaler.exposition",
-            "gpuscaler.tls",
-            "gpuscaler.client",
-            "gpuscaler.server",
-            "gpuscaler.server.",
-        ),
-    ),
-    ("processes", ("gpuscaler.settings", "gpuscaler.agent", "gpuscaler.gateway", "gpuscaler.gateway.")),
-    ("command line", ("gpuscaler.cli", "gpuscaler.report", "gpuscaler.__main__")),
+# The rooms, lowest first, as docs/architecture.md draws them: each is a package (or the top-level helpers). A module
+# may import from its own room and from rooms on lower levels; rooms on one level (the agent, the gateway) never import
+# each other. A name ending in "." stands for every module under that package.
+LEVELS: tuple[tuple[tuple[str, tuple[str, ...]], ...], ...] = (
+    (("model", ("gpuscaler", "gpuscaler.model", "gpuscaler.model.", "gpuscaler.generated", "gpuscaler.generated.")),),
+    (("helpers", ("gpuscaler.logs", "gpuscaler.flags", "gpuscaler.tls")),),
+    (("query", ("gpuscaler.query", "gpuscaler.query.")),),
+    (("signals", ("gpuscaler.signals", "gpuscaler.signals.")),),
+    (("server", ("gpuscaler.server", "gpuscaler.server.")),),
+    (("agent", ("gpuscaler.agent", "gpuscaler.agent.")), ("gateway", ("gpuscaler.gateway", "gpuscaler.gateway."))),
+    (("client", ("gpuscaler.client", "gpuscaler.client.")),),
+    (("entry points", ("gpuscaler.cli", "gpuscaler.__main__")),),
 )
+ROOMS = tuple(room for level in LEVELS for room in level)
+
+# Inside the two processes, the same rule between tiers, lowest first: a tier imports only from its own or lower ones.
+TIERS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "gpuscaler.agent.": (
+        ("collectors", "collectors.", "attribution", "attribution.", "last_reads", "history"),
+        ("poller", "fake_control", "telemetry"),
+        ("settings",),
+        ("process",),
+    ),
+    "gpuscaler.gateway.": (
+        ("directory", "directory."),
+        ("decoding", "view", "discovery"),
+        ("subscriber", "idle_energy", "settings"),
+        ("telemetry",),
+        ("process",),
+    ),
+}
 
 
 def module_name(path: Path) -> str:
@@ -97,13 +64,31 @@ def imports(path: Path) -> Iterator[str]:
             yield from (alias.name for alias in node.names if alias.name.startswith("gpuscaler"))
 
 
+def _matches(module: str, member: str) -> bool:
+    return module == member or (member.endswith(".") and module.startswith(member))
+
+
 def room_of(module: str) -> int:
     """The index in ROOMS of the room ``module`` belongs to; fails if it is in none."""
     for index, (_, members) in enumerate(ROOMS):
-        for member in members:
-            if module == member or (member.endswith(".") and module.startswith(member)):
-                return index
+        if any(_matches(module, member) for member in members):
+            return index
     raise AssertionError(f"{module} is in no room of tests/test_architecture.py (and docs/architecture.md)")
+
+
+def level_of(module: str) -> int:
+    """The index in LEVELS of the level of ``module``'s room."""
+    name = ROOMS[room_of(module)][0]
+    return next(index for index, level in enumerate(LEVELS) if any(room == name for room, _ in level))
+
+
+def tier_of(package: str, module: str) -> int:
+    """The index in TIERS[package] of the tier ``module`` (a module of ``package``) belongs to."""
+    relative = module.removeprefix(package)
+    for index, members in enumerate(TIERS[package]):
+        if any(_matches(relative, member) for member in members):
+            return index
+    raise AssertionError(f"{module} is in no tier of TIERS[{package!r}] in tests/test_architecture.py")
 
 
 def graph() -> dict[str, set[str]]:
@@ -112,18 +97,35 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_every_module_is_in_a_room() -> None:
-    """A new module is placed in a room, so that the rule below covers it."""
+    """A new module is placed in a room (and, in a process, a tier), so that the rules below cover it."""
     for name in modules():
         room_of(name)
+        for package in TIERS:
+            if name.startswith(package):
+                tier_of(package, name)
 
 
 def test_no_module_imports_from_a_room_above_its_own() -> None:
-    """The data's way runs one way: lower rooms never import from higher ones."""
-    upward = sorted(
+    """The data's way runs one way: lower rooms never import from higher ones, nor the agent and gateway each other."""
+    wrong = sorted(
         f"{module} ({ROOMS[room_of(module)][0]}) imports {target} ({ROOMS[room_of(target)][0]})"
         for module, targets in graph().items()
         for target in targets
-        if room_of(target) > room_of(module)
+        if level_of(target) > level_of(module)
+        or (level_of(target) == level_of(module) and room_of(target) != room_of(module))
+    )
+    assert not wrong
+
+
+@pytest.mark.parametrize("package", sorted(TIERS))
+def test_inside_a_process_no_module_imports_from_a_tier_above_its_own(package: str) -> None:
+    """Within the agent and the gateway too, each module imports only what lies below it on the data's way."""
+    upward = sorted(
+        f"{module} imports {target}"
+        for module, targets in graph().items()
+        if module.startswith(package)
+        for target in targets
+        if target.startswith(package) and tier_of(package, target) > tier_of(package, module)
     )
     assert not upward
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from gpuscaler import __version__
-from gpuscaler.agent import Agent
+from gpuscaler.agent.process import Agent
 from gpuscaler.cli import main
 from tests.conftest import StartAgent
 from tests.server.test_external_scaler import next_tick
@@ -98,11 +98,11 @@ async def test_a_fake_change_answers_once_a_tick_has_read_it(start_agent: StartA
     agent = await start_agent("--poll-interval", "1")
     address = f"127.0.0.1:{agent.port}"
     assert await run_cli("fake", "set", "--address", address, "--gpu", "all", "gpu_utilization=42") == 0
-    latest = agent.engine.source.latest
+    latest = agent.evaluator.source.latest
     assert latest is not None
     assert [sample.gpu_utilization_percent for sample in latest.samples] == [42.0] * 4
     assert await run_cli("fake", "fail", "--address", address, "--gpu", "1", "--error", "lost") == 0
-    latest = agent.engine.source.latest
+    latest = agent.evaluator.source.latest
     assert latest is not None
     assert latest.samples[1].errors
 

@@ -13,16 +13,17 @@ from typing import TYPE_CHECKING, Any, cast
 import pytest
 import yaml
 
-from gpuscaler.durations import parse_duration
+from gpuscaler.agent.history import History
+from gpuscaler.agent.telemetry import AgentTelemetry
 from gpuscaler.flags import DEFAULT_LIMITS
 from gpuscaler.gateway.telemetry import GatewayTelemetry
 from gpuscaler.gateway.view import ClusterView
-from gpuscaler.gpu_metrics import METRICS, READINGS, Metric
-from gpuscaler.history import History
-from gpuscaler.metadata import FROM_ENV_SUFFIX, KEDA_KEYS, KNOWN_KEYS, QUERY_KEYS, Limits, parse_metadata
-from gpuscaler.profiles import PROFILES
+from gpuscaler.model.durations import parse_duration
+from gpuscaler.model.gpu_metrics import METRICS, READINGS, Metric
+from gpuscaler.query.metadata import FROM_ENV_SUFFIX, KEDA_KEYS, KNOWN_KEYS, QUERY_KEYS, Limits, parse_metadata
+from gpuscaler.query.profiles import PROFILES
 from gpuscaler.server.connection_limits import ConnectionGuard
-from gpuscaler.telemetry import Telemetry, TransportCollector
+from gpuscaler.server.telemetry import TransportCollector
 
 if TYPE_CHECKING:
     from gpuscaler.server.grpc_server import ManyStreamsServer
@@ -304,7 +305,7 @@ def test_migration_doc_profiles_match_the_code() -> None:
 
 def _series_names() -> set[str]:
     """Every series name the agent and the gateway export, as Prometheus shows it (counters with ``_total``)."""
-    agent = Telemetry(History(history_seconds=60, poll_interval_seconds=0.5)).registry
+    agent = AgentTelemetry(History(history_seconds=60, poll_interval_seconds=0.5)).registry
     view = ClusterView(history_seconds=60, clock=lambda: 0.0)
     gateway = GatewayTelemetry(view, dict, lambda: (0, 0, 0)).registry
     server = SimpleNamespace(guard=ConnectionGuard(DEFAULT_LIMITS), open_streams=0, handler_tasks=0)

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import trustme
 
-from gpuscaler.agent import Agent
+from gpuscaler.agent.collectors.nvml import NvmlCollector
+from gpuscaler.agent.process import Agent
 from gpuscaler.cli import main
-from gpuscaler.collectors.nvml import NvmlCollector
-from gpuscaler.errors import ConfigError
+from gpuscaler.model.errors import ConfigError
 from gpuscaler.tls import server_context
 from tests.conftest import serve_settings
 from tests.fakes.fake_nvml import FakeDevice, FakeNvml

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from bench.nvml_probe import probe
-from gpuscaler.attribution.processes import ProcReader
-from gpuscaler.collectors.nvml import NvmlCollector
+from gpuscaler.agent.attribution.processes import ProcReader
+from gpuscaler.agent.collectors.nvml import NvmlCollector
 from tests.fakes.fake_nvml import FakeDevice, FakeNvml, FakeProcess
 
 

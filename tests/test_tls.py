@@ -12,10 +12,10 @@ import trustme
 from grpclib.client import Channel
 from grpclib.exceptions import StreamTerminatedError
 
-from gpuscaler.agent import Agent
-from gpuscaler.collectors.fake import FakeCollector
+from gpuscaler.agent.collectors.fake import FakeCollector
+from gpuscaler.agent.process import Agent
 from gpuscaler.generated.externalscaler import ExternalScalerStub, ScaledObjectRef
-from gpuscaler.gpu_metrics import Metric
+from gpuscaler.model.gpu_metrics import Metric
 from gpuscaler.tls import client_context
 from tests.conftest import StartAgent
 from tests.waiting import until

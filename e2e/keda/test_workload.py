@@ -15,7 +15,7 @@ import yaml
 
 from e2e.keda.control_plane import Json
 from e2e.keda.scenario import Scenario, expected_replicas, scaled_object
-from gpuscaler.hpa import MetricType
+from gpuscaler.signals.hpa import MetricType
 from tests.fakes.fake_kubelet import Assignment
 
 TARGET = 60.0

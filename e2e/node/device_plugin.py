@@ -33,7 +33,7 @@ HEALTHY = "Healthy"
 
 
 def fake_gpu_uuid(node: str, index: int) -> str:
-    """The UUID the fake collector gives GPU ``index`` on ``node`` (gpuscaler/collectors/fake.py)."""
+    """The UUID the fake collector gives GPU ``index`` on ``node`` (gpuscaler/agent/collectors/fake.py)."""
     return f"GPU-fake-{node}-{index}"
 
 

@@ -32,7 +32,7 @@ from e2e.node.cluster import (
     pod_resources,
 )
 from e2e.node.conftest import FAKE_GPUS, record
-from gpuscaler.hpa import MetricType
+from gpuscaler.signals.hpa import MetricType
 from tests.test_docs import EXTERNAL_TRIGGERS, YAML_SOURCES
 
 # Every percent reading a profile or metric may scale on, at 100 (busy) or 0 (idle).

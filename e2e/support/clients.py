@@ -20,7 +20,7 @@ from grpclib.exceptions import GRPCError, StreamTerminatedError
 from e2e.support.agent import AgentProcess
 from e2e.support.certs import SERVER_NAME, grpcio_credentials
 from e2e.support.keda_grpcio import KedaProto
-from gpuscaler.client import ClientOptions, client_address, open_channel
+from gpuscaler.client.channels import ClientOptions, client_address, open_channel
 from gpuscaler.generated import externalscaler as keda
 
 ClientKind = Literal["grpclib", "grpcio"]
@@ -147,7 +147,7 @@ class ScalerClient(ABC):
 
 
 class GrpclibScaler(ScalerClient):
-    """Our own client: betterproto2 stubs over a grpclib channel from ``gpuscaler.client``."""
+    """Our own client: betterproto2 stubs over a grpclib channel from ``gpuscaler.client.channels``."""
 
     kind: ClientKind = "grpclib"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from e2e.support.agent import CONSOLE_SCRIPT, AgentProcess
 from e2e.support.certs import SERVER_NAME
-from gpuscaler.client import ClientOptions, client_address, open_channel
+from gpuscaler.client.channels import ClientOptions, client_address, open_channel
 from gpuscaler.generated.gpuscaler import v1 as pb
 
 FAILURES = {

@@ -12,8 +12,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
-from gpuscaler.gpu_metrics import READING_FIELDS
-from gpuscaler.samples import (
+from gpuscaler.model.gpu_metrics import READING_FIELDS
+from gpuscaler.model.samples import (
     EMPTY_SHARES,
     Attribution,
     AttributionState,
@@ -30,7 +30,7 @@ from gpuscaler.samples import (
     WindowKey,
     WindowValues,
 )
-from gpuscaler.wire import window_key_from_wire
+from gpuscaler.server.wire import window_key_from_wire
 
 
 def _process_from_pb2(message: agent_pb2.ProcessUsage) -> ProcessUsage:
@@ -310,7 +310,7 @@ class SnapshotDecoder:
         # An agent older than per-process reads sends neither: not read, which is not "no processes".
         processes = tuple(_process_from_pb2(p) for p in gpu.processes) if gpu.processes_read else None
         # By position: GpuSample's fields are (gpu, node, the readings in READINGS' order, errors, pods,
-        # processes), which tests/test_wire.py holds to; a named tuple built from a tuple is the cheapest
+        # processes), which tests/server/test_wire.py holds to; a named tuple built from a tuple is the cheapest
         # record Python makes.
         return GpuSample._make((identity, gpu.node, *readings, errors, self._pod_refs(gpu), processes))
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import structlog
 
-from gpuscaler.errors import ConfigError
 from gpuscaler.flags import Address, parse_address
+from gpuscaler.model.errors import ConfigError
 
 log = structlog.get_logger(__name__)
 

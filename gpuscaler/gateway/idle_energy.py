@@ -19,10 +19,10 @@ from operator import is_not
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gpuscaler.energy import IdleEnergyCounter
 from gpuscaler.gateway.view import ClusterView
-from gpuscaler.pods import PodDirectory
-from gpuscaler.samples import GpuSample, Snapshot
+from gpuscaler.model.pods import PodDirectory
+from gpuscaler.model.samples import GpuSample, Snapshot
+from gpuscaler.signals.energy import IdleEnergyCounter
 
 
 class WorkloadIdleEnergy(Collector):

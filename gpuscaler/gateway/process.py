@@ -1,4 +1,4 @@
-"""The gateway process: discovery -> one subscriber per agent -> cluster view -> engine -> gRPC, and a drain.
+"""The gateway process: discovery -> one subscriber per agent -> cluster view -> evaluator -> gRPC, and a drain.
 
 It serves the same ExternalScaler and Agent services as an agent, over the cluster view, so KEDA's
 ``scalerAddress`` can name the gateway's Service. Replicas share nothing: each subscribes to every
@@ -17,18 +17,18 @@ from typing import Protocol
 import structlog
 
 from gpuscaler import __version__
-from gpuscaler.engine import Engine
-from gpuscaler.errors import ConfigError
 from gpuscaler.flags import Address
+from gpuscaler.gateway.directory.pod_file import ManagedDirectory, StaticPodDirectory
 from gpuscaler.gateway.discovery import DnsAgents, EndpointsListener, FileAgents, StaticAgents
-from gpuscaler.gateway.pod_directory import ManagedDirectory, StaticPodDirectory
 from gpuscaler.gateway.settings import POD_DIRECTORY_KUBERNETES, GatewaySettings
 from gpuscaler.gateway.subscriber import AgentSubscriber, AgentTLS
 from gpuscaler.gateway.telemetry import GatewayTelemetry
 from gpuscaler.gateway.view import ClusterView
-from gpuscaler.pods import PodDirectory
+from gpuscaler.model.errors import ConfigError
+from gpuscaler.model.pods import PodDirectory
 from gpuscaler.server.frontend import Frontend, cancel_all, run_in_background, run_until_signalled
 from gpuscaler.server.overload import quiet_accept_errors
+from gpuscaler.signals.evaluator import Evaluator
 from gpuscaler.tls import client_context
 
 log = structlog.get_logger(__name__)
@@ -47,7 +47,7 @@ def build_directory(settings: GatewaySettings) -> PodDirectory | None:
     if settings.pod_directory is None:
         return None
     if settings.pod_directory == POD_DIRECTORY_KUBERNETES:
-        from gpuscaler.gateway.scaled_objects import KubernetesDirectory
+        from gpuscaler.gateway.directory.scaled_objects import KubernetesDirectory
 
         return KubernetesDirectory.in_cluster()
     try:
@@ -83,7 +83,7 @@ class Gateway:
 
     settings: GatewaySettings
     view: ClusterView
-    engine: Engine
+    evaluator: Evaluator
     frontend: Frontend
     telemetry: GatewayTelemetry
     directory: PodDirectory | None
@@ -108,8 +108,8 @@ class Gateway:
         to_agents = agent_tls(settings)
         directory = directory if directory is not None else build_directory(settings)
         view = ClusterView(history_seconds=settings.history_seconds)
-        engine = Engine(view, directory=directory, cluster=True)
-        view.add_listener(engine.on_snapshot)
+        evaluator = Evaluator(view, directory=directory, cluster=True)
+        view.add_listener(evaluator.on_snapshot)
         subscribers: dict[Address, tuple[AgentSubscriber, asyncio.Task[None]]] = {}
         telemetry = GatewayTelemetry(
             view,
@@ -117,14 +117,16 @@ class Gateway:
             partial(_pod_counts, directory),
             directory,
         )
-        frontend = await Frontend.start(settings.server, engine, telemetry, health_every_seconds=HEALTH_CHECK_SECONDS)
+        frontend = await Frontend.start(
+            settings.server, evaluator, telemetry, health_every_seconds=HEALTH_CHECK_SECONDS
+        )
         if isinstance(directory, ManagedDirectory):
             await directory.start()
 
         gateway = cls(
             settings=settings,
             view=view,
-            engine=engine,
+            evaluator=evaluator,
             frontend=frontend,
             telemetry=telemetry,
             directory=directory,
@@ -175,8 +177,8 @@ class Gateway:
 
 
 def _pod_counts(directory: PodDirectory | None) -> tuple[int, int, int] | None:
-    from gpuscaler.gateway.pod_watch import KubernetesPodDirectory
-    from gpuscaler.gateway.scaled_objects import KubernetesDirectory
+    from gpuscaler.gateway.directory.pod_watch import KubernetesPodDirectory
+    from gpuscaler.gateway.directory.scaled_objects import KubernetesDirectory
 
     if isinstance(directory, KubernetesDirectory):
         directory = directory.pod_watch

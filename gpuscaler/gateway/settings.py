@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuscaler.errors import ConfigError
 from gpuscaler.flags import (
     SERVER_FLAGS,
     Address,
@@ -29,6 +28,7 @@ from gpuscaler.flags import (
     server_flags,
 )
 from gpuscaler.gateway.discovery import DEFAULT_RESOLVE_INTERVAL_SECONDS, read_agents_file
+from gpuscaler.model.errors import ConfigError
 
 DEFAULT_GATEWAY_HISTORY = "2m"
 POD_DIRECTORY_KUBERNETES = "kubernetes"

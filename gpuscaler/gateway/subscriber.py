@@ -25,7 +25,7 @@ from gpuscaler.flags import Address
 from gpuscaler.gateway.decoding import SnapshotDecoder
 from gpuscaler.gateway.view import AgentRefused, ClusterView
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
-from gpuscaler.source import stale_after_for
+from gpuscaler.signals.source import stale_after_for
 
 log = structlog.get_logger(__name__)
 

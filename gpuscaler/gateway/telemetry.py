@@ -12,13 +12,13 @@ from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gpuscaler.energy import IdleEnergy
 from gpuscaler.gateway.idle_energy import WorkloadIdleEnergy
 from gpuscaler.gateway.subscriber import AgentSubscriber
 from gpuscaler.gateway.view import ClusterView
-from gpuscaler.pods import PodDirectory
-from gpuscaler.samples import GpuKey
-from gpuscaler.telemetry import ServerTelemetry
+from gpuscaler.model.pods import PodDirectory
+from gpuscaler.model.samples import GpuKey
+from gpuscaler.server.telemetry import ServerTelemetry
+from gpuscaler.signals.energy import IdleEnergy
 
 AGENT_STATES = ("heard", "silent", "unheard", "refused", "replaced")
 COMPOSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)

@@ -2,7 +2,7 @@
 
 Every node keeps its own ring buffer (windows are per GPU, so per node). On each agent update, after a
 short coalescing delay, the view composes one cluster ``Snapshot`` from the newest snapshot of every
-fresh node and announces it, which wakes the engine (push streams) within one agent tick. A timer
+fresh node and announces it, which wakes the evaluator (push streams) within one agent tick. A timer
 composes too, so that a node that stops sending is seen as silent after its staleness bound even when
 no other node sends anything. Freshness is judged on the gateway's own clock at arrival, because the
 agents' clocks are not ours.
@@ -25,9 +25,9 @@ from operator import attrgetter
 
 import structlog
 
-from gpuscaler.errors import Unavailable, Unsupported
-from gpuscaler.samples import Absence, Chained, GpuSample, Snapshot, WindowColumns, Windowed, WindowKey, uuids
-from gpuscaler.source import AnnouncedSource, stale_after_for, window_column
+from gpuscaler.model.errors import Unavailable, Unsupported
+from gpuscaler.model.samples import Absence, Chained, GpuSample, Snapshot, WindowColumns, Windowed, WindowKey, uuids
+from gpuscaler.signals.source import AnnouncedSource, stale_after_for, window_column
 
 log = structlog.get_logger(__name__)
 
@@ -322,7 +322,7 @@ class ClusterView(AnnouncedSource):
         self._latest = snapshot
         self._announcer.announce(snapshot)
         if self.on_compose is not None:
-            self.on_compose(time.perf_counter() - started)  # the engine's re-evaluation included
+            self.on_compose(time.perf_counter() - started)  # the evaluator's re-evaluation included
         return snapshot
 
     def _scan(self, now: float) -> tuple[list[Snapshot], tuple[Absence, ...]]:

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
-from gpuscaler.durations import format_duration
-from gpuscaler.energy import IdleEnergy
-from gpuscaler.engine import Engine
-from gpuscaler.errors import InvalidRequest, Unavailable
 from gpuscaler.generated.gpuscaler import v1 as pb
-from gpuscaler.samples import GpuKey, Snapshot, WindowKey, WindowValues
+from gpuscaler.model.durations import format_duration
+from gpuscaler.model.errors import InvalidRequest, Unavailable
+from gpuscaler.model.samples import GpuKey, Snapshot, WindowKey, WindowValues
 from gpuscaler.server.status import grpc_errors, status_for
-from gpuscaler.wire import explanation_to_wire, snapshot_to_wire, window_key_from_wire
+from gpuscaler.server.wire import explanation_to_wire, snapshot_to_wire, window_key_from_wire
+from gpuscaler.signals.energy import IdleEnergy
+from gpuscaler.signals.evaluator import Evaluator
 
 # A subscriber asks for the distinct windows its queries use: a handful. Far more is not a gateway.
 MAX_WINDOWS = 64
@@ -27,10 +27,10 @@ IdleEnergyOf = Callable[[Iterable[GpuKey], float | None], IdleEnergy | None]
 
 
 class AgentService(pb.AgentBase):
-    """The Agent service over an engine: the latest snapshot, a stream of them with the windows asked for, Explain."""
+    """The Agent service over an evaluator: the latest snapshot, streams with the windows asked for, Explain."""
 
-    def __init__(self, engine: Engine, idle_energy_of: IdleEnergyOf | None = None) -> None:
-        self._engine = engine
+    def __init__(self, evaluator: Evaluator, idle_energy_of: IdleEnergyOf | None = None) -> None:
+        self._evaluator = evaluator
         self._idle_energy_of = idle_energy_of or (lambda gpus, window_seconds: None)
         self._reduced: tuple[int, dict[WindowKey, WindowValues]] = (-1, {})
         self._bare: tuple[int, pb.Snapshot | None] = (-1, None)  # the last snapshot's message without windows
@@ -47,7 +47,9 @@ class AgentService(pb.AgentBase):
         return self._to_wire(snapshot, {window: self._reduce(snapshot, window) for window in windows})
 
     def _to_wire(self, snapshot: Snapshot, windows: dict[WindowKey, WindowValues]) -> pb.Snapshot:
-        return snapshot_to_wire(snapshot, poll_interval_seconds=self._engine.source.interval_seconds, windows=windows)
+        return snapshot_to_wire(
+            snapshot, poll_interval_seconds=self._evaluator.source.interval_seconds, windows=windows
+        )
 
     def _reduce(self, snapshot: Snapshot, window: WindowKey) -> WindowValues:
         """``window`` for every GPU of ``snapshot``, once per snapshot whoever asks."""
@@ -55,7 +57,7 @@ class AgentService(pb.AgentBase):
             self._reduced = (snapshot.sequence, {})
         done = self._reduced[1].get(window)
         if done is None:
-            source = self._engine.source
+            source = self._evaluator.source
             if window.seconds > source.history_seconds:
                 done = WindowValues(
                     {},
@@ -69,7 +71,7 @@ class AgentService(pb.AgentBase):
 
     async def get_snapshot(self, message: pb.GetSnapshotRequest) -> pb.Snapshot:
         async with grpc_errors("GetSnapshot"):
-            latest = self._engine.source.latest
+            latest = self._evaluator.source.latest
             if latest is None:
                 raise Unavailable("no sample yet: the agent has not finished its first poll")
         return self._wire(latest)
@@ -84,20 +86,20 @@ class AgentService(pb.AgentBase):
                 raise InvalidRequest(str(error)) from None
         sequence = 0
         while True:
-            snapshot = await self._engine.source.wait_newer(sequence)
-            if self._engine.closing:
+            snapshot = await self._evaluator.source.wait_newer(sequence)
+            if self._evaluator.closing:
                 return  # ends the stream with OK; the gateway reconnects
             sequence = snapshot.sequence
             yield self._wire(snapshot, windows)
 
     async def explain(self, message: pb.ExplainRequest) -> pb.Explanation:
         async with grpc_errors("Explain"):
-            query = self._engine.parse(message.scaler_metadata, message.namespace, message.name)
-            await self._engine.prepare(query)
-        evaluation = self._engine.evaluate(query.value)
-        active = evaluation.value is not None and self._engine.is_active(query)
+            query = self._evaluator.parse(message.scaler_metadata, message.namespace, message.name)
+            await self._evaluator.prepare(query)
+        evaluation = self._evaluator.evaluate(query.value)
+        active = evaluation.value is not None and self._evaluator.is_active(query)
         code = status_for(evaluation.error).name if evaluation.error is not None else ""
         idle = self._idle_energy_of(evaluation.gpu_keys(), query.value.window_seconds)
         return explanation_to_wire(
-            query, evaluation, active=active, now=self._engine.now(), error_code=code, idle_energy=idle
+            query, evaluation, active=active, now=self._evaluator.now(), error_code=code, idle_energy=idle
         )

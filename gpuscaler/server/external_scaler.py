@@ -1,4 +1,4 @@
-"""KEDA's ExternalScaler service (``protos/externalscaler.proto``), answered from the engine.
+"""KEDA's ExternalScaler service (``protos/externalscaler.proto``), answered from the evaluator.
 
 betterproto2 names handlers in snake_case (``get_metrics`` serves ``GetMetrics``); the wire names are KEDA's.
 """
@@ -10,8 +10,6 @@ from collections.abc import AsyncIterator
 
 import structlog
 
-from gpuscaler.engine import Engine
-from gpuscaler.errors import InvalidMetadata, UnknownMetricName
 from gpuscaler.generated.externalscaler import (
     ExternalScalerBase,
     GetMetricSpecResponse,
@@ -22,8 +20,10 @@ from gpuscaler.generated.externalscaler import (
     MetricValue,
     ScaledObjectRef,
 )
-from gpuscaler.query import Query
+from gpuscaler.model.errors import InvalidMetadata, UnknownMetricName
+from gpuscaler.query.query import Query
 from gpuscaler.server.status import grpc_errors
+from gpuscaler.signals.evaluator import Evaluator
 
 log = structlog.get_logger(__name__)
 
@@ -41,21 +41,21 @@ def round_half_up(value: float) -> int:
 class ExternalScalerService(ExternalScalerBase):
     """KEDA's four calls. Requests are only read: calls with the same request bytes share one message."""
 
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
+    def __init__(self, evaluator: Evaluator) -> None:
+        self._evaluator = evaluator
         self.open_streams = 0
         self._responses: dict[tuple[str, str], GetMetricsResponse] = {}
 
     def _query(self, ref: ScaledObjectRef | None) -> Query:
         if ref is None:
             raise InvalidMetadata("scaledObjectRef is missing; KEDA always sends it, so is this client KEDA?")
-        return self._engine.parse(ref.scaler_metadata, ref.namespace, ref.name)
+        return self._evaluator.parse(ref.scaler_metadata, ref.namespace, ref.name)
 
     async def is_active(self, message: ScaledObjectRef) -> IsActiveResponse:
         async with grpc_errors("IsActive"):
             query = self._query(message)
-            await self._engine.prepare(query)
-            return IsActiveResponse(result=self._engine.is_active(query))
+            await self._evaluator.prepare(query)
+            return IsActiveResponse(result=self._evaluator.is_active(query))
 
     async def get_metric_spec(self, message: ScaledObjectRef) -> GetMetricSpecResponse:
         async with grpc_errors("GetMetricSpec"):
@@ -75,8 +75,8 @@ class ExternalScalerService(ExternalScalerBase):
                     f"metricName {message.metric_name!r} is not this trigger's metric; "
                     f"GetMetricSpec named it {query.metric_name!r}"
                 )
-            await self._engine.prepare(query)
-            value = self._engine.value(query)
+            await self._evaluator.prepare(query)
+            value = self._evaluator.value(query)
         return self._metrics_response(query.metric_name, value)
 
     def _metrics_response(self, metric_name: str, value: float) -> GetMetricsResponse:
@@ -95,8 +95,8 @@ class ExternalScalerService(ExternalScalerBase):
     async def stream_is_active(self, message: ScaledObjectRef) -> AsyncIterator[IsActiveResponse]:
         async with grpc_errors("StreamIsActive"):
             query = self._query(message)
-            await self._engine.prepare(query)
-            refusal = self._engine.evaluate(query.value).error
+            await self._evaluator.prepare(query)
+            refusal = self._evaluator.evaluate(query.value).error
             if isinstance(refusal, InvalidMetadata):
                 raise refusal  # a GPU the node lacks: refuse it as IsActive does, not with a silent stream
         scaled_object = f"{message.namespace}/{message.name}"
@@ -104,10 +104,10 @@ class ExternalScalerService(ExternalScalerBase):
         log.info("stream_opened", scaled_object=scaled_object, metric_name=query.metric_name)
         reason = "client_gone"
         try:
-            with self._engine.subscribe(query) as subscription:
+            with self._evaluator.subscribe(query) as subscription:
                 sent: bool | None = None
                 while True:
-                    if self._engine.closing:
+                    if self._evaluator.closing:
                         reason = "shutdown"
                         return
                     active = subscription.active

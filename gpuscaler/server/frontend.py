@@ -1,7 +1,7 @@
 """The front both processes compose: the gRPC server, health, TLS that follows its files, /metrics, the drain.
 
 An agent and a gateway differ in where their snapshots come from; what they show KEDA is the same:
-ExternalScaler, the Agent API and gRPC health on one listener, health that follows ``engine.healthy()``,
+ExternalScaler, the Agent API and gRPC health on one listener, health that follows ``evaluator.healthy()``,
 per-RPC accounting, /metrics and /healthz on another, and KEDA's protocol for a clean stop. The drain:
 NOT_SERVING first, then every push stream ends with status OK (KEDA reconnects after 2 s, not after a
 backoff of up to 60 s), calls in flight finish, and only then does the server close; all within
@@ -22,16 +22,16 @@ from typing import Any
 import structlog
 from grpclib.health.check import ServiceStatus
 
-from gpuscaler.engine import Engine
-from gpuscaler.errors import ConfigError, StartupError
-from gpuscaler.exposition import MetricsServer
 from gpuscaler.flags import ServerFlags
+from gpuscaler.model.errors import ConfigError, StartupError
 from gpuscaler.server.agent_api import AgentService
+from gpuscaler.server.exposition import MetricsServer
 from gpuscaler.server.external_scaler import ExternalScalerService
 from gpuscaler.server.grpc_server import ManyStreamsServer
 from gpuscaler.server.health import HealthService, service_names
 from gpuscaler.server.rpc_tracking import RpcTracker
-from gpuscaler.telemetry import ServerTelemetry
+from gpuscaler.server.telemetry import ServerTelemetry
+from gpuscaler.signals.evaluator import Evaluator
 from gpuscaler.tls import ReloadingServerTLS
 
 log = structlog.get_logger(__name__)
@@ -41,10 +41,10 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 @dataclass
 class Frontend:
-    """A listening server over one engine; ``stop()`` drains it."""
+    """A listening server over one evaluator; ``stop()`` drains it."""
 
     flags: ServerFlags
-    engine: Engine
+    evaluator: Evaluator
     server: ManyStreamsServer
     scaler: ExternalScalerService
     tracker: RpcTracker
@@ -59,36 +59,36 @@ class Frontend:
     async def start(
         cls,
         flags: ServerFlags,
-        engine: Engine,
+        evaluator: Evaluator,
         telemetry: ServerTelemetry,
         *,
         health_every_seconds: float,
         extra_services: Sequence[Any] = (),
     ) -> Frontend:
-        """Listen, with health as the engine says now. ConfigError: bad TLS files; StartupError: a port in use."""
+        """Listen, with health as the evaluator says now. ConfigError: bad TLS files; StartupError: a port in use."""
         tls = (
             ReloadingServerTLS(flags.tls_cert, flags.tls_key, flags.tls_client_ca)
             if flags.tls_cert and flags.tls_key
             else None
         )
-        scaler = ExternalScalerService(engine)
+        scaler = ExternalScalerService(evaluator)
         health = ServiceStatus()
-        health.set(engine.healthy())
-        services: list[Any] = [scaler, AgentService(engine, telemetry.idle_energy_of), *extra_services]
+        health.set(evaluator.healthy())
+        services: list[Any] = [scaler, AgentService(evaluator, telemetry.idle_energy_of), *extra_services]
         services.append(HealthService(health, service_names([scaler])))
         server = ManyStreamsServer(services, flags.limits, tls=tls.context if tls else None)
         tracker = RpcTracker()
         tracker.attach(server, services)
         tracker.add_observers(telemetry.observe_rpc_started, telemetry.observe_rpc)
         server.on_expired.append(tracker.count_expired)
-        telemetry.watch(engine)
+        telemetry.watch(evaluator)
         telemetry.watch_transport(server)
         try:
             # TLS, when on, is not the listener's: the protocol does each handshake with the context of then.
             await server.start(flags.listen.host, flags.listen.port, reuse_address=True)
         except OSError as error:
             raise StartupError(f"--listen {flags.listen}: cannot listen: {error.strerror}") from None
-        front = cls(flags, engine, server, scaler, tracker, health, tls, None, _bound_port(server))
+        front = cls(flags, evaluator, server, scaler, tracker, health, tls, None, _bound_port(server))
         if flags.metrics_listen is not None:
             metrics = MetricsServer(telemetry.registry, flags.metrics_listen, healthy=lambda: front.serving)
             try:
@@ -99,7 +99,7 @@ class Frontend:
                 raise
             front.metrics = metrics
         front._health_task = run_in_background(
-            follow_health(engine, health, every_seconds=health_every_seconds), name="health"
+            follow_health(evaluator, health, every_seconds=health_every_seconds), name="health"
         )
         front._tasks.append(front._health_task)
         if tls is not None:
@@ -120,7 +120,7 @@ class Frontend:
         if self._health_task is not None:
             self._health_task.cancel()  # it would turn health back on while we drain
         self.health.set(False)
-        self.engine.close_streams()
+        self.evaluator.close_streams()
         drain_seconds = self.flags.drain_timeout_seconds
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(drain_seconds * 0.8):
@@ -136,11 +136,11 @@ class Frontend:
             await self.metrics.stop()
 
 
-async def follow_health(engine: Engine, health: ServiceStatus, *, every_seconds: float) -> None:
-    """Keep ``health`` at ``engine.healthy()``, so it turns NOT_SERVING even when samples stop coming."""
+async def follow_health(evaluator: Evaluator, health: ServiceStatus, *, every_seconds: float) -> None:
+    """Keep ``health`` at ``evaluator.healthy()``, so it turns NOT_SERVING even when samples stop coming."""
     previous: bool | None = health.__status__()
     while True:
-        healthy = engine.healthy()
+        healthy = evaluator.healthy()
         if healthy != previous:
             (log.info if healthy else log.warning)("health_changed", serving=healthy)
             previous = healthy

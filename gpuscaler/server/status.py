@@ -12,7 +12,7 @@ import structlog
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
-from gpuscaler.errors import (
+from gpuscaler.model.errors import (
     GpuscalerError,
     InvalidMetadata,
     InvalidRequest,

@@ -10,8 +10,8 @@ import jsonschema  # type: ignore[import-untyped]  # no stubs in the dev depende
 import pytest
 import yaml
 
-from gpuscaler.metadata import Limits, parse_metadata
-from gpuscaler.profiles import PROFILES
+from gpuscaler.query.metadata import Limits, parse_metadata
+from gpuscaler.query.profiles import PROFILES
 from tests.chart.rendering import (
     CHART,
     CI_VALUES,

@@ -14,9 +14,9 @@ from grpclib.exceptions import GRPCError
 from grpclib.health.v1.health_grpc import HealthStub
 from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
+from gpuscaler.agent.collectors.scenario import parse_scenario
+from gpuscaler.agent.settings import SERVE_FLAGS, env_name, settings_from_args
 from gpuscaler.cli import build_parser
-from gpuscaler.collectors.scenario import parse_scenario
-from gpuscaler.settings import SERVE_FLAGS, env_name, settings_from_args
 from tests.chart.rendering import (
     CHART,
     CI_VALUES,
@@ -439,7 +439,7 @@ def test_each_serve_setting_is_settable_from_values(helm: Helm, assignment: str,
 
 
 def test_the_chart_covers_every_flag_the_agent_has(helm: Helm) -> None:
-    """Every flag in gpuscaler.settings.SERVE_FLAGS can be set from values, and the chart sets no unknown one."""
+    """Every flag in gpuscaler.agent.settings.SERVE_FLAGS can be set from values, and the chart sets no unknown one."""
     settable = {variable for _, variable, _ in SETTABLE} | {"GPUSCALER_FAKE_SCENARIO"}
     assert {env_name(flag) for flag in SERVE_FLAGS} <= settable
     rendered: set[str] = set()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from gpuscaler.gpu_metrics import (
+from gpuscaler.model.gpu_metrics import (
     GPM_ANY_TENSOR_UTIL,
     GPM_DRAM_BW_UTIL,
     GPM_GRAPHICS_UTIL,

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from gpuscaler.agent import Agent
+from gpuscaler.agent.collectors.fake import FakeCollector
+from gpuscaler.agent.process import Agent
 from gpuscaler.cli import build_parser
-from gpuscaler.collectors.fake import FakeCollector
 from gpuscaler.gateway.process import Gateway
 from gpuscaler.gateway.settings import GatewaySettings, gateway_settings_from_args
-from gpuscaler.gpu_metrics import Metric
-from gpuscaler.pods import PodDirectory
+from gpuscaler.model.gpu_metrics import Metric
+from gpuscaler.model.pods import PodDirectory
 from tests.conftest import serve_settings
 from tests.fakes.fake_kubelet import FakeKubelet, short_socket_path
 

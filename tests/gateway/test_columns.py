@@ -8,17 +8,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpuscaler.aggregation import WindowFunction
-from gpuscaler.engine import Engine
-from gpuscaler.errors import GpuscalerError
-from gpuscaler.evaluation import Contribution, Evaluation, evaluate
+from gpuscaler.agent.history import History
 from gpuscaler.gateway.decoding import SnapshotDecoder
 from gpuscaler.gateway.view import ClusterView
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
-from gpuscaler.gpu_metrics import READING_FIELDS, Metric
-from gpuscaler.history import History
-from gpuscaler.metadata import Limits, parse_metadata
-from gpuscaler.samples import (
+from gpuscaler.model.aggregation import WindowFunction
+from gpuscaler.model.errors import GpuscalerError
+from gpuscaler.model.gpu_metrics import READING_FIELDS, Metric
+from gpuscaler.model.samples import (
     GpuSample,
     LazySamples,
     PodRef,
@@ -30,7 +27,10 @@ from gpuscaler.samples import (
     metric_column,
     uuids,
 )
-from gpuscaler.wire import explained_gpus, snapshot_to_wire
+from gpuscaler.query.metadata import Limits, parse_metadata
+from gpuscaler.server.wire import explained_gpus, snapshot_to_wire
+from gpuscaler.signals.evaluation import Contribution, Evaluation, evaluate
+from gpuscaler.signals.evaluator import Evaluator
 from tests.builders import ClusterSource, cluster, failed_sample, gpu_sample, history_of, snapshot
 from tests.gateway.test_view import Clock
 
@@ -152,7 +152,7 @@ async def test_a_gateway_answers_from_columns_what_it_answers_from_records(agent
     rng = random.Random(11)
     clock = Clock()
     view = ClusterView(history_seconds=600, compose_interval_seconds=1.0, clock=clock)
-    engine = Engine(view, clock=clock, cluster=True)
+    evaluator = Evaluator(view, clock=clock, cluster=True)
     names = [f"node-{n:02d}" for n in range(12)]
     view.set_agents(names)
     histories = {name: history_of(node(name, 1, rng), poll_interval_seconds=1.0) for name in names}
@@ -171,9 +171,9 @@ async def test_a_gateway_answers_from_columns_what_it_answers_from_records(agent
         fresh = NewestOnly(cluster(*records, at=clock.now), *histories.values())
         for metadata in QUERIES:
             query = parse_metadata(metadata, LIMITS).value
-            answer = engine.evaluate(query)
+            answer = evaluator.evaluate(query)
             assert answer.snapshot is composed
-            expected = evaluate(query, fresh, now=clock.now, stale_after=engine.stale_after)
+            expected = evaluate(query, fresh, now=clock.now, stale_after=evaluator.stale_after)
             assert outcome(answer) == outcome(expected), metadata
             assert (len(answer.contributions), answer.nodes) == (len(expected.contributions), expected.nodes)
             assert list(answer.gpu_keys()) == list(expected.gpu_keys())

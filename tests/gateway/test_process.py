@@ -308,7 +308,7 @@ async def test_gpuscaler_query_explains_a_pod_query_in_the_namespace_it_asks_for
     start_node: StartNode, start_gateway: StartGateway
 ) -> None:
     """`gpuscaler query pod=...` sends the same namespace to Explain as to KEDA's calls, so both agree."""
-    from gpuscaler.report import collect
+    from gpuscaler.client.explain import collect
 
     a = await start_node("node-a")
     a.kubelet.assign([Assignment("default", "web-1", (a.uuid(0),))])

@@ -8,8 +8,8 @@ import pytest
 from grpclib.client import Channel
 
 from gpuscaler.cli import main
+from gpuscaler.client.explain import collect, selection_line
 from gpuscaler.generated import externalscaler as keda
-from gpuscaler.report import collect, selection_line
 from tests.fakes.fake_kubelet import Assignment
 from tests.gateway.conftest import StartGateway, StartNode
 from tests.gateway.test_process import view_has

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from gpuscaler.cli import build_parser, main
-from gpuscaler.errors import ConfigError
 from gpuscaler.flags import ENV_PREFIX, Address
 from gpuscaler.gateway.discovery import read_agents_file
 from gpuscaler.gateway.settings import GATEWAY_FLAGS, GatewaySettings, gateway_settings_from_args
+from gpuscaler.model.errors import ConfigError
 
 
 def settings(*flags: str, environ: dict[str, str] | None = None) -> GatewaySettings:

@@ -15,12 +15,12 @@ from grpclib.exceptions import GRPCError
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from gpuscaler.agent import Agent
-from gpuscaler.attribution.processes import ProcReader
-from gpuscaler.collectors.nvml import NvmlCollector
+from gpuscaler.agent.attribution.processes import ProcReader
+from gpuscaler.agent.collectors.nvml import NvmlCollector
+from gpuscaler.agent.process import Agent
+from gpuscaler.client.explain import collect, idle_energy_line
 from gpuscaler.gateway.process import Gateway
 from gpuscaler.generated.gpuscaler import v1 as pb
-from gpuscaler.report import collect, idle_energy_line
 from tests.conftest import serve_settings
 from tests.fakes.fake_kubelet import Assignment, FakeKubelet, short_socket_path
 from tests.fakes.fake_nvml import FakeDevice, FakeNvml, FakeProcess

@@ -8,11 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from gpuscaler.aggregation import WindowFunction
-from gpuscaler.errors import Unavailable, Unsupported
 from gpuscaler.gateway.view import MAX_WINDOWS, WINDOW_IDLE_SECONDS, AgentRefused, ClusterView
-from gpuscaler.gpu_metrics import Metric
-from gpuscaler.samples import Windowed, WindowKey, WindowValues
+from gpuscaler.model.aggregation import WindowFunction
+from gpuscaler.model.errors import Unavailable, Unsupported
+from gpuscaler.model.gpu_metrics import Metric
+from gpuscaler.model.samples import Windowed, WindowKey, WindowValues
 from tests.builders import gpu_sample, snapshot
 
 

@@ -14,7 +14,7 @@ import jsonschema  # type: ignore[import-untyped]  # no stubs in the dev depende
 import pytest
 import yaml
 
-from gpuscaler.collectors.scenario import load_scenario
+from gpuscaler.agent.collectors.scenario import load_scenario
 from tests.chart import chart_tools
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -173,7 +173,7 @@ def _dev_mount(spec: dict[str, Any]) -> str:
 
 def test_the_gateway_reads_the_dev_pod_directory() -> None:
     """The gateway's --pod-directory is dev/pods.yaml through its mount, a file the gateway's own parser accepts."""
-    from gpuscaler.gateway.pod_directory import parse_static_file
+    from gpuscaler.gateway.directory.pod_file import parse_static_file
 
     gateway = SERVICES[KEDA_ENDPOINT]
     path = Path(flag(gateway["command"], "--pod-directory"))

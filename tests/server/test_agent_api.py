@@ -9,12 +9,12 @@ from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
-from gpuscaler.agent import Agent
-from gpuscaler.collectors.fake import Failure, FakeCollector
+from gpuscaler.agent.collectors.fake import Failure, FakeCollector
+from gpuscaler.agent.process import Agent
 from gpuscaler.gateway.decoding import SnapshotDecoder
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
-from gpuscaler.gpu_metrics import Metric
+from gpuscaler.model.gpu_metrics import Metric
 from gpuscaler.server.agent_api import AgentService
 from tests.server.test_external_scaler import next_tick
 
@@ -140,7 +140,7 @@ async def test_explain_reports_the_error_keda_would_get(agent: Agent, channel: C
 
 async def test_every_getsnapshot_of_one_tick_gets_one_message_encoded_once(agent: Agent, channel: Channel) -> None:
     """A flood of GetSnapshot costs one message and one encoding per tick, not one per call."""
-    service = AgentService(agent.engine)
+    service = AgentService(agent.evaluator)
     await next_tick(agent)
     first = await service.get_snapshot(pb.GetSnapshotRequest())
     assert await service.get_snapshot(pb.GetSnapshotRequest()) is first  # no tick between: nothing awaited

@@ -25,7 +25,7 @@ import structlog
 from grpclib.client import Channel
 
 import gpuscaler.server.grpc_server as grpc_server
-from gpuscaler.agent import Agent
+from gpuscaler.agent.process import Agent
 from gpuscaler.flags import DEFAULT_LIMITS, ConnectionLimits
 from gpuscaler.generated.externalscaler import ExternalScalerStub, ScaledObjectRef
 from gpuscaler.server.connection_limits import BURST_SECONDS, CALL_RESERVE, ConnectionGuard, TokenBucket

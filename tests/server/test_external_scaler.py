@@ -12,10 +12,10 @@ from grpclib.exceptions import GRPCError
 from grpclib.health.v1.health_grpc import HealthStub
 from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
-from gpuscaler.agent import Agent
-from gpuscaler.collectors.fake import Failure, FakeCollector
+from gpuscaler.agent.collectors.fake import Failure, FakeCollector
+from gpuscaler.agent.process import Agent
 from gpuscaler.generated.externalscaler import ExternalScalerStub, GetMetricsRequest, ScaledObjectRef
-from gpuscaler.gpu_metrics import Metric
+from gpuscaler.model.gpu_metrics import Metric
 from gpuscaler.server.grpc_server import MAX_RECEIVE_MESSAGE_BYTES
 from tests.conftest import StartAgent
 from tests.waiting import until, until_result
@@ -34,8 +34,8 @@ def fake(agent: Agent) -> FakeCollector:
 
 async def next_tick(agent: Agent) -> None:
     """Wait for a snapshot whose reads began after now, so it holds every change made before the call."""
-    now = agent.engine.now()
-    history = agent.engine.source
+    now = agent.evaluator.now()
+    history = agent.evaluator.source
     while True:
         latest = history.latest
         assert latest is not None

@@ -6,7 +6,7 @@ import urllib.parse
 
 import pytest
 
-from gpuscaler.errors import InvalidMetadata, Unavailable, UnknownMetricName, Unsupported
+from gpuscaler.model.errors import InvalidMetadata, Unavailable, UnknownMetricName, Unsupported
 from gpuscaler.server.status import MAX_MESSAGE_BYTES, shorten, status_for
 
 # What grpc-message keeps as is (RFC 3986 unreserved is not the rule: gRPC keeps printable ASCII but '%').

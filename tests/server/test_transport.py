@@ -17,8 +17,8 @@ import pytest
 from grpclib.client import Channel
 
 import gpuscaler.server.grpc_server as grpc_server
-from gpuscaler.agent import Agent
-from gpuscaler.collectors.fake import FakeCollector
+from gpuscaler.agent.collectors.fake import FakeCollector
+from gpuscaler.agent.process import Agent
 from gpuscaler.flags import DEFAULT_LIMITS
 from gpuscaler.generated.externalscaler import (
     ExternalScalerStub,
@@ -27,7 +27,7 @@ from gpuscaler.generated.externalscaler import (
     MetricValue,
     ScaledObjectRef,
 )
-from gpuscaler.gpu_metrics import Metric
+from gpuscaler.model.gpu_metrics import Metric
 from gpuscaler.server.grpc_server import _H2Connection
 from tests.conftest import StartAgent
 from tests.waiting import until, until_result

@@ -1,0 +1,441 @@
+"""The NVML collector: nvidia-ml-py calls, with each NVML error kept beside the value it cost.
+
+The ``pynvml`` module is injected, so tests drive this class with a hand-written fake NVML.
+Error details name the call and the device, the way dcgm-exporter does:
+``nvmlDeviceGetUtilizationRates(gpu 3): GPU is lost``.
+
+GPM metrics (Hopper and newer) are rates between two GPM samples, so the collector keeps each device's
+previous sample (``gpm.py``): the first tick has none and reads them as absent, never 0. Per-process
+utilisation and memory (``--processes``) are read per device and tied to pods through ``/proc``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gpuscaler.agent.attribution.processes import ProcReader
+from gpuscaler.agent.collectors.base import CollectorUnavailable
+from gpuscaler.agent.collectors.gpm import GPM_FIELDS, GRAPHICS_PERCENT, GpmReader
+from gpuscaler.model.samples import (
+    DEVICE_FIELD,
+    PROCESSES_FIELD,
+    GpuIdentity,
+    GpuSample,
+    ProcessUsage,
+    ReadError,
+    ReadErrorKind,
+)
+
+# NVML return codes (nvml.h); named here so a fake module needs only NVMLError with `.value`.
+NOT_SUPPORTED = 3
+NO_PERMISSION = 4
+DRIVER_NOT_LOADED = 9
+TIMEOUT = 10
+LIBRARY_NOT_FOUND = 12
+FUNCTION_NOT_FOUND = 13
+GPU_IS_LOST = 15
+RESET_REQUIRED = 16
+GPU_NOT_FOUND = 28
+NOT_FOUND = 6
+
+_DEVICE_GONE = {GPU_IS_LOST, RESET_REQUIRED, GPU_NOT_FOUND}
+_TEMPERATURE_GPU = 0  # NVML_TEMPERATURE_GPU
+_MEMORY_V2 = 0x02000028  # nvmlMemory_v2: `used` matches nvidia-smi (excludes reserved memory)
+
+CallObserver = Callable[[str, float, "int | None"], None]  # NVML function, seconds, error code or None
+
+START_HINT = (
+    "run the agent with the NVIDIA container runtime (the chart's agent.runtimeClassName: nvidia), or mount the "
+    "driver with the chart's agent.nvmlHostMounts.enabled=true, or use --collector fake for development"
+)
+
+
+# NVML keeps per-process utilisation samples at the driver's sample period (1/6 s to 1 s); asking for the
+# newest sample of the last two seconds finds one for every process that ran, whatever the poll interval.
+PROCESS_LOOKBACK_SECONDS = 2.0
+
+
+class NvmlCollector:
+    """Samples every GPU (and every MIG instance) that NVML enumerates.
+
+    ``processes`` turns on per-process reads, with ``/proc`` read through it (a ProcReader; tests point
+    one at a fixture tree). ``wall_clock`` is the clock NVML's per-process timestamps count in.
+    """
+
+    def __init__(
+        self,
+        *,
+        node: str,
+        nvml: object | None = None,
+        on_call: CallObserver | None = None,
+        processes: ProcReader | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        if nvml is None:
+            import pynvml
+
+            nvml = pynvml
+        self._nvml: Any = nvml
+        self._node = node
+        self._handles: dict[str, Any] = {}
+        self._parents: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self.on_call = on_call
+        self._gpm = GpmReader(self._nvml)
+        self._processes = processes
+        self._wall_clock = wall_clock
+
+    @property
+    def node(self) -> str:
+        return self._node
+
+    def open(self) -> None:
+        try:
+            self._nvml.nvmlInit()
+        except self._nvml.NVMLError as error:
+            raise CollectorUnavailable(f"NVML is not available ({_describe(error)}): {START_HINT}") from None
+
+    def close(self) -> None:
+        self._gpm.close()  # frees every GPM sample NVML allocated for us, before NVML goes
+        with contextlib.suppress(self._nvml.NVMLError):  # shutting down anyway; nothing a caller could do
+            self._nvml.nvmlShutdown()
+
+    def discover(self) -> Sequence[GpuIdentity]:
+        try:
+            return self._discover()
+        except self._nvml.NVMLError as error:
+            raise CollectorUnavailable(f"NVML could not list the GPUs ({_describe(error)}): {START_HINT}") from None
+
+    def _discover(self) -> Sequence[GpuIdentity]:
+        nvml = self._nvml
+        devices: list[GpuIdentity] = []
+        handles: dict[str, Any] = {}
+        parents: dict[str, Any] = {}
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+            name = _text(nvml.nvmlDeviceGetName(handle))
+            instances = self._mig_instances(handle)
+            if instances is None:
+                devices.append(GpuIdentity(index=index, uuid=uuid, name=name))
+                handles[uuid] = handle
+                continue
+            for mig_handle in instances:
+                mig_uuid = _text(nvml.nvmlDeviceGetUUID(mig_handle))
+                mig_name = _text(nvml.nvmlDeviceGetName(mig_handle))
+                devices.append(GpuIdentity(index=index, uuid=mig_uuid, name=mig_name, mig_parent_uuid=uuid))
+                handles[mig_uuid] = mig_handle
+                parents[mig_uuid] = handle
+        with self._lock:
+            self._handles, self._parents = handles, parents
+        self._gpm.keep_only(set(handles))  # a device that went (a MIG change) gives back its GPM samples
+        return devices
+
+    def _mig_instances(self, handle: Any) -> list[Any] | None:
+        """The MIG instance handles of a MIG-enabled GPU, or None when MIG is off or unsupported."""
+        nvml = self._nvml
+        try:
+            current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+        except nvml.NVMLError as error:
+            if error.value in (NOT_SUPPORTED, FUNCTION_NOT_FOUND):
+                return None
+            raise
+        if current != 1:  # NVML_DEVICE_MIG_ENABLE
+            return None
+        instances = []
+        for slot in range(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+            try:
+                instances.append(nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot))
+            except nvml.NVMLError as error:
+                if error.value == 6:  # NOT_FOUND: an empty slot; later slots may be filled
+                    continue
+                raise
+        return instances
+
+    def read(self, gpu: GpuIdentity) -> GpuSample:
+        nvml = self._nvml
+        handle = self._handle(gpu)
+        if isinstance(handle, ReadError):
+            return GpuSample(gpu=gpu, node=self._node, errors=(handle,))
+        reader = _FieldReader(nvml, gpu, self.on_call)
+        is_mig = gpu.mig_parent_uuid is not None
+        physical = self._parents.get(gpu.uuid, handle) if is_mig else handle
+
+        utilization = reader.call(
+            ("gpu_utilization_percent", "memory_utilization_percent"),
+            "nvmlDeviceGetUtilizationRates",
+            lambda: nvml.nvmlDeviceGetUtilizationRates(handle),
+        )
+        memory = reader.call(
+            ("memory_used_bytes", "memory_total_bytes"),
+            "nvmlDeviceGetMemoryInfo",
+            lambda: _memory_info(nvml, handle),
+        )
+        temperature = reader.call(
+            ("temperature_celsius",), "nvmlDeviceGetTemperatureV", lambda: _temperature(nvml, physical)
+        )
+        if is_mig:
+            # The board's power is shared by every instance; summing it per instance would multiply it.
+            reader.absent(
+                ("power_draw_watts", "power_limit_watts"),
+                ReadErrorKind.NOT_SUPPORTED,
+                "power is measured per physical GPU, not per MIG instance",
+            )
+            power_mw = limit_mw = None
+        else:
+            power_mw = reader.call(
+                ("power_draw_watts",), "nvmlDeviceGetPowerUsage", lambda: nvml.nvmlDeviceGetPowerUsage(handle)
+            )
+            limit_mw = reader.call(
+                ("power_limit_watts",),
+                "nvmlDeviceGetEnforcedPowerLimit",
+                lambda: nvml.nvmlDeviceGetEnforcedPowerLimit(handle),
+            )
+        if is_mig:
+            reader.absent(
+                ("energy_joules",),
+                ReadErrorKind.NOT_SUPPORTED,
+                "energy is counted per physical GPU, not per MIG instance",
+            )
+            energy_mj = None
+        else:
+            energy_mj = reader.call(
+                ("energy_joules",),
+                "nvmlDeviceGetTotalEnergyConsumption",
+                lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(handle),
+            )
+        if reader.device_gone:  # asking a lost GPU for more would only repeat NVML's answer
+            reader.absent(GPM_FIELDS, ReadErrorKind.GPU_LOST, f"{_where(gpu)} was lost during this read")
+            gpm: dict[str, float] = {}
+        else:
+            gpm = self._gpm.read(gpu, handle, physical, reader)
+        if is_mig and utilization is None and gpm.get(GRAPHICS_PERCENT) is not None:
+            # NVML has no utilisation per MIG instance; GPM's graphics activity is the same duty cycle, per
+            # instance. Keep NVML's refusal out of the errors: the value is there.
+            reader.errors = [e for e in reader.errors if e.field != "gpu_utilization_percent"]
+            gpu_percent: float | None = gpm[GRAPHICS_PERCENT]
+        else:
+            gpu_percent = None if utilization is None else float(utilization.gpu)
+        processes = self._read_processes(gpu, handle, reader) if not reader.device_gone else None
+        if reader.device_gone:
+            self._forget(gpu)
+        return GpuSample(
+            gpu=gpu,
+            node=self._node,
+            gpu_utilization_percent=gpu_percent,
+            memory_utilization_percent=None if utilization is None else float(utilization.memory),
+            memory_used_bytes=None if memory is None else int(memory.used),
+            memory_total_bytes=None if memory is None else int(memory.total),
+            temperature_celsius=None if temperature is None else float(temperature),
+            power_draw_watts=None if power_mw is None else power_mw / 1000.0,
+            power_limit_watts=None if limit_mw is None else limit_mw / 1000.0,
+            sm_active_percent=gpm.get("sm_active_percent"),
+            sm_occupancy_percent=gpm.get("sm_occupancy_percent"),
+            tensor_active_percent=gpm.get("tensor_active_percent"),
+            dram_bandwidth_percent=gpm.get("dram_bandwidth_percent"),
+            energy_joules=None if energy_mj is None else energy_mj / 1000.0,
+            errors=tuple(reader.errors),
+            processes=processes,
+        )
+
+    def _read_processes(self, gpu: GpuIdentity, handle: Any, reader: _FieldReader) -> tuple[ProcessUsage, ...] | None:
+        """Every compute process on the device with its utilisation, memory and pod; None when off or unreadable."""
+        if self._processes is None:
+            return None
+        nvml = self._nvml
+        running = reader.call(
+            (PROCESSES_FIELD,),
+            "nvmlDeviceGetComputeRunningProcesses",
+            lambda: nvml.nvmlDeviceGetComputeRunningProcesses(handle),
+        )
+        if running is None:
+            return None
+        since = int((self._wall_clock() - PROCESS_LOOKBACK_SECONDS) * 1_000_000)
+        utilization = _process_utilization(nvml, handle, since, reader)
+        memory = {int(p.pid): p.usedGpuMemory for p in running}
+        pids = sorted(set(memory) | (set(utilization) if utilization is not None else set()))
+        usages = []
+        visible = 0
+        for pid in pids:
+            container = self._processes.container(pid)
+            visible += container is not None
+            sm, mem = (None, None) if utilization is None else utilization.get(pid, (0.0, 0.0))
+            used = memory.get(pid)
+            usages.append(
+                ProcessUsage(
+                    pid=pid,
+                    pod_uid=None if container is None else container.pod_uid,
+                    container_id=None if container is None or not container.container_id else container.container_id,
+                    sm_percent=sm,
+                    memory_utilization_percent=mem,
+                    memory_used_bytes=None if used is None else int(used),
+                )
+            )
+        if pids and not visible:
+            # NVML's PIDs are the host's: without its PID namespace none of them is in our /proc.
+            reader.absent(
+                (PROCESSES_FIELD,),
+                ReadErrorKind.NOT_SUPPORTED,
+                f"none of the {len(pids)} processes NVML lists on {_where(gpu)} is visible under "
+                f"{str(self._processes.proc_root)!r}: per-process reads need the host's PID namespace (the chart's "
+                "agent.processes.enabled sets hostPID)",
+            )
+            return None
+        return tuple(usages)
+
+    def _handle(self, gpu: GpuIdentity) -> Any:
+        """The cached handle, or a fresh one by UUID after the GPU was lost; a ReadError when there is none."""
+        with self._lock:
+            handle = self._handles.get(gpu.uuid)
+        if handle is not None:
+            return handle
+        try:
+            handle = self._nvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
+        except self._nvml.NVMLError as error:
+            return ReadError(DEVICE_FIELD, _kind(error), f"nvmlDeviceGetHandleByUUID({gpu.uuid}): {_describe(error)}")
+        with self._lock:
+            self._handles[gpu.uuid] = handle
+        return handle
+
+    def _forget(self, gpu: GpuIdentity) -> None:
+        with self._lock:
+            self._handles.pop(gpu.uuid, None)
+        self._gpm.forget(gpu.uuid)  # its previous GPM sample is from before the loss: no rate across it
+
+
+class _FieldReader:
+    """Calls NVML for some fields of one device and keeps one ReadError per field that failed."""
+
+    def __init__(self, nvml: Any, gpu: GpuIdentity, on_call: CallObserver | None) -> None:
+        self._nvml = nvml
+        self._gpu = gpu
+        self._on_call = on_call
+        self.errors: list[ReadError] = []
+        self.device_gone = False
+        self.where = _where(gpu)
+
+    def call(self, fields: Sequence[str], name: str, function: Callable[[], Any]) -> Any:
+        result, code = self.attempt(name, function)
+        if code is not None:
+            self.failed(fields, name, code)
+        return result
+
+    def attempt(self, name: str, function: Callable[[], Any]) -> tuple[Any, int | None]:
+        started = time.perf_counter()
+        try:
+            result = function()
+        except self._nvml.NVMLError as error:
+            code = int(getattr(error, "value", -1))
+            self._observe(name, started, code)
+            if code in _DEVICE_GONE:
+                self.device_gone = True
+            return None, code
+        self._observe(name, started, None)
+        return result, None
+
+    def failed(self, fields: Sequence[str], name: str, code: int) -> None:
+        self.absent(fields, _kind(_Code(code)), f"{name}({self.where}): {self.describe(code)}")
+
+    def describe(self, code: int) -> str:
+        return _describe(self._nvml.NVMLError(code))
+
+    def _observe(self, name: str, started: float, error_code: int | None) -> None:
+        if self._on_call is not None:
+            self._on_call(name, time.perf_counter() - started, error_code)
+
+    def absent(self, fields: Sequence[str], kind: ReadErrorKind, detail: str) -> None:
+        self.errors.extend(ReadError(field, kind, detail) for field in fields)
+
+
+class _Code:
+    """An NVML return code where an error object is expected (a GPM metric's own return code)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def _where(gpu: GpuIdentity) -> str:
+    return f"mig {gpu.uuid}" if gpu.mig_parent_uuid else f"gpu {gpu.index}"
+
+
+def _process_utilization(
+    nvml: Any, handle: Any, since: int, reader: _FieldReader
+) -> dict[int, tuple[float, float]] | None:
+    """Each process's newest (SM %, memory %) since ``since`` (microseconds); None when NVML has no such figures.
+
+    NVML reports only the processes that ran since then: a process it lists as running and leaves out here
+    ran no kernel, which the caller reads as 0. NOT_FOUND is NVML's "no process ran"; drivers before
+    nvmlDeviceGetProcessesUtilizationInfo have nvmlDeviceGetProcessUtilization instead.
+    """
+
+    def newest(call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except nvml.NVMLError as error:
+            # pynvml raises a bare NVMLError(0) when the driver answers "success, no samples" to its size query.
+            if error.value in (NOT_FOUND, 0):
+                return []
+            raise
+
+    fields = ("process_utilization",)
+    samples = reader.call(
+        fields,
+        "nvmlDeviceGetProcessesUtilizationInfo",
+        lambda: newest(lambda: nvml.nvmlDeviceGetProcessesUtilizationInfo(handle, since)),
+    )
+    if samples is None and reader.errors and reader.errors[-1].kind is ReadErrorKind.NOT_SUPPORTED:
+        reader.errors.pop()  # an older driver: the older call answers the same question
+        samples = reader.call(
+            fields,
+            "nvmlDeviceGetProcessUtilization",
+            lambda: newest(lambda: nvml.nvmlDeviceGetProcessUtilization(handle, since)),
+        )
+    if samples is None:
+        return None
+    found: dict[int, tuple[int, float, float]] = {}
+    for sample in samples:
+        pid, stamp = int(sample.pid), int(sample.timeStamp)
+        if pid not in found or stamp > found[pid][0]:
+            found[pid] = (stamp, float(sample.smUtil), float(sample.memUtil))
+    return {pid: (sm, mem) for pid, (_stamp, sm, mem) in found.items()}
+
+
+def _memory_info(nvml: Any, handle: Any) -> Any:
+    try:
+        return nvml.nvmlDeviceGetMemoryInfo(handle, version=_MEMORY_V2)
+    except nvml.NVMLError as error:
+        if error.value != FUNCTION_NOT_FOUND:
+            raise
+        return nvml.nvmlDeviceGetMemoryInfo(handle)  # drivers before v2 memory info
+
+
+def _temperature(nvml: Any, handle: Any) -> Any:
+    try:
+        return nvml.nvmlDeviceGetTemperatureV(handle, _TEMPERATURE_GPU)
+    except nvml.NVMLError as error:
+        if error.value != FUNCTION_NOT_FOUND:
+            raise
+        return nvml.nvmlDeviceGetTemperature(handle, _TEMPERATURE_GPU)
+
+
+def _kind(error: Any) -> ReadErrorKind:
+    code = getattr(error, "value", None)
+    if code in (NOT_SUPPORTED, FUNCTION_NOT_FOUND):
+        return ReadErrorKind.NOT_SUPPORTED
+    if code in _DEVICE_GONE:
+        return ReadErrorKind.GPU_LOST
+    if code == TIMEOUT:
+        return ReadErrorKind.TIMEOUT
+    return ReadErrorKind.OTHER
+
+
+def _describe(error: Any) -> str:
+    return f"{error} (NVML error {getattr(error, 'value', '?')})"
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,298 @@
+"""Fake GPU scenarios: per-GPU values, constant or shaped over time, from a small YAML or JSON file.
+
+    defaults:                      # every GPU; optional
+      memory_total_bytes: 85899345920
+      power_limit_watts: 700
+      values: {gpu_utilization: 10}
+    gpus:                          # by index, each below --fake-gpus; optional
+      0:
+        uuid: GPU-busy-0           # default GPU-fake-<node>-<index>
+        name: Fake GPU
+        values:
+          gpu_utilization: {shape: sine, min: 20, max: 95, period: 120s}
+          power_draw: {shape: square, low: 120, high: 600, period: 30s}
+          temperature: {shape: ramp, from: 35, to: 80, duration: 5m}
+          memory_utilization: {shape: triangle, min: 5, max: 70, period: 60s}
+          memory_used_percent: 40
+          sm_active: {shape: sine, min: 10, max: 60, period: 120s}    # GPM metrics, as on Hopper
+          tensor_active: 30
+
+Shapes take their time from the agent's start. Every error names the path of the bad entry. ``power_average``
+is not set: it is computed from the energy counter, which a fake GPU counts from its power draw.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from gpuscaler.model.durations import parse_duration
+from gpuscaler.model.errors import ConfigError
+from gpuscaler.model.gpu_metrics import METRICS, Metric
+
+DEFAULT_MEMORY_TOTAL_BYTES = 80 * 1024**3
+DEFAULT_POWER_LIMIT_WATTS = 700.0
+FAKE_GPU_NAME = "Fake GPU"
+
+# An idle GPU: nothing running, a cool die, idle board power (power_percent is computed from power_draw).
+IDLE_VALUES: Mapping[Metric, float] = {
+    metric: info.fake_idle for metric, info in METRICS.items() if info.fake_idle is not None
+}
+
+
+class Shape(Protocol):
+    """A value over time: what a fake GPU reads for one metric, seconds after the agent started."""
+
+    def at(self, seconds: float) -> float:
+        """The value ``seconds`` after the start."""
+
+
+@dataclass(frozen=True, slots=True)
+class Constant:
+    """The same value at every moment (what ``fake set`` and a plain number in a scenario give)."""
+
+    value: float
+
+    def at(self, seconds: float) -> float:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class Sine:
+    """A sine wave between ``low`` and ``high`` with a ``period`` in seconds, shifted by ``phase`` seconds."""
+
+    low: float
+    high: float
+    period: float
+    phase: float = 0.0
+
+    def at(self, seconds: float) -> float:
+        middle, amplitude = (self.high + self.low) / 2, (self.high - self.low) / 2
+        return middle + amplitude * math.sin(2 * math.pi * (seconds + self.phase) / self.period)
+
+
+@dataclass(frozen=True, slots=True)
+class Square:
+    """``high`` for the first half of each ``period`` seconds, ``low`` for the second half."""
+
+    low: float
+    high: float
+    period: float
+
+    def at(self, seconds: float) -> float:
+        return self.high if (seconds % self.period) < self.period / 2 else self.low
+
+
+@dataclass(frozen=True, slots=True)
+class Triangle:
+    """A straight rise from ``low`` to ``high`` and back down again, once every ``period`` seconds."""
+
+    low: float
+    high: float
+    period: float
+
+    def at(self, seconds: float) -> float:
+        position = (seconds % self.period) / self.period
+        rise = 2 * position if position < 0.5 else 2 * (1 - position)
+        return self.low + (self.high - self.low) * rise
+
+
+@dataclass(frozen=True, slots=True)
+class Ramp:
+    """A straight line from ``start`` to ``end`` over ``duration`` seconds, then holding at ``end``."""
+
+    start: float
+    end: float
+    duration: float
+
+    def at(self, seconds: float) -> float:
+        progress = min(max(seconds / self.duration, 0.0), 1.0)
+        return self.start + (self.end - self.start) * progress
+
+
+@dataclass(frozen=True, slots=True)
+class GpuScenario:
+    """What one fake GPU starts as; unset fields fall back to the defaults, then to an idle GPU."""
+
+    uuid: str | None = None
+    name: str | None = None
+    memory_total_bytes: int | None = None
+    power_limit_watts: float | None = None
+    values: Mapping[Metric, Shape] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """A checked scenario file: what every GPU starts as, and the GPUs that differ, by index."""
+
+    defaults: GpuScenario = field(default_factory=GpuScenario)
+    gpus: Mapping[int, GpuScenario] = field(default_factory=dict)
+
+
+def load_scenario(path: Path, *, gpu_count: int) -> Scenario:
+    """Read and check a scenario file; ConfigError names the file and the bad entry."""
+    import yaml  # only here: the agent starts faster and smaller without it
+
+    try:
+        document = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ConfigError(f"--fake-scenario {str(path)!r}: cannot read: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"--fake-scenario {str(path)!r}: not YAML or JSON: {error}") from None
+    try:
+        return parse_scenario(document, gpu_count=gpu_count)
+    except ConfigError as error:
+        raise ConfigError(f"--fake-scenario {str(path)!r}: {error}") from None
+
+
+def parse_scenario(document: Any, *, gpu_count: int) -> Scenario:
+    """Check a loaded YAML or JSON document (None: no scenario); ConfigError names the path of the bad entry."""
+    if document is None:
+        return Scenario()
+    root = _mapping(document, "the file", {"defaults", "gpus"})
+    defaults = _gpu(root.get("defaults"), "defaults", identity=False)
+    gpus: dict[int, GpuScenario] = {}
+    for key, entry in _mapping(root.get("gpus", {}), "gpus", None).items():
+        index = _gpu_index(key, gpu_count)
+        gpus[index] = _gpu(entry, f"gpus.{index}", identity=True)
+    return Scenario(defaults=defaults, gpus=gpus)
+
+
+def parse_value(metric_name: str, text: str) -> tuple[Metric, float]:
+    """One ``METRIC=VALUE`` from the command line, checked like a scenario constant."""
+    metric = _metric(metric_name, "METRIC")
+    return metric, _number(text, f"{metric.value}", metric)
+
+
+def _gpu(document: Any, path: str, *, identity: bool) -> GpuScenario:
+    if document is None:
+        return GpuScenario()
+    allowed = {"memory_total_bytes", "power_limit_watts", "values"} | ({"uuid", "name"} if identity else set())
+    entry = _mapping(document, path, allowed)
+    values: dict[Metric, Shape] = {}
+    for name, spec in _mapping(entry.get("values", {}), f"{path}.values", None).items():
+        metric = _metric(name, f"{path}.values")
+        values[metric] = _shape(spec, f"{path}.values.{metric.value}", metric)
+    if Metric.POWER_DRAW in values and Metric.POWER_PERCENT in values:
+        raise ConfigError(f"{path}.values sets both power_draw and power_percent; set one")
+    return GpuScenario(
+        uuid=_string(entry["uuid"], f"{path}.uuid") if "uuid" in entry else None,
+        name=_string(entry["name"], f"{path}.name") if "name" in entry else None,
+        memory_total_bytes=(
+            int(_positive(entry["memory_total_bytes"], f"{path}.memory_total_bytes"))
+            if "memory_total_bytes" in entry
+            else None
+        ),
+        power_limit_watts=(
+            _positive(entry["power_limit_watts"], f"{path}.power_limit_watts") if "power_limit_watts" in entry else None
+        ),
+        values=values,
+    )
+
+
+_SHAPE_FIELDS = {
+    "sine": ({"min", "max", "period"}, {"phase"}),
+    "square": ({"low", "high", "period"}, set()),
+    "triangle": ({"min", "max", "period"}, set()),
+    "ramp": ({"from", "to", "duration"}, set()),
+}
+
+
+def _shape(spec: Any, path: str, metric: Metric) -> Shape:
+    if not isinstance(spec, Mapping):
+        return Constant(_number(spec, path, metric))
+    kind = spec.get("shape")
+    if kind not in _SHAPE_FIELDS:
+        raise ConfigError(f"{path}.shape {kind!r} is not allowed; use one of: {', '.join(_SHAPE_FIELDS)}")
+    required, optional = _SHAPE_FIELDS[kind]
+    _mapping(spec, path, required | optional | {"shape"})
+    missing = sorted(required - set(spec))
+    if missing:
+        raise ConfigError(f"{path} ({kind}) lacks {', '.join(missing)}")
+
+    def number(key: str) -> float:
+        return _number(spec[key], f"{path}.{key}", metric)
+
+    def seconds(key: str) -> float:
+        text = str(spec[key])
+        try:
+            value = parse_duration(text)
+        except ValueError as error:
+            raise ConfigError(f"{path}.{key} {error}") from None
+        if value <= 0:
+            raise ConfigError(f"{path}.{key} {text!r} must be longer than 0")
+        return value
+
+    if kind == "sine":
+        phase = seconds("phase") if "phase" in spec else 0.0
+        return Sine(number("min"), number("max"), seconds("period"), phase)
+    if kind == "square":
+        return Square(number("low"), number("high"), seconds("period"))
+    if kind == "triangle":
+        return Triangle(number("min"), number("max"), seconds("period"))
+    return Ramp(number("from"), number("to"), seconds("duration"))
+
+
+def _mapping(document: Any, path: str, allowed: set[str] | None) -> Mapping[Any, Any]:
+    if not isinstance(document, Mapping):
+        raise ConfigError(f"{path} must be a mapping, not {type(document).__name__}")
+    if allowed is not None:
+        unknown = sorted(str(key) for key in document if key not in allowed)
+        if unknown:
+            raise ConfigError(f"{path} has unknown key {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}")
+    return document
+
+
+def _metric(name: Any, path: str) -> Metric:
+    settable = [metric.value for metric, info in METRICS.items() if not info.rate]
+    try:
+        metric = Metric(name)
+    except ValueError:
+        raise ConfigError(f"{path}: {name!r} is not a metric; use one of: {', '.join(settable)}") from None
+    if METRICS[metric].rate:
+        raise ConfigError(
+            f"{path}: {name!r} is computed from the energy counter, which a fake GPU counts from its power draw; "
+            "set power_draw or power_percent"
+        )
+    return metric
+
+
+def _number(value: Any, path: str, metric: Metric) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ConfigError(f"{path} {value!r} is not a number")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(f"{path} {value!r} is not a number") from None
+    if not math.isfinite(number) or number < 0:
+        raise ConfigError(f"{path} {value!r} must be a finite number >= 0")
+    if METRICS[metric].percent and number > 100:
+        raise ConfigError(f"{path} {value!r} is a percentage; it must be between 0 and 100")
+    return number
+
+
+def _positive(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{path} {value!r} is not a number")
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{path} {value!r} must be a finite number > 0")
+    return float(value)
+
+
+def _string(value: Any, path: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{path} {value!r} must be a non-empty string")
+    return value.strip()
+
+
+def _gpu_index(key: Any, gpu_count: int) -> int:
+    try:
+        index = int(key)
+    except (TypeError, ValueError):
+        raise ConfigError(f"gpus key {key!r} is not a GPU index") from None
+    if not 0 <= index < gpu_count:
+        raise ConfigError(f"gpus.{index} is out of range; --fake-gpus {gpu_count} gives indices 0-{gpu_count - 1}")
+    return index

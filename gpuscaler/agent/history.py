@@ -1,0 +1,101 @@
+"""The agent's ring buffer of its node's snapshots: the ``SnapshotSource`` every handler reads from.
+
+Windows are reduced here, from the ring buffer: each GPU's readable values in the window, oldest first,
+through ``aggregation.reduce_window``. The series are split once per (newest snapshot, window length), so
+a window costs one pass over the buffer however many GPUs and queries ask for it. A rate's window is the
+counter's increase over it (``rates.py``); on a GPU several pods hold, each pod's own share is reduced too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Iterator
+
+from gpuscaler.model.aggregation import reduce_window
+from gpuscaler.model.gpu_metrics import METRICS
+from gpuscaler.model.pods import uid_key
+from gpuscaler.model.samples import GpuSample, Snapshot, Windowed, WindowKey
+from gpuscaler.signals.rates import counter_rate
+from gpuscaler.signals.shares import holders, pod_share
+from gpuscaler.signals.source import AnnouncedSource
+
+
+class History(AnnouncedSource):
+    """The newest snapshots, oldest first, bounded by ``history_seconds / poll_interval_seconds``.
+
+    Only the poll loop appends; readers never block it. Each append is announced once.
+    """
+
+    def __init__(self, *, history_seconds: float, poll_interval_seconds: float) -> None:
+        super().__init__(history_seconds=history_seconds, interval_seconds=poll_interval_seconds)
+        self._snapshots: deque[Snapshot] = deque(maxlen=math.ceil(history_seconds / poll_interval_seconds) + 1)
+        self._series: tuple[int, dict[float, dict[str, tuple[list[float], list[GpuSample]]]]] = (-1, {})
+
+    def append(self, snapshot: Snapshot) -> None:
+        self._snapshots.append(snapshot)
+        self._announcer.announce(snapshot)
+
+    @property
+    def latest(self) -> Snapshot | None:
+        return self._snapshots[-1] if self._snapshots else None
+
+    def __len__(self) -> int:
+        return len(self._snapshots)
+
+    def window(self, node: str, seconds: float) -> list[Snapshot]:
+        """``node``'s snapshots no older than ``seconds`` before the latest, oldest first (none of another node)."""
+        latest = self.latest
+        if latest is None or latest.node != node:
+            return []
+        start = latest.monotonic - seconds
+        newest_first: list[Snapshot] = []
+        for snapshot in reversed(self._snapshots):
+            if snapshot.monotonic < start:
+                break
+            newest_first.append(snapshot)
+        newest_first.reverse()
+        return newest_first
+
+    def windowed(self, sample: GpuSample, window: WindowKey) -> Windowed:
+        times, series = self._series_of(sample.node, window.seconds).get(sample.gpu.uuid, ((), ()))
+        info = METRICS[window.metric]
+        if info.rate:
+            readings = [getattr(other, info.reading) for other in series]
+            rate = counter_rate(window.metric, list(zip(times, readings, strict=True)))
+            return Windowed(rate.value, rate.samples, rate.reason)
+        values = [value for other in series if (value := other.value(window.metric)) is not None]
+        reduced = Windowed(reduce_window(window.function, values) if values else None, len(values))
+        if info.per_process is None or holders(sample) < 2 or not sample.processes:
+            return reduced
+        shares = {}  # each pod's own share over the window, for a gateway that knows the pods' UIDs
+        for uid in {process.pod_uid for process in sample.processes if process.pod_uid}:
+            # ticks without per-process figures are left out of the pod's window, as unread values are
+            own = [v for other in series if (v := pod_share(other, window.metric, uid)) is not None]
+            shares[uid_key(uid)] = Windowed(reduce_window(window.function, own) if own else None, len(own))
+        return reduced._replace(shares=shares)
+
+    def _series_of(self, node: str, seconds: float) -> dict[str, tuple[list[float], list[GpuSample]]]:
+        """Each GPU's samples in the window, with their tick times, oldest first; ``seconds`` 0: the newest two."""
+        latest = self.latest
+        sequence = latest.sequence if latest is not None else -1
+        if self._series[0] != sequence:
+            self._series = (sequence, {})
+        by_seconds = self._series[1]
+        series = by_seconds.get(seconds)
+        if series is None:
+            series = by_seconds[seconds] = {}
+            snapshots = (
+                self.window(node, seconds) if seconds else list(itertools.islice(self.newest_first(node), 2))[::-1]
+            )
+            for snapshot in snapshots:
+                for other in snapshot.samples:
+                    times, samples = series.setdefault(other.gpu.uuid, ([], []))
+                    times.append(snapshot.taken_at)
+                    samples.append(other)
+        return series
+
+    def newest_first(self, node: str) -> Iterator[Snapshot]:
+        latest = self.latest
+        return reversed(self._snapshots) if latest is not None and latest.node == node else iter(())

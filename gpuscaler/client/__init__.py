@@ -1,0 +1,1 @@
+"""Our own client: channels for the CLI and tests, and what ``gpuscaler query`` prints."""

@@ -1,5 +1,0 @@
-"""Where samples come from: NVML on a GPU node, or fake GPUs for development and tests."""
-
-from gpuscaler.collectors.base import Collector, CollectorUnavailable
-
-__all__ = ["Collector", "CollectorUnavailable"]

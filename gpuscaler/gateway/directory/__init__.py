@@ -1,0 +1,1 @@
+"""Who the workloads are: pods and ScaledObjects, from the Kubernetes API or a file."""

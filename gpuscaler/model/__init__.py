@@ -1,0 +1,1 @@
+"""The vocabulary every layer shares: GPU metrics, samples, pods, errors, durations, aggregation."""

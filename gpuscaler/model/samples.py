@@ -1,0 +1,391 @@
+"""What one poll tick read from the GPUs: immutable samples with units in their names.
+
+A value that could not be read is None and its reason is in ``errors``; it is never 0. The per-GPU records
+are named tuples rather than frozen dataclasses: a gateway builds tens of thousands a second, and a named
+tuple is immutable too but several times cheaper to make.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+from abc import abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
+from types import MappingProxyType
+from typing import Any, NamedTuple, TypeVar, overload
+
+from gpuscaler.model.aggregation import WindowFunction
+from gpuscaler.model.durations import format_duration
+from gpuscaler.model.gpu_metrics import METRICS, Metric
+
+T = TypeVar("T")
+
+# `ReadError.field` for a failure of the whole device rather than of one field.
+DEVICE_FIELD = "device"
+# `ReadError.field` for per-process reads (the process list, and the pods they run in).
+PROCESSES_FIELD = "processes"
+
+
+class ReadErrorKind(enum.Enum):
+    """Why a value is absent; decides the gRPC status a query over it gets."""
+
+    NOT_SUPPORTED = "not_supported"
+    GPU_LOST = "gpu_lost"
+    TIMEOUT = "timeout"
+    OTHER = "other"
+
+
+class ReadError(NamedTuple):
+    """One field (or the whole device) that could not be read, with the reader's own words."""
+
+    field: str
+    kind: ReadErrorKind
+    detail: str
+    # When the agent last read this field (for DEVICE_FIELD: the GPU), seconds since the epoch; None when it has
+    # not since it started, or the field is NOT_SUPPORTED. The poll loop stamps it (``last_reads.py``).
+    last_read_at: float | None = None
+
+
+class PodRef(NamedTuple):
+    """A container the kubelet assigned a GPU to."""
+
+    namespace: str
+    pod: str
+    container: str
+
+
+class AttributionState(enum.Enum):
+    """Whether a node's samples say which pods hold each GPU (the kubelet's PodResources API)."""
+
+    OFF = "off"  # --pod-resources-socket is empty, or there is no socket at that path: FAILED_PRECONDITION
+    UNAVAILABLE = "unavailable"  # the socket is there but List fails: UNAVAILABLE, KEDA retries
+    OK = "ok"
+
+
+@dataclass(frozen=True, slots=True)
+class Attribution:
+    """A node's attribution state at one tick; ``detail`` says why when it is not OK."""
+
+    state: AttributionState
+    detail: str = ""
+
+
+ATTRIBUTION_OFF = Attribution(
+    AttributionState.OFF, "pod attribution is off (the agent's --pod-resources-socket is empty)"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuIdentity:
+    """A device as the collector enumerates it: a whole GPU, or one MIG instance of it."""
+
+    index: int
+    uuid: str
+    name: str
+    mig_parent_uuid: str | None = None
+
+
+class ProcessUsage(NamedTuple):
+    """One process on a GPU at one tick, and the pod it runs in, from NVML and ``/proc/<pid>/cgroup``.
+
+    ``pod_uid`` is the Kubernetes pod UID its cgroup names, ``""`` for a process outside any pod (a host
+    daemon), and None when its cgroup could not be read (it exited, or the agent cannot see host PIDs).
+    A utilisation of None is unknown (NVML gave no per-process figures); 0.0 is a process NVML lists that
+    ran no kernel in the last sample period.
+    """
+
+    pid: int
+    pod_uid: str | None = None
+    container_id: str | None = None
+    sm_percent: float | None = None
+    memory_utilization_percent: float | None = None
+    memory_used_bytes: int | None = None
+
+
+class GpuSample(NamedTuple):
+    """One device's readings at one tick. Percentages are 0-100, memory in bytes, power in watts, energy in joules.
+
+    ``processes`` is None when the agent does not read processes (``--processes`` is off, or the read failed:
+    see ``errors``), and a tuple, maybe empty, when it read them.
+    """
+
+    gpu: GpuIdentity
+    node: str
+    gpu_utilization_percent: float | None = None
+    memory_utilization_percent: float | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    temperature_celsius: float | None = None
+    power_draw_watts: float | None = None
+    power_limit_watts: float | None = None
+    sm_active_percent: float | None = None
+    sm_occupancy_percent: float | None = None
+    tensor_active_percent: float | None = None
+    dram_bandwidth_percent: float | None = None
+    energy_joules: float | None = None
+    errors: tuple[ReadError, ...] = ()
+    pods: tuple[PodRef, ...] = ()
+    processes: tuple[ProcessUsage, ...] | None = None
+
+    def value(self, metric: Metric) -> float | None:
+        """The metric in its documented unit, or None when a field it needs was not read.
+
+        A rate (``power_average``) has no value in one sample: it needs two (see ``rates.py``).
+        """
+        info = METRICS[metric]
+        if info.rate:
+            return None
+        reading = getattr(self, info.reading)
+        if info.of is None:
+            return None if reading is None else float(reading)
+        return _percent(reading, getattr(self, info.of))
+
+    def error_for(self, metric: Metric) -> ReadError | None:
+        """The reason ``value(metric)`` is None: a device-wide error first, then the field's own."""
+        sources = METRICS[metric].fields
+        for error in self.errors:
+            if error.field == DEVICE_FIELD:
+                return error
+        for error in self.errors:
+            if error.field in sources or error.field == metric.value:
+                return error
+        return None
+
+
+def _percent(part: float | None, whole: float | None) -> float | None:
+    if part is None or whole is None or whole <= 0:
+        return None
+    return 100.0 * part / whole
+
+
+class LazySamples(Sequence[GpuSample]):
+    """A node's samples as they arrived, each made into a ``GpuSample`` only when it is read.
+
+    A gateway receives thousands of node snapshots a second, and most queries read one number of each GPU:
+    ``column`` reads that number across the node's GPUs without making the records.
+    """
+
+    __slots__ = ()
+
+    @abstractmethod
+    def column(self, reading: str) -> list[float | None]:
+        """Each GPU's ``reading`` (a ``GpuSample`` field), in order; None where absent.
+
+        Byte counts may come as floats of the same value: every use of a reading is arithmetic on it.
+        """
+
+    @abstractmethod
+    def uuids(self) -> list[str]:
+        """Each GPU's UUID, in order."""
+
+
+class Chained(Sequence[T]):
+    """The sequences ``of`` gives for each of ``parts``, read as one, in order, each asked for only when read.
+
+    A gateway chains thousands of nodes' samples into its cluster snapshot, and thousands of nodes'
+    contributions into an evaluation, many times a second; most of them are never read, and a reader that
+    stops early (``any``) reads only the first parts. Indexing makes the whole once.
+    """
+
+    __slots__ = ("_all", "_length", "_of", "_parts")
+
+    def __init__(self, parts: Sequence[Any], of: Callable[[Any], Sequence[T]]) -> None:
+        self._parts = parts
+        self._of = of
+        self._all: tuple[T, ...] | None = None
+        self._length: int | None = None
+
+    def __len__(self) -> int:
+        if self._length is None:
+            self._length = len(self._all) if self._all is not None else sum(map(len, map(self._of, self._parts)))
+        return self._length
+
+    def __bool__(self) -> bool:
+        """Whether any part has something: the first non-empty part answers, not a count of them all."""
+        if self._length is not None:
+            return self._length > 0
+        return any(map(len, map(self._of, self._parts)))
+
+    @overload
+    def __getitem__(self, index: int) -> T: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[T]: ...
+
+    def __getitem__(self, index: int | slice) -> T | Sequence[T]:
+        if self._all is None:
+            self._all = tuple(self)
+        return self._all[index]
+
+    def __iter__(self) -> Iterator[T]:
+        if self._all is not None:
+            return iter(self._all)
+        return chain.from_iterable(map(self._of, self._parts))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+
+def column(samples: Sequence[GpuSample], reading: str) -> Sequence[float | None]:
+    """Each sample's ``reading``, in order, without making the records of lazy samples."""
+    if isinstance(samples, LazySamples):
+        return samples.column(reading)
+    return list(map(attrgetter(reading), samples))
+
+
+GpuKey = tuple[str, str]  # a GPU across a cluster: (node, UUID)
+
+
+def gpu_keys(samples: Iterable[GpuSample]) -> Iterator[GpuKey]:
+    """Each sample's GPU as (node, UUID)."""
+    return ((sample.node, sample.gpu.uuid) for sample in samples)
+
+
+def uuids(samples: Sequence[GpuSample]) -> list[str]:
+    """Each sample's GPU UUID, in order, without making the records of lazy samples."""
+    if isinstance(samples, LazySamples):
+        return samples.uuids()
+    return [sample.gpu.uuid for sample in samples]
+
+
+def metric_column(samples: Sequence[GpuSample], metric: Metric) -> list[float | None]:
+    """``[sample.value(metric) for sample in samples]``, without making the records of lazy samples."""
+    info = METRICS[metric]
+    if info.rate:
+        return [None] * len(samples)
+    values = column(samples, info.reading)
+    if info.of is None:
+        return [None if value is None else float(value) for value in values]
+    return list(map(_percent, values, column(samples, info.of)))
+
+
+# The shares of a window on a GPU that one pod or none holds: shared, never written.
+EMPTY_SHARES: Mapping[str, Windowed] = MappingProxyType({})
+
+
+class WindowKey(NamedTuple):
+    """One GPU-level window reduction: ``function`` of ``metric`` over the last ``seconds``.
+
+    A rate (``power_average``) is the counter's increase over the window; ``seconds`` 0 is the rate between
+    the newest two samples, a rate's window when a query names none.
+    """
+
+    metric: Metric
+    seconds: float
+    function: WindowFunction
+
+    def describe(self) -> str:
+        if METRICS[self.metric].rate:
+            return f"{self.metric.value} {self.describe_span()}"
+        return f"{self.function.value} of {self.metric.value} {self.describe_span()}"
+
+    def describe_span(self) -> str:
+        """The samples it reads, in words."""
+        return "between the newest two samples" if self.seconds == 0 else f"over {format_duration(self.seconds)}"
+
+
+class Windowed(NamedTuple):
+    """One GPU's value over a window, from ``samples`` readable samples; None when none was readable.
+
+    ``reason`` says more than "nothing readable" where there is more to say (a counter that restarted).
+    ``shares`` are, on a GPU several pods hold, each pod's own share over the window, by pod UID key
+    (``attribution.processes.uid_key``), where the agent read processes.
+    """
+
+    value: float | None
+    samples: int
+    reason: str | None = None
+    shares: Mapping[str, Windowed] = EMPTY_SHARES
+
+
+class WindowValues(NamedTuple):
+    """A window as an agent reduced it for a gateway: each GPU's value by UUID, or why it could not."""
+
+    by_uuid: Mapping[str, Windowed]
+    problem: str | None = None
+
+
+class WindowColumns(Mapping[WindowKey, WindowValues]):
+    """A node snapshot's windows as they arrived from its agent, each readable across the node's GPUs at once."""
+
+    __slots__ = ()
+
+    @abstractmethod
+    def column(self, key: WindowKey) -> tuple[list[float | None], list[int]] | None:
+        """Each GPU's value over ``key`` (None where unset) and sample count, in order; None where this
+        cannot tell them so (then read ``self[key]``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Absence:
+    """A node whose GPUs a cluster answer cannot see now, or an agent whose node is not known.
+
+    ``node`` is None for a listed agent that has sent no snapshot since the gateway started, or whose
+    snapshots are refused (it claims a node another agent reports). ``last`` is the node's newest
+    snapshot, which says which pods it held; ``since`` is wall-clock seconds since the epoch.
+
+    ``heard`` marks a node that is heard but none of whose selected GPUs can be read now (every one lost or
+    hung): as unknown as a silent node, for one answer. The gateway keeps no history, so ``since`` is when
+    the snapshot that says so was taken, and ``agent`` is empty (the node's snapshot does not name it).
+    """
+
+    agent: str
+    node: str | None
+    since: float
+    reason: str
+    last: Snapshot | None = None
+    heard: bool = False
+
+    def describe(self, now: float) -> str:
+        """One clause for an error message: who, since when, and why."""
+        if self.heard:
+            return f"node {self.node!r} is heard, but {self.reason}"
+        when = datetime.datetime.fromtimestamp(self.since, datetime.UTC).isoformat(timespec="seconds")
+        ago = f"{max(0.0, now - self.since):.1f}s ago"
+        who = f"node {self.node!r} (agent {self.agent})" if self.node else f"agent {self.agent}"
+        return f"{who} since {when} ({ago}): {self.reason}"
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Every device's sample from one poll tick.
+
+    ``taken_at`` is wall-clock seconds since the epoch (for people and the wire);
+    ``monotonic`` is the loop's clock (for ages and windows, immune to clock steps).
+
+    A gateway composes one snapshot of the whole cluster (``cluster``): ``samples`` is then every fresh
+    node's samples, ``parts`` the node snapshots they came from, and ``absent`` every listed agent whose
+    node is silent or unknown, so that an answer can tell a share it cannot see from a share that is 0.
+
+    A node's snapshot that crossed the wire also carries ``windows``: for each window a gateway asked its
+    agent for, each GPU's windowed value by UUID (the agent keeps the history; the gateway keeps none).
+    """
+
+    sequence: int
+    taken_at: float
+    monotonic: float
+    node: str
+    samples: Sequence[GpuSample] = ()
+    attribution: Attribution = ATTRIBUTION_OFF
+    parts: tuple[Snapshot, ...] = ()
+    absent: tuple[Absence, ...] = ()
+    cluster: bool = False
+    windows: Mapping[WindowKey, WindowValues] = field(default_factory=dict)
+
+    @property
+    def nodes(self) -> tuple[Snapshot, ...]:
+        """The fresh node snapshots this one is made of: ``parts`` for a cluster, itself for a node."""
+        return self.parts if self.cluster else (self,)
+
+    @property
+    def known_nodes(self) -> int:
+        """Nodes the answer should cover: the fresh ones and the absent ones."""
+        return len(self.nodes) + len(self.absent)

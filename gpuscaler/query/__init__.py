@@ -1,0 +1,1 @@
+"""What a trigger asks: its metadata parsed into a Query, profiles, label selectors, scale targets."""

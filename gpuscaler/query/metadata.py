@@ -1,0 +1,470 @@
+"""Trigger metadata (``ScaledObjectRef.scalerMetadata``) to a ``Query``, or an error that names the key.
+
+Precedence, lowest first: the metric's defaults, the profile, then each key the trigger sets. A profile's
+target and thresholds belong to its metric: when the trigger picks another metric, that metric's
+defaults apply instead, so ``profile: training`` with ``metric: power_draw`` does not mean "90 watts".
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+from gpuscaler.model.aggregation import Aggregation, WindowFunction
+from gpuscaler.model.durations import format_duration, parse_duration
+from gpuscaler.model.errors import InvalidMetadata
+from gpuscaler.model.gpu_metrics import METRICS, Metric
+from gpuscaler.query.profiles import DEFAULT_METRIC, PROFILES
+from gpuscaler.query.query import (
+    DEFAULT_MAX_UNREADABLE,
+    ActivationRule,
+    GpuSelection,
+    NodeQuorum,
+    PodSelection,
+    Query,
+    UnreadableTolerance,
+    ValueQuery,
+    default_metric_name,
+)
+from gpuscaler.query.selectors import parse_label_selector
+
+# KEDA passes its own trigger keys through to the scaler; they configure KEDA's client, not the query.
+KEDA_KEYS = frozenset(
+    {"scalerAddress", "enableTLS", "unsafeSsl", "caCert", "tlsClientCert", "tlsClientKey", "tlsCertFile"}
+)
+
+QUERY_KEYS = (
+    "profile",
+    "metric",
+    "metricType",
+    "targetValue",
+    "targetGpuUtilization",
+    "targetMemoryUtilization",
+    "activationThreshold",
+    "deactivationThreshold",
+    "aggregation",
+    "gpuIndex",
+    "gpuUUID",
+    "window",
+    "windowFunction",
+    "metricName",
+    "pollIntervalSeconds",
+    "namespace",
+    "pod",
+    "workload",
+    "podSelector",
+    "podAggregation",
+    "minNodes",
+    "maxUnreadable",
+    "scaleTargetPods",
+)
+POD_KEYS = ("namespace", "pod", "workload", "podSelector")
+SELECTOR_KEYS = (*POD_KEYS, "gpuIndex", "gpuUUID")
+KNOWN_KEYS = frozenset(QUERY_KEYS) | KEDA_KEYS
+
+FROM_ENV_SUFFIX = "FromEnv"
+MIN_TARGET = 0.001  # KEDA keeps milli precision; a smaller target rounds to 0 and is refused there
+# KEDA turns a target into int64 milli-units (resource.NewMilliQuantity): a larger one overflows there.
+MAX_TARGET = (2**63 - 1) // 1000
+_E = TypeVar("_E", Metric, Aggregation, WindowFunction)
+_T = TypeVar("_T")
+_METRIC_NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,98}[a-z0-9])?$")
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_OBJECT_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_POD_GLOB = re.compile(r"^[-a-z0-9.*?\[\]!]{1,253}$")
+MAX_MIN_NODES = 100_000
+MAX_UNREADABLE_COUNT = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the running agent allows, so that errors can say so (a window longer than the history)."""
+
+    history_seconds: float
+    # A gateway answers for every node, where a GPU index names one GPU on each of them.
+    cluster: bool = False
+
+
+def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: str = "", name: str = "") -> Query:
+    """The query the metadata asks for. Raises InvalidMetadata naming the key, the value and what is allowed.
+
+    ``namespace`` and ``name`` are the ScaledObject's: the default namespace of a pod selection, and with
+    ``scaleTargetPods`` the ScaledObject whose scale target's pods the query reads.
+    """
+    raw = _resolve_keys(metadata)
+    scale_target_pods = _parse_bool("scaleTargetPods", raw["scaleTargetPods"]) if "scaleTargetPods" in raw else False
+    explicit = [key for key in SELECTOR_KEYS if key in raw]
+
+    profile = None
+    if "profile" in raw:
+        profile = PROFILES.get(raw["profile"].strip())
+        if profile is None:
+            raise _not_one_of("profile", raw["profile"], list(PROFILES))
+
+    metric = _parse_metric(raw, DEFAULT_METRIC if profile is None else profile.metric)
+    target_from_shorthand = _shorthand_target(raw, metric)
+    if target_from_shorthand is not None:
+        metric = target_from_shorthand[0]
+
+    if profile is not None and profile.metric == metric:
+        aggregation, target = profile.aggregation, profile.target
+        activation, deactivation = profile.activation_threshold, profile.deactivation_threshold
+    else:
+        defaults = METRICS[metric].defaults
+        aggregation, target = defaults.aggregation, defaults.target
+        activation = deactivation = defaults.activation_threshold
+    window_seconds = profile.window_seconds if profile else None
+    window_function = profile.window_function if profile else WindowFunction.AVG
+
+    if target_from_shorthand is not None:
+        target = target_from_shorthand[1]
+    if "targetValue" in raw:
+        target = _parse_float("targetValue", raw["targetValue"], minimum=MIN_TARGET, maximum=MAX_TARGET)
+    if "aggregation" in raw:
+        aggregation = _parse_enum("aggregation", raw["aggregation"], Aggregation)
+    if "activationThreshold" in raw:
+        activation = _parse_float("activationThreshold", raw["activationThreshold"], minimum=0.0)
+        # Without its own deactivationThreshold, hysteresis is off: both thresholds are the same.
+        deactivation = activation
+    if "deactivationThreshold" in raw:
+        deactivation = _parse_float("deactivationThreshold", raw["deactivationThreshold"], minimum=0.0)
+    if deactivation > activation:
+        raise InvalidMetadata(
+            f"deactivationThreshold {_fmt(deactivation)} is above activationThreshold {_fmt(activation)}; "
+            "it must be <= activationThreshold (the value falls below it to deactivate)"
+        )
+    if "window" in raw:
+        window_seconds = _parse_window(raw["window"], limits)
+    elif profile is not None and window_seconds is not None and window_seconds > limits.history_seconds:
+        raise InvalidMetadata(
+            f"profile {profile.name!r} averages over {format_duration(window_seconds)}, longer than this server's "
+            f"--history of {format_duration(limits.history_seconds)}; set a shorter window or {RAISE_HISTORY}"
+        )
+    if "windowFunction" in raw:
+        window_function = _parse_enum("windowFunction", raw["windowFunction"], WindowFunction)
+        if METRICS[metric].rate and window_function is not WindowFunction.AVG:
+            raise InvalidMetadata(
+                f"windowFunction {raw['windowFunction']!r} does not apply to {metric.value}, which is the average over "
+                "the window by definition (the energy used divided by the time); leave windowFunction out, or use "
+                "power_draw for the highest reading"
+            )
+    if "pollIntervalSeconds" in raw:
+        # Accepted for ScaledObjects written for the prior art; the agent's own loop sets the pace.
+        _parse_float("pollIntervalSeconds", raw["pollIntervalSeconds"], minimum=0.0, exclusive=True)
+
+    selection = _parse_selection(raw)
+    if limits.cluster and selection.indices is not None:
+        raise InvalidMetadata(
+            f"gpuIndex {raw['gpuIndex']!r} names a GPU by its index on one node, and the gateway answers for "
+            "every node, where indices repeat; select by gpuUUID, or by pod, workload or podSelector"
+        )
+    pods = _parse_pods(raw, namespace)
+    if scale_target_pods and not explicit:
+        pods = _scale_target_pods(raw, namespace, name)
+    value = ValueQuery(
+        metric=metric,
+        aggregation=aggregation,
+        selection=selection,
+        window_seconds=window_seconds,
+        window_function=window_function,
+        pods=pods,
+        min_nodes=_parse_min_nodes(raw["minNodes"]) if "minNodes" in raw else None,
+        max_unreadable=(
+            _parse_max_unreadable(raw["maxUnreadable"]) if "maxUnreadable" in raw else DEFAULT_MAX_UNREADABLE
+        ),
+        scale_target_ignored=scale_target_pods and bool(explicit),
+    )
+    metric_name = _parse_metric_name(raw["metricName"]) if "metricName" in raw else default_metric_name(value)
+    return Query(
+        value=value,
+        activation=ActivationRule(activation, deactivation),
+        target=target,
+        metric_name=metric_name,
+        profile=profile.name if profile else None,
+    )
+
+
+def _resolve_keys(metadata: Mapping[str, str]) -> dict[str, str]:
+    """Known query keys with their values; `<key>FromEnv` counts as `<key>`, KEDA's keys are dropped."""
+    resolved: dict[str, str] = {}
+    for key, value in metadata.items():
+        name = key
+        if key.endswith(FROM_ENV_SUFFIX) and key[: -len(FROM_ENV_SUFFIX)] in KNOWN_KEYS:
+            name = key[: -len(FROM_ENV_SUFFIX)]
+        if name in KEDA_KEYS:
+            continue
+        if name not in KNOWN_KEYS:
+            raise InvalidMetadata(_unknown_key_message(key))
+        if name in resolved:
+            raise InvalidMetadata(f"keys {name!r} and {name + FROM_ENV_SUFFIX!r} are both set; set one of them")
+        resolved[name] = value
+    if "metric" in resolved and "metricType" in resolved:
+        raise InvalidMetadata("keys 'metric' and 'metricType' are both set; 'metricType' is an alias: set one")
+    if "gpuIndex" in resolved and "gpuUUID" in resolved:
+        raise InvalidMetadata("keys 'gpuIndex' and 'gpuUUID' are both set; select GPUs by one of them")
+    pod_keys = [key for key in POD_KEYS if key in resolved]
+    gpu_keys = [key for key in ("gpuIndex", "gpuUUID") if key in resolved]
+    if pod_keys and gpu_keys:
+        raise InvalidMetadata(
+            f"keys {gpu_keys[0]!r} and {pod_keys[0]!r} are both set; select GPUs either by GPU or by the pods "
+            "that hold them"
+        )
+    if "maxUnreadable" in resolved and gpu_keys:
+        raise InvalidMetadata(
+            f"keys 'maxUnreadable' and {gpu_keys[0]!r} are both set; GPUs named by {gpu_keys[0]} must all be readable "
+            "(the query is strict), so maxUnreadable does not apply: leave it out"
+        )
+    scale_target_pods = resolved.get("scaleTargetPods", "").strip().lower() == "true" and not gpu_keys
+    if "podAggregation" in resolved and not pod_keys and not scale_target_pods:
+        raise InvalidMetadata(
+            "podAggregation is set, but no pods are selected; it says how one pod's GPUs reduce, so it needs "
+            "pod, workload, podSelector, namespace or scaleTargetPods"
+        )
+    if "targetGpuUtilization" in resolved and "targetMemoryUtilization" in resolved:
+        raise InvalidMetadata(
+            "keys 'targetGpuUtilization' and 'targetMemoryUtilization' are both set; each picks the metric: "
+            "set one, or use 'metric' with 'targetValue'"
+        )
+    return resolved
+
+
+def _unknown_key_message(key: str) -> str:
+    import difflib  # only for a refusal: the agent starts smaller without it
+
+    candidates = {known.lower(): known for known in QUERY_KEYS}
+    close = difflib.get_close_matches(key.lower(), list(candidates), n=1, cutoff=0.6)
+    hint = f"did you mean {candidates[close[0]]!r}?" if close else "known keys: " + ", ".join(QUERY_KEYS)
+    return f"unknown key {key!r}; {hint}"
+
+
+# How to get a longer window, as a refusal says it: the flag, and the chart values that set it.
+RAISE_HISTORY = "raise --history (the chart's agent.history, or gateway.history behind the gateway)"
+# The HPA's metric types, which KEDA takes as the trigger's own metricType field beside `metadata:`.
+HPA_METRIC_TYPES = ("AverageValue", "Value", "Utilization")
+
+
+def _parse_metric(raw: Mapping[str, str], default: Metric) -> Metric:
+    for key in ("metric", "metricType"):
+        if key in raw:
+            if key == "metricType" and raw[key].strip() in HPA_METRIC_TYPES:
+                raise InvalidMetadata(
+                    f"metricType {raw[key]!r} in metadata is not the HPA's metric type: set metricType: "
+                    f"{raw[key].strip()} on the trigger itself, beside metadata: (docs/hpa.md). In metadata, "
+                    "metricType is an alias of metric: use one of: " + ", ".join(metric.value for metric in Metric)
+                )
+            return _parse_enum(key, raw[key], Metric)
+    return default
+
+
+_SHORTHANDS = {
+    "targetGpuUtilization": Metric.GPU_UTILIZATION,
+    "targetMemoryUtilization": Metric.MEMORY_UTILIZATION,
+}
+
+
+def _shorthand_target(raw: Mapping[str, str], chosen: Metric) -> tuple[Metric, float] | None:
+    for key, metric in _SHORTHANDS.items():
+        if key not in raw:
+            continue
+        named = "metric" in raw or "metricType" in raw
+        if named and chosen != metric:
+            raise InvalidMetadata(
+                f"{key} sets the metric to {metric.value!r}, but metric is {chosen.value!r}; "
+                f"drop one, or use targetValue"
+            )
+        if "targetValue" in raw:
+            raise InvalidMetadata(f"keys {key!r} and 'targetValue' are both set; set one target")
+        return metric, _parse_float(key, raw[key], minimum=MIN_TARGET, maximum=MAX_TARGET)
+    return None
+
+
+def _parse_float(key: str, text: str, *, minimum: float, exclusive: bool = False, maximum: float = math.inf) -> float:
+    try:
+        number = float(text.strip())
+    except ValueError:
+        raise InvalidMetadata(f"{key} {text!r} is not a number; use a decimal like '70' or '0.5'") from None
+    if not math.isfinite(number):
+        raise InvalidMetadata(f"{key} {text!r} is not finite; use a finite decimal")
+    if number < minimum or (exclusive and number == minimum) or number > maximum:
+        bound = f"> {_fmt(minimum)}" if exclusive else f">= {_fmt(minimum)}"
+        if maximum != math.inf:
+            bound += f" and <= {int(maximum):,} (KEDA keeps a target as int64 thousandths)"
+        raise InvalidMetadata(f"{key} {text!r} is out of range; it must be {bound}")
+    return number
+
+
+def _parse_enum(key: str, text: str, kind: type[_E]) -> _E:
+    try:
+        return kind(text.strip())
+    except ValueError:
+        raise _not_one_of(key, text, [member.value for member in kind]) from None
+
+
+def _not_one_of(key: str, text: str, allowed: list[str]) -> InvalidMetadata:
+    return InvalidMetadata(f"{key} {text!r} is not allowed; use one of: {', '.join(allowed)}")
+
+
+def _parse_window(text: str, limits: Limits) -> float:
+    try:
+        seconds = parse_duration(text)
+    except ValueError as error:
+        raise InvalidMetadata(f"window {error}") from None
+    if seconds <= 0:
+        raise InvalidMetadata(f"window {text!r} must be longer than 0; leave it out to use the latest sample")
+    if seconds > limits.history_seconds:
+        raise InvalidMetadata(
+            # "this server": an agent or the gateway, each with its own --history.
+            f"window {text!r} is longer than this server's --history of {format_duration(limits.history_seconds)}; "
+            f"use a shorter window or {RAISE_HISTORY}"
+        )
+    return seconds
+
+
+def _parse_selection(raw: Mapping[str, str]) -> GpuSelection:
+    if "gpuIndex" in raw:
+        return GpuSelection(indices=_parse_indices(raw["gpuIndex"]))
+    if "gpuUUID" in raw:
+        uuids = _parse_list("gpuUUID", raw["gpuUUID"], _non_empty)
+        # Matching is case-insensitive and order-free (as gpuIndex is), so equal selections are one query.
+        first_spelling = {uuid.lower(): uuid for uuid in reversed(uuids)}
+        return GpuSelection(uuids=tuple(sorted(first_spelling.values(), key=str.lower)))
+    return GpuSelection()
+
+
+def _parse_pods(raw: Mapping[str, str], scaled_object_namespace: str) -> PodSelection | None:
+    if not any(key in raw for key in POD_KEYS):
+        return None
+    if "namespace" in raw:
+        namespace = _parse_name("namespace", raw["namespace"], _NAMESPACE, "a namespace name like 'ml'")
+    elif scaled_object_namespace:
+        namespace = scaled_object_namespace
+    else:
+        raise InvalidMetadata(
+            "namespace is not set and the ScaledObject's namespace is unknown; set namespace to the pods' namespace"
+        )
+    pod = workload = labels = None
+    if "pod" in raw:
+        pod = _parse_name("pod", raw["pod"], _POD_GLOB, "a pod name or glob like 'trainer-*'")
+    if "workload" in raw:
+        workload = _parse_name("workload", raw["workload"], _OBJECT_NAME, "a Deployment or StatefulSet name")
+    if "podSelector" in raw:
+        try:
+            labels = parse_label_selector(raw["podSelector"])
+        except ValueError as error:
+            raise InvalidMetadata(f"podSelector {raw['podSelector']!r} {error}") from None
+    pod_aggregation = Aggregation.AVG
+    if "podAggregation" in raw:
+        pod_aggregation = _parse_enum("podAggregation", raw["podAggregation"], Aggregation)
+    return PodSelection(namespace=namespace, pod=pod, workload=workload, labels=labels, pod_aggregation=pod_aggregation)
+
+
+def _scale_target_pods(raw: Mapping[str, str], namespace: str, name: str) -> PodSelection:
+    """The pods of the ScaledObject's own scale target: resolved by the gateway, which reads ScaledObjects."""
+    if not namespace or not name:
+        raise InvalidMetadata(
+            "scaleTargetPods 'true' selects the pods of the ScaledObject's scaleTargetRef, and this request names no "
+            "ScaledObject (KEDA always does; `gpuscaler query` needs --scaled-object NAMESPACE/NAME)"
+        )
+    pod_aggregation = Aggregation.AVG
+    if "podAggregation" in raw:
+        pod_aggregation = _parse_enum("podAggregation", raw["podAggregation"], Aggregation)
+    return PodSelection(namespace=namespace, scale_target=name, pod_aggregation=pod_aggregation)
+
+
+def _parse_bool(key: str, text: str) -> bool:
+    value = text.strip().lower()
+    if value not in ("true", "false"):
+        raise InvalidMetadata(f"{key} {text!r} is not allowed; use 'true' or 'false'")
+    return value == "true"
+
+
+def _parse_name(key: str, text: str, pattern: re.Pattern[str], allowed: str) -> str:
+    name = text.strip()
+    if not pattern.fullmatch(name):
+        raise InvalidMetadata(f"{key} {text!r} is not allowed; use {allowed} (lowercase letters, digits, '-')")
+    return name
+
+
+def _parse_min_nodes(text: str) -> NodeQuorum:
+    item = text.strip()
+    allowed = "use a node count like '3', or a share of the known nodes like '75%'"
+    if item.endswith("%"):
+        try:
+            percent = float(item[:-1])
+        except ValueError:
+            raise InvalidMetadata(f"minNodes {text!r} is not a number; {allowed}") from None
+        if not 0 < percent <= 100:
+            raise InvalidMetadata(f"minNodes {text!r} is out of range; a share must be above 0% and at most 100%")
+        return NodeQuorum(fraction=percent / 100.0)
+    if not re.fullmatch(r"\d{1,6}", item):
+        raise InvalidMetadata(f"minNodes {text!r} is not allowed; {allowed}")
+    count = int(item)
+    if not 1 <= count <= MAX_MIN_NODES:
+        raise InvalidMetadata(f"minNodes {text!r} is out of range; it must be between 1 and {MAX_MIN_NODES}")
+    return NodeQuorum(count=count)
+
+
+def _parse_max_unreadable(text: str) -> UnreadableTolerance:
+    item = text.strip()
+    allowed = "use a GPU count like '0' or '2', or a share of the selected GPUs like '5%'"
+    if item.endswith("%"):
+        try:
+            percent = float(item[:-1])
+        except ValueError:
+            raise InvalidMetadata(f"maxUnreadable {text!r} is not a number; {allowed}") from None
+        if not 0 <= percent <= 100:  # also refuses nan
+            raise InvalidMetadata(f"maxUnreadable {text!r} is out of range; a share must be from 0% to 100%")
+        return UnreadableTolerance(fraction=percent / 100.0)
+    if not re.fullmatch(r"\d{1,6}", item):
+        raise InvalidMetadata(f"maxUnreadable {text!r} is not allowed; {allowed}")
+    count = int(item)
+    if count > MAX_UNREADABLE_COUNT:
+        raise InvalidMetadata(
+            f"maxUnreadable {text!r} is out of range; a count must be from 0 to {MAX_UNREADABLE_COUNT}"
+        )
+    return UnreadableTolerance(count=count)
+
+
+def _parse_indices(text: str) -> tuple[int, ...] | None:
+    indices = _parse_list("gpuIndex", text, _index)
+    if -1 in indices:
+        if len(indices) > 1:
+            raise InvalidMetadata(f"gpuIndex {text!r} mixes -1 (all GPUs) with indices; use -1 alone")
+        return None
+    return tuple(sorted(set(indices)))
+
+
+def _index(item: str) -> int:
+    if not re.fullmatch(r"-?\d{1,6}", item) or int(item) < -1:
+        raise ValueError("an index is an integer >= 0, or -1 for all GPUs")
+    return int(item)
+
+
+def _non_empty(item: str) -> str:
+    return item
+
+
+def _parse_list(key: str, text: str, parse: Callable[[str], _T]) -> tuple[_T, ...]:
+    items = [item.strip() for item in text.split(",")]
+    if not text.strip() or any(not item for item in items):
+        raise InvalidMetadata(f"{key} {text!r} has an empty entry; use a comma-separated list like '0,2'")
+    try:
+        return tuple(parse(item) for item in items)
+    except ValueError as error:
+        raise InvalidMetadata(f"{key} {text!r}: {error}") from None
+
+
+def _parse_metric_name(text: str) -> str:
+    if not _METRIC_NAME.fullmatch(text):  # match() would let a trailing newline through "$"
+        raise InvalidMetadata(
+            f"metricName {text!r} is not allowed; use 1-100 lowercase letters, digits, '-', '_' or '.', "
+            "starting and ending with a letter or digit (KEDA puts it in a URL path)"
+        )
+    return text
+
+
+def _fmt(number: float) -> str:
+    return f"{number:g}"

@@ -1,0 +1,162 @@
+"""Defaults per workload profile (a metric's own defaults are in ``gpu_metrics.METRICS``); the docs' tables match.
+
+The four plain profiles scale on ``gpu_utilization``, which every NVIDIA GPU reports. Each has a ``-gpm`` twin
+that scales on GPM's ``sm_active`` instead: a better signal (the share of SMs at work, not a duty cycle that
+one small kernel fills), but only on Hopper and newer. A ``-gpm`` profile never falls back to the duty cycle
+on an older GPU, because a sum that mixes two metrics with different scales would be a number nobody set a
+target for; it fails with FAILED_PRECONDITION naming the plain profile instead (docs/profiles.md).
+
+KEDA's default metricType is AverageValue, where the HPA computes desired = ceil(value / target)
+regardless of the current replica count. So the defaults return the SUM over the selected GPUs and
+the target is what ONE GPU (one replica) should carry: 4 GPUs at 90% with target 70 give
+ceil(360 / 70) = 6 replicas. A max or an average of percentages would cap the HPA at
+ceil(100 / target) replicas, which is the prior art's bug. Temperature is the exception: a sum of
+temperatures means nothing, so it takes the max and is meant for `metricType: Value` or as a guard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gpuscaler.model.aggregation import Aggregation, WindowFunction
+from gpuscaler.model.gpu_metrics import Metric
+
+DEFAULT_METRIC = Metric.GPU_UTILIZATION
+GPM_SUFFIX = "-gpm"
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """A workload's defaults. Any metadata key overrides them (activationThreshold alone sets both thresholds)."""
+
+    name: str
+    metric: Metric
+    aggregation: Aggregation
+    target: float
+    activation_threshold: float
+    deactivation_threshold: float
+    window_seconds: float | None
+    window_function: WindowFunction
+    why: str
+
+
+PROFILES: Mapping[str, Profile] = {
+    profile.name: profile
+    for profile in (
+        Profile(
+            name="vllm-inference",
+            metric=Metric.GPU_UTILIZATION,
+            aggregation=Aggregation.SUM,
+            target=70.0,
+            activation_threshold=5.0,
+            deactivation_threshold=1.0,
+            window_seconds=30.0,
+            window_function=WindowFunction.AVG,
+            why=(
+                "vLLM pre-allocates ~90% of VRAM at start, so memory never follows load; SM busy time does, "
+                "and a 30 s average smooths the duty cycle of continuous batching"
+            ),
+        ),
+        Profile(
+            name="triton-inference",
+            metric=Metric.GPU_UTILIZATION,
+            aggregation=Aggregation.SUM,
+            target=75.0,
+            activation_threshold=10.0,
+            deactivation_threshold=2.0,
+            window_seconds=15.0,
+            window_function=WindowFunction.AVG,
+            why=(
+                "Triton's dynamic batching keeps models resident (memory is flat) and turns request rate "
+                "into SM busy time; a shorter window follows bursty traffic"
+            ),
+        ),
+        Profile(
+            name="training",
+            metric=Metric.GPU_UTILIZATION,
+            aggregation=Aggregation.SUM,
+            target=90.0,
+            activation_threshold=10.0,
+            deactivation_threshold=1.0,
+            window_seconds=120.0,
+            window_function=WindowFunction.AVG,
+            why=(
+                "a healthy training job keeps GPUs near 100%; a 2 min average rides out evaluation and "
+                "checkpoint pauses so workers are not removed mid-epoch"
+            ),
+        ),
+        Profile(
+            name="batch",
+            metric=Metric.GPU_UTILIZATION,
+            aggregation=Aggregation.SUM,
+            target=85.0,
+            activation_threshold=1.0,
+            deactivation_threshold=0.0,
+            window_seconds=60.0,
+            window_function=WindowFunction.MAX,
+            why=(
+                "batch wants GPUs packed and stays active while any GPU did any work in the last minute, "
+                "so a queue's workers are not scaled to zero between items"
+            ),
+        ),
+        # The GPM twins: the same windows and hysteresis, on the share of SMs at work. Targets are lower than
+        # the duty cycle's because sm_active reaches 100% only when every SM is busy for the whole interval.
+        Profile(
+            name="vllm-inference-gpm",
+            metric=Metric.SM_ACTIVE,
+            aggregation=Aggregation.SUM,
+            target=50.0,
+            activation_threshold=5.0,
+            deactivation_threshold=1.0,
+            window_seconds=30.0,
+            window_function=WindowFunction.AVG,
+            why=(
+                "continuous batching keeps one small batch in flight, which already reads ~100% duty cycle; "
+                "the share of busy SMs keeps rising with the batch, so replicas follow load, not mere activity"
+            ),
+        ),
+        Profile(
+            name="triton-inference-gpm",
+            metric=Metric.SM_ACTIVE,
+            aggregation=Aggregation.SUM,
+            target=55.0,
+            activation_threshold=10.0,
+            deactivation_threshold=2.0,
+            window_seconds=15.0,
+            window_function=WindowFunction.AVG,
+            why=(
+                "dynamic batching turns request rate into larger batches, which fill more SMs rather than more "
+                "time; sm_active sees that, the duty cycle saturates at the first steady trickle"
+            ),
+        ),
+        Profile(
+            name="training-gpm",
+            metric=Metric.SM_ACTIVE,
+            aggregation=Aggregation.SUM,
+            target=70.0,
+            activation_threshold=10.0,
+            deactivation_threshold=1.0,
+            window_seconds=120.0,
+            window_function=WindowFunction.AVG,
+            why=(
+                "a data-starved job launches small kernels that keep the duty cycle high while most SMs idle; "
+                "sm_active tells a job that computes from one that waits"
+            ),
+        ),
+        Profile(
+            name="batch-gpm",
+            metric=Metric.SM_ACTIVE,
+            aggregation=Aggregation.SUM,
+            target=65.0,
+            activation_threshold=1.0,
+            deactivation_threshold=0.0,
+            window_seconds=60.0,
+            window_function=WindowFunction.MAX,
+            why=(
+                "the batch profile's packing and minute-long memory, on the share of SMs at work: a worker that "
+                "fills a GPU's SMs counts more than one that keeps a single SM busy"
+            ),
+        ),
+    )
+}

@@ -1,0 +1,270 @@
+"""Conversions between the domain types and the ``gpuscaler.v1`` messages, both ways.
+
+The gateway rebuilds samples from the agents' snapshot streams, so the two directions must stay each other's
+inverse (a test checks the round trip). Messages are betterproto2's everywhere but one place: the gateway
+decodes the snapshot streams with the protobuf runtime's C decoder (``gateway/decoding.py``), hundreds of
+times faster for a message that arrives thousands of times a second; the wire format is the same.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from gpuscaler.generated.gpuscaler import v1 as pb
+from gpuscaler.model.aggregation import WindowFunction
+from gpuscaler.model.gpu_metrics import METRICS, READING_FIELDS, Metric
+from gpuscaler.model.samples import (
+    Attribution,
+    AttributionState,
+    GpuSample,
+    ProcessUsage,
+    ReadErrorKind,
+    Snapshot,
+    Windowed,
+    WindowKey,
+    WindowValues,
+)
+from gpuscaler.query.query import Query
+from gpuscaler.signals.energy import IdleEnergy
+from gpuscaler.signals.evaluation import Contribution, Evaluation
+
+if TYPE_CHECKING:  # the protobuf runtime loads only where snapshots are decoded (gateway/decoding.py)
+    from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
+
+_KIND_TO_WIRE = {
+    ReadErrorKind.NOT_SUPPORTED: pb.ReadErrorKind.NOT_SUPPORTED,
+    ReadErrorKind.GPU_LOST: pb.ReadErrorKind.GPU_LOST,
+    ReadErrorKind.TIMEOUT: pb.ReadErrorKind.TIMEOUT,
+    ReadErrorKind.OTHER: pb.ReadErrorKind.OTHER,
+}
+_ATTRIBUTION_TO_WIRE = {
+    AttributionState.OFF: pb.AttributionState.OFF,
+    AttributionState.UNAVAILABLE: pb.AttributionState.UNAVAILABLE,
+    AttributionState.OK: pb.AttributionState.OK,
+}
+
+
+def attribution_to_wire(attribution: Attribution) -> pb.Attribution:
+    """A node's attribution state, and why it is not OK, as the message."""
+    return pb.Attribution(state=_ATTRIBUTION_TO_WIRE[attribution.state], detail=attribution.detail)
+
+
+def sample_to_wire(sample: GpuSample) -> pb.GpuSample:
+    """One GPU's sample as the message: unread values left unset."""
+    return pb.GpuSample(
+        index=sample.gpu.index,
+        uuid=sample.gpu.uuid,
+        name=sample.gpu.name,
+        mig_parent_uuid=sample.gpu.mig_parent_uuid or "",
+        node=sample.node,
+        gpu_utilization_percent=sample.gpu_utilization_percent,
+        memory_utilization_percent=sample.memory_utilization_percent,
+        memory_used_bytes=sample.memory_used_bytes,
+        memory_total_bytes=sample.memory_total_bytes,
+        temperature_celsius=sample.temperature_celsius,
+        power_draw_watts=sample.power_draw_watts,
+        power_limit_watts=sample.power_limit_watts,
+        errors=[
+            pb.ReadError(
+                field=e.field, kind=_KIND_TO_WIRE[e.kind], detail=e.detail, last_read_unix_seconds=e.last_read_at
+            )
+            for e in sample.errors
+        ],
+        pods=[pb.PodRef(namespace=p.namespace, pod=p.pod, container=p.container) for p in sample.pods],
+        sm_active_percent=sample.sm_active_percent,
+        sm_occupancy_percent=sample.sm_occupancy_percent,
+        tensor_active_percent=sample.tensor_active_percent,
+        dram_bandwidth_percent=sample.dram_bandwidth_percent,
+        energy_joules=sample.energy_joules,
+        processes=[_process_to_wire(p) for p in sample.processes or ()],
+        processes_read=sample.processes is not None,
+    )
+
+
+def _packed(sample: GpuSample) -> list[float]:
+    """The sample's readings in order, NaN where unread: its share of ``Snapshot.readings``."""
+    return [math.nan if (value := getattr(sample, name)) is None else float(value) for name in READING_FIELDS]
+
+
+def _process_to_wire(process: ProcessUsage) -> pb.ProcessUsage:
+    return pb.ProcessUsage(
+        pid=process.pid,
+        pod_uid=process.pod_uid,
+        container_id=process.container_id,
+        sm_percent=process.sm_percent,
+        memory_utilization_percent=process.memory_utilization_percent,
+        memory_used_bytes=process.memory_used_bytes,
+    )
+
+
+def snapshot_to_wire(
+    snapshot: Snapshot, *, poll_interval_seconds: float, windows: Mapping[WindowKey, WindowValues] | None = None
+) -> pb.Snapshot:
+    """The message; ``windows`` are the windows a subscriber asked for, reduced for this snapshot."""
+    return pb.Snapshot(
+        node=snapshot.node,
+        sequence=snapshot.sequence,
+        taken_at_unix_seconds=snapshot.taken_at,
+        poll_interval_seconds=poll_interval_seconds,
+        gpus=[sample_to_wire(sample) for sample in snapshot.samples],
+        attribution=attribution_to_wire(snapshot.attribution),
+        windows=[_window_to_wire(key, values, snapshot) for key, values in (windows or {}).items()],
+        readings=[value for sample in snapshot.samples for value in _packed(sample)],
+    )
+
+
+def window_key_to_wire(key: WindowKey) -> pb.WindowSpec:
+    """A window as the WindowSpec a subscriber sends to ask an agent for it."""
+    return pb.WindowSpec(metric=key.metric.value, seconds=key.seconds, function=key.function.value)
+
+
+def window_key_from_wire(spec: pb.WindowSpec | agent_pb2.WindowSpec) -> WindowKey:
+    """The window a message names; ValueError naming the field when it names no metric or function we have."""
+    try:
+        metric = Metric(spec.metric)
+    except ValueError:
+        raise ValueError(f"window metric {spec.metric!r} is not a metric") from None
+    try:
+        function = WindowFunction(spec.function)
+    except ValueError:
+        raise ValueError(f"window function {spec.function!r} is not one of avg, max, min, last") from None
+    if not math.isfinite(spec.seconds) or spec.seconds < 0 or (spec.seconds == 0 and not METRICS[metric].rate):
+        raise ValueError(f"window seconds {spec.seconds!r} must be a finite number above 0 (0 only for a rate)")
+    return WindowKey(metric, spec.seconds, function)
+
+
+def _window_to_wire(key: WindowKey, values: WindowValues, snapshot: Snapshot) -> pb.WindowedValues:
+    if values.problem is not None:
+        return pb.WindowedValues(window=window_key_to_wire(key), problem=values.problem)
+    missing = Windowed(None, 0)
+    per_gpu = [values.by_uuid.get(sample.gpu.uuid, missing) for sample in snapshot.samples]
+    return pb.WindowedValues(
+        window=window_key_to_wire(key),
+        values=[
+            pb.WindowedValue(
+                value=w.value,
+                samples=w.samples,
+                reason=w.reason or "",
+                shares=[
+                    pb.PodWindowedValue(pod_uid=uid, value=share.value, samples=share.samples)
+                    for uid, share in w.shares.items()
+                ],
+            )
+            for w in per_gpu
+        ],
+        packed_values=[math.nan if w.value is None else w.value for w in per_gpu],
+        packed_samples=[w.samples for w in per_gpu],
+    )
+
+
+# GPU rows one Explanation lists. A 2,000-node gateway's all-GPU answer has 16,000: made and encoded in full
+# they held its event loop (every push and poll) for 0.8 s; 256 rows take a few milliseconds.
+MAX_EXPLAINED_GPUS = 256
+
+
+def explained_gpus(evaluation: Evaluation, limit: int = MAX_EXPLAINED_GPUS) -> tuple[list[Contribution], int]:
+    """The GPU rows an explanation lists, and how many it leaves unlisted: all of them up to ``limit``; past
+    it, the GPUs left out of the value first (what a reader looks for), then the first that went in, in order.
+
+    Only the rows listed are made: a cluster's other GPUs stay columns.
+    """
+    contributions = evaluation.contributions
+    total = len(contributions)
+    if total <= limit:
+        return list(contributions), 0
+    rows = evaluation.unread[:limit]
+    included = (c for c in contributions if c.value is not None)
+    rows += itertools.islice(included, limit - len(rows))
+    return rows, total - len(rows)
+
+
+def explanation_to_wire(
+    query: Query,
+    evaluation: Evaluation,
+    *,
+    active: bool,
+    now: float,
+    error_code: str,
+    idle_energy: IdleEnergy | None = None,
+) -> pb.Explanation:
+    """``error_code`` is the gRPC status name KEDA gets for ``evaluation.error`` (the server's table says which)."""
+    snapshot = evaluation.snapshot
+    value = query.value
+    rows, omitted = explained_gpus(evaluation)
+    idle = (
+        pb.IdleEnergy(
+            idle_joules=idle_energy.idle_joules,
+            busy_joules=idle_energy.busy_joules,
+            seconds=idle_energy.seconds,
+            unknown_seconds=idle_energy.unknown_seconds,
+            gpus=idle_energy.gpus,
+        )
+        if idle_energy is not None and idle_energy.gpus
+        else None
+    )
+    return pb.Explanation(
+        metric_name=query.metric_name,
+        metric=value.metric.value,
+        profile=query.profile or "",
+        aggregation=value.aggregation.value,
+        window_seconds=value.window_seconds or 0.0,
+        window_function=value.window_function.value,
+        target=query.target,
+        activation_threshold=query.activation.activation_threshold,
+        deactivation_threshold=query.activation.deactivation_threshold,
+        gpus=[
+            pb.GpuContribution(
+                index=c.sample.gpu.index,
+                uuid=c.sample.gpu.uuid,
+                node=c.sample.node,
+                included=c.value is not None,
+                value=c.value,
+                samples=c.samples,
+                reason=c.reason or "",
+                namespace=c.pod[0] if c.pod else "",
+                pod=c.pod[1] if c.pod else "",
+                share=c.share or "",
+            )
+            for c in rows
+        ],
+        gpus_omitted=omitted,
+        pods=[
+            pb.PodContribution(
+                namespace=p.namespace,
+                pod=p.pod,
+                workload=p.workload or "",
+                node=p.node,
+                included=p.value is not None,
+                value=p.value,
+                gpus=p.gpus,
+                reason=p.reason or "",
+            )
+            for p in evaluation.pods
+        ],
+        pod_aggregation=value.pods.pod_aggregation.value if value.pods else "",
+        selection=_selection(query, evaluation),
+        value=evaluation.value,
+        active=active,
+        error_code=error_code,
+        error_message=evaluation.error.message if evaluation.error else "",
+        snapshot_age_seconds=max(0.0, now - snapshot.monotonic) if snapshot else 0.0,
+        snapshot_sequence=snapshot.sequence if snapshot else 0,
+        nodes=evaluation.nodes,
+        nodes_expected=snapshot.known_nodes if snapshot else 0,
+        absent=[
+            pb.AbsentNode(agent=a.agent, node=a.node or "", since_unix_seconds=a.since, reason=a.reason)
+            for a in evaluation.absent
+        ],
+        idle_energy=idle,
+    )
+
+
+def _selection(query: Query, evaluation: Evaluation) -> str:
+    """What the answer read: scaleTargetPods as the workload it resolved to, else the query's own selection."""
+    pods = query.value.pods
+    if pods is not None and pods.scale_target is not None and evaluation.selection:
+        return evaluation.selection
+    return query.value.describe_selection()

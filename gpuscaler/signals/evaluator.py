@@ -1,0 +1,250 @@
+"""The query evaluator: parses metadata, evaluates over the history, keeps activation, feeds push streams.
+
+Handlers ask the evaluator; the evaluator never calls a collector. Streams with the same query share one
+evaluation and one activation state per tick, so a tick costs one evaluation per distinct query,
+however many streams are open. Unary calls within one tick reuse that tick's evaluations too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import structlog
+
+from gpuscaler.model.pods import PodDirectory
+from gpuscaler.model.samples import DEVICE_FIELD, Snapshot
+from gpuscaler.query.metadata import Limits, parse_metadata
+from gpuscaler.query.query import Query, ValueQuery
+from gpuscaler.signals.activation import ActivationStates
+from gpuscaler.signals.evaluation import Evaluation, NodeMemo, evaluate
+from gpuscaler.signals.source import SnapshotSource
+
+log = structlog.get_logger(__name__)
+
+# Activation states of queries nobody asked about for this long are forgotten (KEDA polls every 30 s).
+ACTIVATION_IDLE_SECONDS = 15 * 60.0
+# KEDA sends each ScaledObject's same metadata on every call; parsed queries are kept for that many
+# distinct metadata of at most that many keys and characters, so a client sending ever new metadata
+# costs at most about PARSE_CACHE_ENTRIES * PARSE_CACHE_MAX_CHARS characters, and a huge request
+# costs no more than parsing it did. There are 30 known keys.
+PARSE_CACHE_ENTRIES = 1024
+PARSE_CACHE_MAX_KEYS = 32
+PARSE_CACHE_MAX_CHARS = 2048
+
+
+@dataclass(eq=False, slots=True)
+class Subscription:
+    """One open push stream: the evaluator sets ``active`` and ``changed`` when its query's state moves."""
+
+    query: Query
+    active: bool | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(eq=False, slots=True)
+class _Group:
+    query: Query
+    subscriptions: set[Subscription] = field(default_factory=set)
+    broadcast: bool | None = None
+    # Streams that opened while the value was unknown: they learn the state at the next known value,
+    # even when it is the one already broadcast (a transition-only wake-up would leave them silent).
+    waiting: set[Subscription] = field(default_factory=set)
+
+
+class Evaluator:
+    """Everything the gRPC handlers need, over one snapshot source (an agent's history, a gateway's view)."""
+
+    def __init__(
+        self,
+        source: SnapshotSource,
+        *,
+        clock: Callable[[], float] | None = None,
+        directory: PodDirectory | None = None,
+        cluster: bool = False,
+    ) -> None:
+        self.source = source
+        self.directory = directory
+        self.limits = Limits(history_seconds=source.history_seconds, cluster=cluster)
+        self._parsed: dict[tuple[str, str, tuple[tuple[str, str], ...]], Query] = {}
+        self.stale_after = source.stale_after
+        self._clock = clock or asyncio.get_running_loop().time
+        self._states = ActivationStates(idle_seconds=ACTIVATION_IDLE_SECONDS)
+        self._groups: dict[Hashable, _Group] = {}
+        self._cache_sequence = -1
+        self._cache: dict[ValueQuery, Evaluation] = {}
+        # A cluster's nodes mostly send nothing new between two compositions: their parts are kept.
+        self._memo = NodeMemo() if cluster else None
+        self.closing = False
+        self.on_transition: list[Callable[[bool], None]] = []
+        # Called with every answer that left out GPUs or nodes (lost GPUs within maxUnreadable, minNodes).
+        self.on_partial: list[Callable[[Evaluation], None]] = []
+        self._left_out: dict[ValueQuery, tuple[frozenset[str], float]] = {}
+
+    def now(self) -> float:
+        return self._clock()
+
+    def parse(self, metadata: Mapping[str, str], namespace: str = "", name: str = "") -> Query:
+        """``namespace`` and ``name`` are the ScaledObject's: a pod selection's default namespace, scaleTargetPods'.
+
+        Parsing is a pure function of the metadata (in its order: the first unknown key is the one
+        named), the ScaledObject and the limits, and a Query is immutable, so a parsed one is reused.
+        Refusals are not kept: each raises afresh, with the same message.
+        """
+        items = tuple(metadata.items()) if len(metadata) <= PARSE_CACHE_MAX_KEYS else None
+        size = len(namespace) + len(name) + sum(len(key) + len(value) for key, value in items or ())
+        if items is None or size > PARSE_CACHE_MAX_CHARS:
+            return parse_metadata(metadata, self.limits, namespace=namespace, name=name)  # too big to keep
+        key = (namespace, name, items)
+        query = self._parsed.get(key)
+        if query is None:
+            query = parse_metadata(metadata, self.limits, namespace=namespace, name=name)
+            if len(self._parsed) >= PARSE_CACHE_ENTRIES:
+                del self._parsed[next(iter(self._parsed))]  # the oldest entry
+            self._parsed[key] = query
+        return query
+
+    async def prepare(self, query: Query) -> None:
+        """Make the query's window answerable before it is evaluated: a gateway asks its agents for it once."""
+        window = query.value.window
+        if window is not None:
+            await self.source.prepare([window])
+
+    def evaluate(self, query: ValueQuery) -> Evaluation:
+        latest = self.source.latest
+        fresh = latest is not None and self._clock() - latest.monotonic <= self.stale_after
+        if not fresh or latest is None:
+            return evaluate(
+                query, self.source, now=self._clock(), stale_after=self.stale_after, directory=self.directory
+            )
+        if latest.sequence != self._cache_sequence:
+            if self._memo is not None and len(self._cache) > 0:
+                self._memo.keep_only(self._cache, latest.parts)
+            self._cache_sequence, self._cache = latest.sequence, {}
+        cached = self._cache.get(query)
+        if cached is None:
+            cached = self._cache[query] = evaluate(
+                query,
+                self.source,
+                now=latest.monotonic,
+                stale_after=self.stale_after,
+                directory=self.directory,
+                memo=self._memo,
+            )
+        return cached
+
+    def value(self, query: Query) -> float:
+        """The query's value now; raises the GpuscalerError KEDA must see instead of a made-up 0."""
+        evaluation = self.evaluate(query.value)
+        value = evaluation.value_or_raise()
+        self._note_left_out(evaluation)
+        return value
+
+    def _note_left_out(self, evaluation: Evaluation) -> None:
+        """Make a partial answer visible: every time to the observers, and in the log when what it lacks changes."""
+        gpus = evaluation.unread
+        if not gpus and not evaluation.absent:
+            if self._left_out.pop(evaluation.query, None) is not None:
+                log.info("answer_complete_again", selection=evaluation.query.describe_selection())
+            return
+        for observer in self.on_partial:
+            observer(evaluation)
+        names = frozenset(
+            [f"GPU {c.sample.gpu.index} ({c.sample.gpu.uuid}) on {c.sample.node}: {c.reason}" for c in gpus]
+            + [f"node {a.node or '?'}{f' (agent {a.agent})' if a.agent else ''}: {a.reason}" for a in evaluation.absent]
+        )
+        seen = self._left_out.get(evaluation.query)
+        self._left_out[evaluation.query] = (names, self._clock())
+        if seen is None or seen[0] != names:
+            log.warning(
+                "answer_leaves_out",
+                selection=evaluation.query.describe_selection(),
+                metric=evaluation.query.metric.value,
+                left_out=sorted(names),
+                detail=(
+                    "the answer leaves out GPUs it cannot read within maxUnreadable, and nodes within minNodes; "
+                    "maxUnreadable 0 or naming GPUs makes it strict"
+                ),
+            )
+
+    def is_active(self, query: Query) -> bool:
+        return self._observe(query, self.value(query))
+
+    def _observe(self, query: Query, value: float) -> bool:
+        transition = self._states.observe(query.activation_key, value, query.activation, now=self._clock())
+        if transition.changed:
+            for observer in self.on_transition:
+                observer(transition.active)
+            log.info(
+                "activation_changed",
+                metric_name=query.metric_name,
+                active=transition.active,
+                value=round(value, 3),
+                activation_threshold=query.activation.activation_threshold,
+                deactivation_threshold=query.activation.deactivation_threshold,
+            )
+        return transition.active
+
+    @property
+    def distinct_stream_queries(self) -> int:
+        return len(self._groups)
+
+    @contextmanager
+    def subscribe(self, query: Query) -> Iterator[Subscription]:
+        """A push subscription for the lifetime of the ``with`` block; ``active`` is set at once if known."""
+        key = query.activation_key
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = _Group(query)
+        subscription = Subscription(query)
+        group.subscriptions.add(subscription)
+        try:
+            evaluation = self.evaluate(query.value)
+            if evaluation.value is not None:
+                subscription.active = self._observe(query, evaluation.value)
+            else:
+                group.waiting.add(subscription)
+            yield subscription
+        finally:
+            group.subscriptions.discard(subscription)
+            group.waiting.discard(subscription)
+            if not group.subscriptions:
+                del self._groups[key]
+
+    def on_snapshot(self, snapshot: Snapshot) -> None:
+        """The source's listener: one evaluation per distinct streamed query, and a wake-up on each change."""
+        for group in list(self._groups.values()):
+            evaluation = self.evaluate(group.query.value)
+            if evaluation.value is None:
+                continue  # unknown is not inactive: keep the last state until the value is back
+            active = self._observe(group.query, evaluation.value)
+            if active != group.broadcast:
+                group.broadcast = active
+                woken: set[Subscription] = group.subscriptions
+            else:
+                woken = group.waiting
+            for subscription in woken:
+                if subscription.active != active:
+                    subscription.active = active
+                    subscription.changed.set()
+            group.waiting.clear()
+        now = self._clock()
+        self._states.forget_idle(now=now, keep=set(self._groups))
+        for key in [k for k, (_, used) in self._left_out.items() if now - used > ACTIVATION_IDLE_SECONDS]:
+            del self._left_out[key]
+
+    def healthy(self) -> bool:
+        """Fresh samples with at least one GPU read: what the health service reports as SERVING."""
+        latest = self.source.latest
+        if latest is None or self._clock() - latest.monotonic > self.stale_after:
+            return False
+        return any(all(error.field != DEVICE_FIELD for error in sample.errors) for sample in latest.samples)
+
+    def close_streams(self) -> None:
+        """Wake every push stream with ``closing`` set, so each handler returns and its stream ends OK."""
+        self.closing = True
+        for group in self._groups.values():
+            for subscription in group.subscriptions:
+                subscription.changed.set()

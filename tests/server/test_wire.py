@@ -1,0 +1,278 @@
+"""wire: domain samples to gpuscaler.v1 messages (betterproto2) and back (the gateway's protobuf decoder), as bytes."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from gpuscaler.client.explain import Answer, Report, left_out_lines, unlisted_line
+from gpuscaler.gateway.decoding import SnapshotDecoder
+from gpuscaler.generated.gpuscaler import v1 as pb
+from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
+from gpuscaler.model.gpu_metrics import READING_FIELDS
+from gpuscaler.model.samples import (
+    DEVICE_FIELD,
+    AttributionState,
+    GpuIdentity,
+    GpuSample,
+    PodRef,
+    ProcessUsage,
+    ReadError,
+    ReadErrorKind,
+    Snapshot,
+    column,
+)
+from gpuscaler.query.metadata import Limits, parse_metadata
+from gpuscaler.server.wire import MAX_EXPLAINED_GPUS, explanation_to_wire, sample_to_wire, snapshot_to_wire
+from gpuscaler.signals.evaluation import Contribution, Evaluation
+from tests.builders import failed_sample, gpu_sample, snapshot
+
+GPU_1 = GpuIdentity(1, "GPU-11111111-test", "Test GPU")
+
+
+def through_the_wire(original: Snapshot, decoder: SnapshotDecoder | None = None) -> Snapshot:
+    """``original`` as an agent sends it and as a gateway reads it, with the gateway's clock at 999."""
+    data = bytes(snapshot_to_wire(original, poll_interval_seconds=0.5))
+    return (decoder or SnapshotDecoder()).decode(agent_pb2.Snapshot.FromString(data), monotonic=999.0)
+
+
+def round_trip(sample: GpuSample) -> GpuSample:
+    """``sample`` after a trip through the wire in a snapshot of its own."""
+    (received,) = through_the_wire(snapshot(1, 0.0, (sample,))).samples
+    return received
+
+
+SAMPLES = [
+    pytest.param(
+        gpu_sample(
+            3,
+            util=87.5,
+            mem_util=41.0,
+            used=12 * 1024**3,
+            total=80 * 1024**3,
+            temperature=66.0,
+            power=612.25,
+            limit=700.0,
+        ),
+        id="every-value",
+    ),
+    pytest.param(
+        gpu_sample(0, util=0.0, mem_util=0.0, used=0, total=1, temperature=0.0, power=0.0, limit=0.0),
+        id="zeros-stay-zeros",
+    ),
+    pytest.param(gpu_sample(1), id="nothing-read-stays-none"),
+    pytest.param(gpu_sample(1, util=50.0, power=None, limit=700.0), id="some-absent"),
+    pytest.param(
+        gpu_sample(
+            2, errors=(ReadError(DEVICE_FIELD, ReadErrorKind.GPU_LOST, "nvmlDeviceGetUUID(gpu 2): GPU is lost"),)
+        ),
+        id="lost",
+    ),
+    pytest.param(
+        gpu_sample(
+            0,
+            util=10.0,
+            errors=(
+                ReadError("power_draw_watts", ReadErrorKind.NOT_SUPPORTED, "Not Supported"),
+                ReadError("temperature", ReadErrorKind.TIMEOUT, "hung"),
+                ReadError("memory_used_bytes", ReadErrorKind.OTHER, "Unknown Error"),
+            ),
+        ),
+        id="every-error-kind",
+    ),
+    pytest.param(
+        gpu_sample(
+            3,
+            errors=(
+                ReadError(DEVICE_FIELD, ReadErrorKind.GPU_LOST, "GPU is lost", 1_700_000_123.25),
+                ReadError("temperature", ReadErrorKind.TIMEOUT, "hung", 0.0),
+            ),
+        ),
+        id="last-read-stamps",
+    ),
+    pytest.param(
+        gpu_sample(
+            0,
+            util=90.0,
+            pods=(PodRef("ml", "vllm-0", "server"), PodRef("ml", "vllm-1", "server")),
+        ),
+        id="pods",
+    ),
+    pytest.param(
+        gpu_sample(
+            4,
+            uuid="MIG-9f1c0d2e-aaaa-bbbb-cccc-0123456789ab",
+            mig_parent="GPU-5c1f0a2b-aaaa-bbbb-cccc-0123456789ab",
+            used=5 * 1024**3,
+            total=10 * 1024**3,
+            errors=(ReadError("gpu_utilization", ReadErrorKind.NOT_SUPPORTED, "MIG"),),
+        ),
+        id="mig-instance",
+    ),
+    pytest.param(
+        gpu_sample(0, sm_active=35.5, sm_occupancy=0.0, tensor_active=12.25, dram_bandwidth=48.0, energy=123456.789),
+        id="gpm-and-energy",
+    ),
+    pytest.param(gpu_sample(0, util=50.0, processes=()), id="processes-read-none-running"),
+    pytest.param(
+        gpu_sample(
+            0,
+            util=70.0,
+            processes=(
+                ProcessUsage(101, "1b4e2a3c-1111-2222-3333-444455556666", "a" * 64, 30.0, 12.0, 2 * 1024**3),
+                ProcessUsage(301, "", None, 0.0, 0.0, 64 * 1024**2),
+                ProcessUsage(999, None, None, None, None, None),
+            ),
+        ),
+        id="processes-pod-host-unknown",
+    ),
+]
+
+
+@pytest.mark.parametrize("sample", SAMPLES)
+def test_sample_round_trips(sample: GpuSample) -> None:
+    """A sample survives to_wire, serialisation and from_wire unchanged: None stays None and 0 stays 0."""
+    assert round_trip(sample) == sample
+
+
+def test_absent_value_is_absent_on_the_wire() -> None:
+    """An unread value is an unset optional field, not a 0, so a reader in another language sees it absent."""
+    message = sample_to_wire(gpu_sample(0, util=0.0))
+    assert message.gpu_utilization_percent == 0.0
+    assert message.temperature_celsius is None
+    assert message.is_set("gpu_utilization_percent")
+    assert not message.is_set("temperature_celsius")
+
+
+def test_processes_not_read_differ_from_none_running() -> None:
+    """An agent that read no processes sends processes_read false; the receiver keeps None, not an empty tuple."""
+    assert round_trip(gpu_sample(0)).processes is None
+    assert sample_to_wire(gpu_sample(0, processes=())).processes_read is True
+    assert round_trip(gpu_sample(0, processes=())).processes == ()
+
+
+def test_whole_gpu_has_no_mig_parent_on_either_side() -> None:
+    """A whole GPU has an empty mig_parent_uuid on the wire and None in the domain."""
+    message = sample_to_wire(gpu_sample(0))
+    assert message.mig_parent_uuid == ""
+    assert round_trip(gpu_sample(0)).gpu.mig_parent_uuid is None
+
+
+def test_unspecified_error_kind_reads_as_other() -> None:
+    """An error kind the reader does not know (or unset) becomes OTHER rather than being dropped."""
+    message = pb.Snapshot(
+        node="n", gpus=[pb.GpuSample(index=0, uuid="GPU-x", errors=[pb.ReadError(field="temperature", detail="?")])]
+    )
+    decoded = SnapshotDecoder().decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=0.0)
+    assert decoded.samples[0].errors == (ReadError("temperature", ReadErrorKind.OTHER, "?"),)
+    assert decoded.attribution.state is AttributionState.OFF  # an agent that sends none has none
+
+
+def test_snapshot_round_trips() -> None:
+    """A snapshot's node, sequence, wall-clock time and samples survive; the receiver supplies its own clock."""
+    original = snapshot(
+        41,
+        12.5,
+        (gpu_sample(0, util=10.0), gpu_sample(1, errors=(ReadError(DEVICE_FIELD, ReadErrorKind.TIMEOUT, "hung"),))),
+    )
+    message = pb.Snapshot.parse(bytes(snapshot_to_wire(original, poll_interval_seconds=0.5)))
+    assert message.poll_interval_seconds == 0.5
+    received = through_the_wire(original)
+    assert received.monotonic == 999.0
+    assert (received.node, received.sequence, received.taken_at) == (
+        original.node,
+        original.sequence,
+        original.taken_at,
+    )
+    assert received.samples == original.samples
+
+
+def test_the_decoder_reuses_a_nodes_gpus_and_pods_between_ticks() -> None:
+    """One decoder gives equal samples each tick, sharing the objects that did not change (cheaper at scale)."""
+    decoder = SnapshotDecoder()
+    pods = (PodRef("ml", "vllm-0", "server"),)
+    first = through_the_wire(snapshot(1, 0.0, (gpu_sample(0, util=10.0, pods=pods),)), decoder).samples[0]
+    second = through_the_wire(snapshot(2, 0.5, (gpu_sample(0, util=20.0, pods=pods),)), decoder).samples[0]
+    assert (first.gpu_utilization_percent, second.gpu_utilization_percent) == (10.0, 20.0)
+    assert second.gpu is first.gpu
+    assert second.pods is first.pods
+
+
+def test_a_sample_lists_its_readings_in_the_metric_tables_order() -> None:
+    """The decoder builds samples by position: GpuSample's readings follow gpu_metrics.READINGS."""
+    assert GpuSample._fields[2:-3] == READING_FIELDS
+
+
+@pytest.mark.parametrize("sample", SAMPLES)
+def test_an_agent_that_sends_only_the_fields_reads_the_same(sample: GpuSample) -> None:
+    """Without the packed readings (an older agent, another implementation) the optional fields give the same sample."""
+    message = snapshot_to_wire(snapshot(1, 0.0, (sample,)), poll_interval_seconds=0.5)
+    message.readings = []
+    decoded = SnapshotDecoder().decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=999.0)
+    assert decoded.samples == (sample,)
+    assert [column(decoded.samples, name) for name in READING_FIELDS] == [[getattr(sample, n)] for n in READING_FIELDS]
+    assert [type(getattr(decoded.samples[0], name)) for name in READING_FIELDS] == [
+        type(getattr(sample, name)) for name in READING_FIELDS
+    ]
+
+
+@pytest.mark.parametrize("sample", SAMPLES)
+def test_an_agent_that_packs_each_gpu_alone_reads_the_same(sample: GpuSample) -> None:
+    """Agents before Snapshot.readings packed each GPU's readings in GpuSample.readings: read as they were."""
+    message = snapshot_to_wire(snapshot(1, 0.0, (sample, sample._replace(gpu=GPU_1))), poll_interval_seconds=0.5)
+    width = len(READING_FIELDS)
+    for index, gpu in enumerate(message.gpus):
+        gpu.readings = message.readings[index * width : (index + 1) * width]
+    message.readings = []
+    decoded = SnapshotDecoder().decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=999.0)
+    assert decoded.samples == (sample, sample._replace(gpu=GPU_1))
+    assert column(decoded.samples, "temperature_celsius") == [sample.temperature_celsius] * 2
+
+
+def test_packed_readings_are_nan_where_absent_and_keep_bytes_whole() -> None:
+    """The packed array has one value per reading of each GPU, NaN for an absent one; bytes come back as integers."""
+    sample = gpu_sample(0, util=0.0, used=12 * 1024**3, total=80 * 1024**3)
+    message = snapshot_to_wire(snapshot(1, 0.0, (sample, gpu_sample(1, util=7.0))), poll_interval_seconds=0.5)
+    assert len(message.readings) == 2 * len(READING_FIELDS)
+    assert message.readings[READING_FIELDS.index("gpu_utilization_percent")] == 0.0
+    assert message.readings[len(READING_FIELDS) + READING_FIELDS.index("gpu_utilization_percent")] == 7.0
+    assert math.isnan(message.readings[READING_FIELDS.index("temperature_celsius")])
+    received = round_trip(sample)
+    assert received.memory_used_bytes == 12 * 1024**3
+    assert isinstance(received.memory_used_bytes, int)
+
+
+def test_the_protos_packed_order_is_the_metric_tables() -> None:
+    """agent.proto names the packed readings' order in words; it is gpu_metrics.READINGS' order."""
+    proto = (Path(__file__).parents[2] / "protos" / "gpuscaler" / "v1" / "agent.proto").read_text()
+    words = re.search(r"in the order of the fields above \((.*?)\)", proto, re.S)
+    assert words is not None
+    assert tuple(name.strip(" /\n") for name in re.sub(r"\s*//\s*", " ", words[1]).split(",")) == READING_FIELDS
+
+
+def test_an_explanation_over_many_gpus_lists_a_few_hundred_and_counts_the_rest() -> None:
+    """Past MAX_EXPLAINED_GPUS rows an explanation lists the unreadable GPUs first and says how many it left
+    unlisted; `gpuscaler query` prints that count and counts them in its left-out line."""
+    samples = [gpu_sample(index, util=50.0, node=f"node-{index // 8}") for index in range(MAX_EXPLAINED_GPUS + 44)]
+    samples[-1] = failed_sample(299, ReadErrorKind.GPU_LOST)._replace(node="node-37")  # the last, listed first
+    cluster_view = snapshot(1, 1.0, tuple(samples))
+    query = parse_metadata({}, Limits(history_seconds=60)).value
+    contributions = tuple(
+        Contribution(s, None, 0, "lost") if s.errors else Contribution(s, s.gpu_utilization_percent, 1) for s in samples
+    )
+    evaluation = Evaluation(query, contributions, 50.0 * (len(samples) - 1), None, cluster_view)
+    explanation = explanation_to_wire(
+        parse_metadata({}, Limits(history_seconds=60)), evaluation, active=True, now=1.0, error_code=""
+    )
+    assert len(explanation.gpus) == MAX_EXPLAINED_GPUS
+    assert explanation.gpus_omitted == 44
+    assert [g.included for g in explanation.gpus[:2]] == [False, True]  # the lost GPU first
+    assert explanation.gpus[0].index == 299
+
+    fields = explanation.to_dict()
+    report = Report({}, Answer(True), Answer(True), Answer(True), Answer(True), fields, None, 1)
+    assert unlisted_line(report).startswith("44 more GPU(s) are in the answer but not listed")
+    assert left_out_lines(report)[0] == "The value leaves out 1 of 300 GPU(s); their share is not in it:"
