@@ -96,14 +96,7 @@ CANNOT_RUN = {
     ),
 }
 # Values files the chart renders into pods no runtime starts: a defect of the chart, named, until it is fixed.
-CHART_DEFECTS = {
-    "host-mounts-dev-values.yaml": (
-        "devices.mode dev mounts the host's /dev read-only at /dev, so runc cannot create the mount point of the "
-        "container's terminationMessagePath (/dev/termination-log): 'error mounting ... to rootfs at "
-        "/dev/termination-log: ... read-only file system'. The agent container needs terminationMessagePath "
-        "outside /dev (its /tmp emptyDir), as intel-device-plugins-for-kubernetes#261 did"
-    ),
-}
+CHART_DEFECTS: dict[str, str] = {}
 
 
 def values_files() -> list[Path]:

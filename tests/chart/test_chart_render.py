@@ -339,6 +339,17 @@ def test_host_mounts_dev_mode_mounts_the_whole_dev_for_one_architecture(helm: He
     }
 
 
+def test_the_termination_message_leaves_dev_only_when_the_hosts_dev_is_mounted(helm: Helm) -> None:
+    """Over the host's read-only /dev, runc cannot create /dev/termination-log (the pod never starts, as the real
+    kubelet showed): the message goes to the writable /tmp then, and stays at the kubelet's default otherwise."""
+    (dev,) = of_kind(helm.template(CI["host-mounts-dev"]), "DaemonSet")
+    assert agent_container(dev)["terminationMessagePath"] == "/tmp/termination-log"
+    assert {"name": "tmp", "mountPath": "/tmp"} in agent_container(dev)["volumeMounts"]
+    for scenario in ("defaults", "host-mounts"):
+        for ds in of_kind(helm.template(CI[scenario]), "DaemonSet"):
+            assert "terminationMessagePath" not in agent_container(ds)
+
+
 def test_runtime_class_can_be_emptied(helm: Helm) -> None:
     """agent.runtimeClassName "" leaves the field out, so the node's default runtime runs the agent."""
     assert "runtimeClassName" not in pod_spec(daemonset(helm, "no-runtime-class"))
