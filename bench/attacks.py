@@ -47,7 +47,7 @@ from e2e.support.certs import TlsFiles, grpcio_credentials, make_certificates
 from e2e.support.clients import GrpcioScaler
 from e2e.support.keda_grpcio import KedaProto, generate
 from e2e.support.process import Process
-from gpuscaler.server.connection_limits import LIMITS
+from gpuscaler.server.transport.limits import LIMITS
 
 ROOT = Path(__file__).resolve().parents[1]
 VALUES = ROOT / "charts" / "gpuscaler" / "values.yaml"

@@ -38,7 +38,8 @@ from gpuscaler.generated import externalscaler as keda
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.model.samples import Snapshot
 from gpuscaler.query.metadata import Limits, parse_metadata
-from gpuscaler.server.grpc_server import MAX_HEADER_LIST_BYTES, MAX_RECEIVE_MESSAGE_BYTES
+from gpuscaler.server.transport.calls import MAX_RECEIVE_MESSAGE_BYTES
+from gpuscaler.server.transport.h2 import MAX_HEADER_LIST_BYTES
 from tests.conftest import serve_settings
 from tests.load import busy_processes
 

@@ -23,7 +23,8 @@ from e2e.support.raw_h2 import PREFACE, grpc_call, grpc_frame, send_and_wait_for
 from e2e.support.sizes import FULL, FUZZ_EXAMPLES
 from gpuscaler.generated.externalscaler import ScaledObjectRef
 from gpuscaler.query.metadata import KEDA_KEYS, QUERY_KEYS
-from gpuscaler.server.grpc_server import MAX_HEADER_LIST_BYTES, MAX_RECEIVE_MESSAGE_BYTES
+from gpuscaler.server.transport.calls import MAX_RECEIVE_MESSAGE_BYTES
+from gpuscaler.server.transport.h2 import MAX_HEADER_LIST_BYTES
 
 # RESOURCE_EXHAUSTED: a request over MAX_RECEIVE_MESSAGE_BYTES, refused before it is read.
 ANSWERED_CODES = {"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "UNAVAILABLE", "RESOURCE_EXHAUSTED"}

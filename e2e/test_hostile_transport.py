@@ -67,7 +67,7 @@ from e2e.support.keda_grpcio import KedaProto
 from e2e.support.process import Process
 from e2e.support.raw_h2 import PREFACE, grpc_call
 from e2e.support.sizes import FULL, FULL_REASON
-from gpuscaler.server.connection_limits import CALL_RESERVE
+from gpuscaler.server.transport.limits import CALL_RESERVE
 
 STREAMS = "gpuscaler_grpc_streams"
 HANDLER_TASKS = "gpuscaler_grpc_handler_tasks"

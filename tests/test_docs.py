@@ -22,11 +22,11 @@ from gpuscaler.model.durations import parse_duration
 from gpuscaler.model.gpu_metrics import METRICS, READINGS, Metric
 from gpuscaler.query.metadata import FROM_ENV_SUFFIX, KEDA_KEYS, KNOWN_KEYS, QUERY_KEYS, Limits, parse_metadata
 from gpuscaler.query.profiles import PROFILES
-from gpuscaler.server.connection_limits import ConnectionGuard
 from gpuscaler.server.telemetry import TransportCollector
+from gpuscaler.server.transport.limits import ConnectionGuard
 
 if TYPE_CHECKING:
-    from gpuscaler.server.grpc_server import ManyStreamsServer
+    from gpuscaler.server.transport.server import ManyStreamsServer
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

@@ -27,10 +27,10 @@ from gpuscaler.model.errors import ConfigError, StartupError
 from gpuscaler.server.agent_api import AgentService
 from gpuscaler.server.exposition import MetricsServer
 from gpuscaler.server.external_scaler import ExternalScalerService
-from gpuscaler.server.grpc_server import ManyStreamsServer
 from gpuscaler.server.health import HealthService, service_names
 from gpuscaler.server.rpc_tracking import RpcTracker
 from gpuscaler.server.telemetry import ServerTelemetry
+from gpuscaler.server.transport.server import ManyStreamsServer
 from gpuscaler.signals.evaluator import Evaluator
 from gpuscaler.tls import ReloadingServerTLS
 

@@ -18,14 +18,14 @@ from prometheus_client.registry import Collector
 
 from gpuscaler import __version__
 from gpuscaler.model.samples import GpuKey
-from gpuscaler.server.connection_limits import LIMITS
 from gpuscaler.server.overload import LimitCounts
+from gpuscaler.server.transport.limits import LIMITS
 from gpuscaler.signals.energy import IdleEnergy
 from gpuscaler.signals.evaluation import Evaluation
 from gpuscaler.signals.evaluator import Evaluator
 
 if TYPE_CHECKING:
-    from gpuscaler.server.grpc_server import ManyStreamsServer
+    from gpuscaler.server.transport.server import ManyStreamsServer
 
 UNARY_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 GC_PAUSE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

@@ -16,7 +16,7 @@ from gpuscaler.agent.collectors.fake import Failure, FakeCollector
 from gpuscaler.agent.process import Agent
 from gpuscaler.generated.externalscaler import ExternalScalerStub, GetMetricsRequest, ScaledObjectRef
 from gpuscaler.model.gpu_metrics import Metric
-from gpuscaler.server.grpc_server import MAX_RECEIVE_MESSAGE_BYTES
+from gpuscaler.server.transport.calls import MAX_RECEIVE_MESSAGE_BYTES
 from tests.conftest import StartAgent
 from tests.waiting import until, until_result
 

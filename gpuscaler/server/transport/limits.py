@@ -5,7 +5,7 @@ floods, resets, never reads or never speaks could grow the process without limit
 that every other caller and the poll loop share. ``ConnectionGuard`` is the server-wide half: it admits
 connections and streams against ``ConnectionLimits``, runs one sweep for the timeouts of every connection,
 and records each time a limit acts (a count per limit, and one log line per limit per interval, so an attack
-cannot flood the log either). The protocol in ``grpc_server`` is the per-connection half: it counts frames
+cannot flood the log either). The protocol in ``protocol`` is the per-connection half: it counts frames
 into its ``TokenBucket``s and asks the guard.
 """
 
@@ -69,7 +69,7 @@ class TokenBucket:
 
 
 class Guarded(Protocol):
-    """What the sweep reads and does on one connection (``grpc_server._ManyStreamsProtocol``)."""
+    """What the sweep reads and does on one connection (``protocol.ManyStreamsProtocol``)."""
 
     accepted_at: float
     preface_done: bool

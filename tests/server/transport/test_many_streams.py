@@ -16,7 +16,6 @@ import h2.settings
 import pytest
 from grpclib.client import Channel
 
-import gpuscaler.server.grpc_server as grpc_server
 from gpuscaler.agent.collectors.fake import FakeCollector
 from gpuscaler.agent.process import Agent
 from gpuscaler.flags import DEFAULT_LIMITS
@@ -28,7 +27,9 @@ from gpuscaler.generated.externalscaler import (
     ScaledObjectRef,
 )
 from gpuscaler.model.gpu_metrics import Metric
-from gpuscaler.server.grpc_server import _H2Connection
+from gpuscaler.server.transport import codec as codec_module
+from gpuscaler.server.transport import h2 as h2_module
+from gpuscaler.server.transport.h2 import BoundedH2Connection
 from tests.conftest import StartAgent
 from tests.waiting import until, until_result
 
@@ -100,10 +101,10 @@ async def _read_now(reader: asyncio.StreamReader) -> bytes:
         return b""
 
 
-def _pair(max_streams: int) -> tuple[h2.connection.H2Connection, _H2Connection]:
+def _pair(max_streams: int) -> tuple[h2.connection.H2Connection, BoundedH2Connection]:
     """A client and our server connection, connected in memory, the server allowing ``max_streams`` streams."""
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
-    server = _H2Connection(h2.config.H2Configuration(client_side=False, header_encoding="utf-8"))
+    server = BoundedH2Connection(h2.config.H2Configuration(client_side=False, header_encoding="utf-8"))
     client.initiate_connection()
     server.initiate_connection()
     server.update_settings({h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: max_streams})
@@ -113,7 +114,7 @@ def _pair(max_streams: int) -> tuple[h2.connection.H2Connection, _H2Connection]:
     return client, server
 
 
-def _call(client: h2.connection.H2Connection, server: _H2Connection, stream_id: int, *, end: bool) -> None:
+def _call(client: h2.connection.H2Connection, server: BoundedH2Connection, stream_id: int, *, end: bool) -> None:
     """Open a stream (a request); with ``end`` the server answers and both sides close it."""
     client.send_headers(stream_id, request_headers("/x"), end_stream=end)
     server.receive_data(client.data_to_send())
@@ -125,9 +126,9 @@ def _call(client: h2.connection.H2Connection, server: _H2Connection, stream_id: 
 def test_a_stream_past_the_limit_is_refused_and_the_connection_kept() -> None:
     """Open streams up to MAX_CONCURRENT_STREAMS pass, one more is refused alone, closed ones do not count."""
     client, server = _pair(max_streams=3)
-    for stream_id in range(1, 2 * grpc_server.SWEEP_EVERY_STREAMS, 2):
+    for stream_id in range(1, 2 * h2_module.SWEEP_EVERY_STREAMS, 2):
         _call(client, server, stream_id, end=True)  # finished calls never count against the limit
-    first = 2 * grpc_server.SWEEP_EVERY_STREAMS + 1
+    first = 2 * h2_module.SWEEP_EVERY_STREAMS + 1
     for stream_id in (first, first + 2, first + 4):
         _call(client, server, stream_id, end=False)
     assert server.open_inbound_streams == 3
@@ -162,7 +163,7 @@ def test_closed_streams_do_not_pile_up() -> None:
     client, server = _pair(max_streams=DEFAULT_LIMITS.max_streams)
     for stream_id in range(1, 20_000, 2):
         _call(client, server, stream_id, end=True)
-        assert len(server.streams) <= grpc_server.SWEEP_EVERY_STREAMS + 1
+        assert len(server.streams) <= h2_module.SWEEP_EVERY_STREAMS + 1
 
 
 async def test_finished_calls_leave_the_task_table(start_agent: StartAgent) -> None:
@@ -182,8 +183,8 @@ async def test_finished_calls_leave_the_task_table(start_agent: StartAgent) -> N
 
 def test_keda_requests_decode_once_per_distinct_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Equal request bytes give an equal message, decoded once; the kept ones stay bounded in count and size."""
-    monkeypatch.setattr(grpc_server, "REUSE_ENTRIES", 4)
-    codec = grpc_server._ReusingCodec()
+    monkeypatch.setattr(codec_module, "REUSE_ENTRIES", 4)
+    codec = codec_module.ReusingCodec()
     ref = ScaledObjectRef(name="app", namespace="ml", scaler_metadata={"gpuIndex": "0"})
     data = bytes(ref)
     first = codec.decode(data, ScaledObjectRef)
@@ -193,15 +194,15 @@ def test_keda_requests_decode_once_per_distinct_bytes(monkeypatch: pytest.Monkey
         other = ScaledObjectRef(name=f"app-{index}", namespace="ml", scaler_metadata={"gpuIndex": "0"})
         assert codec.decode(bytes(other), ScaledObjectRef) == other
     assert len(codec._decoded) == 4
-    big = ScaledObjectRef(name="app", scaler_metadata={"podSelector": "a" * grpc_server.REUSE_MAX_BYTES})
+    big = ScaledObjectRef(name="app", scaler_metadata={"podSelector": "a" * codec_module.REUSE_MAX_BYTES})
     assert codec.decode(bytes(big), ScaledObjectRef) == big
-    assert all(len(key[1]) <= grpc_server.REUSE_MAX_BYTES for key in codec._decoded)
+    assert all(len(key[1]) <= codec_module.REUSE_MAX_BYTES for key in codec._decoded)
 
 
 def test_a_reused_answer_is_encoded_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same GetMetrics answer object sends the bytes encoded the first time; another object gets its own."""
-    monkeypatch.setattr(grpc_server, "REUSE_ENTRIES", 4)
-    codec = grpc_server._ReusingCodec()
+    monkeypatch.setattr(codec_module, "REUSE_ENTRIES", 4)
+    codec = codec_module.ReusingCodec()
     encoded: list[GetMetricsResponse] = []
     serialize = GetMetricsResponse.SerializeToString
 

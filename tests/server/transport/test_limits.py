@@ -24,14 +24,14 @@ import pytest
 import structlog
 from grpclib.client import Channel
 
-import gpuscaler.server.grpc_server as grpc_server
 from gpuscaler.agent.process import Agent
 from gpuscaler.flags import DEFAULT_LIMITS, ConnectionLimits
 from gpuscaler.generated.externalscaler import ExternalScalerStub, ScaledObjectRef
-from gpuscaler.server.connection_limits import BURST_SECONDS, CALL_RESERVE, ConnectionGuard, TokenBucket
 from gpuscaler.server.overload import LOG_EVERY_SECONDS
+from gpuscaler.server.transport import calls, protocol
+from gpuscaler.server.transport.limits import BURST_SECONDS, CALL_RESERVE, ConnectionGuard, TokenBucket
 from tests.conftest import StartAgent
-from tests.server.test_transport import request_headers
+from tests.server.transport.test_many_streams import request_headers
 from tests.waiting import until
 
 IS_ACTIVE = "/externalscaler.ExternalScaler/IsActive"
@@ -396,7 +396,7 @@ async def test_a_deadline_that_runs_out_after_our_check_is_still_deadline_exceed
 ) -> None:
     """With our precheck passed (here: turned off), a deadline already over when grpclib starts the call ends
     OK or DEADLINE_EXCEEDED, not in grpclib's "Timeout occurred" error (UNKNOWN at the client)."""
-    monkeypatch.setattr(grpc_server, "EXPIRED_WITHIN_SECONDS", -1.0)
+    monkeypatch.setattr(calls, "EXPIRED_WITHIN_SECONDS", -1.0)
     agent = await start_agent()
     peer = await _Peer.connect(agent.port)
     peers.append(peer)
@@ -423,8 +423,8 @@ async def test_cancelling_calls_past_their_deadline_is_no_flood(
     def slow_to_notice(self: object, deadline: object) -> Iterator[None]:
         yield  # a server too busy to have ended the calls at their deadline yet
 
-    monkeypatch.setattr(grpc_server._DeadlineWrapper, "start", slow_to_notice)
-    monkeypatch.setattr(grpc_server, "EXPIRED_WITHIN_SECONDS", -1.0)  # nor answered them as they arrived
+    monkeypatch.setattr(calls._CancellingDeadlineWrapper, "start", slow_to_notice)
+    monkeypatch.setattr(calls, "EXPIRED_WITHIN_SECONDS", -1.0)  # nor answered them as they arrived
     agent = await start_agent("--max-resets-per-second", "10")
     peer = await _Peer.connect(agent.port)
     peers.append(peer)
@@ -469,7 +469,7 @@ async def test_cancelling_streams_held_for_a_while_is_no_flood(
     start_agent: StartAgent, peers: list[_Peer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Hundreds of push streams reset at once, as KEDA does when ScaledObjects go, keep the connection."""
-    monkeypatch.setattr(grpc_server, "RAPID_RESET_SECONDS", 0.0)  # every stream here counts as held a while
+    monkeypatch.setattr(protocol, "RAPID_RESET_SECONDS", 0.0)  # every stream here counts as held a while
     agent = await start_agent("--max-resets-per-second", "10")
     peer = await _Peer.connect(agent.port)
     peers.append(peer)

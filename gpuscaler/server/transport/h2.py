@@ -1,0 +1,177 @@
+"""h2's connection and grpclib's, changed so that a call costs the same with 10,000 push streams open as with one.
+
+With thousands of streams open on KEDA's one connection, h2 walks every stream for each new one, grpclib wakes
+every stream per connection-level WINDOW_UPDATE, and every frame is its own socket write. These classes keep the
+same behaviour at a cost per call that does not grow with open streams, and send one write per turn of the event
+loop (bench/results/compare*.json have the figures). They also bound what h2 would hold of a header block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, Literal, cast
+
+from grpclib.protocol import Connection, Stream
+from h2.connection import H2Connection, _decode_headers
+from h2.errors import ErrorCodes
+from h2.exceptions import ProtocolError, TooManyStreamsError
+from h2.frame_buffer import FrameBuffer
+from h2.stream import StreamClosedBy
+from hyperframe.frame import HeadersFrame, RstStreamFrame
+
+from gpuscaler.server.transport.lean_streams import LeanEvent, LeanStream
+
+# KEDA sends a handful of short headers, and h2 decodes the whole block (its default allows 64 KiB, ~25 ms of
+# HPACK) in one callback. gRPC's own servers default to 8 KiB of metadata too. A larger block closes the connection.
+MAX_HEADER_LIST_BYTES = 8 * 1024
+# HPACK can shrink a header list, so the encoded block may be a little larger than the list it decodes to.
+MAX_HEADER_BLOCK_BYTES = 2 * MAX_HEADER_LIST_BYTES
+# How many streams may close between two of h2's walks over every stream (see BoundedH2Connection).
+SWEEP_EVERY_STREAMS = 512
+
+
+def peer_name(transport: asyncio.BaseTransport) -> str:
+    """The peer's ``host:port`` as logs and the limits' counts name it."""
+    peer = transport.get_extra_info("peername")
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer)
+
+
+class BoundedH2Connection(H2Connection):
+    """h2's connection, without a walk over every stream for each new one, refusing a stream past the limit.
+
+    h2 counts the open inbound streams for every HEADERS frame that opens a stream, by walking every
+    stream it holds (and dropping the closed ones as it goes). With KEDA's push streams on the
+    connection that walk is most of a call's cost: 10,000 open streams make every GetMetrics walk
+    10,000 streams. The count only decides whether the new stream passes MAX_CONCURRENT_STREAMS,
+    and it is never above the number of streams held, so while that number is under the limit the
+    answer cannot change: the walk runs only when the limit could be reached, and once every
+    SWEEP_EVERY_STREAMS new streams so that closed ones are still dropped.
+
+    A stream past the limit is a connection error in h2 (TooManyStreamsError), which would drop every
+    call and push stream of the KEDA that sent it. RFC 9113 (5.1.2) allows the stream error instead:
+    the stream is reset with REFUSED_STREAM, which gRPC clients know was not processed and retry.
+    """
+
+    _sweep_at = 0  # len(self.streams) at which the next walk runs
+    on_refused: Callable[[], None] | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.incoming_buffer = BoundedFrameBuffer(server=not self.config.client_side)
+
+    @property
+    def open_inbound_streams(self) -> int:
+        held = len(self.streams)
+        if held < self._sweep_at and held < self.local_settings.max_concurrent_streams:
+            return held  # an upper bound, under the limit: the decision is the walk's
+        count = super().open_inbound_streams
+        self._sweep_at = len(self.streams) + SWEEP_EVERY_STREAMS
+        return count
+
+    def _receive_headers_frame(self, frame: HeadersFrame) -> tuple[list[Any], list[Any]]:
+        try:
+            return cast(tuple[list[Any], list[Any]], super()._receive_headers_frame(frame))
+        except TooManyStreamsError:
+            if frame.stream_id <= self.highest_inbound_stream_id:
+                raise  # not a new stream at all: a reused id is the peer's protocol error
+        # The header block still updates HPACK's table, which the peer's later blocks rely on.
+        _decode_headers(self.decoder, frame.data)
+        self.highest_inbound_stream_id = max(self.highest_inbound_stream_id, frame.stream_id)
+        # As a stream we reset: h2 answers the stream's further frames with RST_STREAM, not a connection error.
+        self._closed_streams[frame.stream_id] = StreamClosedBy.SEND_RST_STREAM
+        refusal = RstStreamFrame(frame.stream_id)
+        refusal.error_code = ErrorCodes.REFUSED_STREAM
+        if self.on_refused is not None:
+            self.on_refused()
+        return [refusal], []
+
+
+class BoundedFrameBuffer(FrameBuffer):
+    """h2's frame buffer, refusing a header block before it grows past MAX_HEADER_BLOCK_BYTES undecoded.
+
+    h2 joins a HEADERS frame and its CONTINUATIONs before decoding them and allows 64 frames of up to 16 KiB:
+    about 1 MiB a connection held for a block MAX_HEADER_LIST_BYTES would refuse anyway (200 connections took
+    the agent past its memory limit). A block past the bound is the peer's protocol error.
+    """
+
+    def _update_header_buffer(self, f: Any) -> Any:
+        frame = super()._update_header_buffer(f)
+        if self._headers_buffer and sum(len(part.data) for part in self._headers_buffer) > MAX_HEADER_BLOCK_BYTES:
+            raise ProtocolError(f"a header block of more than {MAX_HEADER_BLOCK_BYTES} bytes")
+        return frame
+
+
+class CoalescingTransport:
+    """The connection's transport, sending everything written in one turn of the event loop as one write.
+
+    grpclib writes to the socket for each frame it sends: a unary answer is three writes (headers,
+    data, trailers), each a send() system call and, with TCP_NODELAY, a packet. Those writes were
+    the largest item in the agent's profile under GetMetrics load. Here they are joined and sent at
+    the end of the turn, so a call costs one write, and concurrent calls answered in the same turn
+    share one. The order of the bytes does not change, and nothing waits longer than the turn.
+    """
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._pending: list[bytes] = []
+        self._loop = asyncio.get_running_loop()
+        # Set when the server cuts the peer off: close() then only ends our side, so the GOAWAY is read
+        # before the socket goes (closing with the peer's data unread would reset the connection and lose it).
+        self.linger = False
+
+    def write(self, data: bytes) -> None:
+        if not data:
+            return
+        if not self._pending:
+            self._loop.call_soon(self._flush)
+        self._pending.append(data)
+
+    def _flush(self) -> None:
+        if self._pending:
+            data = b"".join(self._pending)
+            self._pending.clear()
+            self._transport.write(data)
+
+    def close(self) -> None:
+        self._flush()  # what was written before close() still goes out first, as it would have
+        if not self.linger:
+            self._transport.close()
+        elif self._transport.can_write_eof():
+            self._transport.write_eof()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)  # is_closing, get_extra_info, ...
+
+
+class WindowWait(LeanEvent):
+    """A stream's ``window_updated``, known to its connection while the stream waits on it."""
+
+    def __init__(self, waiting: set[WindowWait]) -> None:
+        super().__init__()
+        self._waiting = waiting
+
+    async def wait(self) -> Literal[True]:
+        self._waiting.add(self)
+        try:
+            return await super().wait()
+        finally:
+            self._waiting.discard(self)
+
+
+class WindowWaitingConnection(Connection):
+    """grpclib's connection, keeping the streams that wait for flow-control window.
+
+    On a WINDOW_UPDATE for the whole connection grpclib wakes every stream it holds; with 10,000
+    push streams that is 10,000 ``Event.set()`` calls, and a grpc client sends one with most calls.
+    Only a stream blocked in ``send_data`` waits on that event (it clears it just before), so
+    waking just the waiting ones is the same.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.window_waiting: set[WindowWait] = set()
+
+    def create_stream(self, *, stream_id: int | None = None, wrapper: Any = None) -> Stream:
+        window = WindowWait(self.window_waiting)
+        return LeanStream(self, self._connection, self._transport, window, stream_id=stream_id, wrapper=wrapper)
