@@ -29,7 +29,7 @@ from tests.waiting import until
 
 PROBE = "127.0.0.1"  # the kubelet's address: no slow client comes from it
 TRICKLE_SECONDS = 0.5  # one header byte per slow connection this often: no idle timeout ever fires
-HEADER_DEADLINE_SECONDS = 5.0  # exposition.HEADER_DEADLINE_SECONDS; the e2e tests see the process from outside
+HEADER_DEADLINE_SECONDS = 5.0  # bounded_http.HEADER_DEADLINE_SECONDS; the e2e tests see the process from outside
 DEADLINE_SLACK_SECONDS = 2.0
 PROBES = 5
 EMPTY_SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # an HTTP/2 SETTINGS frame with no settings

@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 
 from gpuscaler.flags import Address
 from gpuscaler.model.errors import StartupError
-from gpuscaler.server import exposition
+from gpuscaler.server import bounded_http, exposition
 from gpuscaler.server.exposition import MetricsServer
 from gpuscaler.server.overload import LimitCounts
 from tests.waiting import until
@@ -160,7 +160,7 @@ async def test_index_unknown_paths_and_methods(server: MetricsServer) -> None:
 async def test_an_oversized_request_is_refused(server: MetricsServer, counts: LimitCounts) -> None:
     """Headers beyond the request budget get 431 and count, and the server goes on answering."""
     headers = {f"X-Filler-{n}": "x" * 1000 for n in range(10)}
-    assert sum(len(k) + len(v) for k, v in headers.items()) > exposition.MAX_REQUEST_BYTES
+    assert sum(len(k) + len(v) for k, v in headers.items()) > bounded_http.MAX_REQUEST_BYTES
     try:
         status, _, _ = await fetch(server.port, "/metrics", headers=headers)
     except ConnectionResetError:  # the refusal may close the connection before the client reads the 431
@@ -174,7 +174,7 @@ async def test_a_silent_client_blocks_no_scrape_and_is_dropped(
     server: MetricsServer, counts: LimitCounts, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A client that connects and sends nothing holds only its own connection, which closes after the timeout."""
-    monkeypatch.setattr(exposition._Handler, "timeout", 0.2)
+    monkeypatch.setattr(bounded_http._Handler, "timeout", 0.2)
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as silent:
         assert (await fetch(server.port, "/metrics"))[0] == 200
         assert await asyncio.to_thread(silent.recv, 1) == b""  # closed by the server
@@ -213,8 +213,8 @@ async def test_the_header_deadline_is_not_reset_by_trickled_bytes(
 ) -> None:
     """A client that sends a header byte every 0.1 s (well inside the idle timeout) is answered 408 and closed at
     the header deadline, counted; a request that arrives whole is not affected."""
-    monkeypatch.setattr(exposition, "HEADER_DEADLINE_SECONDS", 0.6)
-    assert exposition._Handler.timeout == exposition.IDLE_TIMEOUT_SECONDS == 5.0
+    monkeypatch.setattr(bounded_http, "HEADER_DEADLINE_SECONDS", 0.6)
+    assert bounded_http._Handler.timeout == bounded_http.IDLE_TIMEOUT_SECONDS == 5.0
     seconds, answer = await asyncio.to_thread(trickle, server.port, 0.1)
     assert 0.6 <= seconds < 2.0
     assert answer.startswith(b"HTTP/1.0 408 Request Timeout\r\n"), answer
@@ -226,7 +226,7 @@ async def test_the_header_deadline_is_not_reset_by_trickled_bytes(
 async def test_one_peer_cannot_hold_healthz_down(server: MetricsServer, counts: LimitCounts) -> None:
     """One peer's slow connections past MAX_CONNECTIONS_PER_PEER are closed unanswered and counted; /healthz from
     another address answers while that peer holds its share."""
-    per_peer = exposition.MAX_CONNECTIONS_PER_PEER
+    per_peer = bounded_http.MAX_CONNECTIONS_PER_PEER
     held = await asyncio.to_thread(connect_from, server.port, "127.0.0.2", 3 * per_peer)
     try:
         await until(lambda: counts.http["peer_connections"] == 2 * per_peer)
@@ -247,8 +247,8 @@ async def test_connections_beyond_the_bound_are_closed(
     server: MetricsServer, counts: LimitCounts, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Past MAX_CONNECTIONS open connections, a new one is closed unanswered and counted; a freed slot answers."""
-    monkeypatch.setattr(exposition, "MAX_CONNECTIONS", 6)
-    monkeypatch.setattr(exposition, "RESERVED_CONNECTIONS", 0)
+    monkeypatch.setattr(bounded_http, "MAX_CONNECTIONS", 6)
+    monkeypatch.setattr(bounded_http, "RESERVED_CONNECTIONS", 0)
     silent = [
         *await asyncio.to_thread(connect_from, server.port, "127.0.0.2", 4),
         *await asyncio.to_thread(connect_from, server.port, "127.0.0.3", 2),
@@ -272,8 +272,8 @@ async def test_the_reserve_is_for_peers_with_no_connection_open(
 ) -> None:
     """The last RESERVED_CONNECTIONS slots go only to a peer with none open: the kubelet's probe still gets in when
     peers that already hold connections have taken the rest."""
-    monkeypatch.setattr(exposition, "MAX_CONNECTIONS", 6)
-    monkeypatch.setattr(exposition, "RESERVED_CONNECTIONS", 2)
+    monkeypatch.setattr(bounded_http, "MAX_CONNECTIONS", 6)
+    monkeypatch.setattr(bounded_http, "RESERVED_CONNECTIONS", 2)
     held = [
         *await asyncio.to_thread(connect_from, server.port, "127.0.0.2", 2),
         *await asyncio.to_thread(connect_from, server.port, "127.0.0.3", 2),
@@ -301,15 +301,15 @@ async def test_accept_out_of_descriptors_backs_off_instead_of_spinning(
     a listener that stays readable), counts each failure and logs one line; the waiting client is then answered."""
     failures: list[float] = []
     failing = True
-    accept = exposition._Server.get_request
+    accept = bounded_http.BoundedWsgiServer.get_request
 
-    def exhausted(self: exposition._Server) -> tuple[socket.socket, object]:
+    def exhausted(self: bounded_http.BoundedWsgiServer) -> tuple[socket.socket, object]:
         if failing:
             failures.append(time.monotonic())
             raise OSError(errno.EMFILE, "Too many open files")
         return accept(self)
 
-    monkeypatch.setattr(exposition._Server, "get_request", exhausted)
+    monkeypatch.setattr(bounded_http.BoundedWsgiServer, "get_request", exhausted)
     waiting = socket.create_connection(("127.0.0.1", server.port), timeout=10)
     with waiting:
         waiting.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
