@@ -7,25 +7,37 @@ defaults apply instead, so ``profile: training`` with ``metric: power_draw`` doe
 
 from __future__ import annotations
 
-import math
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TypeVar
 
 from gpuscaler.model.aggregation import Aggregation, WindowFunction
 from gpuscaler.model.durations import format_duration, parse_duration
 from gpuscaler.model.errors import InvalidMetadata
 from gpuscaler.model.gpu_metrics import METRICS, Metric
+from gpuscaler.query.key_values import (
+    NAMESPACE,
+    OBJECT_NAME,
+    POD_GLOB,
+    format_number,
+    non_empty,
+    not_one_of,
+    parse_bool,
+    parse_enum,
+    parse_float,
+    parse_indices,
+    parse_list,
+    parse_max_unreadable,
+    parse_metric_name,
+    parse_min_nodes,
+    parse_name,
+)
 from gpuscaler.query.profiles import DEFAULT_METRIC, PROFILES
 from gpuscaler.query.query import (
     DEFAULT_MAX_UNREADABLE,
     ActivationRule,
     GpuSelection,
-    NodeQuorum,
     PodSelection,
     Query,
-    UnreadableTolerance,
     ValueQuery,
     default_metric_name,
 )
@@ -69,14 +81,6 @@ FROM_ENV_SUFFIX = "FromEnv"
 MIN_TARGET = 0.001  # KEDA keeps milli precision; a smaller target rounds to 0 and is refused there
 # KEDA turns a target into int64 milli-units (resource.NewMilliQuantity): a larger one overflows there.
 MAX_TARGET = (2**63 - 1) // 1000
-_E = TypeVar("_E", Metric, Aggregation, WindowFunction)
-_T = TypeVar("_T")
-_METRIC_NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,98}[a-z0-9])?$")
-_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-_OBJECT_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
-_POD_GLOB = re.compile(r"^[-a-z0-9.*?\[\]!]{1,253}$")
-MAX_MIN_NODES = 100_000
-MAX_UNREADABLE_COUNT = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,14 +99,14 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: st
     ``scaleTargetPods`` the ScaledObject whose scale target's pods the query reads.
     """
     raw = _resolve_keys(metadata)
-    scale_target_pods = _parse_bool("scaleTargetPods", raw["scaleTargetPods"]) if "scaleTargetPods" in raw else False
+    scale_target_pods = parse_bool("scaleTargetPods", raw["scaleTargetPods"]) if "scaleTargetPods" in raw else False
     explicit = [key for key in SELECTOR_KEYS if key in raw]
 
     profile = None
     if "profile" in raw:
         profile = PROFILES.get(raw["profile"].strip())
         if profile is None:
-            raise _not_one_of("profile", raw["profile"], list(PROFILES))
+            raise not_one_of("profile", raw["profile"], list(PROFILES))
 
     metric = _parse_metric(raw, DEFAULT_METRIC if profile is None else profile.metric)
     target_from_shorthand = _shorthand_target(raw, metric)
@@ -122,18 +126,19 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: st
     if target_from_shorthand is not None:
         target = target_from_shorthand[1]
     if "targetValue" in raw:
-        target = _parse_float("targetValue", raw["targetValue"], minimum=MIN_TARGET, maximum=MAX_TARGET)
+        target = parse_float("targetValue", raw["targetValue"], minimum=MIN_TARGET, maximum=MAX_TARGET)
     if "aggregation" in raw:
-        aggregation = _parse_enum("aggregation", raw["aggregation"], Aggregation)
+        aggregation = parse_enum("aggregation", raw["aggregation"], Aggregation)
     if "activationThreshold" in raw:
-        activation = _parse_float("activationThreshold", raw["activationThreshold"], minimum=0.0)
+        activation = parse_float("activationThreshold", raw["activationThreshold"], minimum=0.0)
         # Without its own deactivationThreshold, hysteresis is off: both thresholds are the same.
         deactivation = activation
     if "deactivationThreshold" in raw:
-        deactivation = _parse_float("deactivationThreshold", raw["deactivationThreshold"], minimum=0.0)
+        deactivation = parse_float("deactivationThreshold", raw["deactivationThreshold"], minimum=0.0)
     if deactivation > activation:
         raise InvalidMetadata(
-            f"deactivationThreshold {_fmt(deactivation)} is above activationThreshold {_fmt(activation)}; "
+            f"deactivationThreshold {format_number(deactivation)} is above activationThreshold "
+            f"{format_number(activation)}; "
             "it must be <= activationThreshold (the value falls below it to deactivate)"
         )
     if "window" in raw:
@@ -144,7 +149,7 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: st
             f"--history of {format_duration(limits.history_seconds)}; set a shorter window or {RAISE_HISTORY}"
         )
     if "windowFunction" in raw:
-        window_function = _parse_enum("windowFunction", raw["windowFunction"], WindowFunction)
+        window_function = parse_enum("windowFunction", raw["windowFunction"], WindowFunction)
         if METRICS[metric].rate and window_function is not WindowFunction.AVG:
             raise InvalidMetadata(
                 f"windowFunction {raw['windowFunction']!r} does not apply to {metric.value}, which is the average over "
@@ -153,7 +158,7 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: st
             )
     if "pollIntervalSeconds" in raw:
         # Accepted for ScaledObjects written for the prior art; the agent's own loop sets the pace.
-        _parse_float("pollIntervalSeconds", raw["pollIntervalSeconds"], minimum=0.0, exclusive=True)
+        parse_float("pollIntervalSeconds", raw["pollIntervalSeconds"], minimum=0.0, exclusive=True)
 
     selection = _parse_selection(raw)
     if limits.cluster and selection.indices is not None:
@@ -171,13 +176,13 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: st
         window_seconds=window_seconds,
         window_function=window_function,
         pods=pods,
-        min_nodes=_parse_min_nodes(raw["minNodes"]) if "minNodes" in raw else None,
+        min_nodes=parse_min_nodes(raw["minNodes"]) if "minNodes" in raw else None,
         max_unreadable=(
-            _parse_max_unreadable(raw["maxUnreadable"]) if "maxUnreadable" in raw else DEFAULT_MAX_UNREADABLE
+            parse_max_unreadable(raw["maxUnreadable"]) if "maxUnreadable" in raw else DEFAULT_MAX_UNREADABLE
         ),
         scale_target_ignored=scale_target_pods and bool(explicit),
     )
-    metric_name = _parse_metric_name(raw["metricName"]) if "metricName" in raw else default_metric_name(value)
+    metric_name = parse_metric_name(raw["metricName"]) if "metricName" in raw else default_metric_name(value)
     return Query(
         value=value,
         activation=ActivationRule(activation, deactivation),
@@ -255,7 +260,7 @@ def _parse_metric(raw: Mapping[str, str], default: Metric) -> Metric:
                     f"{raw[key].strip()} on the trigger itself, beside metadata: (docs/hpa.md). In metadata, "
                     "metricType is an alias of metric: use one of: " + ", ".join(metric.value for metric in Metric)
                 )
-            return _parse_enum(key, raw[key], Metric)
+            return parse_enum(key, raw[key], Metric)
     return default
 
 
@@ -277,34 +282,8 @@ def _shorthand_target(raw: Mapping[str, str], chosen: Metric) -> tuple[Metric, f
             )
         if "targetValue" in raw:
             raise InvalidMetadata(f"keys {key!r} and 'targetValue' are both set; set one target")
-        return metric, _parse_float(key, raw[key], minimum=MIN_TARGET, maximum=MAX_TARGET)
+        return metric, parse_float(key, raw[key], minimum=MIN_TARGET, maximum=MAX_TARGET)
     return None
-
-
-def _parse_float(key: str, text: str, *, minimum: float, exclusive: bool = False, maximum: float = math.inf) -> float:
-    try:
-        number = float(text.strip())
-    except ValueError:
-        raise InvalidMetadata(f"{key} {text!r} is not a number; use a decimal like '70' or '0.5'") from None
-    if not math.isfinite(number):
-        raise InvalidMetadata(f"{key} {text!r} is not finite; use a finite decimal")
-    if number < minimum or (exclusive and number == minimum) or number > maximum:
-        bound = f"> {_fmt(minimum)}" if exclusive else f">= {_fmt(minimum)}"
-        if maximum != math.inf:
-            bound += f" and <= {int(maximum):,} (KEDA keeps a target as int64 thousandths)"
-        raise InvalidMetadata(f"{key} {text!r} is out of range; it must be {bound}")
-    return number
-
-
-def _parse_enum(key: str, text: str, kind: type[_E]) -> _E:
-    try:
-        return kind(text.strip())
-    except ValueError:
-        raise _not_one_of(key, text, [member.value for member in kind]) from None
-
-
-def _not_one_of(key: str, text: str, allowed: list[str]) -> InvalidMetadata:
-    return InvalidMetadata(f"{key} {text!r} is not allowed; use one of: {', '.join(allowed)}")
 
 
 def _parse_window(text: str, limits: Limits) -> float:
@@ -325,9 +304,9 @@ def _parse_window(text: str, limits: Limits) -> float:
 
 def _parse_selection(raw: Mapping[str, str]) -> GpuSelection:
     if "gpuIndex" in raw:
-        return GpuSelection(indices=_parse_indices(raw["gpuIndex"]))
+        return GpuSelection(indices=parse_indices(raw["gpuIndex"]))
     if "gpuUUID" in raw:
-        uuids = _parse_list("gpuUUID", raw["gpuUUID"], _non_empty)
+        uuids = parse_list("gpuUUID", raw["gpuUUID"], non_empty)
         # Matching is case-insensitive and order-free (as gpuIndex is), so equal selections are one query.
         first_spelling = {uuid.lower(): uuid for uuid in reversed(uuids)}
         return GpuSelection(uuids=tuple(sorted(first_spelling.values(), key=str.lower)))
@@ -338,7 +317,7 @@ def _parse_pods(raw: Mapping[str, str], scaled_object_namespace: str) -> PodSele
     if not any(key in raw for key in POD_KEYS):
         return None
     if "namespace" in raw:
-        namespace = _parse_name("namespace", raw["namespace"], _NAMESPACE, "a namespace name like 'ml'")
+        namespace = parse_name("namespace", raw["namespace"], NAMESPACE, "a namespace name like 'ml'")
     elif scaled_object_namespace:
         namespace = scaled_object_namespace
     else:
@@ -347,9 +326,9 @@ def _parse_pods(raw: Mapping[str, str], scaled_object_namespace: str) -> PodSele
         )
     pod = workload = labels = None
     if "pod" in raw:
-        pod = _parse_name("pod", raw["pod"], _POD_GLOB, "a pod name or glob like 'trainer-*'")
+        pod = parse_name("pod", raw["pod"], POD_GLOB, "a pod name or glob like 'trainer-*'")
     if "workload" in raw:
-        workload = _parse_name("workload", raw["workload"], _OBJECT_NAME, "a Deployment or StatefulSet name")
+        workload = parse_name("workload", raw["workload"], OBJECT_NAME, "a Deployment or StatefulSet name")
     if "podSelector" in raw:
         try:
             labels = parse_label_selector(raw["podSelector"])
@@ -357,7 +336,7 @@ def _parse_pods(raw: Mapping[str, str], scaled_object_namespace: str) -> PodSele
             raise InvalidMetadata(f"podSelector {raw['podSelector']!r} {error}") from None
     pod_aggregation = Aggregation.AVG
     if "podAggregation" in raw:
-        pod_aggregation = _parse_enum("podAggregation", raw["podAggregation"], Aggregation)
+        pod_aggregation = parse_enum("podAggregation", raw["podAggregation"], Aggregation)
     return PodSelection(namespace=namespace, pod=pod, workload=workload, labels=labels, pod_aggregation=pod_aggregation)
 
 
@@ -370,101 +349,5 @@ def _scale_target_pods(raw: Mapping[str, str], namespace: str, name: str) -> Pod
         )
     pod_aggregation = Aggregation.AVG
     if "podAggregation" in raw:
-        pod_aggregation = _parse_enum("podAggregation", raw["podAggregation"], Aggregation)
+        pod_aggregation = parse_enum("podAggregation", raw["podAggregation"], Aggregation)
     return PodSelection(namespace=namespace, scale_target=name, pod_aggregation=pod_aggregation)
-
-
-def _parse_bool(key: str, text: str) -> bool:
-    value = text.strip().lower()
-    if value not in ("true", "false"):
-        raise InvalidMetadata(f"{key} {text!r} is not allowed; use 'true' or 'false'")
-    return value == "true"
-
-
-def _parse_name(key: str, text: str, pattern: re.Pattern[str], allowed: str) -> str:
-    name = text.strip()
-    if not pattern.fullmatch(name):
-        raise InvalidMetadata(f"{key} {text!r} is not allowed; use {allowed} (lowercase letters, digits, '-')")
-    return name
-
-
-def _parse_min_nodes(text: str) -> NodeQuorum:
-    item = text.strip()
-    allowed = "use a node count like '3', or a share of the known nodes like '75%'"
-    if item.endswith("%"):
-        try:
-            percent = float(item[:-1])
-        except ValueError:
-            raise InvalidMetadata(f"minNodes {text!r} is not a number; {allowed}") from None
-        if not 0 < percent <= 100:
-            raise InvalidMetadata(f"minNodes {text!r} is out of range; a share must be above 0% and at most 100%")
-        return NodeQuorum(fraction=percent / 100.0)
-    if not re.fullmatch(r"\d{1,6}", item):
-        raise InvalidMetadata(f"minNodes {text!r} is not allowed; {allowed}")
-    count = int(item)
-    if not 1 <= count <= MAX_MIN_NODES:
-        raise InvalidMetadata(f"minNodes {text!r} is out of range; it must be between 1 and {MAX_MIN_NODES}")
-    return NodeQuorum(count=count)
-
-
-def _parse_max_unreadable(text: str) -> UnreadableTolerance:
-    item = text.strip()
-    allowed = "use a GPU count like '0' or '2', or a share of the selected GPUs like '5%'"
-    if item.endswith("%"):
-        try:
-            percent = float(item[:-1])
-        except ValueError:
-            raise InvalidMetadata(f"maxUnreadable {text!r} is not a number; {allowed}") from None
-        if not 0 <= percent <= 100:  # also refuses nan
-            raise InvalidMetadata(f"maxUnreadable {text!r} is out of range; a share must be from 0% to 100%")
-        return UnreadableTolerance(fraction=percent / 100.0)
-    if not re.fullmatch(r"\d{1,6}", item):
-        raise InvalidMetadata(f"maxUnreadable {text!r} is not allowed; {allowed}")
-    count = int(item)
-    if count > MAX_UNREADABLE_COUNT:
-        raise InvalidMetadata(
-            f"maxUnreadable {text!r} is out of range; a count must be from 0 to {MAX_UNREADABLE_COUNT}"
-        )
-    return UnreadableTolerance(count=count)
-
-
-def _parse_indices(text: str) -> tuple[int, ...] | None:
-    indices = _parse_list("gpuIndex", text, _index)
-    if -1 in indices:
-        if len(indices) > 1:
-            raise InvalidMetadata(f"gpuIndex {text!r} mixes -1 (all GPUs) with indices; use -1 alone")
-        return None
-    return tuple(sorted(set(indices)))
-
-
-def _index(item: str) -> int:
-    if not re.fullmatch(r"-?\d{1,6}", item) or int(item) < -1:
-        raise ValueError("an index is an integer >= 0, or -1 for all GPUs")
-    return int(item)
-
-
-def _non_empty(item: str) -> str:
-    return item
-
-
-def _parse_list(key: str, text: str, parse: Callable[[str], _T]) -> tuple[_T, ...]:
-    items = [item.strip() for item in text.split(",")]
-    if not text.strip() or any(not item for item in items):
-        raise InvalidMetadata(f"{key} {text!r} has an empty entry; use a comma-separated list like '0,2'")
-    try:
-        return tuple(parse(item) for item in items)
-    except ValueError as error:
-        raise InvalidMetadata(f"{key} {text!r}: {error}") from None
-
-
-def _parse_metric_name(text: str) -> str:
-    if not _METRIC_NAME.fullmatch(text):  # match() would let a trailing newline through "$"
-        raise InvalidMetadata(
-            f"metricName {text!r} is not allowed; use 1-100 lowercase letters, digits, '-', '_' or '.', "
-            "starting and ending with a letter or digit (KEDA puts it in a URL path)"
-        )
-    return text
-
-
-def _fmt(number: float) -> str:
-    return f"{number:g}"
