@@ -196,7 +196,7 @@ class ServerTelemetry:
         return series
 
     def observe_partial(self, evaluation: Evaluation) -> None:
-        if any(c.value is None for c in evaluation.contributions):
+        if evaluation.unread:  # not the contributions: a cluster's would make every GPU's record
             self.partial_answers.labels("gpus").inc()
         if evaluation.absent:
             self.partial_answers.labels("nodes").inc()
