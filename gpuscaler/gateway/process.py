@@ -29,6 +29,7 @@ from gpuscaler.model.pods import PodDirectory
 from gpuscaler.server.frontend import Frontend, cancel_all, run_in_background, run_until_signalled
 from gpuscaler.server.overload import quiet_accept_errors
 from gpuscaler.signals.evaluator import Evaluator
+from gpuscaler.signals.node_memo import NodeMemo
 from gpuscaler.tls import client_context
 
 log = structlog.get_logger(__name__)
@@ -108,7 +109,7 @@ class Gateway:
         to_agents = agent_tls(settings)
         directory = directory if directory is not None else build_directory(settings)
         view = ClusterView(history_seconds=settings.history_seconds)
-        evaluator = Evaluator(view, directory=directory, cluster=True)
+        evaluator = Evaluator(view, directory=directory, cluster=True, memo=NodeMemo())
         view.add_listener(evaluator.on_snapshot)
         subscribers: dict[Address, tuple[AgentSubscriber, asyncio.Task[None]]] = {}
         telemetry = GatewayTelemetry(

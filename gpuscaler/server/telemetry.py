@@ -21,8 +21,8 @@ from gpuscaler.model.samples import GpuKey
 from gpuscaler.server.overload import LimitCounts
 from gpuscaler.server.transport.limits import LIMITS
 from gpuscaler.signals.energy import IdleEnergy
-from gpuscaler.signals.evaluation import Evaluation
 from gpuscaler.signals.evaluator import Evaluator
+from gpuscaler.signals.outcome import Evaluation
 
 if TYPE_CHECKING:
     from gpuscaler.server.transport.server import ManyStreamsServer

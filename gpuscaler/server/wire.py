@@ -29,7 +29,7 @@ from gpuscaler.model.samples import (
 )
 from gpuscaler.query.query import Query
 from gpuscaler.signals.energy import IdleEnergy
-from gpuscaler.signals.evaluation import Contribution, Evaluation
+from gpuscaler.signals.outcome import Contribution, Evaluation
 
 if TYPE_CHECKING:  # the protobuf runtime loads only where snapshots are decoded (gateway/decoding.py)
     from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2

@@ -19,7 +19,9 @@ from gpuscaler.model.samples import DEVICE_FIELD, Snapshot
 from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.query.query import Query, ValueQuery
 from gpuscaler.signals.activation import ActivationStates
-from gpuscaler.signals.evaluation import Evaluation, NodeMemo, evaluate
+from gpuscaler.signals.evaluation import evaluate
+from gpuscaler.signals.node_memo import NodeMemo
+from gpuscaler.signals.outcome import Evaluation
 from gpuscaler.signals.source import SnapshotSource
 
 log = structlog.get_logger(__name__)
@@ -64,7 +66,10 @@ class Evaluator:
         clock: Callable[[], float] | None = None,
         directory: PodDirectory | None = None,
         cluster: bool = False,
+        memo: NodeMemo | None = None,
     ) -> None:
+        """``cluster``: the source is a gateway's view (its limits differ). ``memo`` keeps each node's part of a
+        cluster's evaluations between compositions (a gateway gives one; most nodes send nothing new between two)."""
         self.source = source
         self.directory = directory
         self.limits = Limits(history_seconds=source.history_seconds, cluster=cluster)
@@ -75,8 +80,7 @@ class Evaluator:
         self._groups: dict[Hashable, _Group] = {}
         self._cache_sequence = -1
         self._cache: dict[ValueQuery, Evaluation] = {}
-        # A cluster's nodes mostly send nothing new between two compositions: their parts are kept.
-        self._memo = NodeMemo() if cluster else None
+        self._memo = memo
         self.closing = False
         self.on_transition: list[Callable[[bool], None]] = []
         # Called with every answer that left out GPUs or nodes (lost GPUs within maxUnreadable, minNodes).

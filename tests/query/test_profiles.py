@@ -14,7 +14,7 @@ from gpuscaler.model.errors import Unavailable, Unsupported
 from gpuscaler.model.gpu_metrics import Metric
 from gpuscaler.model.samples import ReadErrorKind
 from gpuscaler.query.profiles import GPM_SUFFIX, PROFILES
-from gpuscaler.signals.evaluation import Evaluation
+from gpuscaler.signals.outcome import Evaluation
 from tests.conftest import serve_settings
 from tests.fakes.fake_nvml import FakeDevice, FakeNvml
 from tests.waiting import until

@@ -27,7 +27,7 @@ from gpuscaler.model.samples import (
 )
 from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.server.wire import MAX_EXPLAINED_GPUS, explanation_to_wire, sample_to_wire, snapshot_to_wire
-from gpuscaler.signals.evaluation import Contribution, Evaluation
+from gpuscaler.signals.outcome import Contribution, Evaluation, ListedContributions
 from tests.builders import failed_sample, gpu_sample, snapshot
 
 GPU_1 = GpuIdentity(1, "GPU-11111111-test", "Test GPU")
@@ -260,7 +260,7 @@ def test_an_explanation_over_many_gpus_lists_a_few_hundred_and_counts_the_rest()
     samples[-1] = failed_sample(299, ReadErrorKind.GPU_LOST)._replace(node="node-37")  # the last, listed first
     cluster_view = snapshot(1, 1.0, tuple(samples))
     query = parse_metadata({}, Limits(history_seconds=60)).value
-    contributions = tuple(
+    contributions = ListedContributions(
         Contribution(s, None, 0, "lost") if s.errors else Contribution(s, s.gpu_utilization_percent, 1) for s in samples
     )
     evaluation = Evaluation(query, contributions, 50.0 * (len(samples) - 1), None, cluster_view)

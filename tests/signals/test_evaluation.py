@@ -10,7 +10,8 @@ from gpuscaler.model.errors import GpuscalerError, InvalidMetadata, Unavailable,
 from gpuscaler.model.gpu_metrics import Metric
 from gpuscaler.model.samples import GpuSample, ReadError, ReadErrorKind
 from gpuscaler.query.query import DEFAULT_MAX_UNREADABLE, GpuSelection, UnreadableTolerance, ValueQuery
-from gpuscaler.signals.evaluation import Evaluation, evaluate
+from gpuscaler.signals.evaluation import evaluate
+from gpuscaler.signals.outcome import Evaluation
 from tests.builders import (
     NODE,
     failed_sample,

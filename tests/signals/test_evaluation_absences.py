@@ -25,7 +25,9 @@ from gpuscaler.model.samples import (
     Snapshot,
 )
 from gpuscaler.query.metadata import Limits, parse_metadata
-from gpuscaler.signals.evaluation import Evaluation, NodeMemo, evaluate
+from gpuscaler.signals.evaluation import evaluate
+from gpuscaler.signals.node_memo import NodeMemo
+from gpuscaler.signals.outcome import Evaluation
 from tests.builders import cluster, gpu_sample, silent, snapshot, source_of, unheard
 
 LIMITS = Limits(history_seconds=600, cluster=True)

@@ -12,7 +12,8 @@ from gpuscaler.model.pods import PodInfo
 from gpuscaler.model.samples import Attribution, AttributionState, PodRef, Snapshot
 from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.query.query import NodeQuorum, Query
-from gpuscaler.signals.evaluation import Evaluation, evaluate
+from gpuscaler.signals.evaluation import evaluate
+from gpuscaler.signals.outcome import Evaluation
 from tests.builders import cluster, gpu_sample, snapshot, source_of, unheard
 
 OK = Attribution(AttributionState.OK)

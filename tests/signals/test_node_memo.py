@@ -8,7 +8,8 @@ import random
 from gpuscaler.model.errors import GpuscalerError
 from gpuscaler.model.samples import ReadErrorKind, Snapshot
 from gpuscaler.query.metadata import Limits, parse_metadata
-from gpuscaler.signals.evaluation import NodeMemo, evaluate
+from gpuscaler.signals.evaluation import evaluate
+from gpuscaler.signals.node_memo import NodeMemo
 from tests.builders import ClusterSource, cluster, failed_sample, gpu_sample, history_of, snapshot
 
 LIMITS = Limits(history_seconds=600, cluster=True)
@@ -89,10 +90,10 @@ def test_an_unchanged_node_is_not_evaluated_again() -> None:
     memo = NodeMemo()
     query = parse_metadata({"metric": "gpu_utilization"}, LIMITS).value
     source = ClusterSource(cluster(part_a, part_b), history_of(part_a), history_of(part_b))
-    first = memo.contributions(query, part_a, source)
-    assert memo.contributions(query, part_a, source) is first
+    first = memo.parts(query, (part_a,), source)[0]
+    assert memo.parts(query, (part_a,), source)[0] is first
     newer = node("node-a", 2, rng)
-    assert memo.contributions(query, newer, source) is not first
+    assert memo.parts(query, (newer,), source)[0] is not first
 
 
 def test_forgotten_queries_and_nodes_leave_the_memo() -> None:
@@ -103,12 +104,12 @@ def test_forgotten_queries_and_nodes_leave_the_memo() -> None:
     memo = NodeMemo()
     query = parse_metadata({"metric": "gpu_utilization"}, LIMITS).value
     source = ClusterSource(cluster(part, other), history_of(part), history_of(other))
-    first = memo.contributions(query, part, source)
+    first = memo.parts(query, (part,), source)[0]
     memo.keep_only([query], [other])  # node-a left, node-b came: the query holds one node, as many as listed
-    assert memo.contributions(query, part, source) is first
-    memo.contributions(query, other, source)
+    assert memo.parts(query, (part,), source)[0] is first
+    memo.parts(query, (other,), source)[0]
     memo.keep_only([query], [other])  # now it holds two for one listed: node-a is forgotten
-    assert memo.contributions(query, part, source) is not first  # computed afresh
-    second = memo.contributions(query, part, source)
+    assert memo.parts(query, (part,), source)[0] is not first  # computed afresh
+    second = memo.parts(query, (part,), source)[0]
     memo.keep_only([], [part])
-    assert memo.contributions(query, part, source) is not second
+    assert memo.parts(query, (part,), source)[0] is not second

@@ -18,7 +18,8 @@ from gpuscaler.model.samples import (
     ReadErrorKind,
 )
 from gpuscaler.query.metadata import Limits, parse_metadata
-from gpuscaler.signals.evaluation import Evaluation, evaluate
+from gpuscaler.signals.evaluation import evaluate
+from gpuscaler.signals.outcome import Evaluation
 from tests.builders import ClusterSource, cluster, gpu_sample, history_of, snapshot
 from tests.signals.test_evaluation_workloads import Directory
 

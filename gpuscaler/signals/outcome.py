@@ -1,0 +1,209 @@
+"""What an evaluation answers: each GPU's part, each pod's, the value or the error KEDA must get.
+
+A cluster's all-GPU answer keeps its contributions node by node (``NodeContributions``), made only when read;
+any other answer lists them (``ListedContributions``). Both answer the same questions without making records:
+which GPUs went unread, how many nodes went in, and which GPUs were read.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter
+from typing import NamedTuple, Protocol
+
+from gpuscaler.model.errors import GpuscalerError
+from gpuscaler.model.samples import (
+    Absence,
+    Chained,
+    GpuKey,
+    GpuSample,
+    ReadError,
+    Snapshot,
+    gpu_keys,
+    uuids,
+)
+from gpuscaler.query.query import ValueQuery
+
+HeldPods = tuple[tuple[str, str], ...]  # (namespace, pod) of a selection that an absent node held
+
+
+class Contribution(NamedTuple):
+    """One GPU's part in an evaluation: its windowed value, or why it was left out.
+
+    In a query that selects pods, a GPU counts once for each selected pod that holds it (``pod``). A named
+    tuple: a gateway makes tens of thousands a second.
+    """
+
+    sample: GpuSample
+    value: float | None
+    samples: int
+    reason: str | None = None
+    error: ReadError | None = None
+    pod: tuple[str, str] | None = None  # (namespace, pod)
+    share: str | None = None  # in a pod query: the whole GPU's value or the pod's own share, in words
+
+
+@dataclass(frozen=True, slots=True)
+class PodValue:
+    """One selected pod (replica): its GPUs reduced by the pod aggregation, or why it was left out."""
+
+    namespace: str
+    pod: str
+    node: str
+    workload: str | None
+    value: float | None
+    gpus: int
+    reason: str | None = None
+
+
+class Contributions(Protocol):
+    """An evaluation's contributions, GPU after GPU, and what is asked of them without reading them all."""
+
+    def __len__(self) -> int: ...
+    def __iter__(self) -> Iterator[Contribution]: ...
+    def __getitem__(self, index: int) -> Contribution: ...
+
+    def unread(self) -> list[Contribution]:
+        """The GPUs whose value could not be read."""
+        ...
+
+    def nodes(self) -> int:
+        """Nodes with a GPU in the value."""
+        ...
+
+    def gpu_keys(self, snapshot: Snapshot | None) -> Iterable[GpuKey]:
+        """Each contribution's GPU as (node, UUID), in order."""
+        ...
+
+
+class ListedContributions(tuple[Contribution, ...]):
+    """Contributions made as the answer was: an agent's, a pod query's, named GPUs'."""
+
+    __slots__ = ()
+
+    def unread(self) -> list[Contribution]:
+        return [c for c in self if c.value is None]
+
+    def nodes(self) -> int:
+        return len({c.sample.node for c in self if c.value is not None})
+
+    def gpu_keys(self, snapshot: Snapshot | None) -> Iterable[GpuKey]:
+        return gpu_keys(c.sample for c in self)
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """The outcome of one query: ``value`` or ``error`` is set, never both."""
+
+    query: ValueQuery
+    contributions: Contributions
+    value: float | None
+    error: GpuscalerError | None
+    snapshot: Snapshot | None
+    pods: tuple[PodValue, ...] = ()
+    # Nodes the value left out because minNodes allowed it (without minNodes, an absent node is an error): silent
+    # or unheard ones, and heard ones none of whose selected GPUs can be read (``Absence.heard``).
+    absent: tuple[Absence, ...] = ()
+    # The selection as evaluated, where it differs from the query's words (scaleTargetPods resolved to a workload).
+    selection: str | None = None
+
+    def value_or_raise(self) -> float:
+        if self.error is not None:
+            raise self.error
+        assert self.value is not None
+        return self.value
+
+    @property
+    def unread(self) -> list[Contribution]:
+        """The GPUs whose value could not be read: left out, or the reason for the error."""
+        return self.contributions.unread()
+
+    @property
+    def nodes(self) -> int:
+        """Nodes whose GPUs went into the value."""
+        return self.contributions.nodes()
+
+    def gpu_keys(self) -> Iterable[GpuKey]:
+        """Each contribution's GPU as (node, UUID); a cluster's all-GPU answer names them from its nodes' UUID
+        columns, without making the records."""
+        return self.contributions.gpu_keys(self.snapshot)
+
+
+class NodePart:
+    """One node's GPUs in an all-GPU query: the readable values and the rest apart, and every contribution.
+
+    On the common path the values come from columns of the node's samples, and the contributions (which
+    hold each GPU's record) are made only when something reads them: Explain, not KEDA's polls.
+    """
+
+    __slots__ = ("_contributions", "_make", "included", "left_out")
+
+    def __init__(
+        self,
+        included: tuple[float, ...],
+        left_out: tuple[Contribution, ...],
+        contributions: tuple[Contribution, ...] | None = None,
+        make: Callable[[], tuple[Contribution, ...]] | None = None,
+    ) -> None:
+        self.included = included
+        self.left_out = left_out
+        self._contributions = contributions
+        self._make = make
+
+    @classmethod
+    def of(cls, contributions: tuple[Contribution, ...]) -> NodePart:
+        """The part that ``contributions`` make."""
+        return cls(
+            tuple(c.value for c in contributions if c.value is not None),
+            tuple(c for c in contributions if c.value is None),
+            contributions,
+        )
+
+    @property
+    def contributions(self) -> tuple[Contribution, ...]:
+        if self._contributions is None:
+            assert self._make is not None
+            self._contributions, self._make = self._make(), None
+        return self._contributions
+
+
+EMPTY_PART = NodePart((), (), ())
+
+
+_CONTRIBUTIONS, _INCLUDED, _LEFT_OUT = attrgetter("contributions"), attrgetter("included"), attrgetter("left_out")
+
+
+class NodeContributions(Chained[Contribution]):
+    """A cluster evaluation's contributions, node after node, made when first read (Explain reads them)."""
+
+    __slots__ = ()
+
+    def __init__(self, parts: Sequence[NodePart]) -> None:
+        super().__init__(parts, _CONTRIBUTIONS)
+
+    def __len__(self) -> int:
+        """Counted from each part's values and left-out GPUs, without making the contributions."""
+        return sum(map(len, map(_INCLUDED, self._parts))) + sum(map(len, map(_LEFT_OUT, self._parts)))
+
+    def unread(self) -> list[Contribution]:
+        """The GPUs left out, without making the others' contributions."""
+        return list(itertools.chain.from_iterable(map(_LEFT_OUT, self._parts)))
+
+    def nodes(self) -> int:
+        """Nodes (parts) with a GPU in the value."""
+        return sum(map(bool, map(_INCLUDED, self._parts)))
+
+    def gpu_keys(self, snapshot: Snapshot | None) -> Iterable[GpuKey]:
+        """From the nodes' UUID columns, without making the records."""
+        assert snapshot is not None
+        return itertools.chain.from_iterable(
+            zip(repeat(part.node), uuids(part.samples), strict=False) for part in snapshot.parts
+        )
+
+
+def failed(query: ValueQuery, snapshot: Snapshot | None, error: GpuscalerError) -> Evaluation:
+    """The evaluation that answers ``error``, with no contributions."""
+    return Evaluation(query, ListedContributions(()), None, error, snapshot)
