@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
+from gpuscaler.model.columns import LazySamples, WindowColumns
 from gpuscaler.model.gpu_metrics import READING_FIELDS
 from gpuscaler.model.samples import (
     EMPTY_SHARES,
@@ -19,13 +20,11 @@ from gpuscaler.model.samples import (
     AttributionState,
     GpuIdentity,
     GpuSample,
-    LazySamples,
     PodRef,
     ProcessUsage,
     ReadError,
     ReadErrorKind,
     Snapshot,
-    WindowColumns,
     Windowed,
     WindowKey,
     WindowValues,

@@ -25,8 +25,9 @@ from operator import attrgetter
 
 import structlog
 
+from gpuscaler.model.columns import Chained, WindowColumns, uuids
 from gpuscaler.model.errors import Unavailable, Unsupported
-from gpuscaler.model.samples import Absence, Chained, GpuSample, Snapshot, WindowColumns, Windowed, WindowKey, uuids
+from gpuscaler.model.samples import Absence, GpuSample, Snapshot, Windowed, WindowKey
 from gpuscaler.signals.source import AnnouncedSource, stale_after_for, window_column
 
 log = structlog.get_logger(__name__)

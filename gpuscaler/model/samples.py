@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import datetime
 import enum
-from abc import abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
-from operator import attrgetter
 from types import MappingProxyType
-from typing import Any, NamedTuple, TypeVar, overload
+from typing import NamedTuple, TypeVar
 
 from gpuscaler.model.aggregation import WindowFunction
 from gpuscaler.model.durations import format_duration
@@ -141,7 +138,7 @@ class GpuSample(NamedTuple):
         reading = getattr(self, info.reading)
         if info.of is None:
             return None if reading is None else float(reading)
-        return _percent(reading, getattr(self, info.of))
+        return percent_of(reading, getattr(self, info.of))
 
     def error_for(self, metric: Metric) -> ReadError | None:
         """The reason ``value(metric)`` is None: a device-wide error first, then the field's own."""
@@ -155,90 +152,11 @@ class GpuSample(NamedTuple):
         return None
 
 
-def _percent(part: float | None, whole: float | None) -> float | None:
+def percent_of(part: float | None, whole: float | None) -> float | None:
+    """``part`` as a percentage of ``whole``; None where either is unknown or the whole is not positive."""
     if part is None or whole is None or whole <= 0:
         return None
     return 100.0 * part / whole
-
-
-class LazySamples(Sequence[GpuSample]):
-    """A node's samples as they arrived, each made into a ``GpuSample`` only when it is read.
-
-    A gateway receives thousands of node snapshots a second, and most queries read one number of each GPU:
-    ``column`` reads that number across the node's GPUs without making the records.
-    """
-
-    __slots__ = ()
-
-    @abstractmethod
-    def column(self, reading: str) -> list[float | None]:
-        """Each GPU's ``reading`` (a ``GpuSample`` field), in order; None where absent.
-
-        Byte counts may come as floats of the same value: every use of a reading is arithmetic on it.
-        """
-
-    @abstractmethod
-    def uuids(self) -> list[str]:
-        """Each GPU's UUID, in order."""
-
-
-class Chained(Sequence[T]):
-    """The sequences ``of`` gives for each of ``parts``, read as one, in order, each asked for only when read.
-
-    A gateway chains thousands of nodes' samples into its cluster snapshot, and thousands of nodes'
-    contributions into an evaluation, many times a second; most of them are never read, and a reader that
-    stops early (``any``) reads only the first parts. Indexing makes the whole once.
-    """
-
-    __slots__ = ("_all", "_length", "_of", "_parts")
-
-    def __init__(self, parts: Sequence[Any], of: Callable[[Any], Sequence[T]]) -> None:
-        self._parts = parts
-        self._of = of
-        self._all: tuple[T, ...] | None = None
-        self._length: int | None = None
-
-    def __len__(self) -> int:
-        if self._length is None:
-            self._length = len(self._all) if self._all is not None else sum(map(len, map(self._of, self._parts)))
-        return self._length
-
-    def __bool__(self) -> bool:
-        """Whether any part has something: the first non-empty part answers, not a count of them all."""
-        if self._length is not None:
-            return self._length > 0
-        return any(map(len, map(self._of, self._parts)))
-
-    @overload
-    def __getitem__(self, index: int) -> T: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[T]: ...
-
-    def __getitem__(self, index: int | slice) -> T | Sequence[T]:
-        if self._all is None:
-            self._all = tuple(self)
-        return self._all[index]
-
-    def __iter__(self) -> Iterator[T]:
-        if self._all is not None:
-            return iter(self._all)
-        return chain.from_iterable(map(self._of, self._parts))
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Sequence) and not isinstance(other, str):
-            return tuple(self) == tuple(other)
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(tuple(self))
-
-
-def column(samples: Sequence[GpuSample], reading: str) -> Sequence[float | None]:
-    """Each sample's ``reading``, in order, without making the records of lazy samples."""
-    if isinstance(samples, LazySamples):
-        return samples.column(reading)
-    return list(map(attrgetter(reading), samples))
 
 
 GpuKey = tuple[str, str]  # a GPU across a cluster: (node, UUID)
@@ -247,24 +165,6 @@ GpuKey = tuple[str, str]  # a GPU across a cluster: (node, UUID)
 def gpu_keys(samples: Iterable[GpuSample]) -> Iterator[GpuKey]:
     """Each sample's GPU as (node, UUID)."""
     return ((sample.node, sample.gpu.uuid) for sample in samples)
-
-
-def uuids(samples: Sequence[GpuSample]) -> list[str]:
-    """Each sample's GPU UUID, in order, without making the records of lazy samples."""
-    if isinstance(samples, LazySamples):
-        return samples.uuids()
-    return [sample.gpu.uuid for sample in samples]
-
-
-def metric_column(samples: Sequence[GpuSample], metric: Metric) -> list[float | None]:
-    """``[sample.value(metric) for sample in samples]``, without making the records of lazy samples."""
-    info = METRICS[metric]
-    if info.rate:
-        return [None] * len(samples)
-    values = column(samples, info.reading)
-    if info.of is None:
-        return [None if value is None else float(value) for value in values]
-    return list(map(_percent, values, column(samples, info.of)))
 
 
 # The shares of a window on a GPU that one pod or none holds: shared, never written.
@@ -311,17 +211,6 @@ class WindowValues(NamedTuple):
 
     by_uuid: Mapping[str, Windowed]
     problem: str | None = None
-
-
-class WindowColumns(Mapping[WindowKey, WindowValues]):
-    """A node snapshot's windows as they arrived from its agent, each readable across the node's GPUs at once."""
-
-    __slots__ = ()
-
-    @abstractmethod
-    def column(self, key: WindowKey) -> tuple[list[float | None], list[int]] | None:
-        """Each GPU's value over ``key`` (None where unset) and sample count, in order; None where this
-        cannot tell them so (then read ``self[key]``)."""
 
 
 @dataclass(frozen=True, slots=True)

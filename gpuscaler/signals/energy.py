@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from operator import ge, sub
 from typing import NamedTuple, Protocol, cast
 
-from gpuscaler.model.samples import GpuKey, GpuSample, Snapshot, column, uuids
+from gpuscaler.model.columns import column, uuids
+from gpuscaler.model.samples import GpuKey, GpuSample, Snapshot
 
 # How long a pod's or workload's counter is kept after its last interval, so that rate() spans a pause.
 FORGET_AFTER_SECONDS = 3600.0

@@ -8,11 +8,9 @@ from itertools import repeat
 from operator import attrgetter, is_not
 from typing import cast
 
+from gpuscaler.model.columns import metric_column
 from gpuscaler.model.gpu_metrics import METRICS
-from gpuscaler.model.samples import (
-    Snapshot,
-    metric_column,
-)
+from gpuscaler.model.samples import Snapshot
 from gpuscaler.query.query import ValueQuery
 from gpuscaler.signals.gpu_values import contribution_of, named_samples
 from gpuscaler.signals.outcome import EMPTY_PART, Contribution, NodePart

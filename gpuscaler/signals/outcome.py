@@ -14,17 +14,9 @@ from itertools import repeat
 from operator import attrgetter
 from typing import NamedTuple, Protocol
 
+from gpuscaler.model.columns import Chained, uuids
 from gpuscaler.model.errors import GpuscalerError
-from gpuscaler.model.samples import (
-    Absence,
-    Chained,
-    GpuKey,
-    GpuSample,
-    ReadError,
-    Snapshot,
-    gpu_keys,
-    uuids,
-)
+from gpuscaler.model.samples import Absence, GpuKey, GpuSample, ReadError, Snapshot, gpu_keys
 from gpuscaler.query.query import ValueQuery
 
 HeldPods = tuple[tuple[str, str], ...]  # (namespace, pod) of a selection that an absent node held

@@ -12,6 +12,7 @@ from gpuscaler.client.explain import Answer, Report, left_out_lines, unlisted_li
 from gpuscaler.gateway.decoding import SnapshotDecoder
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
+from gpuscaler.model.columns import column
 from gpuscaler.model.gpu_metrics import READING_FIELDS
 from gpuscaler.model.samples import (
     DEVICE_FIELD,
@@ -23,7 +24,6 @@ from gpuscaler.model.samples import (
     ReadError,
     ReadErrorKind,
     Snapshot,
-    column,
 )
 from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.server.wire import MAX_EXPLAINED_GPUS, explanation_to_wire, sample_to_wire, snapshot_to_wire
