@@ -126,10 +126,6 @@ class SimulatedAgent:
                     windows=[
                         pb.WindowedValues(
                             window=pb.WindowSpec(metric=metric, seconds=seconds, function=function),
-                            values=[
-                                pb.WindowedValue(value=values.get(metric, 10.0), samples=int(seconds / self.poll))
-                                for _ in self.identities
-                            ],
                             packed_values=[values.get(metric, 10.0)] * len(self.identities),
                             packed_samples=[int(seconds / self.poll)] * len(self.identities),
                         )

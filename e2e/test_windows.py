@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from e2e.support.clients import ScalerClient
-from e2e.support.control import Control
+from e2e.support.control import Control, decoded
 
 POLL_SECONDS = 0.2  # the ``agent`` fixture's interval
 AVG = {"gpuIndex": "0", "window": "10s", "activationThreshold": "50"}
@@ -25,9 +25,9 @@ async def test_one_sample_spike_activates_max_not_avg(client: ScalerClient, cont
 
         spiked = await control.set_and_wait(0, {"gpu_utilization": 100})
         await control.set(0, {"gpu_utilization": 0})
-        assert spiked.gpus[0].gpu_utilization_percent == 100
+        assert decoded(spiked).samples[0].gpu_utilization_percent == 100
         after = await control.next_tick()
-        assert after.gpus[0].gpu_utilization_percent == 0
+        assert decoded(after).samples[0].gpu_utilization_percent == 0
         # Ticks that read 100: from `spiked` up to `after`, plus one that may have begun as the Set call returned.
         spikes = after.sequence - spiked.sequence + 1
 

@@ -8,9 +8,10 @@ the protobuf runtime.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, overload
 
+from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
 from gpuscaler.model.columns import LazySamples, WindowColumns
 from gpuscaler.model.gpu_metrics import READING_FIELDS
@@ -29,7 +30,7 @@ from gpuscaler.model.samples import (
     WindowKey,
     WindowValues,
 )
-from gpuscaler.server.wire import window_key_from_wire
+from gpuscaler.server.wire import window_key_from_wire, window_key_to_wire
 
 
 def _process_from_pb2(message: agent_pb2.ProcessUsage) -> ProcessUsage:
@@ -59,16 +60,20 @@ _ATTRIBUTION_FROM_PB2 = {
 }
 
 
-def _windowed_from_pb2(value: agent_pb2.WindowedValue) -> Windowed:
+def _windowed(value: float, samples: int, detail: agent_pb2.WindowedValue | None) -> Windowed:
+    """One GPU's value over a window from the packed arrays (NaN: unset) and, where there is one, its detail."""
+    known = None if value != value else value
+    if detail is None:
+        return Windowed(known, samples)
     shares = (
         {
             share.pod_uid: Windowed(share.value if share.HasField("value") else None, share.samples)
-            for share in value.shares
+            for share in detail.shares
         }
-        if value.shares
+        if detail.shares
         else EMPTY_SHARES
     )
-    return Windowed(value.value if value.HasField("value") else None, value.samples, value.reason or None, shares)
+    return Windowed(known, samples, detail.reason or None, shares)
 
 
 # The readings counted in bytes: integers in a sample, doubles in the packed array (exact below 2**53).
@@ -94,23 +99,42 @@ class _WireWindows(WindowColumns):
         return values
 
     def _decode(self, window: agent_pb2.WindowedValues) -> WindowValues:
-        samples = self._samples
-        if window.problem or len(window.values) != len(samples):
-            return WindowValues({}, window.problem or f"{len(window.values)} values for {len(samples)} GPUs")
+        packed = self.column_of(window)
+        if packed is None:
+            return WindowValues({}, window.problem or self._mismatch(window))
+        details: Sequence[agent_pb2.WindowedValue | None] = window.details or [None] * len(window.packed_values)
         return WindowValues(
-            {uuid: _windowed_from_pb2(value) for uuid, value in zip(samples.uuids(), window.values, strict=True)}
+            {
+                uuid: _windowed(value, count, detail)
+                for uuid, value, count, detail in zip(
+                    self._samples.uuids(), window.packed_values, window.packed_samples, details, strict=True
+                )
+            }
         )
 
     def column(self, key: WindowKey) -> tuple[list[float | None], list[int]] | None:
-        """Each GPU's value over window ``key`` (None where unset) and its sample count, in order, from the
-        packed arrays; None where they are not there (an older agent, a window it cannot reduce)."""
+        """Each GPU's value over window ``key`` (None where unset) and its sample count, in order, straight from
+        the packed arrays; None where the agent could not reduce it (``self[key]`` says why)."""
         window = self._wire.get(key)
-        if window is None or window.problem:
+        if window is None or self.column_of(window) is None:
             return None
-        values, counts = window.packed_values, window.packed_samples
-        if not len(values) == len(counts) == len(self._samples):
+        return [None if value != value else value for value in window.packed_values], list(window.packed_samples)
+
+    def column_of(self, window: agent_pb2.WindowedValues) -> Sequence[float] | None:
+        """The window's packed values when it has one per GPU, else None."""
+        gpus = len(self._samples)
+        if window.problem or not len(window.packed_values) == len(window.packed_samples) == gpus:
             return None
-        return [None if value != value else value for value in values], list(counts)
+        if window.details and len(window.details) != gpus:
+            return None
+        values: Sequence[float] = window.packed_values
+        return values
+
+    def _mismatch(self, window: agent_pb2.WindowedValues) -> str:
+        return (
+            f"{len(window.packed_values)} values, {len(window.packed_samples)} sample counts and "
+            f"{len(window.details)} details for {len(self._samples)} GPUs"
+        )
 
     def get(self, key: WindowKey, default: WindowValues | None = None) -> WindowValues | None:  # type: ignore[override]
         """As ``Mapping.get``, without its exception round trip: the view asks once per GPU per composition."""
@@ -142,16 +166,14 @@ class _WireSamples(LazySamples):
     readings; Explain, a pod query or a named GPU reads records, each made once.
     """
 
-    __slots__ = ("_all", "_decoder", "_flat", "_gpus", "_packed", "_records", "_rows", "_uuids")
+    __slots__ = ("_all", "_decoder", "_gpus", "_packed", "_records", "_uuids")
 
     def __init__(self, gpus: Sequence[agent_pb2.GpuSample], packed: Sequence[float], decoder: SnapshotDecoder) -> None:
         self._gpus = gpus
-        self._packed = packed  # Snapshot.readings: every GPU's readings, GPU after GPU
+        self._packed = packed  # Snapshot.readings: every GPU's readings, GPU after GPU (``decode`` checked)
         self._decoder = decoder
         self._records: list[GpuSample | None] = [None] * len(gpus)
         self._all: tuple[GpuSample, ...] | None = None
-        self._flat: bool | None = None  # whether ``packed`` holds every GPU's readings
-        self._rows: list[Sequence[float]] | None = None
         self._uuids: list[str] | None = None
 
     def __len__(self) -> int:
@@ -168,10 +190,9 @@ class _WireSamples(LazySamples):
             return self.records()[index]
         record = self._records[index]
         if record is None:
-            flat = self._whole()
             width = len(READING_FIELDS)
             start = (index % len(self._records)) * width
-            row = flat[start : start + width] if flat is not None else self._gpus[index].readings
+            row = self._packed[start : start + width]
             record = self._records[index] = self._decoder.sample(self._gpus[index], row)
         return record
 
@@ -196,15 +217,7 @@ class _WireSamples(LazySamples):
         return repr(self.records())
 
     def column(self, reading: str) -> list[float | None]:
-        position = _POSITIONS[reading]
-        flat = self._whole()
-        if flat is not None:
-            values = flat[position :: len(READING_FIELDS)]
-        else:
-            rows = self._each()
-            if rows is None:  # an agent that sends only the fields
-                return [getattr(record, reading) for record in self.records()]
-            values = [row[position] for row in rows]
+        values = self._packed[_POSITIONS[reading] :: len(READING_FIELDS)]  # one C slice
         return [None if value != value else value for value in values]  # NaN: absent
 
     def uuids(self) -> list[str]:
@@ -212,20 +225,9 @@ class _WireSamples(LazySamples):
             self._uuids = [gpu.uuid for gpu in self._gpus]
         return self._uuids
 
-    def _whole(self) -> Sequence[float] | None:
-        """Snapshot.readings, when the agent sends it whole (sliced where it is: a column is one C slice)."""
-        if self._flat is None:
-            self._flat = len(self._packed) == len(READING_FIELDS) * len(self._records)
-        return self._packed if self._flat else None
 
-    def _each(self) -> list[Sequence[float]] | None:
-        """Each GPU's own packed readings, from agents older than Snapshot.readings."""
-        if self._rows is None:
-            rows = [gpu.readings for gpu in self._gpus]
-            if any(len(row) != len(READING_FIELDS) for row in rows):
-                return None
-            self._rows = rows
-        return self._rows
+class MalformedSnapshot(ValueError):
+    """A snapshot whose packed arrays do not fit its GPUs: not one that a gateway of the same version can read."""
 
 
 class SnapshotDecoder:
@@ -243,12 +245,17 @@ class SnapshotDecoder:
     def decode(self, message: agent_pb2.Snapshot, *, monotonic: float) -> Snapshot:
         """The domain snapshot; ``monotonic`` is the receiver's clock at arrival (clocks differ between hosts)."""
         node = message.node
-        if message.HasField("attribution") and message.attribution.state in _ATTRIBUTION_FROM_PB2:
-            attribution = Attribution(_ATTRIBUTION_FROM_PB2[message.attribution.state], message.attribution.detail)
-        else:  # an agent older than attribution sends none: it has none
-            attribution = Attribution(
-                AttributionState.OFF, f"the agent on {node!r} sends no pod attribution (upgrade it)"
+        if len(message.readings) != len(READING_FIELDS) * len(message.gpus):
+            raise MalformedSnapshot(
+                f"the snapshot of node {node!r} has {len(message.readings)} readings for {len(message.gpus)} GPUs; "
+                f"each GPU has {len(READING_FIELDS)} (is the agent another version of gpuscaler than the gateway?)"
             )
+        state = _ATTRIBUTION_FROM_PB2.get(message.attribution.state)
+        attribution = (
+            Attribution(state, message.attribution.detail)
+            if state is not None
+            else Attribution(AttributionState.OFF, f"the agent on {node!r} sent no pod attribution state")
+        )
         samples = _WireSamples(message.gpus, message.readings, self)
         return Snapshot(
             sequence=message.sequence,
@@ -278,21 +285,19 @@ class SnapshotDecoder:
         return _WireWindows(by_key, samples)
 
     def sample(self, gpu: agent_pb2.GpuSample, packed: Sequence[float]) -> GpuSample:
-        """One GPU's record; ``packed`` is its readings in order (NaN: absent), or empty when it has only fields."""
+        """One GPU's record; ``packed`` is its readings in order (NaN: absent)."""
         key = (gpu.index, gpu.uuid)  # a UUID's name and MIG parent are its own for life
         identity = self._identities.get(key)
         if identity is None:
             identity = self._identities[key] = GpuIdentity(gpu.index, gpu.uuid, gpu.name, gpu.mig_parent_uuid or None)
-        readings: list[float | int | None]
-        if len(packed) == len(READING_FIELDS):
-            values: list[Any] = list(packed)
-            total = sum(values)  # NaN when a reading is NaN (absent), or on infinities: then look at each
-            readings = values if total == total else [None if value != value else value for value in values]
-            for position in _BYTES_POSITIONS:
-                if (value := readings[position]) is not None:
-                    readings[position] = int(value)
-        else:  # an agent that sends only the fields (older, or another implementation)
-            readings = [getattr(gpu, name) if gpu.HasField(name) else None for name in READING_FIELDS]
+        values: list[Any] = list(packed)
+        total = sum(values)  # NaN when a reading is NaN (absent), or on infinities: then look at each
+        readings: list[float | int | None] = (
+            values if total == total else [None if value != value else value for value in values]
+        )
+        for position in _BYTES_POSITIONS:
+            if (value := readings[position]) is not None:
+                readings[position] = int(value)
         errors = (
             tuple(
                 ReadError(
@@ -306,7 +311,7 @@ class SnapshotDecoder:
             if gpu.errors
             else ()
         )
-        # An agent older than per-process reads sends neither: not read, which is not "no processes".
+        # Not read (the agent does not read processes, or could not) is not "no processes".
         processes = tuple(_process_from_pb2(p) for p in gpu.processes) if gpu.processes_read else None
         # By position: GpuSample's fields are (gpu, node, the readings in READINGS' order, errors, pods,
         # processes), which tests/server/test_wire.py holds to; a named tuple built from a tuple is the cheapest
@@ -323,3 +328,11 @@ class SnapshotDecoder:
                 self._pods.clear()
             pods = self._pods[key] = tuple(PodRef(*ref) for ref in key)
         return pods
+
+
+def watch_request(windows: Iterable[WindowKey]) -> agent_pb2.WatchSnapshotsRequest:
+    """The WatchSnapshots request that asks an agent for ``windows``, as the C runtime's message (the subscriber's
+    stream speaks it); built by the servers' one conversion, once per stream."""
+    request = pb.WatchSnapshotsRequest(windows=[window_key_to_wire(window) for window in windows])
+    decoded: agent_pb2.WatchSnapshotsRequest = agent_pb2.WatchSnapshotsRequest.FromString(bytes(request))
+    return decoded

@@ -22,7 +22,7 @@ from grpclib.const import Cardinality
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from gpuscaler.flags import Address
-from gpuscaler.gateway.decoding import SnapshotDecoder
+from gpuscaler.gateway.decoding import MalformedSnapshot, SnapshotDecoder, watch_request
 from gpuscaler.gateway.view import AgentRefused, ClusterView
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
 from gpuscaler.signals.source import stale_after_for
@@ -57,7 +57,6 @@ class AgentSubscriber:
         self.received = 0
         self.connects = 0
         self.failures = 0
-        self.last_error: str | None = None
 
     async def run(self) -> None:
         backoff = INITIAL_BACKOFF_SECONDS
@@ -68,11 +67,10 @@ class AgentSubscriber:
                 outcome, detail = "ended", "the agent ended its stream (it is stopping)"
             except AgentRefused as refusal:
                 outcome, detail = "refused", str(refusal)
-            except (OSError, GRPCError, StreamTerminatedError, ProtocolError, TimeoutError) as error:
+            except (OSError, GRPCError, StreamTerminatedError, ProtocolError, TimeoutError, MalformedSnapshot) as error:
                 outcome, detail = "failed", _describe(error)
             finally:
                 self.connected = False
-            self.last_error = detail
             self._view.trouble(self.agent, detail)
             progressed = self.received > before
             if progressed:
@@ -100,12 +98,7 @@ class AgentSubscriber:
                 # The windows the view's queries use: when it needs another, it sets `changed`, and the stream
                 # is reopened on the same connection with the new list.
                 changed, windows = self._view.windows_changed, self._view.windows
-                request = agent_pb2.WatchSnapshotsRequest(
-                    windows=[
-                        agent_pb2.WindowSpec(metric=w.metric.value, seconds=w.seconds, function=w.function.value)
-                        for w in windows
-                    ]
-                )
+                request = watch_request(windows)
                 async with channel.request(
                     WATCH_METHOD, Cardinality.UNARY_STREAM, agent_pb2.WatchSnapshotsRequest, agent_pb2.Snapshot
                 ) as stream:

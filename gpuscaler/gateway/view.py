@@ -25,7 +25,7 @@ from operator import attrgetter
 
 import structlog
 
-from gpuscaler.model.columns import Chained, WindowColumns, uuids
+from gpuscaler.model.columns import Chained, WindowColumns
 from gpuscaler.model.errors import Unavailable, Unsupported
 from gpuscaler.model.samples import Absence, GpuSample, Snapshot, Windowed, WindowKey
 from gpuscaler.signals.source import AnnouncedSource, stale_after_for, window_column
@@ -163,12 +163,8 @@ class ClusterView(AnnouncedSource):
         packed = windows.column(window) if isinstance(windows, WindowColumns) else None
         if packed is not None:
             return packed
-        values = windows.get(window) if windows is not None else None
-        if values is None or values.problem is not None:
-            return window_column(self.windowed, part, window)  # which raises, saying why
-        by_uuid, missing = values.by_uuid, Windowed(None, 0)
-        each = [by_uuid.get(uuid, missing) for uuid in uuids(part.samples)]  # an older agent's: by UUID
-        return [w.value for w in each], [w.samples for w in each]
+        # Not reduced (yet), or a snapshot that did not come off the wire (a test's): GPU by GPU, which says why.
+        return window_column(self.windowed, part, window)
 
     @property
     def windows(self) -> tuple[WindowKey, ...]:

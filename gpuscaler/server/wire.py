@@ -1,9 +1,9 @@
-"""Conversions between the domain types and the ``gpuscaler.v1`` messages, both ways.
+"""Conversions from the domain types to the ``gpuscaler.v1`` messages the servers send.
 
-The gateway rebuilds samples from the agents' snapshot streams, so the two directions must stay each other's
-inverse (a test checks the round trip). Messages are betterproto2's everywhere but one place: the gateway
-decodes the snapshot streams with the protobuf runtime's C decoder (``gateway/decoding.py``), hundreds of
-times faster for a message that arrives thousands of times a second; the wire format is the same.
+A node's readings travel packed (``Snapshot.readings``, each window's ``packed_values``): the gateway reads
+thousands of snapshots a second and most queries read one reading of each GPU, one slice of an array. The
+gateway decodes them with the protobuf runtime's C decoder (``gateway/decoding.py``), hundreds of times faster
+for a message that arrives thousands of times a second; a test holds the two directions to each other.
 """
 
 from __future__ import annotations
@@ -53,20 +53,13 @@ def attribution_to_wire(attribution: Attribution) -> pb.Attribution:
 
 
 def sample_to_wire(sample: GpuSample) -> pb.GpuSample:
-    """One GPU's sample as the message: unread values left unset."""
+    """One GPU's sample as the message, but its readings: ``snapshot_to_wire`` packs those."""
     return pb.GpuSample(
         index=sample.gpu.index,
         uuid=sample.gpu.uuid,
         name=sample.gpu.name,
         mig_parent_uuid=sample.gpu.mig_parent_uuid or "",
         node=sample.node,
-        gpu_utilization_percent=sample.gpu_utilization_percent,
-        memory_utilization_percent=sample.memory_utilization_percent,
-        memory_used_bytes=sample.memory_used_bytes,
-        memory_total_bytes=sample.memory_total_bytes,
-        temperature_celsius=sample.temperature_celsius,
-        power_draw_watts=sample.power_draw_watts,
-        power_limit_watts=sample.power_limit_watts,
         errors=[
             pb.ReadError(
                 field=e.field, kind=_KIND_TO_WIRE[e.kind], detail=e.detail, last_read_unix_seconds=e.last_read_at
@@ -74,18 +67,13 @@ def sample_to_wire(sample: GpuSample) -> pb.GpuSample:
             for e in sample.errors
         ],
         pods=[pb.PodRef(namespace=p.namespace, pod=p.pod, container=p.container) for p in sample.pods],
-        sm_active_percent=sample.sm_active_percent,
-        sm_occupancy_percent=sample.sm_occupancy_percent,
-        tensor_active_percent=sample.tensor_active_percent,
-        dram_bandwidth_percent=sample.dram_bandwidth_percent,
-        energy_joules=sample.energy_joules,
         processes=[_process_to_wire(p) for p in sample.processes or ()],
         processes_read=sample.processes is not None,
     )
 
 
-def _packed(sample: GpuSample) -> list[float]:
-    """The sample's readings in order, NaN where unread: its share of ``Snapshot.readings``."""
+def packed_readings(sample: GpuSample) -> list[float]:
+    """The sample's readings in ``READING_FIELDS`` order, NaN where unread: its share of ``Snapshot.readings``."""
     return [math.nan if (value := getattr(sample, name)) is None else float(value) for name in READING_FIELDS]
 
 
@@ -112,7 +100,7 @@ def snapshot_to_wire(
         gpus=[sample_to_wire(sample) for sample in snapshot.samples],
         attribution=attribution_to_wire(snapshot.attribution),
         windows=[_window_to_wire(key, values, snapshot) for key, values in (windows or {}).items()],
-        readings=[value for sample in snapshot.samples for value in _packed(sample)],
+        readings=[value for sample in snapshot.samples for value in packed_readings(sample)],
     )
 
 
@@ -141,12 +129,9 @@ def _window_to_wire(key: WindowKey, values: WindowValues, snapshot: Snapshot) ->
         return pb.WindowedValues(window=window_key_to_wire(key), problem=values.problem)
     missing = Windowed(None, 0)
     per_gpu = [values.by_uuid.get(sample.gpu.uuid, missing) for sample in snapshot.samples]
-    return pb.WindowedValues(
-        window=window_key_to_wire(key),
-        values=[
+    details = (
+        [
             pb.WindowedValue(
-                value=w.value,
-                samples=w.samples,
                 reason=w.reason or "",
                 shares=[
                     pb.PodWindowedValue(pod_uid=uid, value=share.value, samples=share.samples)
@@ -154,9 +139,15 @@ def _window_to_wire(key: WindowKey, values: WindowValues, snapshot: Snapshot) ->
                 ],
             )
             for w in per_gpu
-        ],
+        ]
+        if any(w.reason or w.shares for w in per_gpu)
+        else []
+    )
+    return pb.WindowedValues(
+        window=window_key_to_wire(key),
         packed_values=[math.nan if w.value is None else w.value for w in per_gpu],
         packed_samples=[w.samples for w in per_gpu],
+        details=details,
     )
 
 

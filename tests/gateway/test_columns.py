@@ -6,8 +6,6 @@ import dataclasses
 import random
 from collections.abc import Iterator
 
-import pytest
-
 from gpuscaler.agent.history import History
 from gpuscaler.gateway.decoding import SnapshotDecoder
 from gpuscaler.gateway.view import ClusterView
@@ -72,27 +70,12 @@ def node(name: str, tick: int, rng: random.Random) -> Snapshot:
     return snapshot(tick, float(tick), samples, node=name)
 
 
-AGENTS = ["packed", "older: each GPU packed alone", "oldest: fields only"]
-
-
-def over_the_wire(history: History, decoder: SnapshotDecoder, *, at: float, agent: str = AGENTS[0]) -> Snapshot:
-    """The node's newest snapshot as its agent sends it to a gateway (with the windows it asked for) and decoded.
-
-    ``agent`` is what it packs: everything (this version), each GPU's readings alone and no packed windows
-    (agents before Snapshot.readings), or nothing (the optional fields only).
-    """
+def over_the_wire(history: History, decoder: SnapshotDecoder, *, at: float) -> Snapshot:
+    """The node's newest snapshot as its agent sends it to a gateway (with the windows it asked for), decoded."""
     latest = history.latest
     assert latest is not None
     windows = {key: WindowValues({s.gpu.uuid: history.windowed(s, key) for s in latest.samples}) for key in WINDOWS}
     message = snapshot_to_wire(latest, poll_interval_seconds=1.0, windows=windows)
-    if agent != AGENTS[0]:
-        width = len(READING_FIELDS)
-        if agent == AGENTS[1]:
-            for index, gpu in enumerate(message.gpus):
-                gpu.readings = message.readings[index * width : (index + 1) * width]
-        message.readings = []
-        for window in message.windows:
-            window.packed_values, window.packed_samples = [], []
     return decoder.decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=at)
 
 
@@ -119,14 +102,13 @@ def listed(evaluation: Evaluation, limit: int) -> tuple[list[Contribution], int]
     return (everything, 0) if len(everything) <= limit else (rows, len(everything) - limit)
 
 
-@pytest.mark.parametrize("agent", AGENTS)
-def test_columns_read_what_the_records_hold(agent: str) -> None:
+def test_columns_read_what_the_records_hold() -> None:
     """Every reading and metric of decoded samples, read as a column, is what each GPU's record says."""
     rng = random.Random(3)
     history = history_of(node("node-a", 1, rng))
     for tick in range(2, 60):
         history.append(node("node-a", tick, rng))
-        decoded = over_the_wire(history, SnapshotDecoder(), at=float(tick), agent=agent).samples
+        decoded = over_the_wire(history, SnapshotDecoder(), at=float(tick)).samples
         assert isinstance(decoded, LazySamples)
         records = list(decoded)
         assert uuids(decoded) == [r.gpu.uuid for r in records]
@@ -136,11 +118,10 @@ def test_columns_read_what_the_records_hold(agent: str) -> None:
             assert metric_column(decoded, metric) == [r.value(metric) for r in records]
 
 
-@pytest.mark.parametrize("agent", AGENTS)
-async def test_a_gateway_answers_from_columns_what_it_answers_from_records(agent: str) -> None:
+async def test_a_gateway_answers_from_columns_what_it_answers_from_records() -> None:
     """Twelve nodes over the wire, half sending before each composition: the view's answers (columns, the memo)
-    equal fresh evaluations over the same nodes' records and histories, contribution for contribution, whatever
-    its agents pack; so do their counts, their GPUs' names and the rows an explanation lists past its limit."""
+    equal fresh evaluations over the same nodes' records and histories, contribution for contribution; so do
+    their counts, their GPUs' names and the rows an explanation lists past its limit."""
     rng = random.Random(11)
     clock = Clock()
     view = ClusterView(history_seconds=600, compose_interval_seconds=1.0, clock=clock)
@@ -156,7 +137,7 @@ async def test_a_gateway_answers_from_columns_what_it_answers_from_records(agent
         clock.now = float(tick)
         for name in names[tick % 2 :: 2] if tick > 2 else names:  # each node every 2 s: fresh, half new each time
             histories[name].append(node(name, tick, rng))
-            received = over_the_wire(histories[name], decoders[name], at=clock.now, agent=agent)
+            received = over_the_wire(histories[name], decoders[name], at=clock.now)
             view.update(name, received, poll_interval_seconds=1.0)
         composed = view.compose()
         records = [h.latest for h in histories.values() if h.latest is not None]

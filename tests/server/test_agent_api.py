@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 from grpclib.client import Channel
@@ -35,15 +36,13 @@ async def test_snapshot_carries_every_gpu_in_units(agent: Agent, channel: Channe
     assert message.node == "test-node"
     assert message.poll_interval_seconds == 0.1
     assert [gpu.uuid for gpu in message.gpus] == [f"GPU-fake-test-node-{i}" for i in range(4)]
-    gpu = message.gpus[2]
-    assert gpu.gpu_utilization_percent == 42.0
-    assert gpu.memory_used_bytes == 40 * 1024**3
-    assert gpu.memory_total_bytes == 80 * 1024**3
-    unsupported = message.gpus[3]
-    assert unsupported.gpu_utilization_percent is None  # absent on the wire, not 0
-    assert {error.kind for error in unsupported.errors} == {pb.ReadErrorKind.NOT_SUPPORTED}
-    snapshot = SnapshotDecoder().decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=0.0)
-    assert snapshot.samples[2].value(Metric.MEMORY_USED_PERCENT) == 50.0
+    assert {error.kind for error in message.gpus[3].errors} == {pb.ReadErrorKind.NOT_SUPPORTED}
+    samples = SnapshotDecoder().decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=0.0).samples
+    assert samples[2].gpu_utilization_percent == 42.0
+    assert samples[2].memory_used_bytes == 40 * 1024**3
+    assert samples[2].memory_total_bytes == 80 * 1024**3
+    assert samples[2].value(Metric.MEMORY_USED_PERCENT) == 50.0
+    assert samples[3].gpu_utilization_percent is None  # absent on the wire (NaN), not 0
 
 
 async def test_watch_sends_one_snapshot_per_tick(agent: Agent, channel: Channel) -> None:
@@ -79,13 +78,15 @@ async def test_watch_sends_the_windows_asked_for_reduced_over_the_ring_buffer(ag
     utilization, power, newest = message.windows
     assert utilization.window == windows[0]
     assert utilization.problem == ""
-    assert len(utilization.values) == len(message.gpus) == 4
-    assert utilization.values[0].value == 40.0
-    assert utilization.values[0].samples >= 1
-    assert (newest.values[1].value, newest.values[1].samples) == (None, 0)  # the lost GPU: absent, not 0
-    assert newest.values[0].value == 40.0
+    assert len(utilization.packed_values) == len(utilization.packed_samples) == len(message.gpus) == 4
+    assert utilization.packed_values[0] == 40.0
+    assert utilization.packed_samples[0] >= 1
+    assert math.isnan(newest.packed_values[1])  # the lost GPU: absent, not 0
+    assert newest.packed_samples[1] == 0
+    assert newest.packed_values[0] == 40.0
+    assert utilization.details == []  # no reason or pod share to tell
     assert "longer than this agent's --history of 10m" in power.problem
-    assert list(power.values) == []
+    assert list(power.packed_values) == []
 
 
 async def test_watch_refuses_a_window_it_cannot_name(agent: Agent, channel: Channel) -> None:

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from gpuscaler.client.explain import Answer, Report, left_out_lines, unlisted_line
-from gpuscaler.gateway.decoding import SnapshotDecoder
+from gpuscaler.gateway.decoding import MalformedSnapshot, SnapshotDecoder
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
-from gpuscaler.model.columns import column
-from gpuscaler.model.gpu_metrics import READING_FIELDS
+from gpuscaler.model.aggregation import WindowFunction
+from gpuscaler.model.columns import WindowColumns
+from gpuscaler.model.gpu_metrics import READING_FIELDS, Metric
 from gpuscaler.model.samples import (
     DEVICE_FIELD,
     AttributionState,
@@ -24,6 +25,9 @@ from gpuscaler.model.samples import (
     ReadError,
     ReadErrorKind,
     Snapshot,
+    Windowed,
+    WindowKey,
+    WindowValues,
 )
 from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.server.wire import MAX_EXPLAINED_GPUS, explanation_to_wire, sample_to_wire, snapshot_to_wire
@@ -139,12 +143,10 @@ def test_sample_round_trips(sample: GpuSample) -> None:
 
 
 def test_absent_value_is_absent_on_the_wire() -> None:
-    """An unread value is an unset optional field, not a 0, so a reader in another language sees it absent."""
-    message = sample_to_wire(gpu_sample(0, util=0.0))
-    assert message.gpu_utilization_percent == 0.0
-    assert message.temperature_celsius is None
-    assert message.is_set("gpu_utilization_percent")
-    assert not message.is_set("temperature_celsius")
+    """An unread value is NaN in the packed readings, not a 0, so a reader in another language sees it absent."""
+    message = snapshot_to_wire(snapshot(1, 0.0, (gpu_sample(0, util=0.0),)), poll_interval_seconds=0.5)
+    assert message.readings[READING_FIELDS.index("gpu_utilization_percent")] == 0.0
+    assert math.isnan(message.readings[READING_FIELDS.index("temperature_celsius")])
 
 
 def test_processes_not_read_differ_from_none_running() -> None:
@@ -164,11 +166,22 @@ def test_whole_gpu_has_no_mig_parent_on_either_side() -> None:
 def test_unspecified_error_kind_reads_as_other() -> None:
     """An error kind the reader does not know (or unset) becomes OTHER rather than being dropped."""
     message = pb.Snapshot(
-        node="n", gpus=[pb.GpuSample(index=0, uuid="GPU-x", errors=[pb.ReadError(field="temperature", detail="?")])]
+        node="n",
+        gpus=[pb.GpuSample(index=0, uuid="GPU-x", errors=[pb.ReadError(field="temperature", detail="?")])],
+        readings=[math.nan] * len(READING_FIELDS),
     )
     decoded = SnapshotDecoder().decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=0.0)
     assert decoded.samples[0].errors == (ReadError("temperature", ReadErrorKind.OTHER, "?"),)
-    assert decoded.attribution.state is AttributionState.OFF  # an agent that sends none has none
+    assert decoded.attribution.state is AttributionState.OFF  # a snapshot that vouches for no pods has none
+
+
+def test_a_snapshot_whose_readings_do_not_fit_its_gpus_is_refused() -> None:
+    """Readings packed for another number of GPUs (or readings per GPU) are no snapshot this gateway can read: the
+    subscriber drops the stream saying so, rather than reading one GPU's readings as another's."""
+    message = snapshot_to_wire(snapshot(1, 0.0, (gpu_sample(0, util=1.0), gpu_sample(1))), poll_interval_seconds=1.0)
+    message.readings = message.readings[: len(READING_FIELDS)]
+    with pytest.raises(MalformedSnapshot, match="has 12 readings for 2 GPUs; each GPU has 12"):
+        SnapshotDecoder().decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=0.0)
 
 
 def test_snapshot_round_trips() -> None:
@@ -206,32 +219,6 @@ def test_a_sample_lists_its_readings_in_the_metric_tables_order() -> None:
     assert GpuSample._fields[2:-3] == READING_FIELDS
 
 
-@pytest.mark.parametrize("sample", SAMPLES)
-def test_an_agent_that_sends_only_the_fields_reads_the_same(sample: GpuSample) -> None:
-    """Without the packed readings (an older agent, another implementation) the optional fields give the same sample."""
-    message = snapshot_to_wire(snapshot(1, 0.0, (sample,)), poll_interval_seconds=0.5)
-    message.readings = []
-    decoded = SnapshotDecoder().decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=999.0)
-    assert decoded.samples == (sample,)
-    assert [column(decoded.samples, name) for name in READING_FIELDS] == [[getattr(sample, n)] for n in READING_FIELDS]
-    assert [type(getattr(decoded.samples[0], name)) for name in READING_FIELDS] == [
-        type(getattr(sample, name)) for name in READING_FIELDS
-    ]
-
-
-@pytest.mark.parametrize("sample", SAMPLES)
-def test_an_agent_that_packs_each_gpu_alone_reads_the_same(sample: GpuSample) -> None:
-    """Agents before Snapshot.readings packed each GPU's readings in GpuSample.readings: read as they were."""
-    message = snapshot_to_wire(snapshot(1, 0.0, (sample, sample._replace(gpu=GPU_1))), poll_interval_seconds=0.5)
-    width = len(READING_FIELDS)
-    for index, gpu in enumerate(message.gpus):
-        gpu.readings = message.readings[index * width : (index + 1) * width]
-    message.readings = []
-    decoded = SnapshotDecoder().decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=999.0)
-    assert decoded.samples == (sample, sample._replace(gpu=GPU_1))
-    assert column(decoded.samples, "temperature_celsius") == [sample.temperature_celsius] * 2
-
-
 def test_packed_readings_are_nan_where_absent_and_keep_bytes_whole() -> None:
     """The packed array has one value per reading of each GPU, NaN for an absent one; bytes come back as integers."""
     sample = gpu_sample(0, util=0.0, used=12 * 1024**3, total=80 * 1024**3)
@@ -248,7 +235,7 @@ def test_packed_readings_are_nan_where_absent_and_keep_bytes_whole() -> None:
 def test_the_protos_packed_order_is_the_metric_tables() -> None:
     """agent.proto names the packed readings' order in words; it is gpu_metrics.READINGS' order."""
     proto = (Path(__file__).parents[2] / "protos" / "gpuscaler" / "v1" / "agent.proto").read_text()
-    words = re.search(r"in the order of the fields above \((.*?)\)", proto, re.S)
+    words = re.search(r"Each GPU's readings, in this order: (.*?)\.", proto, re.S)
     assert words is not None
     assert tuple(name.strip(" /\n") for name in re.sub(r"\s*//\s*", " ", words[1]).split(",")) == READING_FIELDS
 
@@ -276,3 +263,33 @@ def test_an_explanation_over_many_gpus_lists_a_few_hundred_and_counts_the_rest()
     report = Report({}, Answer(True), Answer(True), Answer(True), Answer(True), fields, None, 1)
     assert unlisted_line(report).startswith("44 more GPU(s) are in the answer but not listed")
     assert left_out_lines(report)[0] == "The value leaves out 1 of 300 GPU(s); their share is not in it:"
+
+
+def test_windows_round_trip_packed_with_their_details_only_where_there_are_some() -> None:
+    """Each GPU's value over a window travels once, packed; a reason or pods' shares travel beside it only in a
+    window that has one, and the gateway reads back what the agent reduced, GPU by GPU and as a column."""
+    samples = (gpu_sample(0, util=10.0), gpu_sample(1, util=20.0)._replace(gpu=GPU_1))
+    plain = WindowKey(Metric.GPU_UTILIZATION, 5.0, WindowFunction.MAX)
+    detailed = WindowKey(Metric.POWER_AVERAGE, 5.0, WindowFunction.AVG)
+    failing = WindowKey(Metric.TEMPERATURE, 3600.0, WindowFunction.AVG)
+    shared = {
+        "1b4e2a3c11112222333344445556666": Windowed(40.0, 5),
+        "9f8e7d6caaaabbbbccccddddeeeeffff": Windowed(None, 0),
+    }
+    windows = {
+        plain: WindowValues({samples[0].gpu.uuid: Windowed(12.5, 5), samples[1].gpu.uuid: Windowed(None, 0)}),
+        detailed: WindowValues(
+            {
+                samples[0].gpu.uuid: Windowed(None, 0, "the energy counter restarted"),
+                GPU_1.uuid: Windowed(7.0, 4, None, shared),
+            }
+        ),
+        failing: WindowValues({}, "longer than this agent's --history of 10m"),
+    }
+    message = snapshot_to_wire(snapshot(1, 0.0, samples), poll_interval_seconds=0.5, windows=windows)
+    assert [len(window.details) for window in message.windows] == [0, 2, 0]
+    decoded = SnapshotDecoder().decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=0.0)
+    assert {key: decoded.windows[key] for key in windows} == windows
+    assert isinstance(decoded.windows, WindowColumns)
+    assert decoded.windows.column(plain) == ([12.5, None], [5, 0])
+    assert decoded.windows.column(failing) is None

@@ -63,7 +63,7 @@ class AttributionState(betterproto2.Enum):
 
     UNSPECIFIED = 0
     """
-    An agent without attribution support: read as OFF.
+    Never sent: a snapshot without a state has no pods it can vouch for, as with OFF.
     """
 
     OFF = 1
@@ -414,44 +414,11 @@ class GpuSample(betterproto2.Message):
 
     node: "str" = betterproto2.field(5, betterproto2.TYPE_STRING)
 
-    gpu_utilization_percent: "float | None" = betterproto2.field(6, betterproto2.TYPE_DOUBLE, optional=True)
-    """
-    Absent means not read: see `errors`.
-    """
-
-    memory_utilization_percent: "float | None" = betterproto2.field(7, betterproto2.TYPE_DOUBLE, optional=True)
-
-    memory_used_bytes: "int | None" = betterproto2.field(8, betterproto2.TYPE_UINT64, optional=True)
-
-    memory_total_bytes: "int | None" = betterproto2.field(9, betterproto2.TYPE_UINT64, optional=True)
-
-    temperature_celsius: "float | None" = betterproto2.field(10, betterproto2.TYPE_DOUBLE, optional=True)
-
-    power_draw_watts: "float | None" = betterproto2.field(11, betterproto2.TYPE_DOUBLE, optional=True)
-
-    power_limit_watts: "float | None" = betterproto2.field(12, betterproto2.TYPE_DOUBLE, optional=True)
-
     errors: "list[ReadError]" = betterproto2.field(13, betterproto2.TYPE_MESSAGE, repeated=True)
 
     pods: "list[PodRef]" = betterproto2.field(14, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     The pods the kubelet assigned this GPU to, where attribution is on.
-    """
-
-    sm_active_percent: "float | None" = betterproto2.field(15, betterproto2.TYPE_DOUBLE, optional=True)
-    """
-    GPM (Hopper and newer), rates between two GPM samples, 0-100; absent on the first tick and where unsupported.
-    """
-
-    sm_occupancy_percent: "float | None" = betterproto2.field(16, betterproto2.TYPE_DOUBLE, optional=True)
-
-    tensor_active_percent: "float | None" = betterproto2.field(17, betterproto2.TYPE_DOUBLE, optional=True)
-
-    dram_bandwidth_percent: "float | None" = betterproto2.field(18, betterproto2.TYPE_DOUBLE, optional=True)
-
-    energy_joules: "float | None" = betterproto2.field(19, betterproto2.TYPE_DOUBLE, optional=True)
-    """
-    The board's energy counter since the driver loaded, in joules.
     """
 
     processes: "list[ProcessUsage]" = betterproto2.field(20, betterproto2.TYPE_MESSAGE, repeated=True)
@@ -460,15 +427,6 @@ class GpuSample(betterproto2.Message):
     """
 
     processes_read: "bool" = betterproto2.field(21, betterproto2.TYPE_BOOL)
-
-    readings: "list[float]" = betterproto2.field(22, betterproto2.TYPE_DOUBLE, repeated=True)
-    """
-    The readings above again, packed: one per reading in the order of the fields above (gpu_utilization_percent,
-    memory_utilization_percent, memory_used_bytes, memory_total_bytes, temperature_celsius, power_draw_watts,
-    power_limit_watts, sm_active_percent, sm_occupancy_percent, tensor_active_percent, dram_bandwidth_percent,
-    energy_joules), NaN where that field is absent. Sent by agents before `Snapshot.readings`, which packs every
-    GPU's readings in one array; a gateway still reads it from them. The fields stay for every other reader.
-    """
 
 
 default_message_pool.register_message("gpuscaler.v1", "GpuSample", GpuSample)
@@ -673,7 +631,7 @@ class Snapshot(betterproto2.Message):
 
     attribution: "Attribution | None" = betterproto2.field(6, betterproto2.TYPE_MESSAGE, optional=True)
     """
-    Absent from agents older than attribution: read as OFF.
+    Whether the GPUs' `pods` are known.
     """
 
     windows: "list[WindowedValues]" = betterproto2.field(7, betterproto2.TYPE_MESSAGE, repeated=True)
@@ -683,10 +641,13 @@ class Snapshot(betterproto2.Message):
 
     readings: "list[float]" = betterproto2.field(8, betterproto2.TYPE_DOUBLE, repeated=True)
     """
-    Every GPU's readings again, packed GPU after GPU in the order of `gpus`, each GPU's in the order of
-    `GpuSample.readings`, NaN where absent. A gateway reads thousands of snapshots a second and most queries
-    read one reading of each GPU: one slice of this array, where twelve optional fields per GPU decode many
-    times slower.
+    Every GPU's readings, GPU after GPU in the order of `gpus`, NaN where a reading is absent (`errors` says
+    why; never read it as 0). Each GPU's readings, in this order: gpu_utilization_percent,
+    memory_utilization_percent, memory_used_bytes, memory_total_bytes, temperature_celsius, power_draw_watts,
+    power_limit_watts, sm_active_percent, sm_occupancy_percent, tensor_active_percent, dram_bandwidth_percent,
+    energy_joules. The four GPM readings (Hopper and newer) are rates between two GPM samples, absent on the
+    first tick; energy_joules is the board's counter since the driver loaded. A gateway reads one reading of
+    every GPU as one slice of this array.
     """
 
 
@@ -708,16 +669,12 @@ default_message_pool.register_message("gpuscaler.v1", "WatchSnapshotsRequest", W
 @dataclass(eq=False, repr=False)
 class WindowedValue(betterproto2.Message):
     """
-    One GPU's value over a window. Unset when no sample in the window was readable: never read it as 0.
+    What a GPU's value over a window has beyond its number and sample count (which `WindowedValues` packs).
     """
-
-    value: "float | None" = betterproto2.field(1, betterproto2.TYPE_DOUBLE, optional=True)
-
-    samples: "int" = betterproto2.field(2, betterproto2.TYPE_UINT32)
 
     reason: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
     """
-    Why `value` is unset, where there is more to say than "nothing readable" (a counter that restarted).
+    Why the value is unset, where there is more to say than "nothing readable" (a counter that restarted).
     """
 
     shares: "list[PodWindowedValue]" = betterproto2.field(4, betterproto2.TYPE_MESSAGE, repeated=True)
@@ -732,26 +689,30 @@ default_message_pool.register_message("gpuscaler.v1", "WindowedValue", WindowedV
 @dataclass(eq=False, repr=False)
 class WindowedValues(betterproto2.Message):
     """
-    A window's values for every GPU of the snapshot, in the order of `Snapshot.gpus`.
+    A window's values for every GPU of the snapshot, in the order of `Snapshot.gpus`. A gateway reads a window
+    across a node's GPUs as one column of these.
     """
 
     window: "WindowSpec | None" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, optional=True)
 
-    values: "list[WindowedValue]" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, repeated=True)
-
     problem: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
     """
-    Set when the agent cannot reduce this window (longer than its --history, an unknown metric): then
-    `values` is empty.
+    Set when the agent cannot reduce this window (longer than its --history, an unknown metric): then the
+    arrays below are empty.
     """
 
     packed_values: "list[float]" = betterproto2.field(4, betterproto2.TYPE_DOUBLE, repeated=True)
     """
-    `values` again, packed: each GPU's value (NaN where unset) and sample count, in the order of
-    `Snapshot.gpus`. A gateway reads a window across a node's GPUs as one column of these.
+    Each GPU's value, NaN where no sample in the window was readable (never read it as 0), and how many
+    samples the window function reduced.
     """
 
     packed_samples: "list[int]" = betterproto2.field(5, betterproto2.TYPE_UINT32, repeated=True)
+
+    details: "list[WindowedValue]" = betterproto2.field(6, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    Each GPU's reason and pods' shares, in the same order; empty when no GPU has either (most windows).
+    """
 
 
 default_message_pool.register_message("gpuscaler.v1", "WindowedValues", WindowedValues)

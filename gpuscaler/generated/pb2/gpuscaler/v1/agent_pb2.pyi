@@ -52,16 +52,12 @@ class WindowSpec(_message.Message):
     def __init__(self, metric: _Optional[str] = ..., seconds: _Optional[float] = ..., function: _Optional[str] = ...) -> None: ...
 
 class WindowedValue(_message.Message):
-    __slots__ = ("value", "samples", "reason", "shares")
-    VALUE_FIELD_NUMBER: _ClassVar[int]
-    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("reason", "shares")
     REASON_FIELD_NUMBER: _ClassVar[int]
     SHARES_FIELD_NUMBER: _ClassVar[int]
-    value: float
-    samples: int
     reason: str
     shares: _containers.RepeatedCompositeFieldContainer[PodWindowedValue]
-    def __init__(self, value: _Optional[float] = ..., samples: _Optional[int] = ..., reason: _Optional[str] = ..., shares: _Optional[_Iterable[_Union[PodWindowedValue, _Mapping]]] = ...) -> None: ...
+    def __init__(self, reason: _Optional[str] = ..., shares: _Optional[_Iterable[_Union[PodWindowedValue, _Mapping]]] = ...) -> None: ...
 
 class PodWindowedValue(_message.Message):
     __slots__ = ("pod_uid", "value", "samples")
@@ -74,18 +70,18 @@ class PodWindowedValue(_message.Message):
     def __init__(self, pod_uid: _Optional[str] = ..., value: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class WindowedValues(_message.Message):
-    __slots__ = ("window", "values", "problem", "packed_values", "packed_samples")
+    __slots__ = ("window", "problem", "packed_values", "packed_samples", "details")
     WINDOW_FIELD_NUMBER: _ClassVar[int]
-    VALUES_FIELD_NUMBER: _ClassVar[int]
     PROBLEM_FIELD_NUMBER: _ClassVar[int]
     PACKED_VALUES_FIELD_NUMBER: _ClassVar[int]
     PACKED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
     window: WindowSpec
-    values: _containers.RepeatedCompositeFieldContainer[WindowedValue]
     problem: str
     packed_values: _containers.RepeatedScalarFieldContainer[float]
     packed_samples: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, window: _Optional[_Union[WindowSpec, _Mapping]] = ..., values: _Optional[_Iterable[_Union[WindowedValue, _Mapping]]] = ..., problem: _Optional[str] = ..., packed_values: _Optional[_Iterable[float]] = ..., packed_samples: _Optional[_Iterable[int]] = ...) -> None: ...
+    details: _containers.RepeatedCompositeFieldContainer[WindowedValue]
+    def __init__(self, window: _Optional[_Union[WindowSpec, _Mapping]] = ..., problem: _Optional[str] = ..., packed_values: _Optional[_Iterable[float]] = ..., packed_samples: _Optional[_Iterable[int]] = ..., details: _Optional[_Iterable[_Union[WindowedValue, _Mapping]]] = ...) -> None: ...
 
 class ReadError(_message.Message):
     __slots__ = ("field", "kind", "detail", "last_read_unix_seconds")
@@ -134,52 +130,26 @@ class ProcessUsage(_message.Message):
     def __init__(self, pid: _Optional[int] = ..., pod_uid: _Optional[str] = ..., container_id: _Optional[str] = ..., sm_percent: _Optional[float] = ..., memory_utilization_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ...) -> None: ...
 
 class GpuSample(_message.Message):
-    __slots__ = ("index", "uuid", "name", "mig_parent_uuid", "node", "gpu_utilization_percent", "memory_utilization_percent", "memory_used_bytes", "memory_total_bytes", "temperature_celsius", "power_draw_watts", "power_limit_watts", "errors", "pods", "sm_active_percent", "sm_occupancy_percent", "tensor_active_percent", "dram_bandwidth_percent", "energy_joules", "processes", "processes_read", "readings")
+    __slots__ = ("index", "uuid", "name", "mig_parent_uuid", "node", "errors", "pods", "processes", "processes_read")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     MIG_PARENT_UUID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
-    GPU_UTILIZATION_PERCENT_FIELD_NUMBER: _ClassVar[int]
-    MEMORY_UTILIZATION_PERCENT_FIELD_NUMBER: _ClassVar[int]
-    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
-    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
-    TEMPERATURE_CELSIUS_FIELD_NUMBER: _ClassVar[int]
-    POWER_DRAW_WATTS_FIELD_NUMBER: _ClassVar[int]
-    POWER_LIMIT_WATTS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     PODS_FIELD_NUMBER: _ClassVar[int]
-    SM_ACTIVE_PERCENT_FIELD_NUMBER: _ClassVar[int]
-    SM_OCCUPANCY_PERCENT_FIELD_NUMBER: _ClassVar[int]
-    TENSOR_ACTIVE_PERCENT_FIELD_NUMBER: _ClassVar[int]
-    DRAM_BANDWIDTH_PERCENT_FIELD_NUMBER: _ClassVar[int]
-    ENERGY_JOULES_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_READ_FIELD_NUMBER: _ClassVar[int]
-    READINGS_FIELD_NUMBER: _ClassVar[int]
     index: int
     uuid: str
     name: str
     mig_parent_uuid: str
     node: str
-    gpu_utilization_percent: float
-    memory_utilization_percent: float
-    memory_used_bytes: int
-    memory_total_bytes: int
-    temperature_celsius: float
-    power_draw_watts: float
-    power_limit_watts: float
     errors: _containers.RepeatedCompositeFieldContainer[ReadError]
     pods: _containers.RepeatedCompositeFieldContainer[PodRef]
-    sm_active_percent: float
-    sm_occupancy_percent: float
-    tensor_active_percent: float
-    dram_bandwidth_percent: float
-    energy_joules: float
     processes: _containers.RepeatedCompositeFieldContainer[ProcessUsage]
     processes_read: bool
-    readings: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., mig_parent_uuid: _Optional[str] = ..., node: _Optional[str] = ..., gpu_utilization_percent: _Optional[float] = ..., memory_utilization_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., temperature_celsius: _Optional[float] = ..., power_draw_watts: _Optional[float] = ..., power_limit_watts: _Optional[float] = ..., errors: _Optional[_Iterable[_Union[ReadError, _Mapping]]] = ..., pods: _Optional[_Iterable[_Union[PodRef, _Mapping]]] = ..., sm_active_percent: _Optional[float] = ..., sm_occupancy_percent: _Optional[float] = ..., tensor_active_percent: _Optional[float] = ..., dram_bandwidth_percent: _Optional[float] = ..., energy_joules: _Optional[float] = ..., processes: _Optional[_Iterable[_Union[ProcessUsage, _Mapping]]] = ..., processes_read: _Optional[bool] = ..., readings: _Optional[_Iterable[float]] = ...) -> None: ...
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., mig_parent_uuid: _Optional[str] = ..., node: _Optional[str] = ..., errors: _Optional[_Iterable[_Union[ReadError, _Mapping]]] = ..., pods: _Optional[_Iterable[_Union[PodRef, _Mapping]]] = ..., processes: _Optional[_Iterable[_Union[ProcessUsage, _Mapping]]] = ..., processes_read: _Optional[bool] = ...) -> None: ...
 
 class Snapshot(_message.Message):
     __slots__ = ("node", "sequence", "taken_at_unix_seconds", "poll_interval_seconds", "gpus", "attribution", "windows", "readings")
