@@ -15,9 +15,8 @@ from gpuscaler.model.samples import (
     ReadError,
     ReadErrorKind,
     Snapshot,
-    Windowed,
-    WindowKey,
 )
+from gpuscaler.model.windows import Windowed, WindowKey
 from gpuscaler.signals.source import Announcer, SnapshotListener, window_column
 
 NODE = "node-a"

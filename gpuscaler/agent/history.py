@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from gpuscaler.model.aggregation import reduce_window
 from gpuscaler.model.gpu_metrics import METRICS
 from gpuscaler.model.pods import uid_key
-from gpuscaler.model.samples import GpuSample, Snapshot, Windowed, WindowKey
+from gpuscaler.model.samples import GpuSample, Snapshot
+from gpuscaler.model.windows import Windowed, WindowKey
 from gpuscaler.signals.rates import counter_rate
 from gpuscaler.signals.shares import holders, pod_share
 from gpuscaler.signals.source import AnnouncedSource

@@ -16,7 +16,6 @@ from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
 from gpuscaler.model.columns import LazySamples, WindowColumns
 from gpuscaler.model.gpu_metrics import READING_FIELDS
 from gpuscaler.model.samples import (
-    EMPTY_SHARES,
     Attribution,
     AttributionState,
     GpuIdentity,
@@ -26,10 +25,8 @@ from gpuscaler.model.samples import (
     ReadError,
     ReadErrorKind,
     Snapshot,
-    Windowed,
-    WindowKey,
-    WindowValues,
 )
+from gpuscaler.model.windows import EMPTY_SHARES, Windowed, WindowKey, WindowValues
 from gpuscaler.server.wire import window_key_from_wire, window_key_to_wire
 
 

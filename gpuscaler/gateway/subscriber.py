@@ -25,7 +25,7 @@ from gpuscaler.flags import Address
 from gpuscaler.gateway.decoding import MalformedSnapshot, SnapshotDecoder, watch_request
 from gpuscaler.gateway.view import AgentRefused, ClusterView
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
-from gpuscaler.signals.source import stale_after_for
+from gpuscaler.model.staleness import snapshot_stale_after
 
 log = structlog.get_logger(__name__)
 
@@ -113,7 +113,7 @@ class AgentSubscriber:
                             if message is None:
                                 return
                             self._receive(message)
-                            bound = stale_after_for(message.poll_interval_seconds or 1.0)
+                            bound = snapshot_stale_after(message.poll_interval_seconds or 1.0)
                             now = loop.time()
                             if (silence.when() or now) - now < bound:
                                 silence.reschedule(now + 2 * bound)

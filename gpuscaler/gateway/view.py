@@ -27,8 +27,10 @@ import structlog
 
 from gpuscaler.model.columns import Chained, WindowColumns
 from gpuscaler.model.errors import Unavailable, Unsupported
-from gpuscaler.model.samples import Absence, GpuSample, Snapshot, Windowed, WindowKey
-from gpuscaler.signals.source import AnnouncedSource, stale_after_for, window_column
+from gpuscaler.model.samples import Absence, GpuSample, Snapshot
+from gpuscaler.model.staleness import snapshot_stale_after
+from gpuscaler.model.windows import MAX_WINDOWS, Windowed, WindowKey
+from gpuscaler.signals.source import AnnouncedSource, window_column
 
 log = structlog.get_logger(__name__)
 
@@ -37,8 +39,6 @@ DEFAULT_COMPOSE_INTERVAL_SECONDS = 0.5
 # Updates within this long of the first make one composition: at 2,000 agents, 20 a second instead of 4,000,
 # for at most 50 ms of the push budget (one agent poll + 100 ms).
 DEFAULT_COALESCE_SECONDS = 0.05
-# Distinct windows the agents reduce at once: each costs every agent one pass over its history per tick.
-MAX_WINDOWS = 32
 # A window no query used for this long is no longer asked for (KEDA asks each query every 30 s at least).
 WINDOW_IDLE_SECONDS = 15 * 60.0
 # How long a call waits for its agents to send a window it just asked for: a few of their polls.
@@ -274,7 +274,7 @@ class ClusterView(AnnouncedSource):
         if state.node != name or state.conflict is not None or state.trouble != "sending":
             state.node, state.conflict, state.trouble = name, None, "sending"
             self._scanned = None
-        stale_after = stale_after_for(poll_interval_seconds)
+        stale_after = snapshot_stale_after(poll_interval_seconds)
         wall = self._wall()
         if entry is None:
             entry = self._nodes[name] = _Node(agent, stale_after, snapshot, wall)

@@ -16,7 +16,8 @@ from operator import attrgetter
 from typing import Any, TypeVar, overload
 
 from gpuscaler.model.gpu_metrics import METRICS, Metric
-from gpuscaler.model.samples import GpuSample, WindowKey, WindowValues, percent_of
+from gpuscaler.model.samples import GpuSample, percent_of
+from gpuscaler.model.windows import WindowKey, WindowValues
 
 T = TypeVar("T")
 

@@ -11,12 +11,10 @@ import datetime
 import enum
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import NamedTuple, TypeVar
 
-from gpuscaler.model.aggregation import WindowFunction
-from gpuscaler.model.durations import format_duration
 from gpuscaler.model.gpu_metrics import METRICS, Metric
+from gpuscaler.model.windows import WindowKey, WindowValues
 
 T = TypeVar("T")
 
@@ -165,52 +163,6 @@ GpuKey = tuple[str, str]  # a GPU across a cluster: (node, UUID)
 def gpu_keys(samples: Iterable[GpuSample]) -> Iterator[GpuKey]:
     """Each sample's GPU as (node, UUID)."""
     return ((sample.node, sample.gpu.uuid) for sample in samples)
-
-
-# The shares of a window on a GPU that one pod or none holds: shared, never written.
-EMPTY_SHARES: Mapping[str, Windowed] = MappingProxyType({})
-
-
-class WindowKey(NamedTuple):
-    """One GPU-level window reduction: ``function`` of ``metric`` over the last ``seconds``.
-
-    A rate (``power_average``) is the counter's increase over the window; ``seconds`` 0 is the rate between
-    the newest two samples, a rate's window when a query names none.
-    """
-
-    metric: Metric
-    seconds: float
-    function: WindowFunction
-
-    def describe(self) -> str:
-        if METRICS[self.metric].rate:
-            return f"{self.metric.value} {self.describe_span()}"
-        return f"{self.function.value} of {self.metric.value} {self.describe_span()}"
-
-    def describe_span(self) -> str:
-        """The samples it reads, in words."""
-        return "between the newest two samples" if self.seconds == 0 else f"over {format_duration(self.seconds)}"
-
-
-class Windowed(NamedTuple):
-    """One GPU's value over a window, from ``samples`` readable samples; None when none was readable.
-
-    ``reason`` says more than "nothing readable" where there is more to say (a counter that restarted).
-    ``shares`` are, on a GPU several pods hold, each pod's own share over the window, by pod UID key
-    (``attribution.processes.uid_key``), where the agent read processes.
-    """
-
-    value: float | None
-    samples: int
-    reason: str | None = None
-    shares: Mapping[str, Windowed] = EMPTY_SHARES
-
-
-class WindowValues(NamedTuple):
-    """A window as an agent reduced it for a gateway: each GPU's value by UUID, or why it could not."""
-
-    by_uuid: Mapping[str, Windowed]
-    problem: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

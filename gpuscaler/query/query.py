@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from gpuscaler.model.aggregation import Aggregation, WindowFunction
 from gpuscaler.model.durations import format_duration
 from gpuscaler.model.gpu_metrics import METRICS, Metric
-from gpuscaler.model.samples import WindowKey
+from gpuscaler.model.windows import WindowKey
 from gpuscaler.query.selectors import LabelSelector
 
 

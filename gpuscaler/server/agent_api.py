@@ -12,15 +12,12 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.model.durations import format_duration
 from gpuscaler.model.errors import InvalidRequest, Unavailable
-from gpuscaler.model.samples import GpuKey, Snapshot, WindowKey, WindowValues
+from gpuscaler.model.samples import GpuKey, Snapshot
+from gpuscaler.model.windows import MAX_WINDOWS, WindowKey, WindowValues
 from gpuscaler.server.status import grpc_errors, status_for
 from gpuscaler.server.wire import explanation_to_wire, snapshot_to_wire, window_key_from_wire
 from gpuscaler.signals.energy import IdleEnergy
 from gpuscaler.signals.evaluator import Evaluator
-
-# A subscriber asks for the distinct windows its queries use: a handful. Far more is not a gateway.
-MAX_WINDOWS = 64
-
 
 # Energy while idle of some GPUs over a window (seconds; None: all the server knows), for Explain.
 IdleEnergyOf = Callable[[Iterable[GpuKey], float | None], IdleEnergy | None]

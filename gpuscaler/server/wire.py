@@ -16,17 +16,8 @@ from typing import TYPE_CHECKING
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.model.aggregation import WindowFunction
 from gpuscaler.model.gpu_metrics import METRICS, READING_FIELDS, Metric
-from gpuscaler.model.samples import (
-    Attribution,
-    AttributionState,
-    GpuSample,
-    ProcessUsage,
-    ReadErrorKind,
-    Snapshot,
-    Windowed,
-    WindowKey,
-    WindowValues,
-)
+from gpuscaler.model.samples import Attribution, AttributionState, GpuSample, ProcessUsage, ReadErrorKind, Snapshot
+from gpuscaler.model.windows import Windowed, WindowKey, WindowValues
 from gpuscaler.query.query import Query
 from gpuscaler.signals.energy import IdleEnergy
 from gpuscaler.signals.outcome import Contribution, Evaluation

@@ -11,7 +11,8 @@ from gpuscaler.model.columns import uuids
 from gpuscaler.model.errors import GpuscalerError, InvalidMetadata, Unavailable, Unsupported
 from gpuscaler.model.gpu_metrics import METRICS, Metric
 from gpuscaler.model.pods import uid_key
-from gpuscaler.model.samples import GpuSample, ReadError, ReadErrorKind, Snapshot, Windowed
+from gpuscaler.model.samples import GpuSample, ReadError, ReadErrorKind, Snapshot
+from gpuscaler.model.windows import Windowed
 from gpuscaler.query.query import GpuSelection, ValueQuery
 from gpuscaler.signals.outcome import Contribution
 from gpuscaler.signals.shares import Share, pod_share

@@ -14,16 +14,13 @@ from typing import Protocol
 
 import structlog
 
-from gpuscaler.model.samples import GpuSample, Snapshot, Windowed, WindowKey
+from gpuscaler.model.samples import GpuSample, Snapshot
+from gpuscaler.model.staleness import snapshot_stale_after
+from gpuscaler.model.windows import Windowed, WindowKey
 
 log = structlog.get_logger(__name__)
 
 SnapshotListener = Callable[[Snapshot], None]
-
-
-def stale_after_for(interval_seconds: float) -> float:
-    """A snapshot older than this is not fresh: three missed intervals, and never under 2 s."""
-    return max(3 * interval_seconds, 2.0)
 
 
 class SnapshotSource(Protocol):
@@ -121,7 +118,7 @@ class AnnouncedSource:
 
     @property
     def stale_after(self) -> float:
-        return stale_after_for(self._interval_seconds)
+        return snapshot_stale_after(self._interval_seconds)
 
     @property
     def latest(self) -> Snapshot | None:

@@ -14,7 +14,8 @@ from gpuscaler.model.aggregation import WindowFunction
 from gpuscaler.model.columns import LazySamples, column, metric_column, uuids
 from gpuscaler.model.errors import GpuscalerError
 from gpuscaler.model.gpu_metrics import READING_FIELDS, Metric
-from gpuscaler.model.samples import GpuSample, PodRef, ReadErrorKind, Snapshot, WindowKey, WindowValues
+from gpuscaler.model.samples import GpuSample, PodRef, ReadErrorKind, Snapshot
+from gpuscaler.model.windows import WindowKey, WindowValues
 from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.server.wire import explained_gpus, snapshot_to_wire
 from gpuscaler.signals.evaluation import evaluate

@@ -8,11 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from gpuscaler.gateway.view import MAX_WINDOWS, WINDOW_IDLE_SECONDS, AgentRefused, ClusterView
+from gpuscaler.gateway.view import WINDOW_IDLE_SECONDS, AgentRefused, ClusterView
 from gpuscaler.model.aggregation import WindowFunction
 from gpuscaler.model.errors import Unavailable, Unsupported
 from gpuscaler.model.gpu_metrics import Metric
-from gpuscaler.model.samples import Windowed, WindowKey, WindowValues
+from gpuscaler.model.windows import MAX_WINDOWS, Windowed, WindowKey, WindowValues
 from tests.builders import gpu_sample, snapshot
 
 

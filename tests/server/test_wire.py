@@ -25,10 +25,8 @@ from gpuscaler.model.samples import (
     ReadError,
     ReadErrorKind,
     Snapshot,
-    Windowed,
-    WindowKey,
-    WindowValues,
 )
+from gpuscaler.model.windows import Windowed, WindowKey, WindowValues
 from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.server.wire import MAX_EXPLAINED_GPUS, explanation_to_wire, sample_to_wire, snapshot_to_wire
 from gpuscaler.signals.outcome import Contribution, Evaluation, ListedContributions

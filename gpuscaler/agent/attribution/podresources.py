@@ -22,17 +22,12 @@ from grpclib.exceptions import GRPCError, StreamTerminatedError
 from gpuscaler.agent.attribution.devices import DeviceKey, device_key, dra_device_key, pods_by_gpu
 from gpuscaler.generated import v1 as kubelet
 from gpuscaler.model.samples import Attribution, AttributionState, GpuSample, PodRef
+from gpuscaler.model.staleness import assignment_stale_after
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 DEFAULT_INTERVAL_SECONDS = 1.0
 LIST_TIMEOUT_SECONDS = 2.0
-
-
-def stale_after_for(interval_seconds: float) -> float:
-    """How long a failed kubelet keeps its last assignment: three missed refreshes, never under 5 s."""
-    return max(3 * interval_seconds, 5.0)
 
 
 def assignments(response: kubelet.ListPodResourcesResponse) -> list[tuple[DeviceKey, PodRef]]:
@@ -66,7 +61,7 @@ class PodResourcesWatcher:
     ) -> None:
         self.socket_path = socket_path
         self.interval_seconds = interval_seconds
-        self.stale_after_seconds = stale_after_for(interval_seconds)
+        self.stale_after_seconds = assignment_stale_after(interval_seconds)
         self._timeout = timeout_seconds
         self._channel: Channel | None = None
         self._pairs: list[tuple[DeviceKey, PodRef]] = []

@@ -1,0 +1,67 @@
+"""Windows: a GPU's readings reduced over the last seconds, by the agent that holds its history.
+
+A gateway keeps no history: it asks each agent for the distinct windows its queries use (``WindowKey``), and
+every snapshot carries each GPU's value over each (``WindowValues``). The agent reduces them over its ring
+buffer (``agent/history.py``), the wire carries them packed (``server/wire.py``, ``gateway/decoding.py``), and
+the gateway's view asks for them (``gateway/view.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import NamedTuple
+
+from gpuscaler.model.aggregation import WindowFunction
+from gpuscaler.model.durations import format_duration
+from gpuscaler.model.gpu_metrics import METRICS, Metric
+
+# Distinct windows a gateway asks its agents for, and an agent serves one subscriber: each costs every agent a
+# pass over its history per tick. A gateway's queries use a handful.
+MAX_WINDOWS = 32
+
+
+# The shares of a window on a GPU that one pod or none holds: shared, never written.
+EMPTY_SHARES: Mapping[str, Windowed] = MappingProxyType({})
+
+
+class WindowKey(NamedTuple):
+    """One GPU-level window reduction: ``function`` of ``metric`` over the last ``seconds``.
+
+    A rate (``power_average``) is the counter's increase over the window; ``seconds`` 0 is the rate between
+    the newest two samples, a rate's window when a query names none.
+    """
+
+    metric: Metric
+    seconds: float
+    function: WindowFunction
+
+    def describe(self) -> str:
+        if METRICS[self.metric].rate:
+            return f"{self.metric.value} {self.describe_span()}"
+        return f"{self.function.value} of {self.metric.value} {self.describe_span()}"
+
+    def describe_span(self) -> str:
+        """The samples it reads, in words."""
+        return "between the newest two samples" if self.seconds == 0 else f"over {format_duration(self.seconds)}"
+
+
+class Windowed(NamedTuple):
+    """One GPU's value over a window, from ``samples`` readable samples; None when none was readable.
+
+    ``reason`` says more than "nothing readable" where there is more to say (a counter that restarted).
+    ``shares`` are, on a GPU several pods hold, each pod's own share over the window, by pod UID key
+    (``attribution.processes.uid_key``), where the agent read processes.
+    """
+
+    value: float | None
+    samples: int
+    reason: str | None = None
+    shares: Mapping[str, Windowed] = EMPTY_SHARES
+
+
+class WindowValues(NamedTuple):
+    """A window as an agent reduced it for a gateway: each GPU's value by UUID, or why it could not."""
+
+    by_uuid: Mapping[str, Windowed]
+    problem: str | None = None
