@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from gpuscaler.agent.history import History
 from gpuscaler.model.samples import (
@@ -164,6 +164,9 @@ class ClusterSource:
 
     def window_column(self, part: Snapshot, window: WindowKey) -> tuple[list[float | None], list[int]]:
         return window_column(self.windowed, part, window)
+
+    def request(self, windows: Iterable[WindowKey]) -> None:
+        pass
 
     async def prepare(self, windows: Sequence[WindowKey]) -> None:
         return None

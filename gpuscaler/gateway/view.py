@@ -93,7 +93,7 @@ class ClusterView(AnnouncedSource):
 
     It keeps each node's newest snapshot only: memory grows with nodes x GPUs, not with history. Windows are
     reduced by each agent over its own ring buffer; the view asks for the ones its queries use (``windows``,
-    read by every subscriber when it opens its stream) and is told when a new one is needed.
+    read by every subscriber when it opens its stream) when the evaluator requests them: reading one never does.
     """
 
     def __init__(
@@ -123,7 +123,6 @@ class ClusterView(AnnouncedSource):
         self._absent: tuple[str, ...] = ()
         self.on_compose: Callable[[float], None] | None = None  # seconds one composition took
         self._windows: dict[WindowKey, float] = {}  # the windows queries use, with when each was last used
-        self._used_since_compose: set[WindowKey] = set()
         self.windows_changed = asyncio.Event()  # replaced (after being set) whenever the set grows
 
     # The SnapshotSource protocol (with AnnouncedSource)
@@ -139,9 +138,6 @@ class ClusterView(AnnouncedSource):
 
     def windowed(self, sample: GpuSample, window: WindowKey) -> Windowed:
         """The value ``sample``'s agent reduced for ``window``; Unavailable until its agent has sent one."""
-        if window not in self._used_since_compose:  # once per composition, not once per GPU
-            self.require(window)
-            self._used_since_compose.add(window)
         entry = self._nodes.get(sample.node)
         values = entry.latest.windows.get(window) if entry is not None else None
         if values is None:
@@ -155,9 +151,6 @@ class ClusterView(AnnouncedSource):
 
     def window_column(self, part: Snapshot, window: WindowKey) -> tuple[list[float | None], list[int]]:
         """``windowed`` for each of ``part``'s GPUs, read from the packed arrays its agent sends where it can."""
-        if window not in self._used_since_compose:
-            self.require(window)
-            self._used_since_compose.add(window)
         entry = self._nodes.get(part.node)
         windows = entry.latest.windows if entry is not None else None
         packed = windows.column(window) if isinstance(windows, WindowColumns) else None
@@ -171,29 +164,33 @@ class ClusterView(AnnouncedSource):
         """The windows the agents are asked for."""
         return tuple(self._windows)
 
-    def require(self, window: WindowKey) -> None:
-        """Ask every agent for ``window`` from now on (its subscribers reopen their streams with it)."""
+    def request(self, windows: Iterable[WindowKey]) -> None:
+        """Ask every agent for ``windows`` from now on (its subscribers reopen their streams with a new one); each
+        is forgotten WINDOW_IDLE_SECONDS after its last request. Unsupported past MAX_WINDOWS at once."""
         now = self._clock()
-        if window in self._windows:
+        added = []
+        for window in windows:
+            if window in self._windows:
+                self._windows[window] = now
+                continue
+            for old in [w for w, used in self._windows.items() if now - used > WINDOW_IDLE_SECONDS]:
+                del self._windows[old]
+            if len(self._windows) >= MAX_WINDOWS:
+                raise Unsupported(
+                    f"{window.describe()} would be one window too many: the gateway asks its agents for at most "
+                    f"{MAX_WINDOWS} distinct windows (each costs every agent a pass over its history per tick); use "
+                    "fewer distinct window lengths and functions"
+                )
             self._windows[window] = now
-            return
-        for old in [w for w, used in self._windows.items() if now - used > WINDOW_IDLE_SECONDS]:
-            del self._windows[old]
-        if len(self._windows) >= MAX_WINDOWS:
-            raise Unsupported(
-                f"{window.describe()} would be one window too many: the gateway asks its agents for at most "
-                f"{MAX_WINDOWS} distinct windows (each costs every agent a pass over its history per tick); use "
-                "fewer distinct window lengths and functions"
-            )
-        self._windows[window] = now
-        changed, self.windows_changed = self.windows_changed, asyncio.Event()
-        changed.set()
-        log.info("window_requested", window=window.describe(), windows=len(self._windows))
+            added.append(window)
+        if added:
+            changed, self.windows_changed = self.windows_changed, asyncio.Event()
+            changed.set()
+            log.info("window_requested", windows=[w.describe() for w in added], total=len(self._windows))
 
     async def prepare(self, windows: Sequence[WindowKey]) -> None:
         """Ask for ``windows`` and wait (a few polls at most) until every heard node has sent them."""
-        for window in windows:
-            self.require(window)
+        self.request(windows)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(PREPARE_TIMEOUT_SECONDS):
                 while True:
@@ -295,7 +292,6 @@ class ClusterView(AnnouncedSource):
     def compose(self) -> Snapshot:
         """Announce the cluster snapshot as of now: every fresh node, and every listed agent it cannot hear."""
         started = time.perf_counter()
-        self._used_since_compose.clear()
         now = self._clock()
         wall = self._wall()
         if self._scanned is not None and now < self._fresh_until:

@@ -219,6 +219,8 @@ class Evaluator:
 
     def on_snapshot(self, snapshot: Snapshot) -> None:
         """The source's listener: one evaluation per distinct streamed query, and a wake-up on each change."""
+        # A push stream's window stays requested while the stream is open (each was prepared when it opened).
+        self.source.request([w for g in self._groups.values() if (w := g.query.value.window) is not None])
         for group in list(self._groups.values()):
             evaluation = self.evaluate(group.query.value)
             if evaluation.value is None:

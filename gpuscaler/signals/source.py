@@ -9,7 +9,7 @@ wait (the snapshot streams).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 import structlog
@@ -54,8 +54,12 @@ class SnapshotSource(Protocol):
         A gateway reads them as a column of its agent's snapshot; raises as ``windowed`` does.
         """
 
+    def request(self, windows: Iterable[WindowKey]) -> None:
+        """Keep ``windows`` answerable from now on: a gateway asks its agents for them (Unsupported past
+        MAX_WINDOWS); an agent has them all. Reading a window never asks for it."""
+
     async def prepare(self, windows: Sequence[WindowKey]) -> None:
-        """Make ``windows`` answerable, waiting a little where that takes a round trip (a gateway's agents)."""
+        """``request`` them, and wait a little where that takes a round trip (a gateway's agents)."""
 
     def newest_first(self, node: str) -> Iterator[Snapshot]:
         """``node``'s snapshots, newest first."""
@@ -129,6 +133,9 @@ class AnnouncedSource:
 
     def window_column(self, part: Snapshot, window: WindowKey) -> tuple[list[float | None], list[int]]:
         return window_column(self.windowed, part, window)
+
+    def request(self, windows: Iterable[WindowKey]) -> None:
+        return None
 
     async def prepare(self, windows: Sequence[WindowKey]) -> None:
         return None

@@ -132,7 +132,7 @@ async def test_a_gateway_answers_from_columns_what_it_answers_from_records() -> 
     histories = {name: history_of(node(name, 1, rng), poll_interval_seconds=1.0) for name in names}
     decoders = {name: SnapshotDecoder() for name in names}
     for key in WINDOWS:
-        view.require(key)
+        view.request([key])
     compared = 0
     for tick in range(2, 30):
         clock.now = float(tick)

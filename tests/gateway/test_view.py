@@ -13,6 +13,8 @@ from gpuscaler.model.aggregation import WindowFunction
 from gpuscaler.model.errors import Unavailable, Unsupported
 from gpuscaler.model.gpu_metrics import Metric
 from gpuscaler.model.windows import MAX_WINDOWS, Windowed, WindowKey, WindowValues
+from gpuscaler.query.metadata import Limits, parse_metadata
+from gpuscaler.signals.evaluator import Evaluator
 from tests.builders import gpu_sample, snapshot
 
 
@@ -35,11 +37,11 @@ async def test_a_new_window_is_asked_for_once_and_wakes_the_subscribers() -> Non
     """The first query with a window adds it and sets windows_changed; asking again changes nothing."""
     view = ClusterView(history_seconds=120, clock=Clock())
     changed = view.windows_changed
-    view.require(window(30))
+    view.request([window(30)])
     assert changed.is_set()
     assert view.windows == (window(30),)
     again = view.windows_changed
-    view.require(window(30))
+    view.request([window(30)])
     assert not again.is_set()
 
 
@@ -48,17 +50,37 @@ async def test_too_many_windows_are_refused_and_idle_ones_expire() -> None:
     clock = Clock()
     view = ClusterView(history_seconds=3600, clock=clock)
     for seconds in range(1, MAX_WINDOWS + 1):
-        view.require(window(seconds))
+        view.request([window(seconds)])
     with pytest.raises(Unsupported, match=f"at most {MAX_WINDOWS} distinct windows"):
-        view.require(window(999))
+        view.request([window(999)])
     clock.now += WINDOW_IDLE_SECONDS + 1
-    view.require(window(1))  # still used: kept, and the others expire when a new one comes
-    view.require(window(999))
+    view.request([window(1)])  # still used: kept, and the others expire when a new one comes
+    view.request([window(999)])
     assert set(view.windows) == {window(1), window(999)}
 
 
+async def test_an_open_push_streams_window_stays_asked_for_while_polled_ones_expire() -> None:
+    """Reads do not ask for windows, so a push stream's window is requested by the evaluator at each composition:
+    it outlives WINDOW_IDLE_SECONDS without a poll, while a window only a poll used once expires."""
+    clock = Clock()
+    view = ClusterView(history_seconds=3600, clock=clock)
+    evaluator = Evaluator(view, clock=clock, cluster=True)
+    view.add_listener(evaluator.on_snapshot)
+    streamed = parse_metadata({"window": "30s", "windowFunction": "max"}, Limits(3600, cluster=True))
+    polled = parse_metadata({"window": "45s"}, Limits(3600, cluster=True))
+    await evaluator.prepare(polled)
+    with evaluator.subscribe(streamed):
+        await evaluator.prepare(streamed)
+        for _ in range(3):
+            clock.now += WINDOW_IDLE_SECONDS / 2
+            view.compose()
+        view.request([window(999)])  # a new window: the idle ones are let go as it comes
+    assert set(view.windows) == {streamed.value.window, window(999)}
+
+
 async def test_a_window_is_read_from_the_nodes_newest_snapshot() -> None:
-    """windowed() gives the agent's value; before the agent sent the window it is UNAVAILABLE, and asked for."""
+    """windowed() gives the agent's value; before the agent sent the window it is UNAVAILABLE. Reading a window
+    does not ask for it: a request does."""
     view = ClusterView(history_seconds=120, clock=Clock())
     view.set_agents(["10.0.0.1:6000"])
     sample = gpu_sample(0, util=50.0, node="node-a")
@@ -66,6 +88,8 @@ async def test_a_window_is_read_from_the_nodes_newest_snapshot() -> None:
     view.update("10.0.0.1:6000", plain, poll_interval_seconds=0.5)
     with pytest.raises(Unavailable, match="being computed by the agent of node 'node-a'"):
         view.windowed(sample, window(30))
+    assert not view.windows
+    view.request([window(30)])
     assert view.windows == (window(30),)
     reduced = replace(
         snapshot(2, 100.5, (sample,), node="node-a"),
