@@ -75,7 +75,7 @@ class _IdleEnergyCollector(Collector):
             labels=["namespace", "pod"],
         )
         for (namespace, pod), total in sorted(self._counter.by_owner.items()):
-            pods.add_metric([namespace, pod], total.joules)
+            pods.add_metric([namespace, pod], total.idle_joules)
         yield gpus
         yield pods
 

@@ -66,5 +66,5 @@ class WorkloadIdleEnergy(Collector):
             labels=["namespace", "workload"],
         )
         for (namespace, workload), total in sorted(self.counter.by_owner.items()):
-            family.add_metric([namespace, workload], total.joules)
+            family.add_metric([namespace, workload], total.idle_joules)
         yield family

@@ -48,7 +48,7 @@ def build_directory(settings: GatewaySettings) -> PodDirectory | None:
     if settings.pod_directory is None:
         return None
     if settings.pod_directory == POD_DIRECTORY_KUBERNETES:
-        from gpuscaler.gateway.directory.scaled_objects import KubernetesDirectory
+        from gpuscaler.gateway.directory.kubernetes import KubernetesDirectory
 
         return KubernetesDirectory.in_cluster()
     try:
@@ -178,8 +178,8 @@ class Gateway:
 
 
 def _pod_counts(directory: PodDirectory | None) -> tuple[int, int, int] | None:
+    from gpuscaler.gateway.directory.kubernetes import KubernetesDirectory
     from gpuscaler.gateway.directory.pod_watch import KubernetesPodDirectory
-    from gpuscaler.gateway.directory.scaled_objects import KubernetesDirectory
 
     if isinstance(directory, KubernetesDirectory):
         directory = directory.pod_watch

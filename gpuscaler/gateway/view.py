@@ -1,11 +1,11 @@
-"""The gateway's cluster view: each listed agent's snapshots, composed into one cluster snapshot.
+"""The gateway's cluster view: each listed agent's newest snapshot, composed into one cluster snapshot.
 
-Every node keeps its own ring buffer (windows are per GPU, so per node). On each agent update, after a
-short coalescing delay, the view composes one cluster ``Snapshot`` from the newest snapshot of every
-fresh node and announces it, which wakes the evaluator (push streams) within one agent tick. A timer
-composes too, so that a node that stops sending is seen as silent after its staleness bound even when
-no other node sends anything. Freshness is judged on the gateway's own clock at arrival, because the
-agents' clocks are not ours.
+It keeps each node's newest snapshot only; the agents keep the history and reduce the windows a query needs
+(``ClusterView`` asks them). On each agent update, after a short coalescing delay, the view composes one
+cluster ``Snapshot`` from the newest snapshot of every fresh node and announces it, which wakes the evaluator
+(push streams) within one agent tick. A timer composes too, so that a node that stops sending is seen as
+silent after its staleness bound even when no other node sends anything. Freshness is judged on the
+gateway's own clock at arrival, because the agents' clocks are not ours.
 
 Unknown is not zero. A node whose agent is still listed by discovery but silent, an agent not heard from
 yet, and an agent that claims a node another live agent reports are all ``absent`` from the snapshot,
@@ -389,11 +389,6 @@ class ClusterView(AnnouncedSource):
     def node_names(self) -> KeysView[str]:
         """The nodes in the view, fresh or not (a live view of them: nothing is copied)."""
         return self._nodes.keys()
-
-    @property
-    def nodes(self) -> dict[str, Snapshot]:
-        """Every node's newest snapshot, fresh or not, while its agent is listed."""
-        return {name: node.latest for name, node in self._nodes.items()}
 
     async def run(self) -> None:
         """Compose on a timer too, so silent nodes are seen while nobody sends; until cancelled."""

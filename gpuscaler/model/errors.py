@@ -28,11 +28,13 @@ class UnknownMetricName(GpuscalerError):
 
 
 class Unsupported(GpuscalerError):
-    """The metric cannot be read on the selected GPUs, and waiting will not help (FAILED_PRECONDITION)."""
+    """This server cannot answer the query as it is set up, and waiting will not help: a metric no selected GPU
+    supports, a pod query without attribution or a pod directory, one window too many (FAILED_PRECONDITION)."""
 
 
 class Unavailable(GpuscalerError):
-    """There is no fresh sample to answer from right now (UNAVAILABLE: KEDA retries, then falls back)."""
+    """The answer is unknown now: no fresh sample, a node not heard, GPUs not read, a window still being computed.
+    Never a 0 (UNAVAILABLE: KEDA retries, then falls back)."""
 
 
 class StartupError(Exception):

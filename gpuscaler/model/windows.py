@@ -51,7 +51,7 @@ class Windowed(NamedTuple):
 
     ``reason`` says more than "nothing readable" where there is more to say (a counter that restarted).
     ``shares`` are, on a GPU several pods hold, each pod's own share over the window, by pod UID key
-    (``attribution.processes.uid_key``), where the agent read processes.
+    (``model.pods.uid_key``), where the agent read processes.
     """
 
     value: float | None

@@ -106,7 +106,9 @@ def idle_energy(source: NodeHistory, gpus: Iterable[GpuKey], window_seconds: flo
 
 @dataclass(slots=True)
 class _Total:
-    joules: float = 0.0  # while idle
+    """One GPU's (or one owner's) energy so far: while idle, while busy, and the time neither could be told."""
+
+    idle_joules: float = 0.0
     last_seen: float = -math.inf
     busy_joules: float = 0.0
     unknown_seconds: float = 0.0
@@ -233,12 +235,12 @@ class IdleEnergyCounter:
         if not part.idle:
             total.busy_joules += part.joules
             return
-        total.joules += part.joules
+        total.idle_joules += part.joules
         for owner in set(self.owners(samples[index])):
             owned = self.by_owner.get(owner)
             if owned is None:
                 owned = self.by_owner[owner] = _Total()
-            owned.joules += part.joules
+            owned.idle_joules += part.joules
             owned.last_seen = total.last_seen
 
     def gpu_totals(self) -> list[tuple[GpuSample, float]]:
@@ -247,7 +249,7 @@ class IdleEnergyCounter:
         for (node, uuid), total in sorted(self.gpus.items()):
             seen = self._last.get(node)
             if seen is not None and uuid in seen.uuids:
-                found.append((seen.samples[seen.uuids.index(uuid)], total.joules))
+                found.append((seen.samples[seen.uuids.index(uuid)], total.idle_joules))
         return found
 
     def summary(self, keys: Iterable[GpuKey]) -> IdleEnergy:
@@ -266,7 +268,7 @@ class IdleEnergyCounter:
             counted.append(total)
             covered = max(covered, seen.at - total.first_at)
         return IdleEnergy(
-            math.fsum(t.joules for t in counted),
+            math.fsum(t.idle_joules for t in counted),
             math.fsum(t.busy_joules for t in counted),
             covered,
             math.fsum(t.unknown_seconds for t in counted),

@@ -64,7 +64,7 @@ def _reason(metric: Metric, error: ReadError | None) -> str:
 
 
 def unreadable_error(metric: Metric, left_out: Sequence[Contribution]) -> GpuscalerError:
-    """The error for GPUs that must be read and cannot: UNIMPLEMENTED when none supports the metric."""
+    """The error for GPUs that must be read and cannot: Unsupported when none supports the metric."""
     details = "; ".join(f"GPU {c.sample.gpu.index} ({c.sample.gpu.uuid}): {c.reason}" for c in left_out)
     message = f"{metric.value} cannot be read on {details}"
     if all(c.error is not None and c.error.kind is ReadErrorKind.NOT_SUPPORTED for c in left_out):

@@ -265,7 +265,7 @@ async def test_agents_that_discovery_drops_or_adds_are_unsubscribed_or_subscribe
         discovery.changes.put_nowait(frozenset({Address("127.0.0.1", a.port)}))
         await until(lambda: set(gateway.subscribers) == {Address("127.0.0.1", a.port)})
         assert gateway.view.agents == 1
-        await until(lambda: set(gateway.view.nodes) == {"node-a"})
+        await until(lambda: set(gateway.view.node_names) == {"node-a"})
     finally:
         await gateway.stop()
 

@@ -75,7 +75,7 @@ def test_the_counter_counts_each_idle_interval_once_per_gpu_and_per_owner() -> N
         counter.observe(snapshot_)
     [(sample, joules)] = counter.gpu_totals()
     assert (sample.gpu.index, joules) == (0, 140.0)
-    assert {owner: total.joules for owner, total in counter.by_owner.items()} == {
+    assert {owner: total.idle_joules for owner, total in counter.by_owner.items()} == {
         ("ml", "vllm-a"): 140.0,
         ("ml", "vllm-b"): 140.0,
     }
@@ -126,4 +126,4 @@ def test_the_counter_agrees_with_the_history_whether_a_tick_is_counted_by_column
     for index in range(4):
         alone = idle_energy(history_of(*ticks), gpu_keys(latest[index : index + 1]), window_seconds=None)
         assert dict(counter.gpu_totals())[latest[index]] == pytest.approx(alone.idle_joules)
-    assert counter.by_owner[("ml", "vllm-a")].joules == pytest.approx(expected.idle_joules)
+    assert counter.by_owner[("ml", "vllm-a")].idle_joules == pytest.approx(expected.idle_joules)

@@ -5,8 +5,6 @@ pods of that ScaledObject's ``spec.scaleTargetRef``. RBAC: get/list/watch on ``s
 list and watch are ``kube_watch.ListWatch``'s, as the pod watch's are. Until the first list,
 while KEDA's CRD is missing (404) or the API has not answered for ``stale_after_seconds``, the directory reports
 a problem, so ``scaleTargetPods`` queries fail (UNAVAILABLE) instead of reading as empty.
-
-``KubernetesDirectory`` is the gateway's ``--pod-directory kubernetes``: the pod watch and this one together.
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpuscaler.gateway.directory.kube_watch import DEFAULT_STALE_AFTER_SECONDS, Collection, ListWatch
-from gpuscaler.gateway.directory.pod_watch import KubernetesPodDirectory
-from gpuscaler.model.pods import PodInfo, ScaleTarget
+from gpuscaler.model.pods import ScaleTarget
 
 GROUP, VERSION, PLURAL = "keda.sh", "v1alpha1", "scaledobjects"
 
@@ -82,40 +79,3 @@ class KubernetesScaledObjects(ListWatch[ScaleTarget]):
 
     def __len__(self) -> int:
         return len(self.items)
-
-
-class KubernetesDirectory:
-    """The gateway's ``--pod-directory kubernetes``: pods from the pod watch, scale targets from the ScaledObjects."""
-
-    def __init__(self, pods: KubernetesPodDirectory, scaled_objects: KubernetesScaledObjects) -> None:
-        self.pod_watch = pods
-        self.scaled_objects = scaled_objects
-
-    @classmethod
-    def in_cluster(cls) -> KubernetesDirectory:
-        """Both watches on the pod's service account; ConfigError outside a cluster."""
-        pods = KubernetesPodDirectory.in_cluster()
-        return cls(pods, KubernetesScaledObjects(pods.api_client_factory))
-
-    def lookup(self, namespace: str, pod: str) -> PodInfo | None:
-        return self.pod_watch.lookup(namespace, pod)
-
-    def pods(self, namespace: str) -> list[PodInfo]:
-        return self.pod_watch.pods(namespace)
-
-    def problem(self) -> str | None:
-        return self.pod_watch.problem()
-
-    def scale_target(self, namespace: str, scaled_object: str) -> ScaleTarget | None:
-        return self.scaled_objects.scale_target(namespace, scaled_object)
-
-    def scale_targets_problem(self) -> str | None:
-        return self.scaled_objects.scale_targets_problem()
-
-    async def start(self) -> None:
-        await self.pod_watch.start()
-        await self.scaled_objects.start()
-
-    async def stop(self) -> None:
-        await self.scaled_objects.stop()
-        await self.pod_watch.stop()

@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 from kubernetes_asyncio import client
 
+from gpuscaler.gateway.directory.kubernetes import KubernetesDirectory
 from gpuscaler.gateway.directory.pod_file import ManagedDirectory
 from gpuscaler.gateway.directory.pod_watch import KubernetesPodDirectory
-from gpuscaler.gateway.directory.scaled_objects import KubernetesDirectory, KubernetesScaledObjects, scale_target
+from gpuscaler.gateway.directory.scaled_objects import KubernetesScaledObjects, scale_target
 from gpuscaler.model.pods import ScaleTarget, ScaleTargets
 from tests.fakes.fake_kube_api import FakeCollection, FakeKubeApi
 from tests.waiting import until

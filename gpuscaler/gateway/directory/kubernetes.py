@@ -1,0 +1,44 @@
+"""The gateway's ``--pod-directory kubernetes``: the pod watch and the ScaledObject watch, as one directory."""
+
+from __future__ import annotations
+
+from gpuscaler.gateway.directory.pod_watch import KubernetesPodDirectory
+from gpuscaler.gateway.directory.scaled_objects import KubernetesScaledObjects
+from gpuscaler.model.pods import PodInfo, ScaleTarget
+
+
+class KubernetesDirectory:
+    """The gateway's ``--pod-directory kubernetes``: pods from the pod watch, scale targets from the ScaledObjects."""
+
+    def __init__(self, pods: KubernetesPodDirectory, scaled_objects: KubernetesScaledObjects) -> None:
+        self.pod_watch = pods
+        self.scaled_objects = scaled_objects
+
+    @classmethod
+    def in_cluster(cls) -> KubernetesDirectory:
+        """Both watches on the pod's service account; ConfigError outside a cluster."""
+        pods = KubernetesPodDirectory.in_cluster()
+        return cls(pods, KubernetesScaledObjects(pods.api_client_factory))
+
+    def lookup(self, namespace: str, pod: str) -> PodInfo | None:
+        return self.pod_watch.lookup(namespace, pod)
+
+    def pods(self, namespace: str) -> list[PodInfo]:
+        return self.pod_watch.pods(namespace)
+
+    def problem(self) -> str | None:
+        return self.pod_watch.problem()
+
+    def scale_target(self, namespace: str, scaled_object: str) -> ScaleTarget | None:
+        return self.scaled_objects.scale_target(namespace, scaled_object)
+
+    def scale_targets_problem(self) -> str | None:
+        return self.scaled_objects.scale_targets_problem()
+
+    async def start(self) -> None:
+        await self.pod_watch.start()
+        await self.scaled_objects.start()
+
+    async def stop(self) -> None:
+        await self.scaled_objects.stop()
+        await self.pod_watch.stop()
