@@ -77,6 +77,26 @@ def test_notes_give_the_keda_address_and_the_one_node_warning(helm: Helm) -> Non
     assert "ONE NODE ONLY" in without.stdout.split("NOTES:", 1)[1]
 
 
+@pytest.mark.parametrize(
+    ("sets", "port"),
+    [
+        (("gateway.listen.port=7100",), 7100),
+        (("gateway.listen.port=7100", "gateway.enabled=false", "agent.listen.port=7200"), 7200),
+    ],
+)
+def test_keda_reaches_the_port_of_the_component_its_service_fronts(
+    helm: Helm, sets: tuple[str, ...], port: int
+) -> None:
+    """KEDA's Service listens on the port of what it selects (the gateway's, or the agents' without one), and
+    NOTES gives KEDA that address."""
+    service = find(helm.template(CI_VALUES[0], sets=sets), "Service", RELEASE)
+    (grpc,) = [p for p in service["spec"]["ports"] if p["name"] == "grpc"]
+    assert (grpc["port"], grpc["targetPort"]) == (port, "grpc")
+    flags = [flag for pair in sets for flag in ("--set", pair)]
+    result = helm.run("install", RELEASE, str(CHART), "-n", NAMESPACE, "--dry-run=client", *flags)
+    assert f"{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local:{port}" in result.stdout.split("NOTES:", 1)[1]
+
+
 def test_notes_warn_when_host_mounts_make_the_agent_privileged(helm: Helm) -> None:
     """With agent.nvmlHostMounts the install output says it runs privileged."""
     host_mounts = CHART / "ci" / "host-mounts-values.yaml"

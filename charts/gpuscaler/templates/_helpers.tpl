@@ -327,3 +327,10 @@ renders one DaemonSet per architecture); it is blocked when a NoSchedule or NoEx
 {{- if $agent.processes.enabled }}{{ $reasons = append $reasons "hostPID (agent.processes)" }}{{ end }}
 {{- join ", " $reasons }}
 {{- end }}
+
+{{/*
+The port of KEDA's Service: the port of the component it fronts, the gateway's or, without one, the agents'.
+*/}}
+{{- define "gpuscaler.scalerPort" -}}
+{{- if .Values.gateway.enabled }}{{ .Values.gateway.listen.port }}{{ else }}{{ .Values.agent.listen.port }}{{ end -}}
+{{- end }}
