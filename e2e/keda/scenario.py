@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -23,6 +22,7 @@ from typing import Any
 from e2e.keda.control_plane import RESOURCES, ApiError, ControlPlane, Json, deployment
 from e2e.support.agent import CONSOLE_SCRIPT
 from e2e.support.certs import SERVER_NAME, TlsFiles
+from e2e.support.clients import query_json
 from e2e.support.process import Process, environment
 from gpuscaler.signals.hpa import MetricType, desired_replicas
 from tests.fakes.fake_kubelet import FakeKubelet, short_socket_path
@@ -248,17 +248,8 @@ class Scenario:
     ) -> Json:
         """``gpuscaler query --output json``: the four RPCs as KEDA makes them (for ``scaled_object``,
         NAMESPACE/NAME, when given), and the explanation."""
-        argv = [str(CONSOLE_SCRIPT), "query", "--address", f"127.0.0.1:{scaler.port}", "--output", "json"]
-        argv += _tls_flags(tls, scaler)
-        if scaled_object is not None:
-            argv += ["--scaled-object", scaled_object]
-        argv += [f"{key}={value}" for key, value in metadata.items()]
-        result = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=60)
-        try:
-            answer: Json = json.loads(result.stdout)
-        except ValueError:
-            raise AssertionError(f"gpuscaler query printed no JSON:\n{result.stdout}\n{result.stderr}") from None
-        return answer
+        address = f"127.0.0.1:{scaler.port}"
+        return await query_json(address, metadata, scaled_object=scaled_object, flags=_tls_flags(tls, scaler))
 
     async def metric_value(self, scaler: Process, metadata: Mapping[str, str], tls: TlsFiles | None = None) -> float:
         """The value GetMetrics gives KEDA for ``metadata`` right now; fails if the call fails."""

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.chart.chart_tools import cache_dir
+from image.build import cache_dir
 
 # The newest KEDA release the module proxy serves, and the Kubernetes minor its own go.mod builds against (k8s.io/*
 # v0.36): the control plane KEDA's release was tested with.

@@ -9,7 +9,6 @@ feature discovery would set, and a RuntimeClass ``nvidia`` whose handler is runc
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from e2e.keda.control_plane import Json
 from e2e.node.cluster import CHART, Deadline, NodeCluster, condition
 from e2e.node.node import NVIDIA_RUNTIME
 from e2e.support.agent import CONSOLE_SCRIPT
+from e2e.support.clients import query_json
 from tests.chart import chart_tools
 
 CI_VALUES = CHART / "ci"
@@ -134,16 +134,7 @@ def install(
 
 async def query(address: str, metadata: dict[str, str], *, scaled_object: str | None = None) -> Json:
     """``gpuscaler query --output json`` against ``address``: the four RPCs as KEDA makes them, and Explain."""
-    argv = [str(CONSOLE_SCRIPT), "query", "--address", address, "--output", "json"]
-    if scaled_object is not None:
-        argv += ["--scaled-object", scaled_object]
-    argv += [f"{key}={value}" for key, value in metadata.items()]
-    result = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=60)
-    try:
-        answer: Json = json.loads(result.stdout)
-    except ValueError:
-        raise AssertionError(f"gpuscaler query printed no JSON:\n{result.stdout}\n{result.stderr}") from None
-    return answer
+    return await query_json(address, metadata, scaled_object=scaled_object)
 
 
 async def fake_set(address: str, gpu: int | str, **values: float) -> None:

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import subprocess
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import grpc
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
-from e2e.support.agent import AgentProcess
+from e2e.support.agent import CONSOLE_SCRIPT, AgentProcess
 from e2e.support.certs import SERVER_NAME, grpcio_credentials
 from e2e.support.keda_grpcio import KedaProto
 from gpuscaler.client.channels import ClientOptions, client_address, open_channel
@@ -322,3 +324,20 @@ async def outcome(call: Awaitable[T]) -> T | RpcFailure:
         return await call
     except RpcFailure as failure:
         return failure
+
+
+async def query_json(
+    address: str, metadata: Mapping[str, str], *, scaled_object: str | None = None, flags: Sequence[str] = ()
+) -> dict[str, Any]:
+    """``gpuscaler query --output json`` against ``address`` (with ``flags``: TLS files): the four RPCs as KEDA
+    makes them (for ``scaled_object``, NAMESPACE/NAME, when given), and the explanation."""
+    argv = [str(CONSOLE_SCRIPT), "query", "--address", address, "--output", "json", *flags]
+    if scaled_object is not None:
+        argv += ["--scaled-object", scaled_object]
+    argv += [f"{key}={value}" for key, value in metadata.items()]
+    result = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=60)
+    try:
+        answer: dict[str, Any] = json.loads(result.stdout)
+    except ValueError:
+        raise AssertionError(f"gpuscaler query printed no JSON:\n{result.stdout}\n{result.stderr}") from None
+    return answer

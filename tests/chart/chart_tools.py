@@ -26,6 +26,8 @@ from typing import Any
 
 import yaml
 
+from image.build import cache_dir  # the one per-user tool cache: helm, the Go tools, the image's bases
+
 HELM_PACKAGE = "helm.sh/helm/v4/cmd/helm"
 HELM_VERSION = "v4.3.2"
 KUBECONFORM_PACKAGE = "github.com/yannh/kubeconform/cmd/kubeconform"
@@ -48,14 +50,6 @@ Json = dict[str, Any]
 
 class ToolUnavailable(Exception):
     """Neither a Go toolchain nor a prebuilt tool on PATH: the caller skips, loudly."""
-
-
-def cache_dir() -> Path:
-    """The per-user tool cache (created on first use)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    path = Path(base) / "gpuscaler-tools"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 @contextlib.contextmanager

@@ -11,7 +11,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.chart.chart_tools import cache_dir, locked
+from image.build import cache_dir
+from tests.chart.chart_tools import locked
 
 HADOLINT_VERSION = "2.15.1"
 
