@@ -19,9 +19,9 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, KeysView, Sequence
-from dataclasses import dataclass
-from operator import attrgetter
+from collections.abc import Callable, Iterable, Iterator, KeysView, Mapping, Sequence
+from dataclasses import dataclass, replace
+from operator import attrgetter, itemgetter
 
 import structlog
 
@@ -45,24 +45,37 @@ WINDOW_IDLE_SECONDS = 15 * 60.0
 PREPARE_TIMEOUT_SECONDS = 3.0
 
 
-_NODE, _SAMPLES = attrgetter("node"), attrgetter("samples")
-_LATEST, _ENTRY_NODE = attrgetter("latest"), attrgetter("latest.node")
+_NODE, _SAMPLES, _SNAPSHOT = attrgetter("node"), attrgetter("samples"), attrgetter("snapshot")
+_FIRST = itemgetter(0)
 
 
-@dataclass(slots=True)
-class _Node:
-    """One node's newest snapshot, and the listed agent that reports it."""
+@dataclass(frozen=True, slots=True)
+class _Claim:
+    """Which listed agent reports a node, and how long its snapshots stay fresh: changes rarely."""
 
     agent: str
     stale_after: float
-    latest: Snapshot
-    arrived_wall: float  # the gateway's wall clock when ``latest`` arrived
-
-    def fresh(self, now: float) -> bool:
-        return now - self.latest.monotonic <= self.stale_after
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
+class _Newest:
+    """A node's newest snapshot, and the gateway's wall clock when it arrived: changes every agent tick."""
+
+    snapshot: Snapshot
+    arrived_wall: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Scan:
+    """A scan of the agents: the objects it read, the fresh nodes it found in order, and the absences."""
+
+    read_agents: Mapping[str, _Agent]
+    read_claims: Mapping[str, _Claim]
+    names: list[str]
+    absent: tuple[Absence, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class _Agent:
     """A listed agent: the node it reports (once heard), its last trouble, and a refused claim."""
 
@@ -109,13 +122,16 @@ class ClusterView(AnnouncedSource):
         self._clock = clock or asyncio.get_running_loop().time
         self._wall = wall_clock
         self._coalesce = coalesce_seconds
+        # What a scan of the agents reads, each replaced whole when it changes, never changed in place: a scan made
+        # from these very objects is still right, whatever else happened (a test holds compositions to that).
         self._agents: dict[str, _Agent] = {}
-        self._agents_in_order: list[tuple[str, _Agent]] | None = None  # sorted once per change of the list
-        # The last full scan of the agents, reused while nothing but the nodes' newest snapshots changed and
-        # no part can have gone stale: its nodes in order, its absences, and when its first part goes stale.
-        self._scanned: tuple[list[_Node], tuple[Absence, ...]] | None = None
+        self._claims: dict[str, _Claim] = {}  # by node
+        self._newest: dict[str, _Newest] = {}  # by node; the one thing every tick changes, which no scan reads
+        # The last scan: what it read, its nodes in order and its absences, reused while what it read is the same
+        # objects and until its first node can go stale (``_fresh_until``).
+        self._scanned: _Scan | None = None
         self._fresh_until = -math.inf
-        self._nodes: dict[str, _Node] = {}
+        self._order: tuple[object, list[tuple[str, _Agent]]] = (None, [])  # the agents sorted, once per change
         self._latest: Snapshot | None = None
         self._sequence = 0
         self._pending: asyncio.TimerHandle | None = None
@@ -133,13 +149,13 @@ class ClusterView(AnnouncedSource):
 
     def newest_first(self, node: str) -> Iterator[Snapshot]:
         """The node's newest snapshot only: the gateway keeps no history (its agents do)."""
-        entry = self._nodes.get(node)
-        return iter((entry.latest,)) if entry is not None else iter(())
+        newest = self._newest.get(node)
+        return iter((newest.snapshot,)) if newest is not None else iter(())
 
     def windowed(self, sample: GpuSample, window: WindowKey) -> Windowed:
         """The value ``sample``'s agent reduced for ``window``; Unavailable until its agent has sent one."""
-        entry = self._nodes.get(sample.node)
-        values = entry.latest.windows.get(window) if entry is not None else None
+        newest = self._newest.get(sample.node)
+        values = newest.snapshot.windows.get(window) if newest is not None else None
         if values is None:
             raise Unavailable(
                 f"{window.describe()} is being computed by the agent of node {sample.node!r} (the gateway asks its "
@@ -151,8 +167,8 @@ class ClusterView(AnnouncedSource):
 
     def window_column(self, part: Snapshot, window: WindowKey) -> tuple[list[float | None], list[int]]:
         """``windowed`` for each of ``part``'s GPUs, read from the packed arrays its agent sends where it can."""
-        entry = self._nodes.get(part.node)
-        windows = entry.latest.windows if entry is not None else None
+        newest = self._newest.get(part.node)
+        windows = newest.snapshot.windows if newest is not None else None
         packed = windows.column(window) if isinstance(windows, WindowColumns) else None
         if packed is not None:
             return packed
@@ -207,20 +223,20 @@ class ClusterView(AnnouncedSource):
         """The agents discovery lists now. A node whose agent is no longer listed leaves the view."""
         listed = set(agents)
         wall = self._wall()
-        for agent in [a for a in self._agents if a not in listed]:
-            del self._agents[agent]
-        for agent in listed - set(self._agents):
-            self._agents[agent] = _Agent(listed_wall=wall)
-        self._agents_in_order = self._scanned = None
-        for name, entry in list(self._nodes.items()):
-            if entry.agent in self._agents:
+        kept = {agent: state for agent, state in self._agents.items() if agent in listed}
+        self._agents = kept | {agent: _Agent(listed_wall=wall) for agent in listed - kept.keys()}
+        claims = dict(self._claims)
+        for name, claim in self._claims.items():
+            if claim.agent in self._agents:
                 continue
             heir = next((a for a, state in sorted(self._agents.items()) if state.node == name), None)
-            if heir is not None:
-                entry.agent = heir  # an older agent of the same node is still listed: it answers for it again
+            if heir is not None:  # an older agent of the same node is still listed: it answers for it again
+                claims[name] = replace(claim, agent=heir)
             else:
-                del self._nodes[name]
-                log.info("node_left_discovery", node=name, agent=entry.agent)
+                del claims[name]
+                self._newest.pop(name, None)
+                log.info("node_left_discovery", node=name, agent=claim.agent)
+        self._claims = claims
         self._compose_soon()
 
     @property
@@ -232,8 +248,7 @@ class ClusterView(AnnouncedSource):
         """Why ``agent``'s stream is not delivering (connection refused, ...): named in every answer it blocks."""
         state = self._agents.get(agent)
         if state is not None and state.trouble != detail:
-            state.trouble = detail
-            self._scanned = None  # an absence names it
+            self._agents = {**self._agents, agent: replace(state, trouble=detail)}
 
     def update(self, agent: str, snapshot: Snapshot, *, poll_interval_seconds: float) -> None:
         """``agent``'s snapshot, stamped with the gateway's clock; composes the view shortly after.
@@ -244,40 +259,35 @@ class ClusterView(AnnouncedSource):
         state = self._agents.get(agent)
         if state is None:
             return  # discovery dropped it while this snapshot was on its way
-        now = self._clock()
         name = snapshot.node
-        entry = self._nodes.get(name)
-        if entry is not None and entry.agent != agent:
-            if entry.agent in self._agents and entry.fresh(now):
+        claim = self._claims.get(name)
+        if claim is not None and claim.agent != agent:
+            holder = self._newest[name].snapshot
+            if claim.agent in self._agents and self._clock() - holder.monotonic <= claim.stale_after:
                 if state.conflict is None:
-                    state.conflict_wall = self._wall()
-                    log.error("agent_node_conflict", agent=agent, node=name, reported_by=entry.agent)
-                state.conflict = (
-                    f"it reports node {name!r}, which agent {entry.agent} reports too; two agents need two node "
+                    state = replace(state, conflict_wall=self._wall())
+                    log.error("agent_node_conflict", agent=agent, node=name, reported_by=claim.agent)
+                conflict = (
+                    f"it reports node {name!r}, which agent {claim.agent} reports too; two agents need two node "
                     "names (the chart sets NODE_NAME from spec.nodeName)"
                 )
-                state.node = None
-                self._scanned = None
+                self._agents = {**self._agents, agent: replace(state, conflict=conflict, node=None)}
                 self._compose_soon()
-                raise AgentRefused(state.conflict)
-            log.info("node_changed_agent", node=name, before=entry.agent, after=agent)
-            entry.agent = agent
-            self._scanned = None
+                raise AgentRefused(conflict)
+            log.info("node_changed_agent", node=name, before=claim.agent, after=agent)
         if state.node is not None and state.node != name:
-            old = self._nodes.get(state.node)
+            old = self._claims.get(state.node)
             if old is not None and old.agent == agent:
                 log.warning("agent_node_renamed", agent=agent, before=state.node, after=name)
-                del self._nodes[state.node]
+                self._claims = {node: c for node, c in self._claims.items() if node != state.node}
+                del self._newest[state.node]
         if state.node != name or state.conflict is not None or state.trouble != "sending":
-            state.node, state.conflict, state.trouble = name, None, "sending"
-            self._scanned = None
+            self._agents = {**self._agents, agent: replace(state, node=name, conflict=None, trouble="sending")}
         stale_after = snapshot_stale_after(poll_interval_seconds)
-        wall = self._wall()
-        if entry is None:
-            entry = self._nodes[name] = _Node(agent, stale_after, snapshot, wall)
-            self._scanned = None
-        entry.latest, entry.stale_after, entry.arrived_wall = snapshot, stale_after, wall
-        # A shorter poll interval can bring a node's staleness forward; a newer snapshot alone only delays it.
+        if claim is None or claim.agent != agent or claim.stale_after != stale_after:
+            self._claims = {**self._claims, name: _Claim(agent, stale_after)}
+        self._newest[name] = _Newest(snapshot, self._wall())
+        # A newer snapshot only moves a node's staleness later; a shorter poll interval is a new claim, so a scan.
         self._fresh_until = min(self._fresh_until, snapshot.monotonic + stale_after)
         self._compose_soon()
 
@@ -294,10 +304,16 @@ class ClusterView(AnnouncedSource):
         started = time.perf_counter()
         now = self._clock()
         wall = self._wall()
-        if self._scanned is not None and now < self._fresh_until:
+        scanned = self._scanned
+        if (
+            scanned is not None
+            and scanned.read_agents is self._agents
+            and scanned.read_claims is self._claims
+            and now < self._fresh_until
+        ):
             # The same nodes, each fresh: their newest snapshots, in C (thousands of nodes, 20 times a second).
-            entries, absent = self._scanned
-            parts = list(map(_LATEST, entries))
+            parts = list(map(_SNAPSHOT, map(self._newest.__getitem__, scanned.names)))
+            absent = scanned.absent
         else:
             parts, absent = self._scan(now)
         self._sequence += 1
@@ -321,48 +337,53 @@ class ClusterView(AnnouncedSource):
     def _scan(self, now: float) -> tuple[list[Snapshot], tuple[Absence, ...]]:
         """Every fresh node's newest snapshot (by node), and every listed agent it cannot hear; kept for
         ``compose`` to reuse when no absence's words depend on the time (no node is silent)."""
-        entries: list[_Node] = []
+        fresh: list[tuple[str, Snapshot, float]] = []
         absent: list[Absence] = []
         silent = False
-        if self._agents_in_order is None:
-            self._agents_in_order = sorted(self._agents.items())
-        for agent, state in self._agents_in_order:
+        agents, claims = self._agents, self._claims
+        if self._order[0] is not agents:
+            self._order = (agents, sorted(agents.items()))
+        for agent, state in self._order[1]:
             if state.conflict is not None:
                 absent.append(Absence(agent, None, state.conflict_wall, state.conflict))
                 continue
             if state.node is None:
                 absent.append(Absence(agent, None, state.listed_wall, f"no snapshot yet ({state.trouble})"))
                 continue
-            entry = self._nodes.get(state.node)
-            if entry is None or entry.agent != agent:
+            claim = claims.get(state.node)
+            if claim is None or claim.agent != agent:
                 continue  # another listed agent reports this node now (a restarted agent's new address)
-            if now - entry.latest.monotonic <= entry.stale_after:  # entry.fresh(now), inlined: thousands a time
-                entries.append(entry)
+            newest = self._newest[state.node]
+            latest = newest.snapshot
+            if now - latest.monotonic <= claim.stale_after:
+                fresh.append((state.node, latest, claim.stale_after))
             else:
-                reason = f"silent for {now - entry.latest.monotonic:.1f}s ({state.trouble})"
-                absent.append(Absence(agent, state.node, entry.arrived_wall, reason, last=entry.latest))
+                reason = f"silent for {now - latest.monotonic:.1f}s ({state.trouble})"
+                absent.append(Absence(agent, state.node, newest.arrived_wall, reason, last=latest))
                 silent = True
-        entries.sort(key=_ENTRY_NODE)
-        scanned = self._scanned = (entries, tuple(absent)) if not silent else None
-        if scanned is not None:
-            self._fresh_until = min((e.latest.monotonic + e.stale_after for e in entries), default=math.inf)
-        return list(map(_LATEST, entries)), tuple(absent)
+        fresh.sort(key=_FIRST)
+        # Kept with what it read: those objects are replaced, never changed, when anything it read changes.
+        self._scanned = None if silent else _Scan(agents, claims, [name for name, _, _ in fresh], tuple(absent))
+        if not silent:
+            self._fresh_until = min((snap.monotonic + stale_after for _, snap, stale_after in fresh), default=math.inf)
+        return [latest for _, latest, _ in fresh], tuple(absent)
 
     def agent_states(self) -> list[AgentState]:
         """Every listed agent's state now."""
         now = self._clock()
         states = []
         for agent, state in sorted(self._agents.items()):
-            entry = self._nodes.get(state.node) if state.node is not None else None
-            age = now - entry.latest.monotonic if entry is not None else None
+            claim = self._claims.get(state.node) if state.node is not None else None
+            newest = self._newest.get(state.node) if state.node is not None else None
+            age = now - newest.snapshot.monotonic if newest is not None else None
             if state.conflict is not None:
                 kind = "refused"
-            elif entry is None:
+            elif claim is None:
                 kind = "unheard"
-            elif entry.agent != agent:
+            elif claim.agent != agent:
                 kind, age = "replaced", None
             else:
-                kind = "heard" if entry.fresh(now) else "silent"
+                kind = "heard" if age is not None and age <= claim.stale_after else "silent"
             states.append(AgentState(agent, state.node or "", kind, age))
         return states
 
@@ -387,8 +408,8 @@ class ClusterView(AnnouncedSource):
 
     @property
     def node_names(self) -> KeysView[str]:
-        """The nodes in the view, fresh or not (a live view of them: nothing is copied)."""
-        return self._nodes.keys()
+        """The nodes in the view now, fresh or not (nothing is copied: read it again for a later moment)."""
+        return self._claims.keys()
 
     async def run(self) -> None:
         """Compose on a timer too, so silent nodes are seen while nobody sends; until cancelled."""

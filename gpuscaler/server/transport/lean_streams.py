@@ -121,3 +121,8 @@ class LeanStream(Stream):
         self.connection.streams_started += 1
         self.created = self.connection.last_stream_created = time.monotonic()
         self.deadline_at: float | None = None  # created + the call's grpc-timeout, where it has one
+        self.answered = False  # whether the server has begun its answer: a reset then abandons no work
+
+    async def send_headers(self, headers: Any, end_stream: bool = False) -> None:
+        self.answered = True
+        await super().send_headers(headers, end_stream)

@@ -165,9 +165,10 @@ class ManyStreamsProtocol(H2Protocol):
                     break
 
     def _stream_reset(self, reset: Callable[[StreamReset], None], event: StreamReset) -> None:
-        # Only a reset soon after its stream opened counts: that is the rapid-reset attack, a stream the server
-        # starts work for and the peer drops at once, bypassing the stream limit. KEDA cancelling push streams
-        # it held for minutes (a ScaledObject deleted, the operator stopping) is no flood, however many at once.
+        # Only a reset soon after its stream opened, before the server began to answer it, counts: that is the
+        # rapid-reset attack, a stream the server starts work for and the peer drops at once, bypassing the stream
+        # limit. KEDA cancelling push streams it held for minutes (a ScaledObject deleted, the operator stopping),
+        # or a client closing streams it was answered on, abandons no work: no flood, however many at once.
         stream = self.processor.streams.get(event.stream_id)
         now = self.guard.clock()
         reset(event)
@@ -179,6 +180,7 @@ class ManyStreamsProtocol(H2Protocol):
             # A client cancelling a call whose deadline has passed (grpc-go and grpcio do, on a slow server) is
             # no attack: the server would end that call now anyway.
             and not (isinstance(stream, LeanStream) and stream.deadline_at is not None and now >= stream.deadline_at)
+            and not (isinstance(stream, LeanStream) and stream.answered)
             and not self._resets.take(now)
         ):
             self._calm("reset_flood", f"more than {self.guard.limits.max_resets_per_second} rapid resets a second")

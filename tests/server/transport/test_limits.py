@@ -270,6 +270,11 @@ def _headers(event: h2.events.ResponseReceived | h2.events.TrailersReceived) -> 
     return dict(cast(list[tuple[str, str]], event.headers))
 
 
+def _answered(peer: _Peer) -> set[int]:
+    """The streams on which the peer has received a message."""
+    return {event.stream_id for event in peer.events if isinstance(event, h2.events.DataReceived)}
+
+
 def _ended_more_than(peer: _Peer, count: int) -> bool:
     return sum(isinstance(e, h2.events.StreamEnded) for e in peer.events) > count
 
@@ -463,6 +468,28 @@ async def test_a_connection_that_goes_while_its_backlog_waits_takes_nothing_more
     await until(lambda: not _guard(agent).connections and server.handler_tasks == 0)
     assert await _good_call(agent) is False
     assert errors == []
+
+
+async def test_resetting_streams_the_server_has_answered_is_no_flood(
+    start_agent: StartAgent, peers: list[_Peer]
+) -> None:
+    """Push streams reset at once, within a second of opening, after each got its first answer (a client closing
+    its channel), keep the connection: the server abandoned no work for them. Unanswered ones would have counted."""
+    agent = await start_agent("--max-resets-per-second", "10")
+    peer = await _Peer.connect(agent.port)
+    peers.append(peer)
+    ids = range(1, 601, 2)
+    for stream_id in ids:
+        peer.call(stream_id, STREAM_IS_ACTIVE)
+    await peer.read_until(lambda: _answered(peer) == set(ids))  # each stream's first message
+    for stream_id in ids:  # three times the burst of 100
+        peer.h2.reset_stream(stream_id)
+    peer.send()
+    await until(lambda: _guard(agent).streams == 0)
+    peer.call(ids[-1] + 2)
+    await peer.read_until(functools.partial(_ended_more_than, peer, 0))
+    assert peer.goaway() is None
+    assert _guard(agent).limited == {}
 
 
 async def test_cancelling_streams_held_for_a_while_is_no_flood(
