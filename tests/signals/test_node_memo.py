@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from operator import is_
 
 from gpuscaler.model.errors import GpuscalerError
 from gpuscaler.model.samples import ReadErrorKind, Snapshot
 from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.signals.evaluation import evaluate
+from gpuscaler.signals.evaluator import Evaluator
 from gpuscaler.signals.node_memo import NodeMemo
 from tests.builders import ClusterSource, cluster, failed_sample, gpu_sample, history_of, snapshot
 
@@ -113,3 +115,23 @@ def test_forgotten_queries_and_nodes_leave_the_memo() -> None:
     second = memo.parts(query, (part,), source)[0]
     memo.keep_only([], [part])
     assert memo.parts(query, (part,), source)[0] is not second
+
+
+def test_the_evaluator_keeps_only_the_queries_the_last_composition_evaluated() -> None:
+    """A streamed query, evaluated at every composition, reuses its unchanged nodes' parts; one that a
+    composition skipped (KEDA polls every 30 s, by when every node has sent anew) is evaluated afresh."""
+    rng = random.Random(3)
+    parts = (node("node-a", 1, rng), node("node-b", 1, rng))
+    source = ClusterSource(cluster(*parts), history_of(parts[0]), history_of(parts[1]))
+    memo = NodeMemo()
+    evaluator = Evaluator(source, clock=lambda: 0.0, cluster=True, memo=memo)
+    streamed = parse_metadata({"metric": "gpu_utilization"}, LIMITS).value
+    polled = parse_metadata({"metric": "gpu_utilization", "aggregation": "max"}, LIMITS).value
+    evaluator.evaluate(streamed)
+    evaluator.evaluate(polled)
+    first = {query: memo.parts(query, parts, source) for query in (streamed, polled)}
+    for sequence in (2, 3):  # two compositions in which no node sent: the stream is evaluated, the poll is not
+        source.view = dataclasses.replace(source.view, sequence=sequence)
+        evaluator.evaluate(streamed)
+    assert all(map(is_, memo.parts(streamed, parts, source), first[streamed]))
+    assert not any(map(is_, memo.parts(polled, parts, source), first[polled]))
