@@ -65,7 +65,7 @@ class History(AnnouncedSource):
         if info.rate:
             readings = [getattr(other, info.reading) for other in series]
             rate = counter_rate(window.metric, list(zip(times, readings, strict=True)))
-            return Windowed(rate.value, rate.samples, rate.reason)
+            return Windowed(rate.value, rate.sample_count, rate.reason)
         values = [value for other in series if (value := other.value(window.metric)) is not None]
         reduced = Windowed(reduce_window(window.function, values) if values else None, len(values))
         if info.per_process is None or holders(sample) < 2 or not sample.processes:

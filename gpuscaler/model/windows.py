@@ -47,7 +47,7 @@ class WindowKey(NamedTuple):
 
 
 class Windowed(NamedTuple):
-    """One GPU's value over a window, from ``samples`` readable samples; None when none was readable.
+    """One GPU's value over a window, from ``sample_count`` readable samples; None when none was readable.
 
     ``reason`` says more than "nothing readable" where there is more to say (a counter that restarted).
     ``shares`` are, on a GPU several pods hold, each pod's own share over the window, by pod UID key
@@ -55,7 +55,7 @@ class Windowed(NamedTuple):
     """
 
     value: float | None
-    samples: int
+    sample_count: int
     reason: str | None = None
     shares: Mapping[str, Windowed] = EMPTY_SHARES
 

@@ -125,7 +125,7 @@ def _window_to_wire(key: WindowKey, values: WindowValues, snapshot: Snapshot) ->
             pb.WindowedValue(
                 reason=w.reason or "",
                 shares=[
-                    pb.PodWindowedValue(pod_uid=uid, value=share.value, samples=share.samples)
+                    pb.PodWindowedValue(pod_uid=uid, value=share.value, samples=share.sample_count)
                     for uid, share in w.shares.items()
                 ],
             )
@@ -137,7 +137,7 @@ def _window_to_wire(key: WindowKey, values: WindowValues, snapshot: Snapshot) ->
     return pb.WindowedValues(
         window=window_key_to_wire(key),
         packed_values=[math.nan if w.value is None else w.value for w in per_gpu],
-        packed_samples=[w.samples for w in per_gpu],
+        packed_samples=[w.sample_count for w in per_gpu],
         details=details,
     )
 
@@ -204,7 +204,7 @@ def explanation_to_wire(
                 node=c.sample.node,
                 included=c.value is not None,
                 value=c.value,
-                samples=c.samples,
+                samples=c.sample_count,
                 reason=c.reason or "",
                 namespace=c.pod[0] if c.pod else "",
                 pod=c.pod[1] if c.pod else "",
@@ -234,7 +234,7 @@ def explanation_to_wire(
         error_message=evaluation.error.message if evaluation.error else "",
         snapshot_age_seconds=max(0.0, now - snapshot.monotonic) if snapshot else 0.0,
         snapshot_sequence=snapshot.sequence if snapshot else 0,
-        nodes=evaluation.nodes,
+        nodes=evaluation.nodes_counted,
         nodes_expected=snapshot.known_nodes if snapshot else 0,
         absent=[
             pb.AbsentNode(agent=a.agent, node=a.node or "", since_unix_seconds=a.since, reason=a.reason)

@@ -54,7 +54,7 @@ def contribution_of(
     if windowed.value is None:
         reason = windowed.reason or f"no readable {query.metric.value} in {window.describe_span()}"
         return Contribution(sample, None, 0, reason, pod=pod, share=basis)
-    return Contribution(sample, windowed.value, windowed.samples, pod=pod, share=basis)
+    return Contribution(sample, windowed.value, windowed.sample_count, pod=pod, share=basis)
 
 
 def _reason(metric: Metric, error: ReadError | None) -> str:

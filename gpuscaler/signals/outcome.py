@@ -31,7 +31,7 @@ class Contribution(NamedTuple):
 
     sample: GpuSample
     value: float | None
-    samples: int
+    sample_count: int
     reason: str | None = None
     error: ReadError | None = None
     pod: tuple[str, str] | None = None  # (namespace, pod)
@@ -62,7 +62,7 @@ class Contributions(Protocol):
         """The GPUs whose value could not be read."""
         ...
 
-    def nodes(self) -> int:
+    def nodes_counted(self) -> int:
         """Nodes with a GPU in the value."""
         ...
 
@@ -79,7 +79,7 @@ class ListedContributions(tuple[Contribution, ...]):
     def unread(self) -> list[Contribution]:
         return [c for c in self if c.value is None]
 
-    def nodes(self) -> int:
+    def nodes_counted(self) -> int:
         return len({c.sample.node for c in self if c.value is not None})
 
     def gpu_keys(self, snapshot: Snapshot | None) -> Iterable[GpuKey]:
@@ -114,9 +114,9 @@ class Evaluation:
         return self.contributions.unread()
 
     @property
-    def nodes(self) -> int:
+    def nodes_counted(self) -> int:
         """Nodes whose GPUs went into the value."""
-        return self.contributions.nodes()
+        return self.contributions.nodes_counted()
 
     def gpu_keys(self) -> Iterable[GpuKey]:
         """Each contribution's GPU as (node, UUID); a cluster's all-GPU answer names them from its nodes' UUID
@@ -184,7 +184,7 @@ class NodeContributions(Chained[Contribution]):
         """The GPUs left out, without making the others' contributions."""
         return list(itertools.chain.from_iterable(map(_LEFT_OUT, self._parts)))
 
-    def nodes(self) -> int:
+    def nodes_counted(self) -> int:
         """Nodes (parts) with a GPU in the value."""
         return sum(map(bool, map(_INCLUDED, self._parts)))
 

@@ -18,10 +18,10 @@ from gpuscaler.model.gpu_metrics import METRICS, Metric
 
 @dataclass(frozen=True, slots=True)
 class Rate:
-    """A rate per second, from ``samples`` readings; or None, and why."""
+    """A rate per second, from ``sample_count`` readings; or None, and why."""
 
     value: float | None
-    samples: int
+    sample_count: int
     reason: str | None = None
 
 

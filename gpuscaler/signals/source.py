@@ -76,7 +76,7 @@ def window_column(
 ) -> tuple[list[float | None], list[int]]:
     """``window_column`` as any source can answer it: through its ``windowed``, GPU by GPU."""
     each = [windowed(sample, window) for sample in part.samples]
-    return [w.value for w in each], [w.samples for w in each]
+    return [w.value for w in each], [w.sample_count for w in each]
 
 
 class Announcer:

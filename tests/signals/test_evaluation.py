@@ -61,7 +61,7 @@ def test_latest_sample_is_the_default() -> None:
     history = series([(90.0, 90.0), (10.0, 20.0)])
     evaluation = run(query(), history)
     assert evaluation.value_or_raise() == 30.0
-    assert [c.samples for c in evaluation.contributions] == [1, 1]
+    assert [c.sample_count for c in evaluation.contributions] == [1, 1]
     assert evaluation.snapshot is history.latest
 
 
@@ -87,7 +87,7 @@ def test_window_reduces_each_gpu_over_time(
     evaluation = run(query(window=window, function=function), series(SPIKE))
     assert evaluation.value_or_raise() == pytest.approx(expected)
     [contribution] = evaluation.contributions
-    assert contribution.samples == samples
+    assert contribution.sample_count == samples
 
 
 @pytest.mark.parametrize(
@@ -113,7 +113,7 @@ def test_window_skips_failed_reads_instead_of_counting_zero() -> None:
     )
     evaluation = run(query(window=10.0), history)
     assert evaluation.value_or_raise() == 70.0
-    assert evaluation.contributions[0].samples == 2
+    assert evaluation.contributions[0].sample_count == 2
 
 
 @pytest.mark.parametrize(

@@ -226,7 +226,7 @@ def test_a_heard_node_whose_gpus_all_hang_is_unknown_like_a_silent_one() -> None
 def test_min_nodes_leaves_out_a_wholly_unreadable_node_which_counts_as_not_heard() -> None:
     """With minNodes met without it, the answer is the rest's and names B absent; B never counts as heard."""
     evaluation = both_ways(cluster(IDLE, HUNG), minNodes="1")
-    assert (evaluation.error, evaluation.value, evaluation.nodes) == (None, 0.0, 1)
+    assert (evaluation.error, evaluation.value, evaluation.nodes_counted) == (None, 0.0, 1)
     [absent] = evaluation.absent
     assert (absent.node, absent.heard, absent.agent) == ("gpu-b", True, "")
     assert [c.sample.gpu.uuid for c in evaluation.unread] == [f"GPU-gpu-b-{i}" for i in range(4)]

@@ -115,7 +115,7 @@ def test_another_tenants_pods_never_count() -> None:
         ("ml", "trainer-b1"),
         ("ml", "trainer-b2"),
     }
-    assert evaluation.nodes == 2
+    assert evaluation.nodes_counted == 2
     assert {c.sample.gpu.uuid for c in evaluation.contributions} == {
         "GPU-node-a-0",
         "GPU-node-a-1",

@@ -73,7 +73,7 @@ def test_without_a_window_it_is_the_last_poll_interval() -> None:
     evaluation = evaluate(power_average(), history, now=2.0, stale_after=3.0)
     assert [c.value for c in evaluation.contributions] == [300.0, 10.0]
     assert evaluation.value_or_raise() == pytest.approx(310.0)
-    assert [c.samples for c in evaluation.contributions] == [2, 2]
+    assert [c.sample_count for c in evaluation.contributions] == [2, 2]
 
 
 def test_over_a_window_it_is_the_average_over_the_window() -> None:
@@ -82,7 +82,7 @@ def test_over_a_window_it_is_the_average_over_the_window() -> None:
     evaluation = evaluate(power_average(window=4.0), history, now=4.0, stale_after=3.0)
     assert evaluation.value_or_raise() == pytest.approx(275.0)
     [contribution] = evaluation.contributions
-    assert contribution.samples == 5
+    assert contribution.sample_count == 5
 
 
 def test_the_first_tick_has_no_rate_and_the_query_waits_instead_of_reading_zero() -> None:

@@ -161,4 +161,4 @@ def test_a_window_averages_the_pods_own_share_and_skips_ticks_without_figures() 
         {"workload": "vllm", "window": "10s"}, (shared(),), (shared(processes=None),), (shared(processes=busy),)
     )
     assert pods_of(evaluation) == {"vllm-a": pytest.approx((35.0 + 70.0) / 2), "vllm-b": pytest.approx(75.0)}
-    assert [c.samples for c in evaluation.contributions] == [2, 2]
+    assert [c.sample_count for c in evaluation.contributions] == [2, 2]
