@@ -357,6 +357,22 @@ def test_relative_links_resolve(path: Path) -> None:
     assert not broken
 
 
+def test_values_yaml_refs_name_a_docs_section() -> None:
+    """Every ``# Ref:`` line in the chart's values.yaml names a page from the repository root, and a heading it has."""
+    values = EXAMPLES.parent / "values.yaml"
+    if not values.exists():
+        pytest.skip("the chart is not in this checkout")
+    targets = re.findall(r"^ *# Ref: (\S+)$", values.read_text(encoding="utf-8"), re.M)
+    assert targets, "values.yaml points to no docs page"
+    broken = []
+    for target in targets:
+        page, _, anchor = target.partition("#")
+        linked = ROOT / page
+        if not linked.is_file() or (anchor and anchor not in _anchors(linked.read_text(encoding="utf-8"))):
+            broken.append(target)
+    assert not broken
+
+
 def test_metadata_doc_names_every_profile() -> None:
     """The `profile` row of docs/metadata.md's key table names every profile, each GPM variant as its suffix."""
     text = (DOCS / "metadata.md").read_text(encoding="utf-8")
