@@ -72,19 +72,13 @@ def parse_name(key: str, text: str, pattern: re.Pattern[str], allowed: str) -> s
 
 def parse_min_nodes(text: str) -> NodeQuorum:
     """minNodes: a node count, or a share of the known nodes ('75%')."""
-    item = text.strip()
-    allowed = "use a node count like '3', or a share of the known nodes like '75%'"
-    if item.endswith("%"):
-        try:
-            percent = float(item[:-1])
-        except ValueError:
-            raise InvalidMetadata(f"minNodes {text!r} is not a number; {allowed}") from None
+    count, percent = _count_or_percent(
+        "minNodes", text, "use a node count like '3', or a share of the known nodes like '75%'"
+    )
+    if percent is not None:
         if not 0 < percent <= 100:
             raise InvalidMetadata(f"minNodes {text!r} is out of range; a share must be above 0% and at most 100%")
         return NodeQuorum(fraction=percent / 100.0)
-    if not re.fullmatch(r"\d{1,6}", item):
-        raise InvalidMetadata(f"minNodes {text!r} is not allowed; {allowed}")
-    count = int(item)
     if not 1 <= count <= MAX_MIN_NODES:
         raise InvalidMetadata(f"minNodes {text!r} is out of range; it must be between 1 and {MAX_MIN_NODES}")
     return NodeQuorum(count=count)
@@ -92,24 +86,31 @@ def parse_min_nodes(text: str) -> NodeQuorum:
 
 def parse_max_unreadable(text: str) -> UnreadableTolerance:
     """maxUnreadable: a GPU count, or a share of the selected GPUs ('5%')."""
-    item = text.strip()
-    allowed = "use a GPU count like '0' or '2', or a share of the selected GPUs like '5%'"
-    if item.endswith("%"):
-        try:
-            percent = float(item[:-1])
-        except ValueError:
-            raise InvalidMetadata(f"maxUnreadable {text!r} is not a number; {allowed}") from None
+    count, percent = _count_or_percent(
+        "maxUnreadable", text, "use a GPU count like '0' or '2', or a share of the selected GPUs like '5%'"
+    )
+    if percent is not None:
         if not 0 <= percent <= 100:  # also refuses nan
             raise InvalidMetadata(f"maxUnreadable {text!r} is out of range; a share must be from 0% to 100%")
         return UnreadableTolerance(fraction=percent / 100.0)
-    if not re.fullmatch(r"\d{1,6}", item):
-        raise InvalidMetadata(f"maxUnreadable {text!r} is not allowed; {allowed}")
-    count = int(item)
     if count > MAX_UNREADABLE_COUNT:
         raise InvalidMetadata(
             f"maxUnreadable {text!r} is out of range; a count must be from 0 to {MAX_UNREADABLE_COUNT}"
         )
     return UnreadableTolerance(count=count)
+
+
+def _count_or_percent(key: str, text: str, allowed: str) -> tuple[int, float | None]:
+    """A count ('3'), or a share ('75%') as its percent with the count 0; refused naming ``key`` otherwise."""
+    item = text.strip()
+    if item.endswith("%"):
+        try:
+            return 0, float(item[:-1])
+        except ValueError:
+            raise InvalidMetadata(f"{key} {text!r} is not a number; {allowed}") from None
+    if not re.fullmatch(r"\d{1,6}", item):
+        raise InvalidMetadata(f"{key} {text!r} is not allowed; {allowed}")
+    return int(item), None
 
 
 def parse_indices(text: str) -> tuple[int, ...] | None:
