@@ -224,7 +224,12 @@ class _WireSamples(LazySamples):
 
 
 class MalformedSnapshot(ValueError):
-    """A snapshot whose packed arrays do not fit its GPUs: not one that a gateway of the same version can read."""
+    """A snapshot no agent of the gateway's version sends: readings that do not fit its GPUs, no attribution
+    state, a window the gateway cannot name."""
+
+
+# Agent and gateway are one image, one version: a snapshot only another version could send is refused.
+_ANOTHER_VERSION = "(is the agent another version of gpuscaler than the gateway?)"
 
 
 class SnapshotDecoder:
@@ -237,22 +242,20 @@ class SnapshotDecoder:
     def __init__(self) -> None:
         self._identities: dict[tuple[int, str], GpuIdentity] = {}
         self._pods: dict[tuple[tuple[str, str, str], ...], tuple[PodRef, ...]] = {}
-        self._window_keys: dict[tuple[str, float, str], WindowKey | None] = {}
+        self._window_keys: dict[tuple[str, float, str], WindowKey] = {}
 
     def decode(self, message: agent_pb2.Snapshot, *, monotonic: float) -> Snapshot:
         """The domain snapshot; ``monotonic`` is the receiver's clock at arrival (clocks differ between hosts)."""
         node = message.node
-        if len(message.readings) != len(READING_FIELDS) * len(message.gpus):
+        gpus = len(message.gpus)
+        if len(message.readings) != len(READING_FIELDS) * gpus:
             raise MalformedSnapshot(
-                f"the snapshot of node {node!r} has {len(message.readings)} readings for {len(message.gpus)} GPUs; "
-                f"each GPU has {len(READING_FIELDS)} (is the agent another version of gpuscaler than the gateway?)"
+                f"the snapshot of node {node!r} has {len(message.readings)} readings for {gpus} GPUs; "
+                f"each GPU has {len(READING_FIELDS)} {_ANOTHER_VERSION}"
             )
         state = _ATTRIBUTION_FROM_PB2.get(message.attribution.state)
-        attribution = (
-            Attribution(state, message.attribution.detail)
-            if state is not None
-            else Attribution(AttributionState.OFF, f"the agent on {node!r} sent no pod attribution state")
-        )
+        if state is None:
+            raise MalformedSnapshot(f"the snapshot of node {node!r} has no pod attribution state {_ANOTHER_VERSION}")
         samples = _WireSamples(message.gpus, message.readings, self)
         return Snapshot(
             sequence=message.sequence,
@@ -260,7 +263,7 @@ class SnapshotDecoder:
             monotonic=monotonic,
             node=node,
             samples=samples,
-            attribution=attribution,
+            attribution=Attribution(state, message.attribution.detail),
             windows=self._windows(message, samples) if message.windows else {},
         )
 
@@ -269,16 +272,18 @@ class SnapshotDecoder:
         for window in message.windows:
             spec = window.window
             named = (spec.metric, spec.seconds, spec.function)
-            if named not in self._window_keys:
+            key = self._window_keys.get(named)
+            if key is None:
                 if len(self._window_keys) > 256:  # windows asked for come and go; a handful are in use
                     self._window_keys.clear()
                 try:
-                    self._window_keys[named] = window_key_from_wire(spec)
-                except ValueError:  # a window from a newer agent that this gateway cannot name: not asked for by it
-                    self._window_keys[named] = None
-            key = self._window_keys[named]
-            if key is not None:
-                by_key[key] = window
+                    key = self._window_keys[named] = window_key_from_wire(spec)
+                except ValueError as error:
+                    raise MalformedSnapshot(
+                        f"the snapshot of node {message.node!r} names a window this gateway cannot read: {error} "
+                        f"{_ANOTHER_VERSION}"
+                    ) from None
+            by_key[key] = window
         return _WireWindows(by_key, samples)
 
     def sample(self, gpu: agent_pb2.GpuSample, packed: Sequence[float]) -> GpuSample:

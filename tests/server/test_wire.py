@@ -17,7 +17,6 @@ from gpuscaler.model.columns import WindowColumns
 from gpuscaler.model.gpu_metrics import READING_FIELDS, Metric
 from gpuscaler.model.samples import (
     DEVICE_FIELD,
-    AttributionState,
     GpuIdentity,
     GpuSample,
     PodRef,
@@ -166,20 +165,32 @@ def test_unspecified_error_kind_reads_as_other() -> None:
     message = pb.Snapshot(
         node="n",
         gpus=[pb.GpuSample(index=0, uuid="GPU-x", errors=[pb.ReadError(field="temperature", detail="?")])],
+        attribution=pb.Attribution(state=pb.AttributionState.OFF),
         readings=[math.nan] * len(READING_FIELDS),
     )
     decoded = SnapshotDecoder().decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=0.0)
     assert decoded.samples[0].errors == (ReadError("temperature", ReadErrorKind.OTHER, "?"),)
-    assert decoded.attribution.state is AttributionState.OFF  # a snapshot that vouches for no pods has none
 
 
-def test_a_snapshot_whose_readings_do_not_fit_its_gpus_is_refused() -> None:
-    """Readings packed for another number of GPUs (or readings per GPU) are no snapshot this gateway can read: the
-    subscriber drops the stream saying so, rather than reading one GPU's readings as another's."""
-    message = snapshot_to_wire(snapshot(1, 0.0, (gpu_sample(0, util=1.0), gpu_sample(1))), poll_interval_seconds=1.0)
-    message.readings = message.readings[: len(READING_FIELDS)]
-    with pytest.raises(MalformedSnapshot, match="has 12 readings for 2 GPUs; each GPU has 12"):
-        SnapshotDecoder().decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=0.0)
+def test_a_snapshot_only_another_version_sends_is_refused() -> None:
+    """Readings packed for another number of GPUs, no attribution state, a window this gateway cannot name: no
+    agent of its version sends them, so the subscriber drops the stream saying so rather than guess (one GPU's
+    readings read as another's, a node's pods as unknown, a window as never sent)."""
+
+    def two_gpus() -> pb.Snapshot:
+        return snapshot_to_wire(snapshot(1, 0.0, (gpu_sample(0, util=1.0), gpu_sample(1))), poll_interval_seconds=1.0)
+
+    short, unattributed, unnamed = two_gpus(), two_gpus(), two_gpus()
+    short.readings = short.readings[: len(READING_FIELDS)]
+    unattributed.attribution = pb.Attribution()
+    unnamed.windows = [pb.WindowedValues(window=pb.WindowSpec(metric="flops", seconds=1.0, function="max"))]
+    for message, complaint in (
+        (short, "has 12 readings for 2 GPUs; each GPU has 12"),
+        (unattributed, "has no pod attribution state"),
+        (unnamed, "names a window this gateway cannot read: window metric 'flops' is not a metric"),
+    ):
+        with pytest.raises(MalformedSnapshot, match=re.escape(complaint)):
+            SnapshotDecoder().decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=0.0)
 
 
 def test_snapshot_round_trips() -> None:

@@ -63,7 +63,7 @@ class AttributionState(betterproto2.Enum):
 
     UNSPECIFIED = 0
     """
-    Never sent: a snapshot without a state has no pods it can vouch for, as with OFF.
+    Never sent: a gateway refuses a snapshot without a state.
     """
 
     OFF = 1
