@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 
 from e2e.support.clients import ScalerClient
-from e2e.support.control import Control, decoded
+from e2e.support.control import Control
+from tests.builders import decoded
 
 POLL_SECONDS = 0.2  # the ``agent`` fixture's interval
 AVG = {"gpuIndex": "0", "window": "10s", "activationThreshold": "50"}

@@ -1,10 +1,14 @@
-"""Hand-made samples, snapshots and histories for the pure-logic tables."""
+"""Hand-made samples, snapshots and histories for the pure-logic tables, and snapshot messages read as a gateway
+reads them."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
 from gpuscaler.agent.history import History
+from gpuscaler.gateway.decoding import SnapshotDecoder
+from gpuscaler.generated.gpuscaler import v1 as pb
+from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
 from gpuscaler.model.samples import (
     DEVICE_FIELD,
     Absence,
@@ -104,6 +108,12 @@ def utilizations(*values: float | None) -> tuple[GpuSample, ...]:
 def snapshot(sequence: int, at: float, samples: tuple[GpuSample, ...], *, node: str = NODE) -> Snapshot:
     """The snapshot of tick ``sequence`` taken at monotonic ``at`` seconds."""
     return Snapshot(sequence=sequence, taken_at=EPOCH + at, monotonic=at, node=node, samples=samples)
+
+
+def decoded(message: pb.Snapshot, decoder: SnapshotDecoder | None = None, *, monotonic: float = 0.0) -> Snapshot:
+    """A snapshot message (an agent's, or ``snapshot_to_wire``'s) as a gateway reads it: its bytes, parsed by the C
+    runtime, decoded by ``decoder``; ``monotonic`` is the reader's clock."""
+    return (decoder or SnapshotDecoder()).decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=monotonic)
 
 
 def history_of(*snapshots: Snapshot, history_seconds: float = 600.0, poll_interval_seconds: float = 1.0) -> History:

@@ -17,10 +17,7 @@ from pathlib import Path
 from e2e.support.agent import CONSOLE_SCRIPT, AgentProcess
 from e2e.support.certs import SERVER_NAME
 from gpuscaler.client.channels import ClientOptions, client_address, open_channel
-from gpuscaler.gateway.decoding import SnapshotDecoder
 from gpuscaler.generated.gpuscaler import v1 as pb
-from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
-from gpuscaler.model.samples import Snapshot
 
 FAILURES = {
     "lost": pb.FakeFailure.LOST,
@@ -131,8 +128,3 @@ async def fake_cli_async(agent: AgentProcess, *args: str) -> tuple[int, str]:
         output, _ = await process.communicate()
     assert process.returncode is not None
     return process.returncode, output.decode(errors="replace")
-
-
-def decoded(message: pb.Snapshot) -> Snapshot:
-    """A snapshot from the agent's API as the gateway reads it: readings by name, from the packed array."""
-    return SnapshotDecoder().decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=0.0)

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from gpuscaler.agent.history import History
 from gpuscaler.gateway.decoding import SnapshotDecoder
 from gpuscaler.gateway.view import ClusterView
-from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
 from gpuscaler.model.aggregation import WindowFunction
 from gpuscaler.model.columns import LazySamples, column, metric_column, uuids
 from gpuscaler.model.errors import GpuscalerError
@@ -22,7 +21,7 @@ from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.evaluator import Evaluator
 from gpuscaler.signals.node_memo import NodeMemo
 from gpuscaler.signals.outcome import Contribution, Evaluation
-from tests.builders import ClusterSource, cluster, failed_sample, gpu_sample, history_of, snapshot
+from tests.builders import ClusterSource, cluster, decoded, failed_sample, gpu_sample, history_of, snapshot
 from tests.gateway.test_view import Clock
 
 LIMITS = Limits(history_seconds=600, cluster=True)
@@ -77,7 +76,7 @@ def over_the_wire(history: History, decoder: SnapshotDecoder, *, at: float) -> S
     assert latest is not None
     windows = {key: WindowValues({s.gpu.uuid: history.windowed(s, key) for s in latest.samples}) for key in WINDOWS}
     message = snapshot_to_wire(latest, poll_interval_seconds=1.0, windows=windows)
-    return decoder.decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=at)
+    return decoded(message, decoder, monotonic=at)
 
 
 class NewestOnly(ClusterSource):

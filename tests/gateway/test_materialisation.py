@@ -26,7 +26,7 @@ from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
 from gpuscaler.model.samples import GpuSample, ReadErrorKind, Snapshot
 from gpuscaler.server.wire import MAX_EXPLAINED_GPUS, snapshot_to_wire
-from tests.builders import failed_sample, gpu_sample
+from tests.builders import decoded, failed_sample, gpu_sample
 from tests.gateway.conftest import gateway_settings
 
 NODES, GPUS = 200, 8
@@ -86,8 +86,8 @@ def feed(gateway: Gateway, made: Counter[str]) -> None:
     now = asyncio.get_running_loop().time()
     for name in names:
         message = snapshot_to_wire(node_snapshot(name), poll_interval_seconds=POLL_INTERVAL_SECONDS)
-        decoded = Counting(made).decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=now)
-        gateway.view.update(name, decoded, poll_interval_seconds=POLL_INTERVAL_SECONDS)
+        received = decoded(message, Counting(made), monotonic=now)
+        gateway.view.update(name, received, poll_interval_seconds=POLL_INTERVAL_SECONDS)
     gateway.view.compose()
 
 

@@ -12,11 +12,10 @@ from grpclib.exceptions import GRPCError
 
 from gpuscaler.agent.collectors.fake import Failure, FakeCollector
 from gpuscaler.agent.process import Agent
-from gpuscaler.gateway.decoding import SnapshotDecoder
 from gpuscaler.generated.gpuscaler import v1 as pb
-from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
 from gpuscaler.model.gpu_metrics import Metric
 from gpuscaler.server.agent_api import AgentService
+from tests.builders import decoded
 from tests.server.test_external_scaler import next_tick
 
 
@@ -37,7 +36,7 @@ async def test_snapshot_carries_every_gpu_in_units(agent: Agent, channel: Channe
     assert message.poll_interval_seconds == 0.1
     assert [gpu.uuid for gpu in message.gpus] == [f"GPU-fake-test-node-{i}" for i in range(4)]
     assert {error.kind for error in message.gpus[3].errors} == {pb.ReadErrorKind.NOT_SUPPORTED}
-    samples = SnapshotDecoder().decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=0.0).samples
+    samples = decoded(message).samples
     assert samples[2].gpu_utilization_percent == 42.0
     assert samples[2].memory_used_bytes == 40 * 1024**3
     assert samples[2].memory_total_bytes == 80 * 1024**3

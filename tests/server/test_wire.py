@@ -11,7 +11,6 @@ import pytest
 from gpuscaler.client.explain import Answer, Report, left_out_lines, unlisted_line
 from gpuscaler.gateway.decoding import MalformedSnapshot, SnapshotDecoder
 from gpuscaler.generated.gpuscaler import v1 as pb
-from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
 from gpuscaler.model.aggregation import WindowFunction
 from gpuscaler.model.columns import WindowColumns
 from gpuscaler.model.gpu_metrics import READING_FIELDS, Metric
@@ -29,15 +28,14 @@ from gpuscaler.model.windows import Windowed, WindowKey, WindowValues
 from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.server.wire import MAX_EXPLAINED_GPUS, explanation_to_wire, sample_to_wire, snapshot_to_wire
 from gpuscaler.signals.outcome import Contribution, Evaluation, ListedContributions
-from tests.builders import failed_sample, gpu_sample, snapshot
+from tests.builders import decoded, failed_sample, gpu_sample, snapshot
 
 GPU_1 = GpuIdentity(1, "GPU-11111111-test", "Test GPU")
 
 
 def through_the_wire(original: Snapshot, decoder: SnapshotDecoder | None = None) -> Snapshot:
     """``original`` as an agent sends it and as a gateway reads it, with the gateway's clock at 999."""
-    data = bytes(snapshot_to_wire(original, poll_interval_seconds=0.5))
-    return (decoder or SnapshotDecoder()).decode(agent_pb2.Snapshot.FromString(data), monotonic=999.0)
+    return decoded(snapshot_to_wire(original, poll_interval_seconds=0.5), decoder, monotonic=999.0)
 
 
 def round_trip(sample: GpuSample) -> GpuSample:
@@ -168,8 +166,7 @@ def test_unspecified_error_kind_reads_as_other() -> None:
         attribution=pb.Attribution(state=pb.AttributionState.OFF),
         readings=[math.nan] * len(READING_FIELDS),
     )
-    decoded = SnapshotDecoder().decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=0.0)
-    assert decoded.samples[0].errors == (ReadError("temperature", ReadErrorKind.OTHER, "?"),)
+    assert decoded(message).samples[0].errors == (ReadError("temperature", ReadErrorKind.OTHER, "?"),)
 
 
 def test_a_snapshot_only_another_version_sends_is_refused() -> None:
@@ -190,7 +187,7 @@ def test_a_snapshot_only_another_version_sends_is_refused() -> None:
         (unnamed, "names a window this gateway cannot read: window metric 'flops' is not a metric"),
     ):
         with pytest.raises(MalformedSnapshot, match=re.escape(complaint)):
-            SnapshotDecoder().decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=0.0)
+            decoded(message)
 
 
 def test_snapshot_round_trips() -> None:
@@ -297,8 +294,8 @@ def test_windows_round_trip_packed_with_their_details_only_where_there_are_some(
     }
     message = snapshot_to_wire(snapshot(1, 0.0, samples), poll_interval_seconds=0.5, windows=windows)
     assert [len(window.details) for window in message.windows] == [0, 2, 0]
-    decoded = SnapshotDecoder().decode(agent_pb2.Snapshot.FromString(bytes(message)), monotonic=0.0)
-    assert {key: decoded.windows[key] for key in windows} == windows
-    assert isinstance(decoded.windows, WindowColumns)
-    assert decoded.windows.column(plain) == ([12.5, None], [5, 0])
-    assert decoded.windows.column(failing) is None
+    received = decoded(message)
+    assert {key: received.windows[key] for key in windows} == windows
+    assert isinstance(received.windows, WindowColumns)
+    assert received.windows.column(plain) == ([12.5, None], [5, 0])
+    assert received.windows.column(failing) is None
