@@ -41,8 +41,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpuscaler.generated import externalscaler as keda
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
+from gpuscaler.model.gpu_metrics import Metric
 from gpuscaler.model.samples import ATTRIBUTION_OFF, GpuIdentity, GpuSample, Snapshot
-from gpuscaler.server.wire import snapshot_to_wire
+from gpuscaler.model.windows import Windowed, WindowKey, WindowValues
+from gpuscaler.server.wire import snapshot_to_wire, window_key_from_wire
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("gpuscaler")
 WATCH = "/gpuscaler.v1.Agent/WatchSnapshots"
@@ -93,7 +95,7 @@ class SimulatedAgent:
 
     def set_utilization(self, util: float) -> None:
         self.utilization = util
-        self.windowed: dict[tuple[tuple[str, float, str], ...], bytes] = {}
+        self.windowed: dict[tuple[WindowKey, ...], bytes] = {}
         samples = [
             GpuSample(
                 gpu=gpu,
@@ -109,30 +111,30 @@ class SimulatedAgent:
             )
             for gpu in self.identities
         ]
-        snapshot = Snapshot(0, 0.0, 0.0, self.node, tuple(samples), attribution=ATTRIBUTION_OFF)
-        self.static = bytes(snapshot_to_wire(snapshot, poll_interval_seconds=self.poll))
+        self.snapshot = Snapshot(0, 0.0, 0.0, self.node, tuple(samples), attribution=ATTRIBUTION_OFF)
+        self.static = bytes(snapshot_to_wire(self.snapshot, poll_interval_seconds=self.poll))
 
-    def message(self, windows: tuple[tuple[str, float, str], ...] = ()) -> Encoded:
+    def message(self, windows: tuple[WindowKey, ...] = ()) -> Encoded:
         tick = self.static + b"\x10" + _varint(self.sequence) + b"\x19" + struct.pack("<d", time.time())
         return Encoded(tick + self._windows(windows) if windows else tick)
 
-    def _windows(self, windows: tuple[tuple[str, float, str], ...]) -> bytes:
-        """The windows a gateway asked for: the simulated load is steady, so each window's value is today's."""
+    def _windows(self, windows: tuple[WindowKey, ...]) -> bytes:
+        """The windows a gateway asked for, encoded as an agent encodes them: the simulated load is steady, so
+        each window's value is today's."""
         encoded = self.windowed.get(windows)
         if encoded is None:
-            values = {"gpu_utilization": self.utilization, "temperature": 50.0, "power_draw": 300.0}
-            encoded = self.windowed[windows] = bytes(
-                pb.Snapshot(
-                    windows=[
-                        pb.WindowedValues(
-                            window=pb.WindowSpec(metric=metric, seconds=seconds, function=function),
-                            packed_values=[values.get(metric, 10.0)] * len(self.identities),
-                            packed_samples=[int(seconds / self.poll)] * len(self.identities),
-                        )
-                        for metric, seconds, function in windows
-                    ]
+            today = {Metric.GPU_UTILIZATION: self.utilization, Metric.TEMPERATURE: 50.0, Metric.POWER_DRAW: 300.0}
+            reduced = {
+                key: WindowValues(
+                    {
+                        gpu.uuid: Windowed(today.get(key.metric, 10.0), int(key.seconds / self.poll))
+                        for gpu in self.identities
+                    }
                 )
-            )
+                for key in windows
+            }
+            message = snapshot_to_wire(self.snapshot, poll_interval_seconds=self.poll, windows=reduced)
+            encoded = self.windowed[windows] = bytes(pb.Snapshot(windows=message.windows))
         return encoded
 
     def __mapping__(self) -> dict[str, Handler]:
@@ -140,7 +142,7 @@ class SimulatedAgent:
 
     async def watch(self, stream: Any) -> None:
         request = await stream.recv_message()
-        windows = tuple((w.metric, w.seconds, w.function) for w in request.windows)
+        windows = tuple(window_key_from_wire(w) for w in request.windows)
         while True:
             await self.tick.wait()
             await stream.send_message(self.message(windows))
