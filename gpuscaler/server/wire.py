@@ -1,9 +1,10 @@
-"""Conversions from the domain types to the ``gpuscaler.v1`` messages the servers send.
+"""Conversions between the domain types and the ``gpuscaler.v1`` messages the servers send and read.
 
-A node's readings travel packed (``Snapshot.readings``, each window's ``packed_values``): the gateway reads
-thousands of snapshots a second and most queries read one reading of each GPU, one slice of an array. The
-gateway decodes them with the protobuf runtime's C decoder (``gateway/decoding.py``), hundreds of times faster
-for a message that arrives thousands of times a second; a test holds the two directions to each other.
+A snapshot has one encoding: each GPU's readings packed in ``Snapshot.readings`` and each window's values in
+``packed_values``, since a gateway reads thousands of snapshots a second and most queries read one reading of
+every GPU, one slice of an array. The gateway reads snapshots elsewhere, with the protobuf runtime's C decoder
+(``gateway/decoding.py``: hundreds of times faster than betterproto2, and kept out of the agent);
+``tests/server/test_wire.py`` holds ``snapshot_to_wire`` and that decoder to being each other's inverse.
 """
 
 from __future__ import annotations

@@ -690,7 +690,7 @@ default_message_pool.register_message("gpuscaler.v1", "WindowedValue", WindowedV
 class WindowedValues(betterproto2.Message):
     """
     A window's values for every GPU of the snapshot, in the order of `Snapshot.gpus`. A gateway reads a window
-    across a node's GPUs as one column of these.
+    across a node's GPUs straight from the packed arrays.
     """
 
     window: "WindowSpec | None" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, optional=True)
