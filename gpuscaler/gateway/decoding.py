@@ -96,8 +96,7 @@ class _WireWindows(WindowColumns):
         return values
 
     def _decode(self, window: agent_pb2.WindowedValues) -> WindowValues:
-        packed = self.column_of(window)
-        if packed is None:
+        if not self._fits(window):
             return WindowValues({}, window.problem or self._mismatch(window))
         details: Sequence[agent_pb2.WindowedValue | None] = window.details or [None] * len(window.packed_values)
         return WindowValues(
@@ -113,19 +112,16 @@ class _WireWindows(WindowColumns):
         """Each GPU's value over window ``key`` (None where unset) and its sample count, in order, straight from
         the packed arrays; None where the agent could not reduce it (``self[key]`` says why)."""
         window = self._wire.get(key)
-        if window is None or self.column_of(window) is None:
+        if window is None or not self._fits(window):
             return None
         return [None if value != value else value for value in window.packed_values], list(window.packed_samples)
 
-    def column_of(self, window: agent_pb2.WindowedValues) -> Sequence[float] | None:
-        """The window's packed values when it has one per GPU, else None."""
+    def _fits(self, window: agent_pb2.WindowedValues) -> bool:
+        """Whether the agent reduced the window, with one value, count (and detail, if any) per GPU."""
         gpus = len(self._samples)
         if window.problem or not len(window.packed_values) == len(window.packed_samples) == gpus:
-            return None
-        if window.details and len(window.details) != gpus:
-            return None
-        values: Sequence[float] = window.packed_values
-        return values
+            return False
+        return not window.details or len(window.details) == gpus
 
     def _mismatch(self, window: agent_pb2.WindowedValues) -> str:
         return (

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
-from operator import attrgetter
 from typing import NamedTuple
 
 from gpuscaler.model.errors import GpuscalerError, Unavailable
@@ -15,9 +14,8 @@ from gpuscaler.model.samples import (
 )
 from gpuscaler.query.query import DEFAULT_MAX_UNREADABLE, PodSelection, ValueQuery
 from gpuscaler.signals.gpu_values import listing, unreadable_error
-from gpuscaler.signals.outcome import Contribution, HeldPods, NodePart
+from gpuscaler.signals.outcome import PART_LEFT_OUT, Contribution, HeldPods, NodePart
 
-_LEFT_OUT = attrgetter("left_out")
 MAX_ABSENCES_NAMED = 5
 
 
@@ -45,7 +43,7 @@ def parts_left_out(snapshot: Snapshot, node_parts: Sequence[NodePart]) -> list[N
     parts = snapshot.parts
     return [
         NodeLeftOut(parts[index].node, parts[index], len(node_parts[index].included), node_parts[index].left_out)
-        for index in itertools.compress(range(len(node_parts)), map(_LEFT_OUT, node_parts))
+        for index in itertools.compress(range(len(node_parts)), map(PART_LEFT_OUT, node_parts))
     ]
 
 

@@ -9,7 +9,6 @@ never a 0, because a 0 scales in. A query that selects pods is ``pod_evaluation`
 from __future__ import annotations
 
 import itertools
-from operator import attrgetter
 
 from gpuscaler.model.aggregation import aggregate
 from gpuscaler.model.errors import GpuscalerError, InvalidMetadata, Unavailable
@@ -30,6 +29,9 @@ from gpuscaler.signals.absences import (
 from gpuscaler.signals.gpu_values import contribution_of, select, unreadable_error, utc_clock
 from gpuscaler.signals.node_memo import NodeMemo
 from gpuscaler.signals.outcome import (
+    PART_CONTRIBUTIONS,
+    PART_INCLUDED,
+    PART_LEFT_OUT,
     Contribution,
     Contributions,
     Evaluation,
@@ -41,8 +43,6 @@ from gpuscaler.signals.outcome import (
 )
 from gpuscaler.signals.pod_evaluation import evaluate_pods
 from gpuscaler.signals.source import SnapshotSource
-
-_INCLUDED, _LEFT_OUT, _MADE = attrgetter("included"), attrgetter("left_out"), attrgetter("_contributions")
 
 
 def evaluate(
@@ -92,8 +92,8 @@ def evaluate(
             # Concatenated in C: a big cluster's parts are thousands of nodes.
             node_parts = memo.parts(query, snapshot.parts, source)
             contributions = NodeContributions(node_parts)
-            included = list(itertools.chain.from_iterable(map(_INCLUDED, node_parts)))
-            left_out = list(itertools.chain.from_iterable(map(_LEFT_OUT, node_parts)))
+            included = list(itertools.chain.from_iterable(map(PART_INCLUDED, node_parts)))
+            left_out = list(itertools.chain.from_iterable(map(PART_LEFT_OUT, node_parts)))
         else:
             contributions = ListedContributions(
                 named if named is not None else (contribution_of(query, s, source) for s in selected)
@@ -142,5 +142,5 @@ def _named_parts(
     except GpuscalerError:
         return None
     # Concatenated in C: a named part's contributions are made with it, and most parts have none.
-    found = tuple(itertools.chain.from_iterable(map(_MADE, parts)))
+    found = tuple(itertools.chain.from_iterable(map(PART_CONTRIBUTIONS, parts)))
     return found if len({c.sample.gpu.uuid.lower() for c in found}) == len(named) else None

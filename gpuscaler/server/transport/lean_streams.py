@@ -15,7 +15,7 @@ import asyncio
 import collections
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, Literal
 
 from grpclib.protocol import Buffer, Connection, Stream, UnackedData
@@ -123,6 +123,6 @@ class LeanStream(Stream):
         self.deadline_at: float | None = None  # created + the call's grpc-timeout, where it has one
         self.answered = False  # whether the server has begun its answer: a reset then abandons no work
 
-    async def send_headers(self, headers: Any, end_stream: bool = False) -> None:
-        self.answered = True
-        await super().send_headers(headers, end_stream)
+    def send_headers(self, headers: Any, end_stream: bool = False) -> Coroutine[Any, Any, None]:
+        self.answered = True  # not a coroutine of its own: one more frame on every call's answer for a flag
+        return super().send_headers(headers, end_stream)
