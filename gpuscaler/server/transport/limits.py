@@ -91,6 +91,7 @@ class ConnectionGuard:
         self.limits = limits
         self.clock = clock
         self.connections: set[Guarded] = set()
+        self.leaving: set[Guarded] = set()  # told GOAWAY and given a moment to read it: no longer counted
         self.streams = 0  # streams accepted and not yet finished, over all connections
         self.push_streams = 0  # those of them that are server streams (StreamIsActive, WatchSnapshots)
         self.limited: Counter[str] = Counter()
@@ -109,6 +110,12 @@ class ConnectionGuard:
 
     def release_connection(self, connection: Guarded) -> None:
         self.connections.discard(connection)
+        self.leaving.discard(connection)
+
+    def see_off(self, connection: Guarded) -> None:
+        """Stop counting a connection told to go; ``close`` drops it if its grace has not run out by then."""
+        self.connections.discard(connection)
+        self.leaving.add(connection)
 
     def admit_stream(self, *, streaming: bool) -> bool:
         """Count a new stream; False past its limit (the caller refuses it).
@@ -171,3 +178,6 @@ class ConnectionGuard:
         if self._sweep is not None:
             self._sweep.cancel()
             self._sweep = None
+        for connection in list(self.leaving):  # a server stopping gives no grace: their sockets go with it
+            connection.abort()
+        self.leaving.clear()

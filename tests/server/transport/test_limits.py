@@ -449,6 +449,39 @@ async def test_cancelling_calls_past_their_deadline_is_no_flood(
     assert _guard(agent).limited == {}
 
 
+@pytest.mark.parametrize(("timeout", "cut_off"), [("20m", False), ("10S", True)])
+async def test_resets_read_beside_their_headers_count_unless_the_deadline_was_near(
+    start_agent: StartAgent, peers: list[_Peer], monkeypatch: pytest.MonkeyPatch, timeout: str, cut_off: bool
+) -> None:
+    """A server that reads late takes a call's HEADERS and its client's deadline RST_STREAM in one turn, so by
+    its own clock the deadline has not passed. A reset within DEADLINE_SLACK_SECONDS of it is the client's deadline
+    (20 ms calls: grpcio with tight deadlines on a busy machine); the same burst of 10 s calls is the attack."""
+
+    @contextlib.contextmanager
+    def slow_to_notice(self: object, deadline: object) -> Iterator[None]:
+        yield  # no call ends at its deadline before its reset is read
+
+    monkeypatch.setattr(calls._CancellingDeadlineWrapper, "start", slow_to_notice)
+    agent = await start_agent("--max-resets-per-second", "10")
+    peer = await _Peer.connect(agent.port)
+    peers.append(peer)
+    ids = range(1, int(2 * 3 * 10 * BURST_SECONDS) + 1, 2)
+    for stream_id in ids:  # each call and its reset in one write: read in the same turn
+        peer.h2.send_headers(stream_id, [*request_headers(STREAM_IS_ACTIVE), ("grpc-timeout", timeout)])
+        peer.h2.send_data(stream_id, EMPTY_REF, end_stream=True)
+        peer.h2.reset_stream(stream_id)
+    peer.send()
+    if cut_off:
+        await peer.read_until(lambda: peer.goaway() is not None)
+        assert _guard(agent).limited == {"reset_flood": 1}
+    else:
+        await until(lambda: _guard(agent).streams == 0 and agent.frontend.server.handler_tasks == 0)
+        peer.call(ids[-1] + 2)
+        await peer.read_until(functools.partial(_ended_more_than, peer, 0))
+        assert peer.goaway() is None
+        assert _guard(agent).limited == {}
+
+
 async def test_a_connection_that_goes_while_its_backlog_waits_takes_nothing_more_in(
     start_agent: StartAgent, peers: list[_Peer]
 ) -> None:
