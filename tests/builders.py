@@ -3,7 +3,8 @@ reads them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
+from typing import Protocol, cast
 
 from gpuscaler.agent.history import History
 from gpuscaler.gateway.decoding import SnapshotDecoder
@@ -21,6 +22,7 @@ from gpuscaler.model.samples import (
     Snapshot,
 )
 from gpuscaler.model.windows import Windowed, WindowKey
+from gpuscaler.query.query import ActivationRule, Query, ValueQuery
 from gpuscaler.signals.source import Announcer, SnapshotListener, window_column
 
 NODE = "node-a"
@@ -197,3 +199,26 @@ def source_of(view: Snapshot) -> History | ClusterSource:
     if not view.cluster:
         return history_of(view)
     return ClusterSource(view, *(history_of(part) for part in view.parts))
+
+
+class GpuQuery(Protocol):
+    """A ``Query`` on a GPU metric: what most tests parse, with its value narrowed to a ``ValueQuery``."""
+
+    @property
+    def value(self) -> ValueQuery: ...
+    @property
+    def activation(self) -> ActivationRule: ...
+    @property
+    def target(self) -> float: ...
+    @property
+    def metric_name(self) -> str: ...
+    @property
+    def profile(self) -> str | None: ...
+    @property
+    def activation_key(self) -> Hashable: ...
+
+
+def gpu_query(query: Query) -> GpuQuery:
+    """``query``, checked to be on a GPU metric (not an engine signal nor a combined one)."""
+    assert isinstance(query.value, ValueQuery), query.value
+    return cast(GpuQuery, query)

@@ -34,7 +34,7 @@ TIERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("process",),
     ),
     "gpuscaler.gateway.": (
-        ("directory", "directory."),
+        ("directory", "directory.", "engines", "engines."),
         ("decoding", "view", "discovery"),
         ("subscriber", "idle_energy", "settings"),
         ("telemetry",),

@@ -20,6 +20,7 @@ from gpuscaler import __version__
 from gpuscaler.flags import Address
 from gpuscaler.gateway.directory.pod_file import ManagedDirectory, StaticPodDirectory
 from gpuscaler.gateway.discovery import DnsAgents, EndpointsListener, FileAgents, StaticAgents
+from gpuscaler.gateway.engines.scraper import EngineScraper
 from gpuscaler.gateway.settings import POD_DIRECTORY_KUBERNETES, GatewaySettings
 from gpuscaler.gateway.subscriber import AgentSubscriber, AgentTLS
 from gpuscaler.gateway.telemetry import GatewayTelemetry
@@ -90,6 +91,7 @@ class Gateway:
     directory: PodDirectory | None
     discovery: Discovery
     agent_tls: AgentTLS | None
+    engines: EngineScraper
     subscribers: dict[Address, tuple[AgentSubscriber, asyncio.Task[None]]] = field(default_factory=dict)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -109,7 +111,8 @@ class Gateway:
         to_agents = agent_tls(settings)
         directory = directory if directory is not None else build_directory(settings)
         view = ClusterView(history_seconds=settings.history_seconds)
-        evaluator = Evaluator(view, directory=directory, cluster=True, memo=NodeMemo())
+        engines = EngineScraper(settings.engine_scrapes)
+        evaluator = Evaluator(view, directory=directory, cluster=True, memo=NodeMemo(), engines=engines)
         view.add_listener(evaluator.on_snapshot)
         subscribers: dict[Address, tuple[AgentSubscriber, asyncio.Task[None]]] = {}
         telemetry = GatewayTelemetry(
@@ -117,12 +120,14 @@ class Gateway:
             lambda: {str(endpoint): subscriber for endpoint, (subscriber, _) in subscribers.items()},
             partial(_pod_counts, directory),
             directory,
+            engines,
         )
         frontend = await Frontend.start(
             settings.server, evaluator, telemetry, health_every_seconds=HEALTH_CHECK_SECONDS
         )
         if isinstance(directory, ManagedDirectory):
             await directory.start()
+        await engines.start()
 
         gateway = cls(
             settings=settings,
@@ -134,6 +139,7 @@ class Gateway:
             discovery=discovery or build_discovery(settings),
             agent_tls=to_agents,
             subscribers=subscribers,
+            engines=engines,
         )
         gateway._tasks = [
             run_in_background(view.run(), name="compose"),
@@ -172,6 +178,7 @@ class Gateway:
         log.info("gateway_stopping", open_streams=self.frontend.scaler.open_streams, in_flight=tracker.in_flight)
         await self.frontend.stop()
         await cancel_all([*self._tasks, *(task for _, task in self.subscribers.values())])
+        await self.engines.stop()
         if isinstance(self.directory, ManagedDirectory):
             await self.directory.stop()
         log.info("gateway_stopped", calls=sum(tracker.finished.values()))

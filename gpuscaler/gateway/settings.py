@@ -19,6 +19,7 @@ from gpuscaler.flags import (
     ServerFlags,
     add_flags,
     address_flag,
+    count_flag,
     duration_flag,
     flag_error,
     optional_path,
@@ -28,6 +29,7 @@ from gpuscaler.flags import (
     server_flags,
 )
 from gpuscaler.gateway.discovery import DEFAULT_RESOLVE_INTERVAL_SECONDS, read_agents_file
+from gpuscaler.gateway.engines.scraper import DEFAULT_SCRAPE_LIMITS, ScrapeLimits
 from gpuscaler.model.errors import ConfigError
 
 DEFAULT_GATEWAY_HISTORY = "2m"
@@ -49,6 +51,7 @@ class GatewaySettings:
     agent_tls_cert: Path | None
     agent_tls_key: Path | None
     agent_tls_server_name: str | None
+    engine_scrapes: ScrapeLimits = DEFAULT_SCRAPE_LIMITS
 
 
 GATEWAY_FLAGS: FlagTable = {
@@ -82,6 +85,21 @@ GATEWAY_FLAGS: FlagTable = {
         "AGENT_TLS_SERVER_NAME",
         None,
         "name to verify in the agents' certificates (they are dialled by IP)",
+    ),
+    "--engine-scrape-timeout": (
+        "ENGINE_SCRAPE_TIMEOUT",
+        str(DEFAULT_SCRAPE_LIMITS.timeout_seconds),
+        "seconds one read of a pod's engine metrics page may take, 0.1 to 30",
+    ),
+    "--engine-max-page-bytes": (
+        "ENGINE_MAX_PAGE_BYTES",
+        str(DEFAULT_SCRAPE_LIMITS.max_page_bytes),
+        "the largest engine metrics page read; a larger one is an error for that pod (64 KiB to 64 MiB)",
+    ),
+    "--engine-scrape-concurrency": (
+        "ENGINE_SCRAPE_CONCURRENCY",
+        str(DEFAULT_SCRAPE_LIMITS.concurrency),
+        "engine metrics pages read at once, 1 to 1024",
     ),
     **SERVER_FLAGS,
 }
@@ -152,4 +170,11 @@ def gateway_settings_from_args(args: argparse.Namespace, environ: Mapping[str, s
         agent_tls_cert=agent_cert,
         agent_tls_key=agent_key,
         agent_tls_server_name=args.agent_tls_server_name or None,
+        engine_scrapes=ScrapeLimits(
+            timeout_seconds=seconds_flag(args.engine_scrape_timeout, "--engine-scrape-timeout", fail, 0.1, 30),
+            max_page_bytes=count_flag(
+                args.engine_max_page_bytes, "--engine-max-page-bytes", fail, 64 * 1024, 64 * 1024 * 1024
+            ),
+            concurrency=count_flag(args.engine_scrape_concurrency, "--engine-scrape-concurrency", fail, 1, 1024),
+        ),
     )

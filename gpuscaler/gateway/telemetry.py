@@ -12,6 +12,8 @@ from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gpuscaler.gateway.engines import telemetry as engine_telemetry
+from gpuscaler.gateway.engines.scraper import EngineScraper
 from gpuscaler.gateway.idle_energy import WorkloadIdleEnergy
 from gpuscaler.gateway.subscriber import AgentSubscriber
 from gpuscaler.gateway.view import ClusterView
@@ -96,11 +98,18 @@ class GatewayTelemetry(ServerTelemetry):
     """The gateway's registry."""
 
     def __init__(
-        self, view: ClusterView, subscribers: Subscribers, pods: PodCounts, directory: PodDirectory | None = None
+        self,
+        view: ClusterView,
+        subscribers: Subscribers,
+        pods: PodCounts,
+        directory: PodDirectory | None = None,
+        engines: EngineScraper | None = None,
     ) -> None:
         """``pods()`` gives (pods, lists, watch events) of a Kubernetes pod directory, or None without one."""
         super().__init__()
         self.registry.register(_ViewCollector(view, subscribers, pods))
+        if engines is not None:
+            engine_telemetry.register(engines, self.registry)
         self.idle_energy = WorkloadIdleEnergy(view, directory)
         view.add_listener(self.idle_energy.on_snapshot)
         self.registry.register(self.idle_energy)

@@ -1,4 +1,5 @@
-"""Who a pod is, as workload queries need it: its labels, its owner, where it runs, whether it asks for a GPU.
+"""Who a pod is, as workload queries need it: its labels, its owner, where it runs, whether it asks for a GPU,
+and where its engine's metrics can be read.
 
 The pod directory is the interface; the gateway has two (``gateway/pod_watch.py``, the Kubernetes API,
 and ``gateway/pod_directory.py``, a static file). A directory is the authority on which pods exist.
@@ -14,6 +15,9 @@ from typing import Protocol, runtime_checkable
 
 # Extended resources of the NVIDIA device plugin: nvidia.com/gpu, nvidia.com/gpu.shared, nvidia.com/mig-1g.5gb, ...
 NVIDIA_RESOURCE_PREFIX = "nvidia.com/"
+# Where a pod says its metrics are: the annotations Prometheus' kubernetes_sd examples and most charts use.
+METRICS_PORT_ANNOTATION = "prometheus.io/port"
+METRICS_PATH_ANNOTATION = "prometheus.io/path"
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +37,15 @@ class PodInfo:
     holds_gpus: bool | None = None
     # The pod's UID: what its processes' cgroups name, so per-process figures can be tied to it (shares.py).
     uid: str | None = None
+    # What reading its engine's /metrics needs (engine signals, ``signals/engine_pods.py``); None where unknown.
+    ip: str | None = None  # status.podIP
+    phase: str | None = None  # status.phase: Pending, Running, Succeeded, Failed
+    ready: bool | None = None  # its Ready condition
+    deleting: bool = False  # metadata.deletionTimestamp is set: it is terminating
+    host_network: bool = False  # its IP is its node's: never read
+    ports: tuple[tuple[str, int], ...] = ()  # its containers' declared ports, (name, number); name "" if unnamed
+    metrics_port: str | None = None  # its prometheus.io/port annotation, as written
+    metrics_path: str | None = None  # its prometheus.io/path annotation, as written
 
 
 class PodDirectory(Protocol):

@@ -12,8 +12,20 @@ from dataclasses import dataclass
 
 from gpuscaler.model.aggregation import Aggregation, WindowFunction
 from gpuscaler.model.durations import format_duration, parse_duration
+from gpuscaler.model.engines import ENGINE_SIGNALS, EngineMetric
 from gpuscaler.model.errors import InvalidMetadata
 from gpuscaler.model.gpu_metrics import METRICS, Metric
+from gpuscaler.query.engine_keys import (
+    ENDPOINT_KEYS,
+    ENGINE_KEYS,
+    AnyMetric,
+    describe_targets,
+    endpoint_refusal,
+    parse_any_metric,
+    parse_scrape_interval,
+    parse_signal_targets,
+    refuse_gpu_keys,
+)
 from gpuscaler.query.key_values import (
     NAMESPACE,
     OBJECT_NAME,
@@ -31,15 +43,19 @@ from gpuscaler.query.key_values import (
     parse_min_nodes,
     parse_name,
 )
-from gpuscaler.query.profiles import DEFAULT_METRIC, PROFILES
+from gpuscaler.query.profiles import DEFAULT_METRIC, PROFILE_ALIASES, PROFILES, SIGNAL_PROFILES, SignalProfile
 from gpuscaler.query.query import (
     DEFAULT_MAX_UNREADABLE,
     ActivationRule,
+    CombinedQuery,
+    EngineQuery,
     GpuSelection,
     PodSelection,
     Query,
+    SignalTarget,
     ValueQuery,
     default_metric_name,
+    digest_name,
 )
 from gpuscaler.query.selectors import parse_label_selector
 
@@ -72,6 +88,7 @@ QUERY_KEYS = (
     "minNodes",
     "maxUnreadable",
     "scaleTargetPods",
+    *ENGINE_KEYS,
 )
 POD_KEYS = ("namespace", "pod", "workload", "podSelector")
 SELECTOR_KEYS = (*POD_KEYS, "gpuIndex", "gpuUUID")
@@ -103,12 +120,27 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: st
     explicit = [key for key in SELECTOR_KEYS if key in raw]
 
     profile = None
+    signal_profile = None
     if "profile" in raw:
-        profile = PROFILES.get(raw["profile"].strip())
-        if profile is None:
-            raise not_one_of("profile", raw["profile"], list(PROFILES))
+        profile_name = PROFILE_ALIASES.get(raw["profile"].strip(), raw["profile"].strip())
+        profile = PROFILES.get(profile_name)
+        signal_profile = SIGNAL_PROFILES.get(profile_name)
+        if profile is None and signal_profile is None:
+            raise not_one_of("profile", raw["profile"], [*PROFILES, *SIGNAL_PROFILES])
 
-    metric = _parse_metric(raw, DEFAULT_METRIC if profile is None else profile.metric)
+    named = "metric" in raw or "metricType" in raw
+    if "signals" in raw or (signal_profile is not None and len(signal_profile.signals) > 1 and not named):
+        return _combined_query(raw, limits, namespace, name, signal_profile)
+    default = profile.metric if profile else signal_profile.signals[0][0] if signal_profile else DEFAULT_METRIC
+    any_metric = _parse_metric(raw, default)
+    if isinstance(any_metric, EngineMetric):
+        return _engine_query(raw, namespace, name, any_metric, signal_profile)
+    metric = any_metric
+    if "scrapeInterval" in raw:
+        raise InvalidMetadata(
+            f"scrapeInterval is set, but {metric.value} is a GPU metric, read by the agents; it applies to engine "
+            "signals only (docs/engines.md)"
+        )
     target_from_shorthand = _shorthand_target(raw, metric)
     if target_from_shorthand is not None:
         metric = target_from_shorthand[0]
@@ -126,21 +158,10 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: st
     if target_from_shorthand is not None:
         target = target_from_shorthand[1]
     if "targetValue" in raw:
-        target = parse_float("targetValue", raw["targetValue"], minimum=MIN_TARGET, maximum=MAX_TARGET)
+        target = _parse_target(raw)
     if "aggregation" in raw:
         aggregation = parse_enum("aggregation", raw["aggregation"], Aggregation)
-    if "activationThreshold" in raw:
-        activation = parse_float("activationThreshold", raw["activationThreshold"], minimum=0.0)
-        # Without its own deactivationThreshold, hysteresis is off: both thresholds are the same.
-        deactivation = activation
-    if "deactivationThreshold" in raw:
-        deactivation = parse_float("deactivationThreshold", raw["deactivationThreshold"], minimum=0.0)
-    if deactivation > activation:
-        raise InvalidMetadata(
-            f"deactivationThreshold {format_number(deactivation)} is above activationThreshold "
-            f"{format_number(activation)}; "
-            "it must be <= activationThreshold (the value falls below it to deactivate)"
-        )
+    rule = _activation_rule(raw, activation, deactivation)
     if "window" in raw:
         window_seconds = _parse_window(raw["window"], limits)
     elif profile is not None and window_seconds is not None and window_seconds > limits.history_seconds:
@@ -184,16 +205,136 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: st
     )
     metric_name = parse_metric_name(raw["metricName"]) if "metricName" in raw else default_metric_name(value)
     return Query(
+        value=value, activation=rule, target=target, metric_name=metric_name, profile=profile.name if profile else None
+    )
+
+
+def _parse_target(raw: Mapping[str, str]) -> float:
+    return parse_float("targetValue", raw["targetValue"], minimum=MIN_TARGET, maximum=MAX_TARGET)
+
+
+def _activation_rule(raw: Mapping[str, str], activation: float, deactivation: float) -> ActivationRule:
+    if "activationThreshold" in raw:
+        activation = parse_float("activationThreshold", raw["activationThreshold"], minimum=0.0)
+        # Without its own deactivationThreshold, hysteresis is off: both thresholds are the same.
+        deactivation = activation
+    if "deactivationThreshold" in raw:
+        deactivation = parse_float("deactivationThreshold", raw["deactivationThreshold"], minimum=0.0)
+    if deactivation > activation:
+        raise InvalidMetadata(
+            f"deactivationThreshold {format_number(deactivation)} is above activationThreshold "
+            f"{format_number(activation)}; "
+            "it must be <= activationThreshold (the value falls below it to deactivate)"
+        )
+    return ActivationRule(activation, deactivation)
+
+
+def _selected_pods(raw: Mapping[str, str], namespace: str, name: str, what: str) -> PodSelection:
+    """The pods an engine signal reads: a selector, or scaleTargetPods; refused without one."""
+    pods = _parse_pods(raw, namespace)
+    if pods is None and "scaleTargetPods" in raw and parse_bool("scaleTargetPods", raw["scaleTargetPods"]):
+        pods = _scale_target_pods(raw, namespace, name)
+    if pods is None:
+        raise InvalidMetadata(
+            f"{what} is read from the engines of the pods a query selects, and no pods are selected; set workload, "
+            "podSelector or pod (or scaleTargetPods: 'true'); gpuscaler never reads a URL (docs/engines.md)"
+        )
+    return pods
+
+
+def _engine_query(
+    raw: Mapping[str, str], namespace: str, name: str, metric: EngineMetric, profile: SignalProfile | None
+) -> Query:
+    """An engine signal's query (``query.EngineQuery``): the signal's defaults, its profile's, then the keys."""
+    refuse_gpu_keys(raw, f"engine signal {metric.value}")
+    signal = ENGINE_SIGNALS[metric]
+    target, activation, deactivation = signal.target, signal.activation_threshold, signal.activation_threshold
+    if profile is not None and profile.signals[0][0] == metric:
+        target, activation, deactivation = (
+            profile.signals[0][1],
+            profile.activation_threshold,
+            profile.deactivation_threshold,
+        )
+    if "targetValue" in raw:
+        target = _parse_target(raw)
+    aggregation = (
+        parse_enum("aggregation", raw["aggregation"], Aggregation) if "aggregation" in raw else signal.aggregation
+    )
+    value = EngineQuery(
+        metric=metric,
+        pods=_selected_pods(raw, namespace, name, f"engine signal {metric.value}"),
+        aggregation=aggregation,
+        interval_seconds=parse_scrape_interval(raw),
+    )
+    return Query(
         value=value,
-        activation=ActivationRule(activation, deactivation),
+        activation=_activation_rule(raw, activation, deactivation),
         target=target,
-        metric_name=metric_name,
+        metric_name=parse_metric_name(raw["metricName"]) if "metricName" in raw else digest_name(value),
+        profile=profile.name if profile else None,
+    )
+
+
+def _combined_query(
+    raw: Mapping[str, str], limits: Limits, namespace: str, name: str, profile: SignalProfile | None
+) -> Query:
+    """Several signals, each asking for replicas (``query.CombinedQuery``); the target is 1 replica."""
+    for key in (
+        "metric",
+        "metricType",
+        "targetValue",
+        "aggregation",
+        "targetGpuUtilization",
+        "targetMemoryUtilization",
+    ):
+        if key in raw:
+            reason = (
+                "each signal carries its own target in signals, and the answer is in replicas (target 1)"
+                if key != "metric" and key != "metricType"
+                else "signals names the metrics"
+            )
+            raise InvalidMetadata(f"keys {key!r} and 'signals' are both set; {reason}: leave {key} out")
+    pairs = parse_signal_targets(raw["signals"]) if "signals" in raw else profile.signals if profile else ()
+    engine_read = any(isinstance(metric, EngineMetric) for metric, _ in pairs)
+    pods = _selected_pods(raw, namespace, name, "signals " + describe_targets(pairs)) if engine_read else None
+    if pods is None:
+        pods = _parse_pods(raw, namespace)
+    interval = parse_scrape_interval(raw)
+    window = _parse_window(raw["window"], limits) if "window" in raw else None
+    parts: list[SignalTarget] = []
+    for metric, target in pairs:
+        part: ValueQuery | EngineQuery
+        if isinstance(metric, EngineMetric):
+            assert pods is not None
+            part = EngineQuery(metric=metric, pods=pods, aggregation=Aggregation.SUM, interval_seconds=interval)
+        else:
+            # Summed over the pods (or GPUs): ready pods x average, the HPA's utilisation rule (docs/hpa.md).
+            part = ValueQuery(
+                metric=metric,
+                aggregation=Aggregation.SUM,
+                selection=GpuSelection(),
+                window_seconds=window,
+                window_function=WindowFunction.AVG,
+                pods=pods,
+            )
+        parts.append(SignalTarget(part, target))
+    value = CombinedQuery(tuple(parts))
+    activation = profile.activation_threshold if profile else 0.0
+    deactivation = profile.deactivation_threshold if profile else 0.0
+    return Query(
+        value=value,
+        activation=_activation_rule(raw, activation, deactivation),
+        target=1.0,
+        metric_name=parse_metric_name(raw["metricName"]) if "metricName" in raw else digest_name(value),
         profile=profile.name if profile else None,
     )
 
 
 def _resolve_keys(metadata: Mapping[str, str]) -> dict[str, str]:
     """Known query keys with their values; `<key>FromEnv` counts as `<key>`, KEDA's keys are dropped."""
+    for key in ENDPOINT_KEYS:
+        if key in metadata or key + FROM_ENV_SUFFIX in metadata:
+            raise endpoint_refusal(key)
     resolved: dict[str, str] = {}
     for key, value in metadata.items():
         name = key
@@ -251,7 +392,7 @@ RAISE_HISTORY = "raise --history (the chart's agent.history, or gateway.history 
 HPA_METRIC_TYPES = ("AverageValue", "Value", "Utilization")
 
 
-def _parse_metric(raw: Mapping[str, str], default: Metric) -> Metric:
+def _parse_metric(raw: Mapping[str, str], default: AnyMetric) -> AnyMetric:
     for key in ("metric", "metricType"):
         if key in raw:
             if key == "metricType" and raw[key].strip() in HPA_METRIC_TYPES:
@@ -260,7 +401,7 @@ def _parse_metric(raw: Mapping[str, str], default: Metric) -> Metric:
                     f"{raw[key].strip()} on the trigger itself, beside metadata: (docs/hpa.md). In metadata, "
                     "metricType is an alias of metric: use one of: " + ", ".join(metric.value for metric in Metric)
                 )
-            return parse_enum(key, raw[key], Metric)
+            return parse_any_metric(key, raw[key])
     return default
 
 

@@ -1,5 +1,7 @@
 """Defaults per workload profile (a metric's own defaults are in ``gpu_metrics.METRICS``); the docs' tables match.
 
+``PROFILES`` scale on a GPU metric; ``SIGNAL_PROFILES`` on engine signals (docs/engines.md).
+
 The four plain profiles scale on ``gpu_utilization``, which every NVIDIA GPU reports. Each has a ``-gpm`` twin
 that scales on GPM's ``sm_active`` instead: a better signal (the share of SMs at work, not a duty cycle that
 one small kernel fills), but only on Hopper and newer. A ``-gpm`` profile never falls back to the duty cycle
@@ -20,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpuscaler.model.aggregation import Aggregation, WindowFunction
+from gpuscaler.model.engines import EngineMetric
 from gpuscaler.model.gpu_metrics import Metric
 
 DEFAULT_METRIC = Metric.GPU_UTILIZATION
@@ -160,3 +163,67 @@ PROFILES: Mapping[str, Profile] = {
         ),
     )
 }
+
+
+@dataclass(frozen=True, slots=True)
+class SignalProfile:
+    """Defaults for scaling on engine signals: one signal and its target, or several combined (``signals``)."""
+
+    name: str
+    signals: tuple[tuple[Metric | EngineMetric, float], ...]
+    activation_threshold: float
+    deactivation_threshold: float
+    why: str
+
+
+# Activation at 0: a replica starts with the first request queued, and the last goes when nothing is.
+SIGNAL_PROFILES: Mapping[str, SignalProfile] = {
+    profile.name: profile
+    for profile in (
+        SignalProfile(
+            "vllm-queue",
+            ((EngineMetric.VLLM_QUEUE, 8.0),),
+            0.0,
+            0.0,
+            "requests waiting for a slot in the batch: the load a replica cannot take, whatever VRAM says",
+        ),
+        SignalProfile(
+            "vllm-kv-cache",
+            ((EngineMetric.VLLM_KV_CACHE, 80.0),),
+            0.0,
+            0.0,
+            "the KV cache fills before the queue grows when prompts are long; 80% keeps room for preemption",
+        ),
+        SignalProfile(
+            "vllm-saturation",
+            ((EngineMetric.VLLM_QUEUE, 8.0), (EngineMetric.VLLM_KV_CACHE, 80.0)),
+            0.0,
+            0.0,
+            "whichever of the queue and the KV cache asks for more replicas: short prompts queue, long ones fill "
+            "the cache",
+        ),
+        SignalProfile(
+            "triton-queue-wait",
+            ((EngineMetric.TRITON_QUEUE_WAIT, 100.0),),
+            0.0,
+            0.0,
+            "how long a finished request waited before it ran: dynamic batching hides load until it waits",
+        ),
+        SignalProfile(
+            "triton-request-rate",
+            ((EngineMetric.TRITON_REQUEST_RATE, 50.0),),
+            0.0,
+            0.0,
+            "requests finished per second, for models whose cost per request is known",
+        ),
+        SignalProfile(
+            "sglang-queue",
+            ((EngineMetric.SGLANG_QUEUE, 8.0),),
+            0.0,
+            0.0,
+            "requests in SGLang's waiting queue, as vllm-queue for vLLM",
+        ),
+    )
+}
+# The prior art's profile names that mean one of ours.
+PROFILE_ALIASES: Mapping[str, str] = {"vllm-queue-depth": "vllm-queue"}

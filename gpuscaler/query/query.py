@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from gpuscaler.model.aggregation import Aggregation, WindowFunction
 from gpuscaler.model.durations import format_duration
+from gpuscaler.model.engines import ENGINE_SIGNALS, EngineMetric
 from gpuscaler.model.gpu_metrics import METRICS, Metric
 from gpuscaler.model.windows import WindowKey
 from gpuscaler.query.selectors import LabelSelector
@@ -126,6 +127,11 @@ class ValueQuery:
     # scaleTargetPods was set beside an explicit selector, which wins; the description says so.
     scale_target_ignored: bool = False
 
+    @property
+    def name(self) -> str:
+        """The metric's name, as logs and Explain say it."""
+        return self.metric.value
+
     def describe_selection(self) -> str:
         described = self.pods.describe() if self.pods is not None else self.selection.describe()
         if self.scale_target_ignored:
@@ -142,6 +148,76 @@ class ValueQuery:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineQuery:
+    """A query on an engine signal: read from the selected pods' own metrics pages, by the gateway only."""
+
+    metric: EngineMetric
+    pods: PodSelection
+    aggregation: Aggregation
+    interval_seconds: float = 1.0  # how often each selected pod is scraped while the query is asked
+
+    window_seconds = None  # engine signals are read as of the newest scrape, with no window
+    window = None
+
+    @property
+    def name(self) -> str:
+        return self.metric.value
+
+    def describe_selection(self) -> str:
+        return self.pods.describe()
+
+    @property
+    def engine_label(self) -> str:
+        return ENGINE_SIGNALS[self.metric].engine.value
+
+
+@dataclass(frozen=True, slots=True)
+class SignalTarget:
+    """One signal of a combined query and the value one replica should carry of it."""
+
+    signal: ValueQuery | EngineQuery
+    target: float
+
+
+@dataclass(frozen=True, slots=True)
+class CombinedQuery:
+    """Several signals, each asking for ``value / target`` replicas: the answer is the most any asks for.
+
+    Each signal sums over its pods (or GPUs): for a queue that is the queue, for a utilisation it is the
+    ready pods times their average, the HPA's own utilisation rule. With a target of 1 and KEDA's
+    AverageValue the HPA then gives ``ceil(answer)`` replicas (docs/hpa.md works an example).
+    """
+
+    signals: tuple[SignalTarget, ...]
+
+    window_seconds = None
+    window = None
+
+    @property
+    def name(self) -> str:
+        return "max(" + ", ".join(f"{part.signal.name}/{part.target:g}" for part in self.signals) + ")"
+
+    @property
+    def windows(self) -> tuple[WindowKey, ...]:
+        return tuple(w for part in self.signals if (w := part.signal.window) is not None)
+
+    def describe_selection(self) -> str:
+        selections = {part.signal.describe_selection() for part in self.signals}
+        return "; ".join(sorted(selections))
+
+
+Signal = ValueQuery | EngineQuery
+AnyValueQuery = ValueQuery | EngineQuery | CombinedQuery
+
+
+def windows_of(value: AnyValueQuery) -> tuple[WindowKey, ...]:
+    """The GPU-level windows a query reads, which a gateway asks its agents for."""
+    if isinstance(value, CombinedQuery):
+        return value.windows
+    return (value.window,) if value.window is not None else ()
+
+
+@dataclass(frozen=True, slots=True)
 class ActivationRule:
     """Hysteresis: active when value > activation, inactive again when value <= deactivation."""
 
@@ -153,14 +229,14 @@ class ActivationRule:
 class Query:
     """Everything a trigger's metadata means. Hashable: streams with equal queries share their work."""
 
-    value: ValueQuery
+    value: AnyValueQuery
     activation: ActivationRule
     target: float
     metric_name: str
     profile: str | None = None
 
     @property
-    def activation_key(self) -> tuple[ValueQuery, ActivationRule]:
+    def activation_key(self) -> tuple[AnyValueQuery, ActivationRule]:
         """Queries with the same key share one activation state, whatever their names."""
         return (self.value, self.activation)
 
@@ -185,3 +261,16 @@ def default_metric_name(value: ValueQuery) -> str:
     if value.window_seconds is not None:
         parts.append(f"{value.window_function.value}{format_duration(value.window_seconds)}")
     return "-".join(parts).replace(".", "_")
+
+
+def digest_name(value: EngineQuery | CombinedQuery) -> str:
+    """``default_metric_name`` for engine signals and combined queries: what is read, then a digest of the rest."""
+    if isinstance(value, EngineQuery):
+        parts = ["gpuscaler", value.metric.value, value.aggregation.value]
+        described = [value.pods.describe(), format_duration(value.interval_seconds)]
+    else:
+        parts = ["gpuscaler", "signals", *(part.signal.name for part in value.signals)]
+        described = [value.name, value.describe_selection()]
+        described += [str(part.signal.window) for part in value.signals]
+    digest = hashlib.sha256("\x00".join(described).encode()).hexdigest()[:10]
+    return "-".join([*parts, digest]).replace(".", "_")[:100].strip("-_")

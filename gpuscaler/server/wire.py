@@ -19,7 +19,7 @@ from gpuscaler.model.aggregation import WindowFunction
 from gpuscaler.model.gpu_metrics import METRICS, READING_FIELDS, Metric
 from gpuscaler.model.samples import Attribution, AttributionState, GpuSample, ProcessUsage, ReadErrorKind, Snapshot
 from gpuscaler.model.windows import Windowed, WindowKey, WindowValues
-from gpuscaler.query.query import Query
+from gpuscaler.query.query import AnyValueQuery, CombinedQuery, EngineQuery, Query, ValueQuery
 from gpuscaler.signals.energy import IdleEnergy
 from gpuscaler.signals.outcome import Contribution, Evaluation
 
@@ -190,11 +190,11 @@ def explanation_to_wire(
     )
     return pb.Explanation(
         metric_name=query.metric_name,
-        metric=value.metric.value,
+        metric=value.name,
         profile=query.profile or "",
-        aggregation=value.aggregation.value,
+        aggregation="max" if isinstance(value, CombinedQuery) else value.aggregation.value,
         window_seconds=value.window_seconds or 0.0,
-        window_function=value.window_function.value,
+        window_function=value.window_function.value if isinstance(value, ValueQuery) else "",
         target=query.target,
         activation_threshold=query.activation.activation_threshold,
         deactivation_threshold=query.activation.deactivation_threshold,
@@ -224,10 +224,11 @@ def explanation_to_wire(
                 value=p.value,
                 gpus=p.gpus,
                 reason=p.reason or "",
+                age_seconds=p.age_seconds,
             )
             for p in evaluation.pods
         ],
-        pod_aggregation=value.pods.pod_aggregation.value if value.pods else "",
+        pod_aggregation=value.pods.pod_aggregation.value if isinstance(value, ValueQuery) and value.pods else "",
         selection=_selection(query, evaluation),
         value=evaluation.value,
         active=active,
@@ -242,12 +243,28 @@ def explanation_to_wire(
             for a in evaluation.absent
         ],
         idle_energy=idle,
+        signals=_signal_parts(value, evaluation),
     )
+
+
+def _signal_parts(value: AnyValueQuery, evaluation: Evaluation) -> list[pb.SignalPart]:
+    if not isinstance(value, CombinedQuery):
+        return []
+    return [
+        pb.SignalPart(
+            metric=part.signal.name,
+            target=part.target,
+            value=own.value,
+            replicas=own.value / part.target if own.value is not None else None,
+            error_message=own.error.message if own.error else "",
+        )
+        for part, own in zip(value.signals, evaluation.parts, strict=True)
+    ]
 
 
 def _selection(query: Query, evaluation: Evaluation) -> str:
     """What the answer read: scaleTargetPods as the workload it resolved to, else the query's own selection."""
-    pods = query.value.pods
+    pods = query.value.pods if isinstance(query.value, ValueQuery | EngineQuery) else None
     if pods is not None and pods.scale_target is not None and evaluation.selection:
         return evaluation.selection
     return query.value.describe_selection()

@@ -8,7 +8,7 @@ however many streams are open. Unary calls within one tick reuse that tick's eva
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -17,8 +17,11 @@ import structlog
 from gpuscaler.model.pods import PodDirectory
 from gpuscaler.model.samples import DEVICE_FIELD, Snapshot
 from gpuscaler.query.metadata import Limits, parse_metadata
-from gpuscaler.query.query import Query, ValueQuery
+from gpuscaler.query.query import AnyValueQuery, CombinedQuery, EngineQuery, Query, Signal, ValueQuery, windows_of
 from gpuscaler.signals.activation import ActivationStates
+from gpuscaler.signals.combined import evaluate_combined
+from gpuscaler.signals.engine_evaluation import evaluate_engine
+from gpuscaler.signals.engine_source import EngineSource
 from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.node_memo import NodeMemo
 from gpuscaler.signals.outcome import Evaluation
@@ -67,11 +70,14 @@ class Evaluator:
         directory: PodDirectory | None = None,
         cluster: bool = False,
         memo: NodeMemo | None = None,
+        engines: EngineSource | None = None,
     ) -> None:
         """``cluster``: the source is a gateway's view (its limits differ). ``memo`` keeps each node's part of a
-        cluster's evaluations between compositions (a gateway gives one; most nodes send nothing new between two)."""
+        cluster's evaluations between compositions (a gateway gives one; most nodes send nothing new between two).
+        ``engines``: where engine signals are read (a gateway's scraper); without it they are refused."""
         self.source = source
         self.directory = directory
+        self.engines = engines
         self.limits = Limits(history_seconds=source.history_seconds, cluster=cluster)
         self._parsed: dict[tuple[str, str, tuple[tuple[str, str], ...]], Query] = {}
         self.stale_after = source.stale_after
@@ -85,7 +91,9 @@ class Evaluator:
         self.on_transition: list[Callable[[bool], None]] = []
         # Called with every answer that left out GPUs or nodes (lost GPUs within maxUnreadable, minNodes).
         self.on_partial: list[Callable[[Evaluation], None]] = []
-        self._left_out: dict[ValueQuery, tuple[frozenset[str], float]] = {}
+        self._left_out: dict[AnyValueQuery, tuple[frozenset[str], float]] = {}
+        if engines is not None:
+            engines.add_listener(self._on_engine_pages)
 
     def now(self) -> float:
         return self._clock()
@@ -111,12 +119,24 @@ class Evaluator:
         return query
 
     async def prepare(self, query: Query) -> None:
-        """Make the query's window answerable before it is evaluated: a gateway asks its agents for it once."""
-        window = query.value.window
-        if window is not None:
-            await self.source.prepare([window])
+        """Make the query answerable before it is evaluated: a gateway asks its agents for its windows once,
+        and reads the pods an engine signal selects that it has never read."""
+        windows = windows_of(query.value)
+        if windows:
+            await self.source.prepare(list(windows))
+        if self.engines is not None and _reads_engines(query.value):
+            self.evaluate(query.value)  # names the pods it wants read
+            await self.engines.settle()
 
-    def evaluate(self, query: ValueQuery) -> Evaluation:
+    def evaluate(self, query: AnyValueQuery) -> Evaluation:
+        if isinstance(query, CombinedQuery):
+            return evaluate_combined(query, self._evaluate_signal)
+        return self._evaluate_signal(query)
+
+    def _evaluate_signal(self, query: Signal) -> Evaluation:
+        if isinstance(query, EngineQuery):
+            # Not cached: a scrape lands between two snapshots, and each evaluation keeps its pods wanted.
+            return evaluate_engine(query, self.engines, self.directory, self.source.latest, now=self._clock())
         latest = self.source.latest
         fresh = latest is not None and self._clock() - latest.monotonic <= self.stale_after
         if not fresh or latest is None:
@@ -165,7 +185,7 @@ class Evaluator:
             log.warning(
                 "answer_leaves_out",
                 selection=evaluation.query.describe_selection(),
-                metric=evaluation.query.metric.value,
+                metric=evaluation.query.name,
                 left_out=sorted(names),
                 detail=(
                     "the answer leaves out GPUs it cannot read within maxUnreadable, and nodes within minNodes; "
@@ -220,8 +240,15 @@ class Evaluator:
     def on_snapshot(self, snapshot: Snapshot) -> None:
         """The source's listener: one evaluation per distinct streamed query, and a wake-up on each change."""
         # A push stream's window stays requested while the stream is open (each was prepared when it opened).
-        self.source.request([w for g in self._groups.values() if (w := g.query.value.window) is not None])
-        for group in list(self._groups.values()):
+        self.source.request([w for g in self._groups.values() for w in windows_of(g.query.value)])
+        self._push(self._groups.values())
+
+    def _on_engine_pages(self) -> None:
+        """The engine source's listener: streams on engine signals move within one scrape."""
+        self._push([group for group in self._groups.values() if _reads_engines(group.query.value)])
+
+    def _push(self, groups: Iterable[_Group]) -> None:
+        for group in list(groups):
             evaluation = self.evaluate(group.query.value)
             if evaluation.value is None:
                 continue  # unknown is not inactive: keep the last state until the value is back
@@ -254,3 +281,9 @@ class Evaluator:
         for group in self._groups.values():
             for subscription in group.subscriptions:
                 subscription.changed.set()
+
+
+def _reads_engines(value: AnyValueQuery) -> bool:
+    if isinstance(value, CombinedQuery):
+        return any(isinstance(part.signal, EngineQuery) for part in value.signals)
+    return isinstance(value, EngineQuery)

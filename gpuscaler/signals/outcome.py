@@ -17,7 +17,7 @@ from typing import NamedTuple, Protocol
 from gpuscaler.model.columns import Chained, uuids
 from gpuscaler.model.errors import GpuscalerError
 from gpuscaler.model.samples import Absence, GpuKey, GpuSample, ReadError, Snapshot, gpu_keys
-from gpuscaler.query.query import ValueQuery
+from gpuscaler.query.query import AnyValueQuery
 
 HeldPods = tuple[tuple[str, str], ...]  # (namespace, pod) of a selection that an absent node held
 
@@ -49,6 +49,7 @@ class PodValue:
     value: float | None
     gpus: int
     reason: str | None = None
+    age_seconds: float | None = None  # engine signals: how old the pod's newest metrics page is
 
 
 class Contributions(Protocol):
@@ -90,7 +91,7 @@ class ListedContributions(tuple[Contribution, ...]):
 class Evaluation:
     """The outcome of one query: ``value`` or ``error`` is set, never both."""
 
-    query: ValueQuery
+    query: AnyValueQuery
     contributions: Contributions
     value: float | None
     error: GpuscalerError | None
@@ -101,6 +102,8 @@ class Evaluation:
     absent: tuple[Absence, ...] = ()
     # The selection as evaluated, where it differs from the query's words (scaleTargetPods resolved to a workload).
     selection: str | None = None
+    # A combined query's signals, each evaluated on its own, in the query's order.
+    parts: tuple[Evaluation, ...] = ()
 
     def value_or_raise(self) -> float:
         if self.error is not None:
@@ -198,6 +201,6 @@ class NodeContributions(Chained[Contribution]):
         )
 
 
-def failed(query: ValueQuery, snapshot: Snapshot | None, error: GpuscalerError) -> Evaluation:
+def failed(query: AnyValueQuery, snapshot: Snapshot | None, error: GpuscalerError) -> Evaluation:
     """The evaluation that answers ``error``, with no contributions."""
     return Evaluation(query, ListedContributions(()), None, error, snapshot)

@@ -104,10 +104,21 @@ async def start_gateway() -> AsyncIterator[StartGateway]:
     """Starts in-process gateways over the given nodes and stops them all at the end."""
     gateways: list[Gateway] = []
 
-    async def start(*nodes: Node, directory: PodDirectory | None = None, pod_directory: Path | None = None) -> Gateway:
-        flags = ["--agents", ",".join(f"127.0.0.1:{node.port}" for node in nodes), "--drain-timeout", "0.5"]
+    async def start(
+        *nodes: Node,
+        directory: PodDirectory | None = None,
+        pod_directory: Path | None = None,
+        flags: tuple[str, ...] = (),
+    ) -> Gateway:
+        flags = (
+            "--agents",
+            ",".join(f"127.0.0.1:{node.port}" for node in nodes),
+            "--drain-timeout",
+            "0.5",
+            *flags,
+        )
         if pod_directory is not None:
-            flags += ["--pod-directory", str(pod_directory)]
+            flags += ("--pod-directory", str(pod_directory))
         gateway = await Gateway.start(gateway_settings(*flags), directory=directory)
         gateways.append(gateway)
         return gateway

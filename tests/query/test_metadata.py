@@ -11,15 +11,16 @@ from gpuscaler.model.aggregation import Aggregation, WindowFunction
 from gpuscaler.model.errors import InvalidMetadata
 from gpuscaler.model.gpu_metrics import Metric
 from gpuscaler.query.metadata import MAX_TARGET, Limits, parse_metadata
-from gpuscaler.query.query import DEFAULT_MAX_UNREADABLE, ActivationRule, GpuSelection, Query, UnreadableTolerance
+from gpuscaler.query.query import DEFAULT_MAX_UNREADABLE, ActivationRule, GpuSelection, UnreadableTolerance
+from tests.builders import GpuQuery, gpu_query
 
 LIMITS = Limits(history_seconds=600.0)  # the agent's default --history 10m
 URL_SAFE_LOWERCASE = re.compile(r"^[a-z0-9][a-z0-9._-]*[a-z0-9]$")
 
 
-def parse(metadata: dict[str, str]) -> Query:
+def parse(metadata: dict[str, str]) -> GpuQuery:
     """Parse ``metadata`` as an agent does, with its default --history of 10m."""
-    return parse_metadata(metadata, LIMITS)
+    return gpu_query(parse_metadata(metadata, LIMITS))
 
 
 def refusal(metadata: dict[str, str]) -> str:
@@ -68,7 +69,7 @@ def test_each_metric_has_its_own_defaults(
         assert query.activation == ActivationRule(activation, activation)
 
 
-Check = Callable[[Query], object]
+Check = Callable[[GpuQuery], object]
 
 EVERY_KEY: list[tuple[dict[str, str], Check, object]] = [
     ({"metric": "temperature"}, lambda q: q.value.metric, Metric.TEMPERATURE),
@@ -122,8 +123,8 @@ EVERY_KEY: list[tuple[dict[str, str], Check, object]] = [
     ({"maxUnreadable": "100%"}, lambda q: q.value.max_unreadable, UnreadableTolerance(fraction=1.0)),
     ({"maxUnreadable": "2", "namespace": "ml"}, lambda q: q.value.max_unreadable, UnreadableTolerance(count=2)),
     ({"maxUnreadable": "1"}, lambda q: q.metric_name, "gpuscaler-gpu_utilization-sum"),
-    ({"pollIntervalSeconds": "15"}, lambda q: q, parse_metadata({}, LIMITS)),
-    ({"pollIntervalSeconds": "0.5"}, lambda q: q, parse_metadata({}, LIMITS)),
+    ({"pollIntervalSeconds": "15"}, lambda q: q, gpu_query(parse_metadata({}, LIMITS))),
+    ({"pollIntervalSeconds": "0.5"}, lambda q: q, gpu_query(parse_metadata({}, LIMITS))),
 ]
 
 
@@ -590,7 +591,7 @@ def test_equal_selections_are_one_query() -> None:
 def test_profile_window_longer_than_history_is_refused() -> None:
     """A profile whose window the agent's history cannot hold is refused, naming the profile and --history."""
     with pytest.raises(InvalidMetadata) as raised:
-        parse_metadata({"profile": "training"}, Limits(history_seconds=60))
+        gpu_query(parse_metadata({"profile": "training"}, Limits(history_seconds=60)))
     assert "profile 'training'" in raised.value.message
     assert "--history" in raised.value.message
 

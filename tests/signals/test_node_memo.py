@@ -12,7 +12,7 @@ from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.evaluator import Evaluator
 from gpuscaler.signals.node_memo import NodeMemo
-from tests.builders import ClusterSource, cluster, failed_sample, gpu_sample, history_of, snapshot
+from tests.builders import ClusterSource, cluster, failed_sample, gpu_query, gpu_sample, history_of, snapshot
 
 LIMITS = Limits(history_seconds=600, cluster=True)
 QUERIES = [
@@ -53,7 +53,7 @@ def node(name: str, tick: int, rng: random.Random) -> Snapshot:
 
 def outcome(query: dict[str, str], view: Snapshot, source: ClusterSource, memo: NodeMemo | None) -> object:
     """All that an evaluation answers (value, error, contributions), to compare with the memo and without."""
-    value = parse_metadata(query, LIMITS).value
+    value = gpu_query(parse_metadata(query, LIMITS)).value
     evaluation = evaluate(value, source, now=view.monotonic, stale_after=5.0, memo=memo)
     error = (type(evaluation.error), str(evaluation.error)) if isinstance(evaluation.error, GpuscalerError) else None
     return evaluation.value, error, list(evaluation.contributions)
@@ -90,7 +90,7 @@ def test_an_unchanged_node_is_not_evaluated_again() -> None:
     rng = random.Random(1)
     part_a, part_b = node("node-a", 1, rng), node("node-b", 1, rng)
     memo = NodeMemo()
-    query = parse_metadata({"metric": "gpu_utilization"}, LIMITS).value
+    query = gpu_query(parse_metadata({"metric": "gpu_utilization"}, LIMITS)).value
     source = ClusterSource(cluster(part_a, part_b), history_of(part_a), history_of(part_b))
     first = memo.parts(query, (part_a,), source)[0]
     assert memo.parts(query, (part_a,), source)[0] is first
@@ -104,7 +104,7 @@ def test_forgotten_queries_and_nodes_leave_the_memo() -> None:
     rng = random.Random(2)
     part, other = node("node-a", 1, rng), node("node-b", 1, rng)
     memo = NodeMemo()
-    query = parse_metadata({"metric": "gpu_utilization"}, LIMITS).value
+    query = gpu_query(parse_metadata({"metric": "gpu_utilization"}, LIMITS)).value
     source = ClusterSource(cluster(part, other), history_of(part), history_of(other))
     first = memo.parts(query, (part,), source)[0]
     memo.keep_only([query], [other])  # node-a left, node-b came: the query holds one node, as many as listed
@@ -125,8 +125,8 @@ def test_the_evaluator_keeps_only_the_queries_the_last_composition_evaluated() -
     source = ClusterSource(cluster(*parts), history_of(parts[0]), history_of(parts[1]))
     memo = NodeMemo()
     evaluator = Evaluator(source, clock=lambda: 0.0, cluster=True, memo=memo)
-    streamed = parse_metadata({"metric": "gpu_utilization"}, LIMITS).value
-    polled = parse_metadata({"metric": "gpu_utilization", "aggregation": "max"}, LIMITS).value
+    streamed = gpu_query(parse_metadata({"metric": "gpu_utilization"}, LIMITS)).value
+    polled = gpu_query(parse_metadata({"metric": "gpu_utilization", "aggregation": "max"}, LIMITS)).value
     evaluator.evaluate(streamed)
     evaluator.evaluate(polled)
     first = {query: memo.parts(query, parts, source) for query in (streamed, polled)}

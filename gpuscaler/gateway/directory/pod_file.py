@@ -11,6 +11,12 @@ The file is re-read when it changes::
         node: gpu-node-1           # optional: where it runs (spec.nodeName)
         gpus: true                 # optional: whether it asks for a GPU
         uid: 1b4e2a3c-...          # optional: metadata.uid, which ties its processes to it on a shared GPU
+        ip: 10.1.2.3               # optional: status.podIP, where its engine's metrics are read
+        ports: {http: 8000}        # optional: its containers' declared ports, by name
+        annotations: {prometheus.io/port: "8000"}  # optional: only prometheus.io/port and /path are read
+        ready: true                # optional: a listed pod is Running and Ready unless this says false
+        deleting: false            # optional: true for a pod that is terminating
+        hostNetwork: false         # optional: true for a pod on its node's network (never read)
     scaledObjects:                 # optional: KEDA's ScaledObjects, for triggers with scaleTargetPods
       - namespace: ml
         name: trainer
@@ -27,7 +33,13 @@ from typing import Any, Protocol, runtime_checkable
 import structlog
 
 from gpuscaler.model.errors import ConfigError
-from gpuscaler.model.pods import PodDirectory, PodInfo, ScaleTarget
+from gpuscaler.model.pods import (
+    METRICS_PATH_ANNOTATION,
+    METRICS_PORT_ANNOTATION,
+    PodDirectory,
+    PodInfo,
+    ScaleTarget,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -175,7 +187,22 @@ def _static_target(entry: Any, where: str) -> ScaleTarget:
     )
 
 
-_ENTRY_KEYS = {"namespace", "pod", "labels", "workload", "workloadKind", "node", "gpus", "uid"}
+_ENTRY_KEYS = {
+    "namespace",
+    "pod",
+    "labels",
+    "workload",
+    "workloadKind",
+    "node",
+    "gpus",
+    "uid",
+    "ip",
+    "ports",
+    "annotations",
+    "ready",
+    "deleting",
+    "hostNetwork",
+}
 
 
 def _static_entry(entry: Any, where: str) -> PodInfo:
@@ -197,9 +224,22 @@ def _static_entry(entry: Any, where: str) -> PodInfo:
     for key, value in (("workload", workload), ("workloadKind", kind), ("node", node), ("uid", uid)):
         if value is not None and not isinstance(value, str):
             raise ConfigError(f"{where}: {key} must be a string")
-    gpus = entry.get("gpus")
-    if gpus is not None and not isinstance(gpus, bool):
-        raise ConfigError(f"{where}: gpus must be true or false")
+    ip = entry.get("ip")
+    if ip is not None and not isinstance(ip, str):
+        raise ConfigError(f"{where}: ip must be a string")
+    flags = {key: entry.get(key) for key in ("gpus", "ready", "deleting", "hostNetwork")}
+    for key, value in flags.items():
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(f"{where}: {key} must be true or false")
+    ports = entry.get("ports") or {}
+    if not isinstance(ports, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and 0 < v < 65536
+        for k, v in ports.items()
+    ):
+        raise ConfigError(f"{where}: ports must map port names to numbers from 1 to 65535, like {{http: 8000}}")
+    annotations = entry.get("annotations") or {}
+    if not isinstance(annotations, dict) or not all(isinstance(k, str) for k in annotations):
+        raise ConfigError(f"{where}: annotations must be a mapping of strings")
     return PodInfo(
         namespace=entry["namespace"],
         pod=entry["pod"],
@@ -207,6 +247,19 @@ def _static_entry(entry: Any, where: str) -> PodInfo:
         workload=workload,
         workload_kind=kind,
         node=node,
-        holds_gpus=gpus,
+        holds_gpus=flags["gpus"],
         uid=uid,
+        ip=ip,
+        phase="Running",
+        ready=flags["ready"] is not False,
+        deleting=flags["deleting"] is True,
+        host_network=flags["hostNetwork"] is True,
+        ports=tuple(sorted(ports.items())),
+        metrics_port=_annotation(annotations, METRICS_PORT_ANNOTATION),
+        metrics_path=_annotation(annotations, METRICS_PATH_ANNOTATION),
     )
+
+
+def _annotation(annotations: dict[str, Any], name: str) -> str | None:
+    value = annotations.get(name)
+    return str(value) if value is not None and str(value) else None

@@ -15,7 +15,7 @@ from kubernetes_asyncio import client, config
 
 from gpuscaler.gateway.directory.kube_watch import DEFAULT_STALE_AFTER_SECONDS, Collection, ListWatch
 from gpuscaler.model.errors import ConfigError
-from gpuscaler.model.pods import NVIDIA_RESOURCE_PREFIX, PodInfo
+from gpuscaler.model.pods import METRICS_PATH_ANNOTATION, METRICS_PORT_ANNOTATION, NVIDIA_RESOURCE_PREFIX, PodInfo
 
 POD_TEMPLATE_HASH = "pod-template-hash"
 
@@ -54,7 +54,9 @@ def pod_info(pod: Mapping[str, Any]) -> PodInfo | None:
         controller.get("kind") if controller else None, controller.get("name") if controller else None, labels
     )
     spec = pod.get("spec") or {}
+    status = pod.get("status") or {}
     node = spec.get("nodeName")
+    annotations = metadata.get("annotations") or {}
     return PodInfo(
         namespace=namespace,
         pod=name,
@@ -64,7 +66,41 @@ def pod_info(pod: Mapping[str, Any]) -> PodInfo | None:
         node=node if isinstance(node, str) and node else None,
         holds_gpus=_asks_for_gpus(spec),
         uid=uid if isinstance(uid := metadata.get("uid"), str) and uid else None,
+        ip=_text(status.get("podIP")),
+        phase=_text(status.get("phase")),
+        ready=_ready(status),
+        deleting=metadata.get("deletionTimestamp") is not None,
+        host_network=spec.get("hostNetwork") is True,
+        ports=_ports(spec),
+        metrics_port=_text(annotations.get(METRICS_PORT_ANNOTATION)),
+        metrics_path=_text(annotations.get(METRICS_PATH_ANNOTATION)),
     )
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _ready(status: Mapping[str, Any]) -> bool | None:
+    """The pod's Ready condition; None when the status has none yet (a pod not scheduled)."""
+    for condition in status.get("conditions") or []:
+        if isinstance(condition, dict) and condition.get("type") == "Ready":
+            return condition.get("status") == "True"
+    return None
+
+
+def _ports(spec: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
+    """Every TCP port the pod's containers declare, as (name, number)."""
+    ports: list[tuple[str, int]] = []
+    for container in spec.get("containers") or []:
+        for port in (container.get("ports") or []) if isinstance(container, dict) else []:
+            if not isinstance(port, dict) or port.get("protocol", "TCP") != "TCP":
+                continue
+            number = port.get("containerPort")
+            if isinstance(number, int) and not isinstance(number, bool):
+                name = port.get("name")
+                ports.append((name if isinstance(name, str) else "", number))
+    return tuple(ports)
 
 
 def _asks_for_gpus(spec: Mapping[str, Any]) -> bool:

@@ -30,6 +30,7 @@ __all__ = (
     "ReadError",
     "ReadErrorKind",
     "SetRequest",
+    "SignalPart",
     "Snapshot",
     "WatchSnapshotsRequest",
     "WindowSpec",
@@ -305,6 +306,11 @@ class Explanation(betterproto2.Message):
     counts them. Past the limit, `gpus` lists every GPU left out of the value first, then GPUs that went in.
     """
 
+    signals: "list[SignalPart]" = betterproto2.field(25, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    A combined query's signals, in its order: each one's value, target and the replicas it asks for.
+    """
+
 
 default_message_pool.register_message("gpuscaler.v1", "Explanation", Explanation)
 
@@ -511,6 +517,11 @@ class PodContribution(betterproto2.Message):
     Why the pod was left out; empty when included.
     """
 
+    age_seconds: "float | None" = betterproto2.field(9, betterproto2.TYPE_DOUBLE, optional=True)
+    """
+    Engine signals: how old the pod's newest metrics page was when the value was computed.
+    """
+
 
 default_message_pool.register_message("gpuscaler.v1", "PodContribution", PodContribution)
 
@@ -609,6 +620,29 @@ class SetRequest(betterproto2.Message):
 
 
 default_message_pool.register_message("gpuscaler.v1", "SetRequest", SetRequest)
+
+
+@dataclass(eq=False, repr=False)
+class SignalPart(betterproto2.Message):
+    """
+    One signal of a combined query (docs/engines.md).
+    """
+
+    metric: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    target: "float" = betterproto2.field(2, betterproto2.TYPE_DOUBLE)
+
+    value: "float | None" = betterproto2.field(3, betterproto2.TYPE_DOUBLE, optional=True)
+
+    replicas: "float | None" = betterproto2.field(4, betterproto2.TYPE_DOUBLE, optional=True)
+    """
+    value / target: the replicas this signal asks for; the answer is the largest.
+    """
+
+    error_message: "str" = betterproto2.field(5, betterproto2.TYPE_STRING)
+
+
+default_message_pool.register_message("gpuscaler.v1", "SignalPart", SignalPart)
 
 
 @dataclass(eq=False, repr=False)

@@ -213,7 +213,7 @@ class GpuContribution(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., node: _Optional[str] = ..., included: _Optional[bool] = ..., value: _Optional[float] = ..., samples: _Optional[int] = ..., reason: _Optional[str] = ..., namespace: _Optional[str] = ..., pod: _Optional[str] = ..., share: _Optional[str] = ...) -> None: ...
 
 class PodContribution(_message.Message):
-    __slots__ = ("namespace", "pod", "workload", "node", "included", "value", "gpus", "reason")
+    __slots__ = ("namespace", "pod", "workload", "node", "included", "value", "gpus", "reason", "age_seconds")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     POD_FIELD_NUMBER: _ClassVar[int]
     WORKLOAD_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +222,7 @@ class PodContribution(_message.Message):
     VALUE_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     pod: str
     workload: str
@@ -230,10 +231,11 @@ class PodContribution(_message.Message):
     value: float
     gpus: int
     reason: str
-    def __init__(self, namespace: _Optional[str] = ..., pod: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., included: _Optional[bool] = ..., value: _Optional[float] = ..., gpus: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    age_seconds: float
+    def __init__(self, namespace: _Optional[str] = ..., pod: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., included: _Optional[bool] = ..., value: _Optional[float] = ..., gpus: _Optional[int] = ..., reason: _Optional[str] = ..., age_seconds: _Optional[float] = ...) -> None: ...
 
 class Explanation(_message.Message):
-    __slots__ = ("metric_name", "metric", "profile", "aggregation", "window_seconds", "window_function", "target", "activation_threshold", "deactivation_threshold", "gpus", "value", "active", "error_code", "error_message", "snapshot_age_seconds", "snapshot_sequence", "nodes", "pods", "nodes_expected", "pod_aggregation", "selection", "absent", "idle_energy", "gpus_omitted")
+    __slots__ = ("metric_name", "metric", "profile", "aggregation", "window_seconds", "window_function", "target", "activation_threshold", "deactivation_threshold", "gpus", "value", "active", "error_code", "error_message", "snapshot_age_seconds", "snapshot_sequence", "nodes", "pods", "nodes_expected", "pod_aggregation", "selection", "absent", "idle_energy", "gpus_omitted", "signals")
     METRIC_NAME_FIELD_NUMBER: _ClassVar[int]
     METRIC_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +260,7 @@ class Explanation(_message.Message):
     ABSENT_FIELD_NUMBER: _ClassVar[int]
     IDLE_ENERGY_FIELD_NUMBER: _ClassVar[int]
     GPUS_OMITTED_FIELD_NUMBER: _ClassVar[int]
+    SIGNALS_FIELD_NUMBER: _ClassVar[int]
     metric_name: str
     metric: str
     profile: str
@@ -282,7 +285,22 @@ class Explanation(_message.Message):
     absent: _containers.RepeatedCompositeFieldContainer[AbsentNode]
     idle_energy: IdleEnergy
     gpus_omitted: int
-    def __init__(self, metric_name: _Optional[str] = ..., metric: _Optional[str] = ..., profile: _Optional[str] = ..., aggregation: _Optional[str] = ..., window_seconds: _Optional[float] = ..., window_function: _Optional[str] = ..., target: _Optional[float] = ..., activation_threshold: _Optional[float] = ..., deactivation_threshold: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuContribution, _Mapping]]] = ..., value: _Optional[float] = ..., active: _Optional[bool] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., snapshot_age_seconds: _Optional[float] = ..., snapshot_sequence: _Optional[int] = ..., nodes: _Optional[int] = ..., pods: _Optional[_Iterable[_Union[PodContribution, _Mapping]]] = ..., nodes_expected: _Optional[int] = ..., pod_aggregation: _Optional[str] = ..., selection: _Optional[str] = ..., absent: _Optional[_Iterable[_Union[AbsentNode, _Mapping]]] = ..., idle_energy: _Optional[_Union[IdleEnergy, _Mapping]] = ..., gpus_omitted: _Optional[int] = ...) -> None: ...
+    signals: _containers.RepeatedCompositeFieldContainer[SignalPart]
+    def __init__(self, metric_name: _Optional[str] = ..., metric: _Optional[str] = ..., profile: _Optional[str] = ..., aggregation: _Optional[str] = ..., window_seconds: _Optional[float] = ..., window_function: _Optional[str] = ..., target: _Optional[float] = ..., activation_threshold: _Optional[float] = ..., deactivation_threshold: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuContribution, _Mapping]]] = ..., value: _Optional[float] = ..., active: _Optional[bool] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., snapshot_age_seconds: _Optional[float] = ..., snapshot_sequence: _Optional[int] = ..., nodes: _Optional[int] = ..., pods: _Optional[_Iterable[_Union[PodContribution, _Mapping]]] = ..., nodes_expected: _Optional[int] = ..., pod_aggregation: _Optional[str] = ..., selection: _Optional[str] = ..., absent: _Optional[_Iterable[_Union[AbsentNode, _Mapping]]] = ..., idle_energy: _Optional[_Union[IdleEnergy, _Mapping]] = ..., gpus_omitted: _Optional[int] = ..., signals: _Optional[_Iterable[_Union[SignalPart, _Mapping]]] = ...) -> None: ...
+
+class SignalPart(_message.Message):
+    __slots__ = ("metric", "target", "value", "replicas", "error_message")
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    metric: str
+    target: float
+    value: float
+    replicas: float
+    error_message: str
+    def __init__(self, metric: _Optional[str] = ..., target: _Optional[float] = ..., value: _Optional[float] = ..., replicas: _Optional[float] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class IdleEnergy(_message.Message):
     __slots__ = ("idle_joules", "busy_joules", "seconds", "unknown_seconds", "gpus")

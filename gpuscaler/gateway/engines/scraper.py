@@ -1,0 +1,222 @@
+"""The gateway's engine scraper: each wanted pod's metrics page, read at the interval its queries ask.
+
+Lazy: a pod is read only while a query asks for it (``want``), and is forgotten ``FORGET_AFTER_SECONDS`` after
+the last ask. One scrape per pod serves every query on it, at the shortest interval any of them asks. Every
+read is bounded: a timeout, a body size, a number in flight, no redirects, no proxy, no compression (a small
+gzip can inflate to gigabytes), and only the address the pod itself declares (``signals/engine_pods.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+import structlog
+
+from gpuscaler.gateway.engines.page import MalformedPage, prefilter, read_page
+from gpuscaler.model.engines import Engine, PodScrape, engine_series
+from gpuscaler.signals.engine_pods import Endpoint
+from gpuscaler.signals.engine_source import PodKey
+
+log = structlog.get_logger(__name__)
+
+# KEDA polls every 30 s: a pod asked for by polls alone is read for a while after each, so the next finds it fresh.
+FORGET_AFTER_SECONDS = 120.0
+# How often the loop looks for pods that are due; a scrape starts at most this late.
+TICK_SECONDS = 0.05
+CHUNK_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeLimits:
+    """What one scrape may cost (``--engine-scrape-*`` flags)."""
+
+    timeout_seconds: float = 2.0
+    max_page_bytes: int = 4 * 1024 * 1024
+    concurrency: int = 32
+
+
+DEFAULT_SCRAPE_LIMITS = ScrapeLimits()
+
+
+@dataclass(slots=True)
+class _Wanted:
+    engine: Engine
+    endpoint: Endpoint
+    interval: float
+    asked_at: float
+    due_at: float
+    scrape: PodScrape | None = None
+    task: asyncio.Task[None] | None = None
+
+
+class EngineScraper:
+    """Reads the pods queries want; ``signals.engine_source.EngineSource`` for the evaluator."""
+
+    def __init__(self, limits: ScrapeLimits | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits or DEFAULT_SCRAPE_LIMITS
+        self._clock = clock
+        self._wanted: dict[PodKey, _Wanted] = {}
+        self._listeners: list[Callable[[], None]] = []
+        self._notify_scheduled = False
+        self._slots = asyncio.Semaphore(self.limits.concurrency)
+        self._session: aiohttp.ClientSession | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._patterns = {engine: prefilter(engine_series(engine)) for engine in Engine}
+        self._first_reads: set[asyncio.Task[None]] = set()
+        # What /metrics counts: scrapes by outcome, and the newest of each pod (``pods``).
+        self.results: dict[str, int] = {}
+        self.on_scrape: list[Callable[[float, str], None]] = []  # (seconds, outcome)
+
+    @property
+    def timeout_seconds(self) -> float:
+        return self.limits.timeout_seconds
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self.limits.concurrency, use_dns_cache=False),
+            timeout=aiohttp.ClientTimeout(total=self.limits.timeout_seconds),
+            auto_decompress=False,
+            trust_env=False,  # no proxy from the environment: the pod's own address, or nothing
+            headers={"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "identity"},
+        )
+        self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="engine-scraper")
+
+    async def stop(self) -> None:
+        tasks = [w.task for w in self._wanted.values() if w.task is not None]
+        if self._loop_task is not None:
+            tasks.append(self._loop_task)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._session is not None:
+            await self._session.close()
+
+    def want(self, pod: PodKey, engine: Engine, endpoint: Endpoint, interval_seconds: float) -> PodScrape | None:
+        now = self._clock()
+        wanted = self._wanted.get(pod)
+        if wanted is None or wanted.endpoint != endpoint or wanted.engine is not engine:
+            # A new pod, or one whose address changed (a restart keeps its name in a StatefulSet): start over.
+            if wanted is not None and wanted.task is not None:
+                wanted.task.cancel()
+            wanted = self._wanted[pod] = _Wanted(engine, endpoint, interval_seconds, now, now)
+            return None
+        wanted.asked_at = now
+        if interval_seconds < wanted.interval:
+            wanted.interval = interval_seconds
+            wanted.due_at = min(wanted.due_at, now + interval_seconds)
+        return wanted.scrape
+
+    async def settle(self) -> None:
+        """Start the first read of every pod never read, and wait for each (each is bounded by the timeout)."""
+        first = [
+            self._start(pod, wanted)
+            for pod, wanted in self._wanted.items()
+            if wanted.scrape is None and wanted.task is None
+        ]
+        waiting = [w.task for w in self._wanted.values() if w.scrape is None and w.task is not None]
+        if first or waiting:
+            await asyncio.wait({*first, *waiting})
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+    def pods(self) -> dict[PodKey, PodScrape]:
+        """The newest scrape of each pod read now."""
+        return {pod: w.scrape for pod, w in self._wanted.items() if w.scrape is not None}
+
+    async def _run(self) -> None:
+        while True:
+            now = self._clock()
+            for pod in [p for p, w in self._wanted.items() if now - w.asked_at > FORGET_AFTER_SECONDS]:
+                gone = self._wanted.pop(pod)
+                if gone.task is not None:
+                    gone.task.cancel()
+            for pod, wanted in self._wanted.items():
+                if wanted.task is None and now >= wanted.due_at:
+                    self._start(pod, wanted)
+            await asyncio.sleep(TICK_SECONDS)
+
+    def _start(self, pod: PodKey, wanted: _Wanted) -> asyncio.Task[None]:
+        wanted.due_at = self._clock() + wanted.interval
+        task = asyncio.get_running_loop().create_task(self._scrape(pod, wanted), name=f"scrape {pod[0]}/{pod[1]}")
+        wanted.task = task
+        return task
+
+    async def _scrape(self, pod: PodKey, wanted: _Wanted) -> None:
+        started = self._clock()
+        try:
+            async with self._slots:
+                body = await self._fetch(wanted.endpoint)
+            page = read_page(body, self._patterns[wanted.engine], at=self._clock())
+            previous = wanted.scrape.page if wanted.scrape is not None else None
+            wanted.scrape = PodScrape(wanted.endpoint.url, page.at, page, previous)
+            outcome = "ok"
+        except (ScrapeFailed, MalformedPage) as error:
+            outcome = "malformed" if isinstance(error, MalformedPage) else error.outcome
+            self._failed(wanted, str(error))
+        except TimeoutError:
+            outcome = "timeout"
+            self._failed(wanted, f"no answer within {self.limits.timeout_seconds:g}s")
+        except aiohttp.ClientError as error:
+            outcome = "error"
+            self._failed(wanted, f"cannot read it: {type(error).__name__}: {str(error)[:160]}")
+        finally:
+            if self._wanted.get(pod) is wanted:
+                wanted.task = None
+        self.results[outcome] = self.results.get(outcome, 0) + 1
+        for observer in self.on_scrape:
+            observer(self._clock() - started, outcome)
+        self._notify_soon()
+
+    def _failed(self, wanted: _Wanted, reason: str) -> None:
+        before = wanted.scrape
+        wanted.scrape = PodScrape(
+            wanted.endpoint.url,
+            self._clock(),
+            before.page if before is not None else None,
+            before.previous if before is not None else None,
+            reason,
+        )
+
+    async def _fetch(self, endpoint: Endpoint) -> bytes:
+        assert self._session is not None, "start() first"
+        async with self._session.get(endpoint.url, allow_redirects=False) as response:
+            if response.status != 200:
+                raise ScrapeFailed("status", f"HTTP {response.status} {response.reason or ''}".rstrip())
+            if response.headers.get("Content-Encoding", "identity") != "identity":
+                raise ScrapeFailed("malformed", f"a {response.headers['Content-Encoding']} body; it was not asked for")
+            limit = self.limits.max_page_bytes
+            if (response.content_length or 0) > limit:
+                raise ScrapeFailed("too_large", f"a page of {response.content_length} bytes, over the {limit} allowed")
+            body = bytearray()
+            async for chunk in response.content.iter_chunked(CHUNK_BYTES):
+                body += chunk
+                if len(body) > limit:
+                    raise ScrapeFailed("too_large", f"a page over the {limit} bytes allowed")
+            return bytes(body)
+
+    def _notify_soon(self) -> None:
+        if self._notify_scheduled:
+            return
+        self._notify_scheduled = True
+        asyncio.get_running_loop().call_soon(self._notify)
+
+    def _notify(self) -> None:
+        self._notify_scheduled = False
+        for listener in self._listeners:
+            listener()
+
+
+class ScrapeFailed(Exception):
+    """A page that could not be used, with the outcome /metrics counts it under."""
+
+    def __init__(self, outcome: str, message: str) -> None:
+        super().__init__(message)
+        self.outcome = outcome

@@ -1,0 +1,134 @@
+"""The trigger keys of engine signals and combined queries: metric names, ``signals``, ``scrapeInterval``.
+
+No key takes a URL. The prior art's ``vllmEndpoint`` and ``tritonEndpoint`` are refused with the way to select
+the pods instead: a URL in a ScaledObject lets whoever writes one make the scaler fetch any address, and a
+Service's URL reads one pod of many.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from gpuscaler.model.durations import format_duration, parse_duration
+from gpuscaler.model.engines import EngineMetric
+from gpuscaler.model.errors import InvalidMetadata
+from gpuscaler.model.gpu_metrics import Metric
+from gpuscaler.query.key_values import format_number
+
+# The prior art's metricType values for engine signals, read with our semantics (docs/migration.md).
+PRIOR_ART_METRICS: Mapping[str, EngineMetric] = {
+    "vllm_queue_depth": EngineMetric.VLLM_QUEUE,
+    "vllm_kv_cache_usage": EngineMetric.VLLM_KV_CACHE,
+    "triton_queue_wait_ms": EngineMetric.TRITON_QUEUE_WAIT,
+}
+ENDPOINT_KEYS = ("vllmEndpoint", "tritonEndpoint")
+ENGINE_KEYS = ("signals", "scrapeInterval")
+# Keys that say how GPUs are read: meaningless for a signal read from an engine's page.
+GPU_ONLY_KEYS = (
+    "gpuIndex",
+    "gpuUUID",
+    "window",
+    "windowFunction",
+    "minNodes",
+    "maxUnreadable",
+    "podAggregation",
+    "targetGpuUtilization",
+    "targetMemoryUtilization",
+)
+DEFAULT_SCRAPE_SECONDS = 1.0
+MIN_SCRAPE_SECONDS = 0.25
+MAX_SCRAPE_SECONDS = 60.0
+MAX_SIGNALS = 4
+
+AnyMetric = Metric | EngineMetric
+
+
+def metric_names() -> list[str]:
+    """Every name ``metric`` takes: GPU metrics, then engine signals."""
+    return [m.value for m in Metric] + [m.value for m in EngineMetric]
+
+
+def parse_any_metric(key: str, text: str) -> AnyMetric:
+    """A GPU metric or an engine signal by name; the prior art's engine metricType values are accepted too."""
+    name = text.strip()
+    for kind in (Metric, EngineMetric):
+        try:
+            return kind(name)
+        except ValueError:
+            continue
+    if name in PRIOR_ART_METRICS:
+        return PRIOR_ART_METRICS[name]
+    raise InvalidMetadata(f"{key} {text!r} is not allowed; use one of: {', '.join(metric_names())}")
+
+
+def endpoint_refusal(key: str) -> InvalidMetadata:
+    """The refusal of a key that names a URL (the module says why)."""
+    return InvalidMetadata(
+        f"key {key!r} is not accepted: gpuscaler never fetches a URL named in a ScaledObject (anyone who can write "
+        "one could aim the scaler at any address, and a Service URL reads one pod of many); select the engine's "
+        "pods with workload, podSelector or scaleTargetPods: 'true', and the gateway reads each pod's own "
+        "metrics port (docs/engines.md)"
+    )
+
+
+def refuse_gpu_keys(raw: Mapping[str, str], what: str) -> None:
+    """Refuse a key that only GPU signals take, naming it."""
+    for key in GPU_ONLY_KEYS:
+        if key in raw:
+            raise InvalidMetadata(
+                f"key {key!r} does not apply to {what}, which is read from the selected pods' engines as of "
+                "their newest scrape; leave it out"
+            )
+
+
+def parse_scrape_interval(raw: Mapping[str, str]) -> float:
+    """``scrapeInterval``: how often each selected pod's page is read while the query is asked."""
+    if "scrapeInterval" not in raw:
+        return DEFAULT_SCRAPE_SECONDS
+    text = raw["scrapeInterval"]
+    try:
+        seconds = parse_duration(text)
+    except ValueError as error:
+        raise InvalidMetadata(f"scrapeInterval {error}") from None
+    if not MIN_SCRAPE_SECONDS <= seconds <= MAX_SCRAPE_SECONDS:
+        raise InvalidMetadata(
+            f"scrapeInterval {text!r} is out of range; it must be from {format_duration(MIN_SCRAPE_SECONDS)} "
+            f"to {format_duration(MAX_SCRAPE_SECONDS)}"
+        )
+    return seconds
+
+
+def parse_signal_targets(text: str) -> tuple[tuple[AnyMetric, float], ...]:
+    """``signals``: comma-separated ``name:target`` pairs, like ``vllm_queue:8,vllm_kv_cache:80``."""
+    pairs: list[tuple[AnyMetric, float]] = []
+    for item in text.split(","):
+        name, colon, target_text = item.strip().partition(":")
+        if not colon or not name.strip() or not target_text.strip():
+            raise InvalidMetadata(
+                f"signals {text!r}: entry {item.strip()!r} is not 'name:target'; use a comma-separated list "
+                "like 'vllm_queue:8,vllm_kv_cache:80'"
+            )
+        metric = parse_any_metric("signals", name)
+        try:
+            target = float(target_text)
+        except ValueError:
+            target = -1.0
+        if not 0 < target < float("inf"):
+            raise InvalidMetadata(
+                f"signals {text!r}: the target of {metric.value} is {target_text.strip()!r}; it must be a number "
+                "above 0: the value one replica should carry"
+            )
+        if any(seen == metric for seen, _ in pairs):
+            raise InvalidMetadata(f"signals {text!r} names {metric.value} twice; name each signal once")
+        pairs.append((metric, target))
+    if len(pairs) < 2 or len(pairs) > MAX_SIGNALS:
+        raise InvalidMetadata(
+            f"signals {text!r} names {len(pairs)} signal(s); combine 2 to {MAX_SIGNALS}, or use metric and "
+            "targetValue for one"
+        )
+    return tuple(pairs)
+
+
+def describe_targets(pairs: tuple[tuple[AnyMetric, float], ...]) -> str:
+    """Signal targets as the ``signals`` key spells them."""
+    return ",".join(f"{metric.value}:{format_number(target)}" for metric, target in pairs)

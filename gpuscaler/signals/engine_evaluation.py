@@ -1,0 +1,113 @@
+"""A query on an engine signal: each selected pod's value from its own metrics page, then the pods combined.
+
+``engine_pods`` says which pods count and where each page is. A pod that counts and cannot be read makes the
+answer UNAVAILABLE naming it, never a 0 for its queue; pods left out are listed with why. No pod that counts
+(a workload at zero replicas, or all starting) is a true 0: no engine, no queue.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+from gpuscaler.model.aggregation import aggregate
+from gpuscaler.model.engines import ENGINE_SIGNALS
+from gpuscaler.model.errors import GpuscalerError, Unavailable, Unsupported
+from gpuscaler.model.pods import PodDirectory, PodInfo
+from gpuscaler.model.samples import Snapshot
+from gpuscaler.query.query import EngineQuery, PodSelection
+from gpuscaler.query.scale_targets import resolve as resolve_scale_target
+from gpuscaler.signals.engine_pods import left_out_because, metrics_endpoint
+from gpuscaler.signals.engine_source import EngineSource, stale_after
+from gpuscaler.signals.engine_values import signal_value
+from gpuscaler.signals.outcome import Evaluation, ListedContributions, PodValue, failed
+
+# An error names this many unreadable pods, then counts the rest.
+NAMED_PODS = 3
+
+
+def evaluate_engine(
+    query: EngineQuery,
+    engines: EngineSource | None,
+    directory: PodDirectory | None,
+    snapshot: Snapshot | None,
+    *,
+    now: float,
+) -> Evaluation:
+    """``query`` over the pods it selects, as of the monotonic time ``now`` (the module says how)."""
+    name = query.metric.value
+    if engines is None or directory is None:
+        return failed(
+            query,
+            snapshot,
+            Unsupported(
+                f"{name} is read from the selected pods' own metrics pages by the gateway, which knows the pods; "
+                "this server is a node agent: point scalerAddress at the gateway"
+            ),
+        )
+    pods = query.pods
+    if pods.scale_target is not None:
+        resolved = resolve_scale_target(pods, directory)
+        if isinstance(resolved, GpuscalerError):
+            return failed(query, snapshot, resolved)
+        pods = resolved
+    problem = directory.problem()
+    if problem is not None:
+        return failed(query, snapshot, Unavailable(f"{name} of {pods.describe()} needs the pod directory: {problem}"))
+    signal = ENGINE_SIGNALS[query.metric]
+    timeout = engines.timeout_seconds
+    values: list[PodValue] = []
+    unread: list[PodValue] = []
+    for info in sorted(selected_pods(pods, directory), key=lambda p: p.pod):
+        left_out = left_out_because(info)
+        endpoint = metrics_endpoint(info, signal.engine) if left_out is None else left_out
+        if isinstance(endpoint, str):
+            row = _row(info, None, endpoint, None)
+        else:
+            scrape = engines.want((info.namespace, info.pod), signal.engine, endpoint, query.interval_seconds)
+            read = signal_value(signal, scrape, now=now, stale_after=stale_after(query.interval_seconds, timeout))
+            age = now - scrape.page.at if scrape is not None and scrape.page is not None else None
+            row = _row(info, None if isinstance(read, str) else read, read if isinstance(read, str) else None, age)
+        values.append(row)
+        if row.value is None and left_out is None:
+            unread.append(row)
+    error: GpuscalerError | None = None
+    value: float | None = None
+    if unread:
+        named = "; ".join(f"pod {p.namespace}/{p.pod}: {p.reason}" for p in unread[:NAMED_PODS])
+        more = f"; and {len(unread) - NAMED_PODS} more" if len(unread) > NAMED_PODS else ""
+        error = Unavailable(
+            f"{name} of {pods.describe()} is unknown: {len(unread)} of the Ready pods cannot be read "
+            f"({named}{more}); an unread pod never counts as 0"
+        )
+    else:
+        included = [p.value for p in values if p.value is not None]
+        value = aggregate(query.aggregation, included) if included else 0.0
+    return Evaluation(query, ListedContributions(()), value, error, snapshot, tuple(values), selection=pods.describe())
+
+
+def selected_pods(pods: PodSelection, directory: PodDirectory) -> list[PodInfo]:
+    """The directory's pods that ``pods`` selects (a resolved selection: no scaleTargetPods)."""
+    return [info for info in directory.pods(pods.namespace) if _matches(pods, info)]
+
+
+def _matches(pods: PodSelection, info: PodInfo) -> bool:
+    if pods.pod is not None and not fnmatch.fnmatchcase(info.pod, pods.pod):
+        return False
+    if pods.workload is not None and info.workload != pods.workload:
+        return False
+    if pods.workload_kind is not None and info.workload_kind != pods.workload_kind:
+        return False
+    return pods.labels is None or pods.labels.matches(info.labels)
+
+
+def _row(info: PodInfo, value: float | None, reason: str | None, age: float | None) -> PodValue:
+    return PodValue(
+        namespace=info.namespace,
+        pod=info.pod,
+        node=info.node or "",
+        workload=info.workload,
+        value=value,
+        gpus=0,
+        reason=reason,
+        age_seconds=age,
+    )

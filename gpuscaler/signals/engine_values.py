@@ -1,0 +1,60 @@
+"""One pod's engine signal from its newest scrapes: a gauge as read, or a counter's increase between two pages.
+
+A counter that went down was reset (the engine restarted): its increase is its new value, as Prometheus'
+``rate()`` takes it, so a restart never gives a negative or a spike. A page older than ``stale_after`` is
+not an answer, and neither is a value no engine gives (NaN, infinite, negative).
+"""
+
+from __future__ import annotations
+
+import math
+
+from gpuscaler.model.engines import EnginePage, EngineSignal, PodScrape, SignalKind
+
+
+def signal_value(signal: EngineSignal, scrape: PodScrape | None, *, now: float, stale_after: float) -> float | str:
+    """The pod's value of ``signal`` now, or why it has none."""
+    if scrape is None or (scrape.page is None and scrape.error is None):
+        return "not read yet"
+    if scrape.error is not None:
+        return f"{scrape.endpoint}: {scrape.error}"
+    page = scrape.page
+    assert page is not None
+    age = now - page.at
+    if age > stale_after:
+        return f"{scrape.endpoint}: last read {age:.1f}s ago, older than {stale_after:g}s"
+    current = _series(signal, page)
+    if isinstance(current, str):
+        return f"{scrape.endpoint}: {current}"
+    if signal.kind is SignalKind.GAUGE:
+        return current * signal.scale
+    if scrape.previous is None:
+        return f"{scrape.endpoint}: {signal.kind.value} of counters needs two scrapes, and there has been one"
+    before = _series(signal, scrape.previous)
+    if isinstance(before, str):
+        return "not read twice yet"
+    increase = _increase(before, current)
+    seconds = page.at - scrape.previous.at
+    if signal.kind is SignalKind.RATE:
+        return increase / seconds * signal.scale if seconds > 0 else 0.0
+    assert signal.per is not None
+    per_now, per_before = page.values.get(signal.per), scrape.previous.values.get(signal.per)
+    if per_now is None or per_before is None:
+        return f"{scrape.endpoint}: its page has no {signal.per}"
+    finished = _increase(per_before, per_now)
+    return increase / finished * signal.scale if finished > 0 else signal.idle
+
+
+def _series(signal: EngineSignal, page: EnginePage) -> float | str:
+    for name in signal.series:
+        value = page.values.get(name)
+        if value is None:
+            continue
+        if math.isnan(value) or math.isinf(value) or value < 0:
+            return f"{name} is {value}, which no engine reports"
+        return value
+    return f"its page has no {' or '.join(signal.series)}: is it a {signal.engine.value} pod?"
+
+
+def _increase(before: float, after: float) -> float:
+    return after - before if after >= before else after  # a reset: it counted from 0 since

@@ -1,0 +1,99 @@
+"""Trigger metadata for engine signals: the queries they make and the refusals that name what to do."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuscaler.model.aggregation import Aggregation
+from gpuscaler.model.engines import EngineMetric
+from gpuscaler.model.errors import InvalidMetadata
+from gpuscaler.model.gpu_metrics import Metric
+from gpuscaler.query.metadata import Limits, parse_metadata
+from gpuscaler.query.query import CombinedQuery, EngineQuery, ValueQuery
+
+LIMITS = Limits(history_seconds=120.0, cluster=True)
+
+
+def parse(**metadata: str):  # type: ignore[no-untyped-def]
+    """The query the metadata makes for ScaledObject ml/llm at a gateway."""
+    return parse_metadata(metadata, LIMITS, namespace="ml", name="llm")
+
+
+def test_an_engine_metric_reads_the_selected_pods_with_its_defaults() -> None:
+    """An engine metric reads the selected pods with its defaults."""
+    query = parse(metric="vllm_queue", workload="llm")
+    assert isinstance(query.value, EngineQuery)
+    assert (query.value.metric, query.value.aggregation, query.target) == (
+        EngineMetric.VLLM_QUEUE,
+        Aggregation.SUM,
+        8.0,
+    )
+    assert query.value.pods.workload == "llm"
+    assert query.value.interval_seconds == 1.0
+    cache = parse(metric="vllm_kv_cache", podSelector="app=llm", scrapeInterval="2s", targetValue="70")
+    assert isinstance(cache.value, EngineQuery)
+    assert (cache.value.aggregation, cache.target, cache.value.interval_seconds) == (Aggregation.AVG, 70.0, 2.0)
+
+
+def test_prior_art_names_read_with_our_semantics() -> None:
+    """Prior art names read with our semantics."""
+    assert parse(metricType="vllm_queue_depth", workload="llm").value.metric == EngineMetric.VLLM_QUEUE
+    assert parse(profile="vllm-queue-depth", workload="llm").value.metric == EngineMetric.VLLM_QUEUE
+    assert parse(metricType="triton_queue_wait_ms", workload="t").value.metric == EngineMetric.TRITON_QUEUE_WAIT
+
+
+@pytest.mark.parametrize("key", ["vllmEndpoint", "tritonEndpoint", "vllmEndpointFromEnv"])
+def test_a_url_key_is_refused_with_the_way_to_select_pods(key: str) -> None:
+    """A url key is refused with the way to select pods."""
+    with pytest.raises(InvalidMetadata, match=r"never fetches a URL.*workload, podSelector or scaleTargetPods"):
+        parse(**{key: "http://10.0.0.1:8000/metrics", "metric": "vllm_queue", "workload": "llm"})
+
+
+def test_an_engine_metric_without_pods_or_with_gpu_keys_is_refused() -> None:
+    """An engine metric without pods or with gpu keys is refused."""
+    with pytest.raises(InvalidMetadata, match="no pods are selected"):
+        parse(metric="tgi_queue")
+    with pytest.raises(InvalidMetadata, match="key 'window' does not apply to engine signal tgi_queue"):
+        parse(metric="tgi_queue", workload="tgi", window="30s")
+    with pytest.raises(InvalidMetadata, match="scrapeInterval is set, but gpu_utilization is a GPU metric"):
+        parse(metric="gpu_utilization", workload="tgi", scrapeInterval="1s")
+    with pytest.raises(InvalidMetadata, match="scrapeInterval '10ms' is out of range"):
+        parse(metric="tgi_queue", workload="tgi", scrapeInterval="10ms")
+
+
+def test_signals_combine_engine_and_gpu_signals_with_a_target_of_one_replica() -> None:
+    """Signals combine engine and gpu signals with a target of one replica."""
+    query = parse(signals="vllm_queue:8, gpu_utilization:70", scaleTargetPods="true")
+    assert isinstance(query.value, CombinedQuery)
+    assert query.target == 1.0
+    engine, gpu = (part.signal for part in query.value.signals)
+    assert isinstance(engine, EngineQuery)
+    assert isinstance(gpu, ValueQuery)
+    assert gpu.metric is Metric.GPU_UTILIZATION
+    assert gpu.aggregation is Aggregation.SUM
+    assert gpu.pods == engine.pods
+    assert [part.target for part in query.value.signals] == [8.0, 70.0]
+    saturation = parse(profile="vllm-saturation", workload="llm")
+    assert isinstance(saturation.value, CombinedQuery)
+    assert [p.signal.name for p in saturation.value.signals] == ["vllm_queue", "vllm_kv_cache"]
+
+
+@pytest.mark.parametrize(
+    ("metadata", "says"),
+    [
+        ({"signals": "vllm_queue:8", "workload": "x"}, "names 1 signal"),
+        ({"signals": "vllm_queue:8,vllm_queue:4", "workload": "x"}, "names vllm_queue twice"),
+        ({"signals": "vllm_queue,tgi_queue:1", "workload": "x"}, "is not 'name:target'"),
+        ({"signals": "vllm_queue:-1,tgi_queue:1", "workload": "x"}, "must be a number above 0"),
+        (
+            {"signals": "vllm_queue:8,tgi_queue:1", "workload": "x", "targetValue": "3"},
+            "keys 'targetValue' and 'signals'",
+        ),
+        ({"signals": "vllm_queue:8,tgi_queue:1"}, "no pods are selected"),
+        ({"signals": "vllm_queue:8,nope:1", "workload": "x"}, "signals 'nope' is not allowed"),
+    ],
+)
+def test_bad_signals_are_refused_naming_the_entry(metadata: dict[str, str], says: str) -> None:
+    """Bad signals are refused naming the entry."""
+    with pytest.raises(InvalidMetadata, match=says):
+        parse(**metadata)
