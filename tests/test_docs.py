@@ -16,6 +16,7 @@ import yaml
 from gpuscaler.agent.history import History
 from gpuscaler.agent.telemetry import AgentTelemetry
 from gpuscaler.flags import DEFAULT_LIMITS
+from gpuscaler.gateway.engines.scraper import EngineScraper
 from gpuscaler.gateway.telemetry import GatewayTelemetry
 from gpuscaler.gateway.view import ClusterView
 from gpuscaler.model.durations import parse_duration
@@ -307,7 +308,7 @@ def _series_names() -> set[str]:
     """Every series name the agent and the gateway export, as Prometheus shows it (counters with ``_total``)."""
     agent = AgentTelemetry(History(history_seconds=60, poll_interval_seconds=0.5)).registry
     view = ClusterView(history_seconds=60, clock=lambda: 0.0)
-    gateway = GatewayTelemetry(view, dict, lambda: (0, 0, 0)).registry
+    gateway = GatewayTelemetry(view, dict, lambda: (0, 0, 0), engines=EngineScraper()).registry
     server = SimpleNamespace(guard=ConnectionGuard(DEFAULT_LIMITS), open_streams=0, handler_tasks=0)
     transport = TransportCollector(cast("ManyStreamsServer", server)).collect()
     return {

@@ -130,6 +130,7 @@ async def _first_stream_message(
 def report_renderable(report: Report) -> Group:
     """The report for a person: the four answers, the GPUs that went in, what was left out, the HPA's math."""
     parts: list[Table | Text] = [_answers_table(report), _gpus_table(report)]
+    parts += [table for table in (_signals_table(report), _pods_table(report)) if table is not None]
     unlisted = unlisted_line(report)
     if unlisted:
         parts.append(Text(unlisted))
@@ -277,6 +278,51 @@ def _gpus_table(report: Report) -> Table:
         if pods:
             cells[3:3] = [f"{gpu.get('namespace', '')}/{gpu.get('pod', '')}", gpu.get("share", "")]
         table.add_row(*cells)
+    return table
+
+
+def _signals_table(report: Report) -> Table | None:
+    """A combined query's signals: each one's value, target and the replicas it asks for; None for one signal."""
+    signals = (report.explanation or {}).get("signals") or []
+    if not signals:
+        return None
+    table = Table(title="Signals: the answer is the most replicas any asks for", title_justify="left")
+    for column in ("signal", "value", "target", "replicas", "unknown because"):
+        table.add_column(column)
+    for part in signals:
+        value, replicas = part.get("value"), part.get("replicas")
+        table.add_row(
+            part.get("metric", ""),
+            "" if value is None else f"{float(value):.3f}",
+            f"{float(part.get('target', 0.0)):g}",
+            "" if replicas is None else f"{float(replicas):.3f}",
+            part.get("errorMessage", ""),
+        )
+    return table
+
+
+def _pods_table(report: Report) -> Table | None:
+    """Each selected pod's value, with the signal it counts for (a combined query), its GPUs or the age of its
+    metrics page (an engine signal), and why it was left out or unread; None when the query selects no pods."""
+    pods = (report.explanation or {}).get("pods") or []
+    if not pods:
+        return None
+    table = Table(title="Pods: each replica's value", title_justify="left")
+    combined = any(pod.get("signal") for pod in pods)
+    columns = ["pod", "node", "value", "GPUs", "page age", "left out or unread because"]
+    for column in (["signal"] if combined else []) + columns:
+        table.add_column(column)
+    for pod in pods:
+        value, age = pod.get("value"), pod.get("ageSeconds")
+        cells = [
+            f"{pod.get('namespace', '')}/{pod.get('pod', '')}",
+            pod.get("node", ""),
+            "" if value is None else f"{float(value):.3f}",
+            str(pod.get("gpus") or ""),
+            "" if age is None else f"{float(age):.1f}s",
+            pod.get("reason", ""),
+        ]
+        table.add_row(*([pod.get("signal", "")] if combined else []), *cells)
     return table
 
 

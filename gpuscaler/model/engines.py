@@ -234,7 +234,6 @@ class PodScrape:
     """The newest scrape of one pod's engine, and the page before it (a counter's increase needs two)."""
 
     endpoint: str  # the URL read, for people
-    tried_at: float  # monotonic, when the newest attempt ended
     page: EnginePage | None = None  # the newest page read
     previous: EnginePage | None = None  # the page before ``page``
-    error: str | None = None  # why the newest attempt failed; ``page`` is then older than ``tried_at``
+    error: str | None = None  # why the newest attempt failed; ``page`` is then an older one

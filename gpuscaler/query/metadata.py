@@ -229,11 +229,17 @@ def _activation_rule(raw: Mapping[str, str], activation: float, deactivation: fl
     return ActivationRule(activation, deactivation)
 
 
-def _selected_pods(raw: Mapping[str, str], namespace: str, name: str, what: str) -> PodSelection:
-    """The pods an engine signal reads: a selector, or scaleTargetPods; refused without one."""
+def _selected_pods(raw: Mapping[str, str], namespace: str, name: str) -> PodSelection | None:
+    """The pods a selector or scaleTargetPods names, or None when the keys name none."""
     pods = _parse_pods(raw, namespace)
     if pods is None and "scaleTargetPods" in raw and parse_bool("scaleTargetPods", raw["scaleTargetPods"]):
         pods = _scale_target_pods(raw, namespace, name)
+    return pods
+
+
+def _engine_pods(raw: Mapping[str, str], namespace: str, name: str, what: str) -> PodSelection:
+    """The pods an engine signal reads; refused without any: there is no URL to read instead."""
+    pods = _selected_pods(raw, namespace, name)
     if pods is None:
         raise InvalidMetadata(
             f"{what} is read from the engines of the pods a query selects, and no pods are selected; set workload, "
@@ -262,7 +268,7 @@ def _engine_query(
     )
     value = EngineQuery(
         metric=metric,
-        pods=_selected_pods(raw, namespace, name, f"engine signal {metric.value}"),
+        pods=_engine_pods(raw, namespace, name, f"engine signal {metric.value}"),
         aggregation=aggregation,
         interval_seconds=parse_scrape_interval(raw),
     )
@@ -296,9 +302,8 @@ def _combined_query(
             raise InvalidMetadata(f"keys {key!r} and 'signals' are both set; {reason}: leave {key} out")
     pairs = parse_signal_targets(raw["signals"]) if "signals" in raw else profile.signals if profile else ()
     engine_read = any(isinstance(metric, EngineMetric) for metric, _ in pairs)
-    pods = _selected_pods(raw, namespace, name, "signals " + describe_targets(pairs)) if engine_read else None
-    if pods is None:
-        pods = _parse_pods(raw, namespace)
+    what = "signals " + describe_targets(pairs)
+    pods = _engine_pods(raw, namespace, name, what) if engine_read else _selected_pods(raw, namespace, name)
     interval = parse_scrape_interval(raw)
     window = _parse_window(raw["window"], limits) if "window" in raw else None
     parts: list[SignalTarget] = []

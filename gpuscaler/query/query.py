@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import math
 from dataclasses import dataclass
 
 from gpuscaler.model.aggregation import Aggregation, WindowFunction
 from gpuscaler.model.durations import format_duration
-from gpuscaler.model.engines import ENGINE_SIGNALS, EngineMetric
+from gpuscaler.model.engines import EngineMetric
 from gpuscaler.model.gpu_metrics import METRICS, Metric
+from gpuscaler.model.pods import PodInfo
 from gpuscaler.model.windows import WindowKey
 from gpuscaler.query.selectors import LabelSelector
 
@@ -55,6 +57,20 @@ class PodSelection:
     def needs_directory(self) -> bool:
         """Whether matching needs pod labels or owners, which only a pod directory knows."""
         return self.workload is not None or self.labels is not None or self.scale_target is not None
+
+    def selects_name(self, namespace: str, pod: str) -> bool:
+        """Whether a pod so named may be selected: what its name alone tells."""
+        return namespace == self.namespace and (self.pod is None or fnmatch.fnmatchcase(pod, self.pod))
+
+    def selects(self, info: PodInfo) -> bool:
+        """Whether the selection takes the pod ``info`` describes (a resolved one: scaleTargetPods is not)."""
+        if not self.selects_name(info.namespace, info.pod):
+            return False
+        if self.workload is not None and info.workload != self.workload:
+            return False
+        if self.workload_kind is not None and info.workload_kind != self.workload_kind:
+            return False
+        return self.labels is None or self.labels.matches(info.labels)
 
     def describe(self) -> str:
         if self.scale_target is not None:
@@ -165,10 +181,6 @@ class EngineQuery:
 
     def describe_selection(self) -> str:
         return self.pods.describe()
-
-    @property
-    def engine_label(self) -> str:
-        return ENGINE_SIGNALS[self.metric].engine.value
 
 
 @dataclass(frozen=True, slots=True)

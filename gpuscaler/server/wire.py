@@ -21,7 +21,7 @@ from gpuscaler.model.samples import Attribution, AttributionState, GpuSample, Pr
 from gpuscaler.model.windows import Windowed, WindowKey, WindowValues
 from gpuscaler.query.query import AnyValueQuery, CombinedQuery, EngineQuery, Query, ValueQuery
 from gpuscaler.signals.energy import IdleEnergy
-from gpuscaler.signals.outcome import Contribution, Evaluation
+from gpuscaler.signals.outcome import Contribution, Evaluation, PodValue
 
 if TYPE_CHECKING:  # the protobuf runtime loads only where snapshots are decoded (gateway/decoding.py)
     from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
@@ -225,8 +225,9 @@ def explanation_to_wire(
                 gpus=p.gpus,
                 reason=p.reason or "",
                 age_seconds=p.age_seconds,
+                signal=signal,
             )
-            for p in evaluation.pods
+            for signal, p in _pod_rows(value, evaluation)
         ],
         pod_aggregation=value.pods.pod_aggregation.value if isinstance(value, ValueQuery) and value.pods else "",
         selection=_selection(query, evaluation),
@@ -245,6 +246,15 @@ def explanation_to_wire(
         idle_energy=idle,
         signals=_signal_parts(value, evaluation),
     )
+
+
+def _pod_rows(value: AnyValueQuery, evaluation: Evaluation) -> list[tuple[str, PodValue]]:
+    """Each pod row with the signal it belongs to: a combined query's, signal by signal."""
+    if not isinstance(value, CombinedQuery):
+        return [("", pod) for pod in evaluation.pods]
+    return [
+        (part.signal.name, pod) for part, own in zip(value.signals, evaluation.parts, strict=True) for pod in own.pods
+    ]
 
 
 def _signal_parts(value: AnyValueQuery, evaluation: Evaluation) -> list[pb.SignalPart]:

@@ -32,5 +32,4 @@ def evaluate_combined(query: CombinedQuery, evaluate: Callable[[Signal], Evaluat
     ]
     if len(asked) != len(parts):  # pragma: no cover - an evaluation has a value or an error
         return Evaluation(query, ListedContributions(()), None, Unavailable("a signal has no value"), snapshot)
-    pods = tuple(pod for evaluation in parts for pod in evaluation.pods)
-    return Evaluation(query, ListedContributions(()), max(asked), None, snapshot, pods, parts=parts)
+    return Evaluation(query, ListedContributions(()), max(asked), None, snapshot, parts=parts)

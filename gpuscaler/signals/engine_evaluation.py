@@ -7,8 +7,6 @@ answer UNAVAILABLE naming it, never a 0 for its queue; pods left out are listed 
 
 from __future__ import annotations
 
-import fnmatch
-
 from gpuscaler.model.aggregation import aggregate
 from gpuscaler.model.engines import ENGINE_SIGNALS
 from gpuscaler.model.errors import GpuscalerError, Unavailable, Unsupported
@@ -87,17 +85,7 @@ def evaluate_engine(
 
 def selected_pods(pods: PodSelection, directory: PodDirectory) -> list[PodInfo]:
     """The directory's pods that ``pods`` selects (a resolved selection: no scaleTargetPods)."""
-    return [info for info in directory.pods(pods.namespace) if _matches(pods, info)]
-
-
-def _matches(pods: PodSelection, info: PodInfo) -> bool:
-    if pods.pod is not None and not fnmatch.fnmatchcase(info.pod, pods.pod):
-        return False
-    if pods.workload is not None and info.workload != pods.workload:
-        return False
-    if pods.workload_kind is not None and info.workload_kind != pods.workload_kind:
-        return False
-    return pods.labels is None or pods.labels.matches(info.labels)
+    return [info for info in directory.pods(pods.namespace) if pods.selects(info)]
 
 
 def _row(info: PodInfo, value: float | None, reason: str | None, age: float | None) -> PodValue:

@@ -2,12 +2,10 @@
 
 A counter that went down was reset (the engine restarted): its increase is its new value, as Prometheus'
 ``rate()`` takes it, so a restart never gives a negative or a spike. A page older than ``stale_after`` is
-not an answer, and neither is a value no engine gives (NaN, infinite, negative).
+not an answer; a value no engine gives (NaN, infinite, negative) never gets this far (``gateway/engines/page.py``).
 """
 
 from __future__ import annotations
-
-import math
 
 from gpuscaler.model.engines import EnginePage, EngineSignal, PodScrape, SignalKind
 
@@ -48,11 +46,8 @@ def signal_value(signal: EngineSignal, scrape: PodScrape | None, *, now: float, 
 def _series(signal: EngineSignal, page: EnginePage) -> float | str:
     for name in signal.series:
         value = page.values.get(name)
-        if value is None:
-            continue
-        if math.isnan(value) or math.isinf(value) or value < 0:
-            return f"{name} is {value}, which no engine reports"
-        return value
+        if value is not None:
+            return value
     return f"its page has no {' or '.join(signal.series)}: is it a {signal.engine.value} pod?"
 
 

@@ -241,7 +241,7 @@ class Evaluator:
         """The source's listener: one evaluation per distinct streamed query, and a wake-up on each change."""
         # A push stream's window stays requested while the stream is open (each was prepared when it opened).
         self.source.request([w for g in self._groups.values() for w in windows_of(g.query.value)])
-        self._push(self._groups.values())
+        self._push([group for group in self._groups.values() if _reads_gpus(group.query.value)])
 
     def _on_engine_pages(self) -> None:
         """The engine source's listener: streams on engine signals move within one scrape."""
@@ -281,6 +281,12 @@ class Evaluator:
         for group in self._groups.values():
             for subscription in group.subscriptions:
                 subscription.changed.set()
+
+
+def _reads_gpus(value: AnyValueQuery) -> bool:
+    if isinstance(value, CombinedQuery):
+        return any(isinstance(part.signal, ValueQuery) for part in value.signals)
+    return isinstance(value, ValueQuery)
 
 
 def _reads_engines(value: AnyValueQuery) -> bool:

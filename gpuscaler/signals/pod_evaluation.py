@@ -7,8 +7,6 @@ fails and says which node and why.
 
 from __future__ import annotations
 
-import fnmatch
-
 from gpuscaler.model.aggregation import aggregate
 from gpuscaler.model.errors import GpuscalerError, Unavailable, Unsupported
 from gpuscaler.model.pods import PodDirectory
@@ -220,18 +218,9 @@ def _attribution_failure(
 
 
 def _pod_matches(pods: PodSelection, key: tuple[str, str], directory: PodDirectory | None) -> bool:
-    namespace, name = key
-    if namespace != pods.namespace:
-        return False
-    if pods.pod is not None and not fnmatch.fnmatchcase(name, pods.pod):
+    if not pods.selects_name(*key):
         return False
     if not pods.needs_directory:
         return True
-    info = directory.lookup(namespace, name) if directory is not None else None
-    if info is None:
-        return False  # a pod the directory has not seen yet: it joins at the next evaluation
-    if pods.workload is not None and info.workload != pods.workload:
-        return False
-    if pods.workload_kind is not None and info.workload_kind != pods.workload_kind:
-        return False
-    return pods.labels is None or pods.labels.matches(info.labels)
+    info = directory.lookup(*key) if directory is not None else None
+    return info is not None and pods.selects(info)  # a pod not seen yet joins at the next evaluation

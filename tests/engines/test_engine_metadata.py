@@ -20,7 +20,8 @@ def parse(**metadata: str):  # type: ignore[no-untyped-def]
 
 
 def test_an_engine_metric_reads_the_selected_pods_with_its_defaults() -> None:
-    """An engine metric reads the selected pods with its defaults."""
+    """metric: vllm_queue with a workload makes an EngineQuery with the signal's target and aggregation; the
+    keys override them."""
     query = parse(metric="vllm_queue", workload="llm")
     assert isinstance(query.value, EngineQuery)
     assert (query.value.metric, query.value.aggregation, query.target) == (
@@ -36,7 +37,7 @@ def test_an_engine_metric_reads_the_selected_pods_with_its_defaults() -> None:
 
 
 def test_prior_art_names_read_with_our_semantics() -> None:
-    """Prior art names read with our semantics."""
+    """The prior art's metricType values and profile name mean our signals."""
     assert parse(metricType="vllm_queue_depth", workload="llm").value.metric == EngineMetric.VLLM_QUEUE
     assert parse(profile="vllm-queue-depth", workload="llm").value.metric == EngineMetric.VLLM_QUEUE
     assert parse(metricType="triton_queue_wait_ms", workload="t").value.metric == EngineMetric.TRITON_QUEUE_WAIT
@@ -44,13 +45,13 @@ def test_prior_art_names_read_with_our_semantics() -> None:
 
 @pytest.mark.parametrize("key", ["vllmEndpoint", "tritonEndpoint", "vllmEndpointFromEnv"])
 def test_a_url_key_is_refused_with_the_way_to_select_pods(key: str) -> None:
-    """A url key is refused with the way to select pods."""
+    """vllmEndpoint and tritonEndpoint (or their FromEnv forms) are refused, saying how to select pods instead."""
     with pytest.raises(InvalidMetadata, match=r"never fetches a URL.*workload, podSelector or scaleTargetPods"):
         parse(**{key: "http://10.0.0.1:8000/metrics", "metric": "vllm_queue", "workload": "llm"})
 
 
 def test_an_engine_metric_without_pods_or_with_gpu_keys_is_refused() -> None:
-    """An engine metric without pods or with gpu keys is refused."""
+    """An engine signal needs selected pods, takes no GPU-only key, and scrapeInterval is for engine signals only."""
     with pytest.raises(InvalidMetadata, match="no pods are selected"):
         parse(metric="tgi_queue")
     with pytest.raises(InvalidMetadata, match="key 'window' does not apply to engine signal tgi_queue"):
@@ -62,7 +63,7 @@ def test_an_engine_metric_without_pods_or_with_gpu_keys_is_refused() -> None:
 
 
 def test_signals_combine_engine_and_gpu_signals_with_a_target_of_one_replica() -> None:
-    """Signals combine engine and gpu signals with a target of one replica."""
+    """signals makes one part per pair over the same pods, each GPU part a sum, and the target 1 replica."""
     query = parse(signals="vllm_queue:8, gpu_utilization:70", scaleTargetPods="true")
     assert isinstance(query.value, CombinedQuery)
     assert query.target == 1.0
@@ -94,6 +95,6 @@ def test_signals_combine_engine_and_gpu_signals_with_a_target_of_one_replica() -
     ],
 )
 def test_bad_signals_are_refused_naming_the_entry(metadata: dict[str, str], says: str) -> None:
-    """Bad signals are refused naming the entry."""
+    """A bad signals value is refused naming the entry and what is allowed."""
     with pytest.raises(InvalidMetadata, match=says):
         parse(**metadata)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -10,14 +10,16 @@ import pytest
 import yaml
 from grpclib import GRPCError, Status
 from grpclib.client import Channel
+from rich.console import Console
 
+from gpuscaler.client.explain import collect, report_renderable
 from gpuscaler.gateway.process import Gateway
 from gpuscaler.generated import externalscaler as keda
 from gpuscaler.model.engines import Engine
-from tests.engines.calls import explain, metric_value
 from tests.fakes.fake_engine import FakeEngine
+from tests.gateway.calls import explain, pushed, ref, value
 from tests.gateway.conftest import StartGateway, StartNode
-from tests.waiting import until
+from tests.waiting import until, until_result
 
 
 @pytest.fixture
@@ -57,13 +59,13 @@ async def gateway_with(start_node: StartNode, start_gateway: StartGateway, pods:
 async def test_a_workloads_queue_is_the_sum_over_its_ready_pods(
     start_node: StartNode, start_gateway: StartGateway, engines: list[FakeEngine], tmp_path: Path
 ) -> None:
-    """A workloads queue is the sum over its ready pods."""
+    """vllm_queue is the sum of the Ready pods' queues; a pod not Ready is listed with why and never read."""
     a = await serve(engines, Engine.VLLM, waiting=3)
     b = await serve(engines, Engine.VLLM, waiting=5)
     c = await serve(engines, Engine.VLLM, waiting=100)
     pods = write_pods(tmp_path / "pods.yaml", ("llm-a", a, {}), ("llm-b", b, {}), ("llm-c", c, {"ready": False}))
     gateway = await gateway_with(start_node, start_gateway, pods)
-    assert await metric_value(gateway, metric="vllm_queue", workload="llm") == 8.0
+    assert await value(gateway, metric="vllm_queue", workload="llm") == 8.0
     explained = await explain(gateway, metric="vllm_queue", workload="llm")
     rows = {p.pod: p for p in explained.pods}
     assert (rows["llm-a"].value, rows["llm-b"].value, rows["llm-c"].included) == (3.0, 5.0, False)
@@ -76,43 +78,26 @@ async def test_a_workloads_queue_is_the_sum_over_its_ready_pods(
 async def test_a_ready_pod_that_cannot_be_read_is_unavailable_naming_it_never_zero(
     start_node: StartNode, start_gateway: StartGateway, engines: list[FakeEngine], tmp_path: Path
 ) -> None:
-    """A ready pod that cannot be read is unavailable naming it never zero."""
+    """When one Ready pod's engine stops answering, KEDA gets UNAVAILABLE naming that pod, not the others' sum."""
     a = await serve(engines, Engine.TGI, waiting=2)
     b = await serve(engines, Engine.TGI, waiting=2)
     pods = write_pods(tmp_path / "pods.yaml", ("tgi-a", a, {}), ("tgi-b", b, {}))
     gateway = await gateway_with(start_node, start_gateway, pods)
-    assert await metric_value(gateway, metric="tgi_queue", workload="llm", scrapeInterval="250ms") == 4.0
+    assert await value(gateway, metric="tgi_queue", workload="llm", scrapeInterval="250ms") == 4.0
     await b.stop()
 
     async def unavailable() -> str | None:
-        """unavailable"""
+        """The UNAVAILABLE message KEDA gets now, or None while it gets another answer."""
         try:
-            await metric_value(gateway, metric="tgi_queue", workload="llm", scrapeInterval="250ms")
+            await value(gateway, metric="tgi_queue", workload="llm", scrapeInterval="250ms")
         except GRPCError as error:
             return error.message if error.status is Status.UNAVAILABLE else None
         return None
 
-    message = await until_message(unavailable)
+    message = await until_result(unavailable, lambda found: found is not None, timeout=10)
+    assert message is not None
     assert "pod ml/tgi-b" in message
     assert "never counts as 0" in message
-
-
-async def until_message(check) -> str:  # type: ignore[no-untyped-def]
-    """The first message ``check`` returns, polled until it has one (10 s at most)."""
-    found: list[str] = []
-
-    async def probe() -> bool:
-        """probe"""
-        message = await check()
-        if message:
-            found.append(message)
-        return bool(message)
-
-    for _ in range(200):
-        if await probe():
-            return found[0]
-        await asyncio.sleep(0.05)
-    raise AssertionError("the answer never became UNAVAILABLE")
 
 
 @pytest.mark.parametrize(
@@ -134,14 +119,15 @@ async def test_hostile_engines_are_cut_off_and_named(
     mode: str,
     says: str,
 ) -> None:
-    """Hostile engines are cut off and named."""
+    """Slow, 100 MB, malformed, redirecting, compressed and failing pages end in UNAVAILABLE naming the pod and
+    the cause, within the scrape timeout and the page limit."""
     fake = await serve(engines, Engine.VLLM, waiting=1)
     fake.mode = mode
     pods = write_pods(tmp_path / "pods.yaml", ("llm-a", fake, {}))
     node = await start_node("node-a")
     gateway = await start_gateway(node, pod_directory=pods, flags=("--engine-scrape-timeout", "0.5"))
     with pytest.raises(GRPCError) as raised:
-        await metric_value(gateway, metric="vllm_queue", workload="llm")
+        await value(gateway, metric="vllm_queue", workload="llm")
     assert raised.value.status is Status.UNAVAILABLE
     assert "pod ml/llm-a" in str(raised.value.message)
     assert says in str(raised.value.message)
@@ -150,50 +136,55 @@ async def test_hostile_engines_are_cut_off_and_named(
 async def test_the_combined_answer_is_the_most_replicas_any_signal_asks_for(
     start_node: StartNode, start_gateway: StartGateway, engines: list[FakeEngine], tmp_path: Path
 ) -> None:
-    """The combined answer is the most replicas any signal asks for."""
+    """vllm-saturation answers max(queue / 8, KV-cache sum / 80), and Explain lists what each signal asks for."""
     a = await serve(engines, Engine.VLLM, waiting=4, kv=0.9)
     b = await serve(engines, Engine.VLLM, waiting=0, kv=0.7)
     pods = write_pods(tmp_path / "pods.yaml", ("llm-a", a, {}), ("llm-b", b, {}))
     gateway = await gateway_with(start_node, start_gateway, pods)
     # queue 4 / 8 = 0.5 replicas; KV cache 90% + 70% = 160 / 80 = 2 replicas
-    assert await metric_value(gateway, profile="vllm-saturation", workload="llm") == pytest.approx(2.0)
+    assert await value(gateway, profile="vllm-saturation", workload="llm") == pytest.approx(2.0)
     explained = await explain(gateway, profile="vllm-saturation", workload="llm")
     assert [s.metric for s in explained.signals] == ["vllm_queue", "vllm_kv_cache"]
     assert [s.replicas for s in explained.signals] == pytest.approx([0.5, 2.0])
 
 
+async def test_gpuscaler_query_shows_each_pods_value_page_age_and_the_signals(
+    start_node: StartNode, start_gateway: StartGateway, engines: list[FakeEngine], tmp_path: Path
+) -> None:
+    """`gpuscaler query`'s text names each engine pod with its value and page age, why one was left out, and
+    what each signal of a combined query asks for."""
+    a = await serve(engines, Engine.VLLM, waiting=4, kv=0.5)
+    pods = write_pods(tmp_path / "pods.yaml", ("llm-a", a, {}), ("llm-b", None, {"ready": False}))
+    gateway = await gateway_with(start_node, start_gateway, pods)
+    channel = Channel("127.0.0.1", gateway.port)
+    try:
+        report = await collect(channel, {"profile": "vllm-saturation", "workload": "llm"}, scaled_object=("ml", "so"))
+    finally:
+        channel.close()
+    console = Console(record=True, width=200)
+    console.print(report_renderable(report))
+    text = console.export_text()
+    assert "ml/llm-a" in text
+    assert re.search(r"vllm_queue .* ml/llm-a .* 4\.000 .* \d+\.\ds", text), text
+    assert "not Ready" in text
+    assert re.search(r"vllm_kv_cache .* 50\.000 .* 80 .* 0\.625", text), text
+
+
 async def test_push_activates_within_a_scrape_of_the_queue_rising(
     start_node: StartNode, start_gateway: StartGateway, engines: list[FakeEngine], tmp_path: Path
 ) -> None:
-    """Push activates within a scrape of the queue rising."""
+    """A StreamIsActive on sglang_queue sends inactive, then active once a read sees the queue above 0."""
     fake = await serve(engines, Engine.SGLANG, waiting=0)
     pods = write_pods(tmp_path / "pods.yaml", ("sg-a", fake, {}))
     gateway = await gateway_with(start_node, start_gateway, pods)
-    channel = Channel("127.0.0.1", gateway.port)
-    seen: list[bool] = []
-    metadata = {"metric": "sglang_queue", "workload": "llm", "scrapeInterval": "250ms"}
-    stream = keda.ExternalScalerStub(channel).stream_is_active(
-        keda.ScaledObjectRef(name="so", namespace="ml", scaler_metadata=metadata)
-    )
-
-    async def read() -> None:
-        """read"""
-        async for message in stream:
-            seen.append(message.result)
-
-    reader = asyncio.create_task(read())
-    try:
+    async with pushed(gateway, ref(metric="sglang_queue", workload="llm", scrapeInterval="250ms")) as seen:
         await until(lambda: seen == [False])
         fake.values["waiting"] = 3
         await until(lambda: seen == [False, True])
-    finally:
-        reader.cancel()
-        await asyncio.gather(reader, return_exceptions=True)
-        channel.close()
 
 
 async def test_an_agent_refuses_engine_signals_saying_they_need_the_gateway(start_node: StartNode) -> None:
-    """An agent refuses engine signals saying they need the gateway."""
+    """A node agent has no pod directory: an engine signal is FAILED_PRECONDITION pointing at the gateway."""
     node = await start_node("node-a")
     channel = Channel("127.0.0.1", node.port)
     try:

@@ -13,45 +13,10 @@ from grpclib.exceptions import GRPCError
 from gpuscaler.flags import Address
 from gpuscaler.gateway.discovery import EndpointsListener
 from gpuscaler.gateway.process import Gateway
-from gpuscaler.generated import externalscaler as keda
-from gpuscaler.generated.gpuscaler import v1 as pb
 from tests.fakes.fake_kubelet import Assignment
+from tests.gateway.calls import explain, pushed, ref, value, view_has
 from tests.gateway.conftest import StartGateway, StartNode, gateway_settings
 from tests.waiting import until, until_result
-
-
-def ref(namespace: str = "ml", **metadata: str) -> keda.ScaledObjectRef:
-    """A ScaledObjectRef named so in ``namespace``, with ``metadata`` as its trigger's."""
-    return keda.ScaledObjectRef(name="so", namespace=namespace, scaler_metadata=metadata)
-
-
-async def value(gateway: Gateway, **metadata: str) -> float:
-    """The value the gateway gives KEDA for ``metadata``: GetMetricSpec, then GetMetrics with its metric name."""
-    channel = Channel("127.0.0.1", gateway.port)
-    try:
-        stub = keda.ExternalScalerStub(channel)
-        scaled = ref(**metadata)
-        spec = await stub.get_metric_spec(scaled)
-        answer = await stub.get_metrics(
-            keda.GetMetricsRequest(scaled_object_ref=scaled, metric_name=spec.metric_specs[0].metric_name)
-        )
-        return answer.metric_values[0].metric_value_float
-    finally:
-        channel.close()
-
-
-async def explain(gateway: Gateway, **metadata: str) -> pb.Explanation:
-    """The gateway's Explain for ``metadata`` from namespace ml: the nodes, GPUs and pods behind the value."""
-    channel = Channel("127.0.0.1", gateway.port)
-    try:
-        return await pb.AgentStub(channel).explain(pb.ExplainRequest(scaler_metadata=metadata, namespace="ml"))
-    finally:
-        channel.close()
-
-
-async def view_has(gateway: Gateway, nodes: int) -> None:
-    """Wait (up to 10 s) until the gateway's cluster view holds ``nodes`` nodes."""
-    await until(lambda: gateway.view.latest is not None and len(gateway.view.latest.nodes) == nodes, timeout=10)
 
 
 async def test_a_node_wide_query_reads_every_node(start_node: StartNode, start_gateway: StartGateway) -> None:
@@ -187,25 +152,12 @@ async def test_push_through_the_gateway(start_node: StartNode, start_gateway: St
     a = await start_node("node-a")
     gateway = await start_gateway(a)
     await view_has(gateway, 1)
-    channel = Channel("127.0.0.1", gateway.port)
-    seen: list[bool] = []
-    stream = keda.ExternalScalerStub(channel).stream_is_active(ref(activationThreshold="50"))
-
-    async def read() -> None:
-        async for message in stream:
-            seen.append(message.result)
-
-    reader = asyncio.create_task(read())
-    try:
+    async with pushed(gateway, ref(activationThreshold="50")) as seen:
         await until(lambda: seen == [False])
         a.set(80, 0)
         await until(lambda: seen == [False, True])
         a.set(0, 0)
         await until(lambda: seen == [False, True, False])
-    finally:
-        reader.cancel()
-        await asyncio.gather(reader, return_exceptions=True)
-        channel.close()
 
 
 async def test_gpu_index_is_invalid_at_the_gateway(start_node: StartNode, start_gateway: StartGateway) -> None:

@@ -11,8 +11,8 @@ from gpuscaler.cli import main
 from gpuscaler.client.explain import collect, selection_line
 from gpuscaler.generated import externalscaler as keda
 from tests.fakes.fake_kubelet import Assignment
+from tests.gateway.calls import view_has
 from tests.gateway.conftest import StartGateway, StartNode
-from tests.gateway.test_process import view_has
 from tests.waiting import until_result
 
 DIRECTORY = """

@@ -24,8 +24,8 @@ from gpuscaler.generated.gpuscaler import v1 as pb
 from tests.conftest import serve_settings
 from tests.fakes.fake_kubelet import Assignment, FakeKubelet, short_socket_path
 from tests.fakes.fake_nvml import FakeDevice, FakeNvml, FakeProcess
+from tests.gateway.calls import explain, value, view_has
 from tests.gateway.conftest import gateway_settings
-from tests.gateway.test_process import explain, value, view_has
 from tests.waiting import until_result
 
 UID_A = "1b4e2a3c-1111-2222-3333-444455556666"

@@ -26,7 +26,9 @@ log = structlog.get_logger(__name__)
 
 # KEDA polls every 30 s: a pod asked for by polls alone is read for a while after each, so the next finds it fresh.
 FORGET_AFTER_SECONDS = 120.0
-# How often the loop looks for pods that are due; a scrape starts at most this late.
+# How often the loop looks for pods that are due, while any is wanted: a scrape starts at most this late. Listeners
+# hear of the scrapes that landed at most this often too, so a thousand pods read a second wake push streams
+# twenty times, not a thousand.
 TICK_SECONDS = 0.05
 CHUNK_BYTES = 64 * 1024
 
@@ -63,6 +65,7 @@ class EngineScraper:
         self._wanted: dict[PodKey, _Wanted] = {}
         self._listeners: list[Callable[[], None]] = []
         self._notify_scheduled = False
+        self._someone_wants = asyncio.Event()  # the loop sleeps on it while nothing is wanted
         self._slots = asyncio.Semaphore(self.limits.concurrency)
         self._session: aiohttp.ClientSession | None = None
         self._loop_task: asyncio.Task[None] | None = None
@@ -106,6 +109,7 @@ class EngineScraper:
             if wanted is not None and wanted.task is not None:
                 wanted.task.cancel()
             wanted = self._wanted[pod] = _Wanted(engine, endpoint, interval_seconds, now, now)
+            self._someone_wants.set()
             return None
         wanted.asked_at = now
         if interval_seconds < wanted.interval:
@@ -133,6 +137,9 @@ class EngineScraper:
 
     async def _run(self) -> None:
         while True:
+            if not self._wanted:
+                self._someone_wants.clear()
+                await self._someone_wants.wait()
             now = self._clock()
             for pod in [p for p, w in self._wanted.items() if now - w.asked_at > FORGET_AFTER_SECONDS]:
                 gone = self._wanted.pop(pod)
@@ -156,7 +163,7 @@ class EngineScraper:
                 body = await self._fetch(wanted.endpoint)
             page = read_page(body, self._patterns[wanted.engine], at=self._clock())
             previous = wanted.scrape.page if wanted.scrape is not None else None
-            wanted.scrape = PodScrape(wanted.endpoint.url, page.at, page, previous)
+            wanted.scrape = PodScrape(wanted.endpoint.url, page, previous)
             outcome = "ok"
         except (ScrapeFailed, MalformedPage) as error:
             outcome = "malformed" if isinstance(error, MalformedPage) else error.outcome
@@ -179,7 +186,6 @@ class EngineScraper:
         before = wanted.scrape
         wanted.scrape = PodScrape(
             wanted.endpoint.url,
-            self._clock(),
             before.page if before is not None else None,
             before.previous if before is not None else None,
             reason,
@@ -206,7 +212,7 @@ class EngineScraper:
         if self._notify_scheduled:
             return
         self._notify_scheduled = True
-        asyncio.get_running_loop().call_soon(self._notify)
+        asyncio.get_running_loop().call_later(TICK_SECONDS, self._notify)
 
     def _notify(self) -> None:
         self._notify_scheduled = False

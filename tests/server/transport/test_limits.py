@@ -418,22 +418,32 @@ async def test_a_deadline_that_runs_out_after_our_check_is_still_deadline_exceed
     assert finished <= {"OK", "DEADLINE_EXCEEDED"}, finished
 
 
+# Stream ids for three times the reset burst an agent started with --max-resets-per-second 10 allows.
+THREE_BURSTS_AT_10 = range(1, int(2 * 3 * 10 * BURST_SECONDS) + 1, 2)
+
+
+@pytest.fixture
+def slow_to_notice_deadlines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server too busy to end calls at their deadline before their resets are read."""
+
+    @contextlib.contextmanager
+    def never_ends(self: object, deadline: object) -> Iterator[None]:
+        yield
+
+    monkeypatch.setattr(calls._CancellingDeadlineWrapper, "start", never_ends)
+
+
+@pytest.mark.usefixtures("slow_to_notice_deadlines")
 async def test_cancelling_calls_past_their_deadline_is_no_flood(
     start_agent: StartAgent, peers: list[_Peer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A client cancels a call whose deadline passed before a slow server answered (grpcio and grpc-go do): three
     times the reset burst of such calls keeps the connection; the server would have ended each call anyway."""
-
-    @contextlib.contextmanager
-    def slow_to_notice(self: object, deadline: object) -> Iterator[None]:
-        yield  # a server too busy to have ended the calls at their deadline yet
-
-    monkeypatch.setattr(calls._CancellingDeadlineWrapper, "start", slow_to_notice)
     monkeypatch.setattr(calls, "EXPIRED_WITHIN_SECONDS", -1.0)  # nor answered them as they arrived
     agent = await start_agent("--max-resets-per-second", "10")
     peer = await _Peer.connect(agent.port)
     peers.append(peer)
-    ids = range(1, int(2 * 3 * 10 * BURST_SECONDS) + 1, 2)
+    ids = THREE_BURSTS_AT_10
     for stream_id in ids:
         peer.h2.send_headers(stream_id, [*request_headers(STREAM_IS_ACTIVE), ("grpc-timeout", "1m")])
         peer.h2.send_data(stream_id, EMPTY_REF, end_stream=True)
@@ -449,23 +459,18 @@ async def test_cancelling_calls_past_their_deadline_is_no_flood(
     assert _guard(agent).limited == {}
 
 
+@pytest.mark.usefixtures("slow_to_notice_deadlines")
 @pytest.mark.parametrize(("timeout", "cut_off"), [("20m", False), ("10S", True)])
 async def test_resets_read_beside_their_headers_count_unless_the_deadline_was_near(
-    start_agent: StartAgent, peers: list[_Peer], monkeypatch: pytest.MonkeyPatch, timeout: str, cut_off: bool
+    start_agent: StartAgent, peers: list[_Peer], timeout: str, cut_off: bool
 ) -> None:
     """A server that reads late takes a call's HEADERS and its client's deadline RST_STREAM in one turn, so by
     its own clock the deadline has not passed. A reset within DEADLINE_SLACK_SECONDS of it is the client's deadline
     (20 ms calls: grpcio with tight deadlines on a busy machine); the same burst of 10 s calls is the attack."""
-
-    @contextlib.contextmanager
-    def slow_to_notice(self: object, deadline: object) -> Iterator[None]:
-        yield  # no call ends at its deadline before its reset is read
-
-    monkeypatch.setattr(calls._CancellingDeadlineWrapper, "start", slow_to_notice)
     agent = await start_agent("--max-resets-per-second", "10")
     peer = await _Peer.connect(agent.port)
     peers.append(peer)
-    ids = range(1, int(2 * 3 * 10 * BURST_SECONDS) + 1, 2)
+    ids = THREE_BURSTS_AT_10
     for stream_id in ids:  # each call and its reset in one write: read in the same turn
         peer.h2.send_headers(stream_id, [*request_headers(STREAM_IS_ACTIVE), ("grpc-timeout", timeout)])
         peer.h2.send_data(stream_id, EMPTY_REF, end_stream=True)

@@ -522,6 +522,11 @@ class PodContribution(betterproto2.Message):
     Engine signals: how old the pod's newest metrics page was when the value was computed.
     """
 
+    signal: "str" = betterproto2.field(10, betterproto2.TYPE_STRING)
+    """
+    A combined query's signal this row belongs to; "" for a single signal.
+    """
+
 
 default_message_pool.register_message("gpuscaler.v1", "PodContribution", PodContribution)
 

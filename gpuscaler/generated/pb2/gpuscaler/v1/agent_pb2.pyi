@@ -213,7 +213,7 @@ class GpuContribution(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., node: _Optional[str] = ..., included: _Optional[bool] = ..., value: _Optional[float] = ..., samples: _Optional[int] = ..., reason: _Optional[str] = ..., namespace: _Optional[str] = ..., pod: _Optional[str] = ..., share: _Optional[str] = ...) -> None: ...
 
 class PodContribution(_message.Message):
-    __slots__ = ("namespace", "pod", "workload", "node", "included", "value", "gpus", "reason", "age_seconds")
+    __slots__ = ("namespace", "pod", "workload", "node", "included", "value", "gpus", "reason", "age_seconds", "signal")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     POD_FIELD_NUMBER: _ClassVar[int]
     WORKLOAD_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +223,7 @@ class PodContribution(_message.Message):
     GPUS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     pod: str
     workload: str
@@ -232,7 +233,8 @@ class PodContribution(_message.Message):
     gpus: int
     reason: str
     age_seconds: float
-    def __init__(self, namespace: _Optional[str] = ..., pod: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., included: _Optional[bool] = ..., value: _Optional[float] = ..., gpus: _Optional[int] = ..., reason: _Optional[str] = ..., age_seconds: _Optional[float] = ...) -> None: ...
+    signal: str
+    def __init__(self, namespace: _Optional[str] = ..., pod: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., included: _Optional[bool] = ..., value: _Optional[float] = ..., gpus: _Optional[int] = ..., reason: _Optional[str] = ..., age_seconds: _Optional[float] = ..., signal: _Optional[str] = ...) -> None: ...
 
 class Explanation(_message.Message):
     __slots__ = ("metric_name", "metric", "profile", "aggregation", "window_seconds", "window_function", "target", "activation_threshold", "deactivation_threshold", "gpus", "value", "active", "error_code", "error_message", "snapshot_age_seconds", "snapshot_sequence", "nodes", "pods", "nodes_expected", "pod_aggregation", "selection", "absent", "idle_energy", "gpus_omitted", "signals")
