@@ -322,6 +322,16 @@ class Scenario:
         items: list[Json] = found["items"]
         return sorted(items, key=lambda pod: (pod["metadata"]["creationTimestamp"], pod["metadata"]["name"]))
 
+    async def wait_pods(self, app: str, count: int) -> list[Json]:
+        """The oldest ``count`` pods of Deployment ``app``, once it has that many; fails after 60 s."""
+        deadline = time.monotonic() + 60
+        while True:
+            pods = await self.pods(app)
+            if len(pods) >= count:
+                return pods[:count]
+            assert time.monotonic() < deadline, f"{app}: {len(pods)} pods, expected {count}"
+            await asyncio.sleep(0.2)
+
     def record(self, what: str) -> None:
         self.measurements.add(self.label, what)
 
@@ -360,6 +370,22 @@ def _condition_status(document: Json | None, kind: str) -> str | None:
         if condition.get("type") == kind:
             return str(condition.get("status"))
     return None
+
+
+def directory_entry(pod: Json, workload: str) -> Json:
+    """A static pod directory's entry for a pod the API server holds: its namespace, name, labels and owning
+    Deployment (the ReplicaSet ``<workload>-<pod-template-hash>`` owns it, as the pod watch would tell)."""
+    metadata = pod["metadata"]
+    owners = metadata.get("ownerReferences") or []
+    assert [owner["kind"] for owner in owners] == ["ReplicaSet"], owners
+    assert owners[0]["name"] == f"{workload}-{metadata['labels']['pod-template-hash']}", owners
+    return {
+        "namespace": metadata["namespace"],
+        "pod": metadata["name"],
+        "labels": metadata["labels"],
+        "workload": workload,
+        "workloadKind": "Deployment",
+    }
 
 
 def scaled_object(

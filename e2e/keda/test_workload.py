@@ -7,14 +7,11 @@ workload in the namespace and a same-named workload in another namespace hold bu
 
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
 
 import yaml
 
-from e2e.keda.control_plane import Json
-from e2e.keda.scenario import Scenario, expected_replicas, scaled_object
+from e2e.keda.scenario import Scenario, directory_entry, expected_replicas, scaled_object
 from gpuscaler.signals.hpa import MetricType
 from tests.fakes.fake_kubelet import Assignment
 
@@ -23,38 +20,12 @@ TRAINER_UTILIZATION = 90.0
 OTHERS_UTILIZATION = 100.0
 
 
-def directory_entry(pod: Json, workload: str) -> Json:
-    """The pod directory's view of a pod: its namespace, name, labels and owning Deployment."""
-    metadata = pod["metadata"]
-    owners = metadata.get("ownerReferences") or []
-    assert [owner["kind"] for owner in owners] == ["ReplicaSet"], owners
-    assert owners[0]["name"] == f"{workload}-{metadata['labels']['pod-template-hash']}", owners
-    return {
-        "namespace": metadata["namespace"],
-        "pod": metadata["name"],
-        "labels": metadata["labels"],
-        "workload": workload,
-        "workloadKind": "Deployment",
-    }
-
-
-async def wait_pods(scenario: Scenario, app: str, count: int) -> list[Json]:
-    """The oldest ``count`` pods of Deployment ``app``, once it has that many; fails after 60 s."""
-    deadline = time.monotonic() + 60
-    while True:
-        pods = await scenario.pods(app)
-        if len(pods) >= count:
-            return pods[:count]
-        assert time.monotonic() < deadline, f"{app}: {len(pods)} pods, expected {count}"
-        await asyncio.sleep(0.2)
-
-
 async def test_a_workload_query_counts_only_that_deployments_gpus(scenario: Scenario, tmp_path: Path) -> None:
     """trainer's two pods at 90% on one GPU each: ceil(180 / 60) = 3 replicas, whatever the other tenants do."""
     history = await scenario.deployment("trainer", replicas=2)
     await scenario.deployment("infer", replicas=1)
-    trainers = await wait_pods(scenario, "trainer", 2)
-    (infer,) = await wait_pods(scenario, "infer", 1)
+    trainers = await scenario.wait_pods("trainer", 2)
+    (infer,) = await scenario.wait_pods("infer", 1)
     other_namespace = f"{scenario.namespace}-b"
     pods_file = tmp_path / "pods.yaml"
     entries = [directory_entry(pod, "trainer") for pod in trainers] + [directory_entry(infer, "infer")]

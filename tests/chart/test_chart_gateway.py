@@ -215,6 +215,28 @@ def test_networkpolicy_admits_keda_to_the_gateway(helm: Helm) -> None:
     assert metrics["ports"] == [{"protocol": "TCP", "port": 9402}]  # networkPolicy.metricsFrom may scrape it
 
 
+def test_the_gateways_egress_is_left_alone_unless_asked_for(helm: Helm) -> None:
+    """Off by default: a policy with an Egress type would deny the gateway's DNS, API and agent traffic."""
+    policy = find(helm.template(CI["defaults"], sets=("networkPolicy.enabled=true",)), "NetworkPolicy", GATEWAY)["spec"]
+    assert policy["policyTypes"] == ["Ingress"]
+    assert "egress" not in policy
+
+
+def test_gateway_egress_reaches_dns_the_api_the_agents_and_the_engines_metrics_ports(helm: Helm) -> None:
+    """With gatewayEgress on, the gateway may reach DNS, the API server, the agents' port and the engine ports."""
+    manifests = helm.template(CI["networkpolicy"], sets=("agent.listen.port=7100",))
+    policy = find(manifests, "NetworkPolicy", GATEWAY)["spec"]
+    assert policy["policyTypes"] == ["Ingress", "Egress"]
+    dns, api, agents, engines = policy["egress"]
+    assert {(p["protocol"], p["port"]) for p in dns["ports"]} == {("UDP", 53), ("TCP", 53)}
+    assert [p["port"] for p in api["ports"]] == [443, 6443]
+    agent_labels = of_kind(manifests, "DaemonSet")[0]["spec"]["template"]["metadata"]["labels"]
+    assert selects(agents["to"][0]["podSelector"]["matchLabels"], agent_labels)
+    assert agents["ports"] == [{"protocol": "TCP", "port": 7100}]
+    assert engines["to"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "llm"}}}]
+    assert [p["port"] for p in engines["ports"]] == [8000, 8002, 30000, 80]
+
+
 def test_the_grace_period_must_outlast_the_drain(helm: Helm) -> None:
     """A gateway drain as long as its grace period is refused at render time, naming both."""
     error = helm.template_error(CI["defaults"], sets=("gateway.drainTimeout=20",))

@@ -151,7 +151,12 @@ class EngineScraper:
             await asyncio.sleep(TICK_SECONDS)
 
     def _start(self, pod: PodKey, wanted: _Wanted) -> asyncio.Task[None]:
-        wanted.due_at = self._clock() + wanted.interval
+        now = self._clock()
+        # From when it was due, so that starting up to a tick late does not stretch every interval; from now
+        # when it is a whole interval behind (a first read, a slow page).
+        wanted.due_at = (
+            wanted.due_at + wanted.interval if now - wanted.due_at < wanted.interval else now + wanted.interval
+        )
         task = asyncio.get_running_loop().create_task(self._scrape(pod, wanted), name=f"scrape {pod[0]}/{pod[1]}")
         wanted.task = task
         return task

@@ -1,0 +1,130 @@
+"""The real KEDA and HPA scale a Deployment on its engine's queue, read by the gateway from the Deployment's own pods.
+
+The Deployment's pod is the real one its ReplicaSet created in the API server; the gateway's static pod directory
+gives it a loopback IP and a ``prometheus.io/port`` annotation where a fake vLLM serves its metrics page in this
+test's event loop (no kubelet runs pods here). The ScaledObject names no URL: only ``workload`` and the signal.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import yaml
+
+from e2e.keda.scenario import Scenario, directory_entry, expected_replicas, scaled_object
+from e2e.keda.test_fallback import FALLBACK_REPLICAS, expect_fallback
+from e2e.support.process import Process
+from gpuscaler.model.engines import Engine
+from gpuscaler.signals.hpa import MetricType
+from tests.fakes.fake_engine import FakeEngine
+
+TARGET = 8.0
+QUEUED = 20.0
+POLLING_SECONDS = 2
+COOLDOWN_SECONDS = 5
+# Both ways as fast as the HPA computes: a step is one sync (1 s here), so the latency measured is gpuscaler's
+# and KEDA's, not the HPA's default 15 s scale-up period or 5 min scale-down window.
+FAST_BOTH_WAYS = {
+    "horizontalPodAutoscalerConfig": {
+        "behavior": {
+            direction: {
+                "stabilizationWindowSeconds": 0,
+                "policies": [{"type": "Percent", "value": 1000, "periodSeconds": 1}],
+            }
+            for direction in ("scaleUp", "scaleDown")
+        }
+    }
+}
+
+
+async def serving_llm(scenario: Scenario, tmp_path: Path, engine: FakeEngine) -> tuple[Process, dict[str, str]]:
+    """Deployment llm with one pod whose engine is ``engine``, a gateway that knows the pod, and the trigger's
+    metadata: the signal and the workload, no URL."""
+    (pod,) = await scenario.wait_pods("llm", 1)
+    entry = {**directory_entry(pod, "llm"), "ip": "127.0.0.1", "annotations": {"prometheus.io/port": str(engine.port)}}
+    pods_file = tmp_path / "pods.yaml"
+    pods_file.write_text(yaml.safe_dump({"pods": [entry]}))
+    agent = await scenario.agent("node-1")
+    gateway = await scenario.gateway([agent], pod_directory=pods_file)
+    metadata = {
+        "scalerAddress": f"127.0.0.1:{gateway.port}",
+        "metric": "vllm_queue",
+        "workload": "llm",
+        "targetValue": f"{TARGET:g}",
+    }
+    return gateway, metadata
+
+
+async def test_the_queue_scales_the_deployment_to_its_total_over_the_target_and_back(
+    scenario: Scenario, tmp_path: Path
+) -> None:
+    """20 requests waiting at 8 per replica: the HPA gives ceil(20 / 8) = 3; an empty queue takes it back to 1."""
+    history = await scenario.deployment("llm", replicas=1)
+    engine = await FakeEngine(Engine.VLLM, {"waiting": 0.0}).start()
+    try:
+        gateway, metadata = await serving_llm(scenario, tmp_path, engine)
+        document = scaled_object(
+            "llm",
+            trigger="external-push",
+            metadata=metadata,
+            min_replicas=1,
+            polling_seconds=POLLING_SECONDS,
+            cooldown_seconds=COOLDOWN_SECONDS,
+        )
+        document["spec"]["advanced"] = FAST_BOTH_WAYS
+        await scenario.apply(document)
+        await scenario.wait_ready("llm")
+        await history.hold(1, 3)  # an empty queue asks for nothing more
+
+        queued = time.monotonic()
+        engine.values["waiting"] = QUEUED
+        value = await scenario.wait_value(gateway, {**metadata, "namespace": scenario.namespace}, QUEUED)
+        expected = expected_replicas(MetricType.AVERAGE_VALUE, value=value, target=TARGET, current=1, maximum=10)
+        assert expected == math.ceil(QUEUED / TARGET)
+        reached = await history.wait_equal(expected, 60, after=queued)
+        await history.hold(expected, 4)
+
+        emptied = time.monotonic()
+        engine.values["waiting"] = 0.0
+        back = await history.wait_equal(1, 60, after=emptied)
+        scenario.record(
+            f"vllm_queue {QUEUED:g} at target {TARGET:g}: {expected} replicas {reached - queued:.1f} s after the queue "
+            f"grew, 1 again {back - emptied:.1f} s after it emptied (pollingInterval {POLLING_SECONDS} s, scrape 1 s, "
+            f"HPA sync 1 s); {history.describe()}"
+        )
+    finally:
+        await engine.stop()
+
+
+async def test_a_pod_whose_engine_stops_answering_gets_the_fallback_not_a_scale_in(
+    scenario: Scenario, tmp_path: Path
+) -> None:
+    """The only pod's engine dies with 20 queued: KEDA gets UNAVAILABLE naming the pod and applies the fallback."""
+    history = await scenario.deployment("llm", replicas=1)
+    engine = await FakeEngine(Engine.VLLM, {"waiting": QUEUED}).start()
+    try:
+        gateway, metadata = await serving_llm(scenario, tmp_path, engine)
+        await scenario.apply(
+            scaled_object(
+                "llm",
+                trigger="external",
+                metadata=metadata,
+                min_replicas=1,
+                polling_seconds=POLLING_SECONDS,
+                cooldown_seconds=COOLDOWN_SECONDS,
+                fallback={"failureThreshold": 2, "replicas": FALLBACK_REPLICAS},
+            )
+        )
+        await scenario.wait_ready("llm")
+        expected = math.ceil(QUEUED / TARGET)
+        assert expected < FALLBACK_REPLICAS
+        await history.wait_equal(expected, 90)
+    finally:
+        await engine.stop()
+    died = time.monotonic()
+    await expect_fallback(scenario, died)
+    answer = await scenario.query(gateway, {**metadata, "namespace": scenario.namespace})
+    assert answer["get_metrics"]["code"] == "UNAVAILABLE", answer["get_metrics"]
+    assert f"pod {scenario.namespace}/" in answer["get_metrics"]["message"], answer["get_metrics"]
