@@ -98,6 +98,38 @@ async def test_the_queue_scales_the_deployment_to_its_total_over_the_target_and_
         await engine.stop()
 
 
+async def test_combined_signals_give_the_most_replicas_any_signal_asks_for(scenario: Scenario, tmp_path: Path) -> None:
+    """vllm-saturation, docs/hpa.md's rows: 4 waiting and the cache at 90% ask for ceil(90 / 80) = 2 replicas
+    (the cache wins); 20 waiting ask for ceil(20 / 8) = 3 (the queue wins)."""
+    history = await scenario.deployment("llm", replicas=1)
+    engine = await FakeEngine(Engine.VLLM, {"waiting": 4.0, "kv": 0.9}).start()
+    try:
+        gateway, metadata = await serving_llm(scenario, tmp_path, engine)
+        combined = {"scalerAddress": metadata["scalerAddress"], "profile": "vllm-saturation", "workload": "llm"}
+        document = scaled_object(
+            "llm",
+            trigger="external",
+            metadata=combined,
+            min_replicas=1,
+            polling_seconds=POLLING_SECONDS,
+            cooldown_seconds=COOLDOWN_SECONDS,
+        )
+        document["spec"]["advanced"] = FAST_BOTH_WAYS
+        await scenario.apply(document)
+        await scenario.wait_ready("llm")
+        steps = []
+        for waiting, answer in ((4.0, 90 / 80), (20.0, 20 / 8)):
+            engine.values["waiting"] = waiting
+            value = await scenario.wait_value(gateway, {**combined, "namespace": scenario.namespace}, answer)
+            expected = expected_replicas(MetricType.AVERAGE_VALUE, value=value, target=1.0, current=1, maximum=10)
+            assert expected == math.ceil(answer)
+            await history.wait_equal(expected, 60)
+            steps.append(f"{waiting:g} waiting -> {value:g} -> {expected}")
+        scenario.record(f"vllm-saturation: {'; '.join(steps)}; {history.describe()}")
+    finally:
+        await engine.stop()
+
+
 async def test_a_pod_whose_engine_stops_answering_gets_the_fallback_not_a_scale_in(
     scenario: Scenario, tmp_path: Path
 ) -> None:
