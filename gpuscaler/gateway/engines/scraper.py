@@ -69,8 +69,7 @@ class EngineScraper:
         self._slots = asyncio.Semaphore(self.limits.concurrency)
         self._session: aiohttp.ClientSession | None = None
         self._loop_task: asyncio.Task[None] | None = None
-        self._patterns = {engine: prefilter(engine_series(engine)) for engine in Engine}
-        self._first_reads: set[asyncio.Task[None]] = set()
+        self._prefilters = {engine: prefilter(engine_series(engine)) for engine in Engine}
         # What /metrics counts: scrapes by outcome, and the newest of each pod (``pods``).
         self.results: dict[str, int] = {}
         self.on_scrape: list[Callable[[float, str], None]] = []  # (seconds, outcome)
@@ -166,7 +165,7 @@ class EngineScraper:
         try:
             async with self._slots:
                 body = await self._fetch(wanted.endpoint)
-            page = read_page(body, self._patterns[wanted.engine], at=self._clock())
+            page = read_page(body, self._prefilters[wanted.engine], at=self._clock())
             previous = wanted.scrape.page if wanted.scrape is not None else None
             wanted.scrape = PodScrape(wanted.endpoint.url, page, previous)
             outcome = "ok"
@@ -178,6 +177,10 @@ class EngineScraper:
             self._failed(wanted, f"no answer within {self.limits.timeout_seconds:g}s")
         except aiohttp.ClientError as error:
             outcome = "error"
+            self._failed(wanted, f"cannot read it: {type(error).__name__}: {str(error)[:160]}")
+        except Exception as error:  # a bug of ours or aiohttp's: the pod is unread, reads go on
+            outcome = "error"
+            log.exception("engine_scrape_failed", pod=f"{pod[0]}/{pod[1]}", url=wanted.endpoint.url)
             self._failed(wanted, f"cannot read it: {type(error).__name__}: {str(error)[:160]}")
         finally:
             if self._wanted.get(pod) is wanted:
