@@ -33,13 +33,22 @@ def evaluate_engine(
 ) -> Evaluation:
     """``query`` over the pods it selects, as of the monotonic time ``now`` (the module says how)."""
     name = query.metric.value
-    if engines is None or directory is None:
+    if engines is None:
         return failed(
             query,
             snapshot,
             Unsupported(
                 f"{name} is read from the selected pods' own metrics pages by the gateway, which knows the pods; "
                 "this server is a node agent: point scalerAddress at the gateway"
+            ),
+        )
+    if directory is None:
+        return failed(
+            query,
+            snapshot,
+            Unsupported(
+                f"{name} is read from the selected pods' own metrics pages, and this gateway has no pod directory "
+                "to find them in: start it with --pod-directory (the chart's gateway.podDirectory: kubernetes)"
             ),
         )
     pods = query.pods

@@ -198,3 +198,14 @@ async def test_an_agent_refuses_engine_signals_saying_they_need_the_gateway(star
         channel.close()
     assert raised.value.status is Status.FAILED_PRECONDITION
     assert "point scalerAddress at the gateway" in str(raised.value.message)
+
+
+async def test_a_gateway_without_a_pod_directory_says_engine_signals_need_one(
+    start_node: StartNode, start_gateway: StartGateway
+) -> None:
+    """FAILED_PRECONDITION naming --pod-directory and the chart value, not the agent's message."""
+    gateway = await start_gateway(await start_node("node-a"))
+    with pytest.raises(GRPCError) as raised:
+        await value(gateway, metric="vllm_queue", workload="llm")
+    assert raised.value.status is Status.FAILED_PRECONDITION
+    assert "start it with --pod-directory" in str(raised.value.message)
