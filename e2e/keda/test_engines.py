@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from e2e.keda.control_plane import Json
 from e2e.keda.scenario import Scenario, directory_entry, expected_replicas, scaled_object
 from e2e.keda.test_fallback import FALLBACK_REPLICAS, expect_fallback
 from e2e.support.process import Process
@@ -57,6 +58,20 @@ async def serving_llm(scenario: Scenario, tmp_path: Path, engine: FakeEngine) ->
     return gateway, metadata
 
 
+def llm_scaled_object(trigger: str, metadata: dict[str, str]) -> Json:
+    """A ScaledObject for Deployment llm, from 1 replica, scaling each way as fast as the HPA computes."""
+    document = scaled_object(
+        "llm",
+        trigger=trigger,
+        metadata=metadata,
+        min_replicas=1,
+        polling_seconds=POLLING_SECONDS,
+        cooldown_seconds=COOLDOWN_SECONDS,
+    )
+    document["spec"]["advanced"] = FAST_BOTH_WAYS
+    return document
+
+
 async def test_the_queue_scales_the_deployment_to_its_total_over_the_target_and_back(
     scenario: Scenario, tmp_path: Path
 ) -> None:
@@ -65,16 +80,7 @@ async def test_the_queue_scales_the_deployment_to_its_total_over_the_target_and_
     engine = await FakeEngine(Engine.VLLM, {"waiting": 0.0}).start()
     try:
         gateway, metadata = await serving_llm(scenario, tmp_path, engine)
-        document = scaled_object(
-            "llm",
-            trigger="external-push",
-            metadata=metadata,
-            min_replicas=1,
-            polling_seconds=POLLING_SECONDS,
-            cooldown_seconds=COOLDOWN_SECONDS,
-        )
-        document["spec"]["advanced"] = FAST_BOTH_WAYS
-        await scenario.apply(document)
+        await scenario.apply(llm_scaled_object("external-push", metadata))
         await scenario.wait_ready("llm")
         await history.hold(1, 3)  # an empty queue asks for nothing more
 
@@ -106,16 +112,7 @@ async def test_combined_signals_give_the_most_replicas_any_signal_asks_for(scena
     try:
         gateway, metadata = await serving_llm(scenario, tmp_path, engine)
         combined = {"scalerAddress": metadata["scalerAddress"], "profile": "vllm-saturation", "workload": "llm"}
-        document = scaled_object(
-            "llm",
-            trigger="external",
-            metadata=combined,
-            min_replicas=1,
-            polling_seconds=POLLING_SECONDS,
-            cooldown_seconds=COOLDOWN_SECONDS,
-        )
-        document["spec"]["advanced"] = FAST_BOTH_WAYS
-        await scenario.apply(document)
+        await scenario.apply(llm_scaled_object("external", combined))
         await scenario.wait_ready("llm")
         steps = []
         for waiting, answer in ((4.0, 90 / 80), (20.0, 20 / 8)):
