@@ -35,6 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 ADDRESS = re.compile(r"\b(?P<host>[\w.-]+):(?P<port>\d+)\b")
 STOP_GRACE_SECONDS = 15.0  # compose.yaml's stop_grace_period: longer than the agent's drain
 COMMANDS = "stop NAME, kill NAME, start NAME, status"
+POD_DIRECTORY = "--pod-directory"
+METRICS_PORT = "prometheus.io/port"  # where a pod of the pod directory serves its engine's metrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +74,14 @@ def load(port_offset: int, volumes: Path) -> list[Service]:
             return (ROOT / source).resolve()
         return volumes / source  # a named volume
 
+    def network_of(name: str) -> str:
+        """The service whose network namespace ``name`` is in: its own, or the one ``network_mode`` names."""
+        mode = str(specs[name].get("network_mode", ""))
+        return mode.removeprefix("service:") if mode.startswith("service:") else name
+
     def local(name: str, mounts: list[list[str]], word: object) -> str:
         def address(match: re.Match[str]) -> str:
-            key = (name if match["host"] == "0.0.0.0" else match["host"], int(match["port"]))
+            key = (network_of(name) if match["host"] == "0.0.0.0" else match["host"], int(match["port"]))
             if match["host"] == "0.0.0.0" and key not in published:
                 sys.exit(f"stack: {name} binds {match[0]}, which compose.yaml does not publish on the host")
             return published.get(key, match[0])
@@ -88,16 +95,35 @@ def load(port_offset: int, volumes: Path) -> list[Service]:
     services = []
     for name, spec in specs.items():
         mounts = [volume.split(":")[:2] for volume in spec.get("volumes", [])]
+        argv = [local(name, mounts, word) for word in [*spec["entrypoint"], *spec.get("command", [])]]
+        if POD_DIRECTORY in argv and port_offset:
+            at = argv.index(POD_DIRECTORY) + 1
+            argv[at] = str(moved_pod_directory(Path(argv[at]), published, name, volumes))
         services.append(
             Service(
                 name=name,
-                argv=[local(name, mounts, word) for word in [*spec["entrypoint"], *spec.get("command", [])]],
+                argv=argv,
                 environment={key: local(name, mounts, value) for key, value in spec.get("environment", {}).items()},
                 ports={port["name"]: published[name, port["target"]] for port in spec.get("ports", [])},
                 labels=spec.get("labels", {}),
             )
         )
     return services
+
+
+def moved_pod_directory(path: Path, published: dict[tuple[str, int], str], service: str, volumes: Path) -> Path:
+    """A copy of the pod directory file whose pods' metrics ports (``prometheus.io/port``) are moved where their
+    pages are published: the pods' engines serve in ``service``'s network namespace, moved by --port-offset. The
+    copy is made once; edits to the original are not followed while a moved stack runs."""
+    directory = yaml.safe_load(path.read_text(encoding="utf-8"))
+    for pod in directory.get("pods") or []:
+        annotations = pod.get("annotations") or {}
+        port = str(annotations.get(METRICS_PORT, ""))
+        if port.isdigit() and (service, int(port)) in published:
+            annotations[METRICS_PORT] = published[service, int(port)].rpartition(":")[2]
+    moved = volumes / f"moved-{path.name}"
+    moved.write_text(yaml.safe_dump(directory), encoding="utf-8")
+    return moved
 
 
 def banner(services: list[Service], pids: dict[str, int] | None = None) -> list[str]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import http.client
+import itertools
 import json
 import os
 import secrets
@@ -638,10 +639,12 @@ class ControlPlane:
 
 
 class PodStandIn:
-    """The kubelet's part the HPA reads: every pod becomes Running and Ready shortly after it is created."""
+    """The kubelet's part the HPA and the gateway read: every pod becomes Running and Ready shortly after it is
+    created, with an IP of its own (127.1.0.0/16: loopback, where a test can serve the pod's metrics page)."""
 
     def __init__(self, kube: Kube) -> None:
         self._kube = kube
+        self._addresses = itertools.count()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pod-stand-in", daemon=True)
         self.errors: list[str] = []
@@ -667,8 +670,12 @@ class PodStandIn:
             if pod.get("metadata", {}).get("deletionTimestamp") or (ready and ready.get("status") == "True"):
                 continue
             now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            number = next(self._addresses)
+            ip = f"127.1.{number // 250 % 250}.{number % 250 + 1}"
             status = {
                 "phase": "Running",
+                "podIP": ip,
+                "podIPs": [{"ip": ip}],
                 "conditions": [
                     {"type": "Ready", "status": "True", "lastTransitionTime": now},
                     {"type": "ContainersReady", "status": "True", "lastTransitionTime": now},
@@ -690,7 +697,14 @@ def namespace(name: str) -> Json:
     return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
 
 
-def deployment(name: str, namespace_name: str, *, replicas: int = 0, labels: Mapping[str, str] | None = None) -> Json:
+def deployment(
+    name: str,
+    namespace_name: str,
+    *,
+    replicas: int = 0,
+    labels: Mapping[str, str] | None = None,
+    annotations: Mapping[str, str] | None = None,
+) -> Json:
     """A Deployment whose pods never run (no kubelet): the image is never pulled."""
     pod_labels = {"app": name, **(labels or {})}
     return {
@@ -701,7 +715,7 @@ def deployment(name: str, namespace_name: str, *, replicas: int = 0, labels: Map
             "replicas": replicas,
             "selector": {"matchLabels": {"app": name}},
             "template": {
-                "metadata": {"labels": pod_labels},
+                "metadata": {"labels": pod_labels, **({"annotations": dict(annotations)} if annotations else {})},
                 "spec": {
                     "automountServiceAccountToken": False,
                     "containers": [{"name": "main", "image": "gpuscaler-e2e/never-pulled:0"}],

@@ -178,8 +178,9 @@ class Scenario:
         self.processes.append(process)
         return process
 
-    async def gateway(self, agents: Sequence[Process], *, pod_directory: Path | None = None) -> Process:
-        """``gpuscaler gateway --agents ...`` on an ephemeral loopback port."""
+    async def gateway(self, agents: Sequence[Process], *, pod_directory: Path | str | None = None) -> Process:
+        """``gpuscaler gateway --agents ...`` on an ephemeral loopback port; ``pod_directory`` "kubernetes" watches
+        this control plane's pods (through its kubeconfig)."""
         argv = [
             str(CONSOLE_SCRIPT),
             "gateway",
@@ -196,7 +197,11 @@ class Scenario:
         ]
         if pod_directory is not None:
             argv += ["--pod-directory", str(pod_directory)]
-        process = Process(argv, self.directory / f"gateway-{len(self.processes)}.log", environment(), "gateway_started")
+        environ = environment()
+        if pod_directory == "kubernetes":
+            assert self.plane.kubeconfig is not None
+            environ["KUBECONFIG"] = str(self.plane.kubeconfig)
+        process = Process(argv, self.directory / f"gateway-{len(self.processes)}.log", environ, "gateway_started")
         await asyncio.to_thread(process.start)
         self.processes.append(process)
         return process
@@ -284,10 +289,15 @@ class Scenario:
         return applied
 
     async def deployment(
-        self, name: str, *, replicas: int = 0, labels: Mapping[str, str] | None = None
+        self,
+        name: str,
+        *,
+        replicas: int = 0,
+        labels: Mapping[str, str] | None = None,
+        annotations: Mapping[str, str] | None = None,
     ) -> ReplicaHistory:
-        """A Deployment of never-running pods, and the record of its replica changes."""
-        await self.apply(deployment(name, self.namespace, replicas=replicas, labels=labels))
+        """A Deployment of never-running pods (``annotations`` on each), and the record of its replica changes."""
+        await self.apply(deployment(name, self.namespace, replicas=replicas, labels=labels, annotations=annotations))
         history = ReplicaHistory(self.plane, self.namespace, name)
         self.histories.append(history)
         # The watch starts with the object as created: from then on every change is recorded.
@@ -330,6 +340,16 @@ class Scenario:
             if len(pods) >= count:
                 return pods[:count]
             assert time.monotonic() < deadline, f"{app}: {len(pods)} pods, expected {count}"
+            await asyncio.sleep(0.2)
+
+    async def wait_pod_ips(self, app: str, count: int) -> list[Json]:
+        """The oldest ``count`` pods of Deployment ``app`` once each has the IP the pod stand-in gives it."""
+        deadline = time.monotonic() + 60
+        while True:
+            pods = (await self.pods(app))[:count]
+            if len(pods) == count and all((pod.get("status") or {}).get("podIP") for pod in pods):
+                return pods
+            assert time.monotonic() < deadline, f"{app}: pods without IPs after 60 s: {pods}"
             await asyncio.sleep(0.2)
 
     def record(self, what: str) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from e2e.keda.control_plane import Json
+from e2e.keda.control_plane import Json, free_port
 from e2e.keda.scenario import Scenario, directory_entry, expected_replicas, scaled_object
 from e2e.keda.test_fallback import FALLBACK_REPLICAS, expect_fallback
 from e2e.support.process import Process
@@ -157,3 +157,64 @@ async def test_a_pod_whose_engine_stops_answering_gets_the_fallback_not_a_scale_
     answer = await scenario.query(gateway, {**metadata, "namespace": scenario.namespace})
     assert answer["get_metrics"]["code"] == "UNAVAILABLE", answer["get_metrics"]
     assert f"pod {scenario.namespace}/" in answer["get_metrics"]["message"], answer["get_metrics"]
+
+
+async def test_the_pod_watch_reads_each_pod_at_the_ip_the_api_server_gives_it(scenario: Scenario) -> None:
+    """No static directory: the gateway watches the real API server. The pods of Deployment llm get their IPs in
+    ``status.podIP`` (127.1.x.y, from the suite's stand-in for the kubelet), and a fake vLLM listens at each IP on
+    the one port the pod template's ``prometheus.io/port`` names. 12 waiting on each of 2 pods give
+    ceil(24 / 8) = 3 replicas; the third pod's engine starts empty, so the total and the count hold; an empty queue
+    then takes the Deployment to 1, and the deleted pods leave the answer."""
+    port = free_port()
+    engines: dict[str, FakeEngine] = {}
+
+    async def serve_pods(count: int, waiting: float) -> list[Json]:
+        pods = await scenario.wait_pod_ips("llm", count)
+        for pod in pods:
+            name, ip = pod["metadata"]["name"], pod["status"]["podIP"]
+            if name not in engines:
+                engines[name] = await FakeEngine(Engine.VLLM, {"waiting": waiting}).start(ip, port)
+        return pods
+
+    try:
+        history = await scenario.deployment("llm", replicas=2, annotations={"prometheus.io/port": str(port)})
+        await serve_pods(2, 12.0)
+        agent = await scenario.agent("node-1")
+        gateway = await scenario.gateway([agent], pod_directory="kubernetes")
+        metadata = {
+            "scalerAddress": f"127.0.0.1:{gateway.port}",
+            "metric": "vllm_queue",
+            "workload": "llm",
+            "targetValue": f"{TARGET:g}",
+        }
+        asked = {**metadata, "namespace": scenario.namespace}
+        value = await scenario.wait_value(gateway, asked, 24.0)
+        await scenario.apply(llm_scaled_object("external-push", metadata))
+        await scenario.wait_ready("llm")
+        expected = expected_replicas(MetricType.AVERAGE_VALUE, value=value, target=TARGET, current=2, maximum=10)
+        assert expected == 3
+        await history.wait_equal(expected, 60)
+        pods = await serve_pods(3, 0.0)
+        await scenario.wait_value(gateway, asked, 24.0)
+        answer = await scenario.query(gateway, asked)
+        rows = {row["pod"]: row for row in answer["explanation"]["pods"]}
+        assert {name: (row["included"], row["value"]) for name, row in rows.items()} == {
+            pod["metadata"]["name"]: (True, engines[pod["metadata"]["name"]].values["waiting"]) for pod in pods
+        }, rows
+        await history.hold(expected, 3)
+
+        emptied = time.monotonic()
+        for engine in engines.values():
+            engine.values["waiting"] = 0.0
+        await history.wait_equal(1, 60, after=emptied)
+        (left,) = await scenario.wait_pods("llm", 1)
+        await scenario.wait_value(gateway, asked, 0.0)
+        answer = await scenario.query(gateway, asked)
+        assert [row["pod"] for row in answer["explanation"]["pods"]] == [left["metadata"]["name"]], answer
+        scenario.record(
+            f"pod watch: pods at {', '.join(p['status']['podIP'] for p in pods)} port {port} read 12 + 12 + 0 -> "
+            f"{expected} replicas; empty -> 1 and the deleted pods left the answer; {history.describe()}"
+        )
+    finally:
+        for engine in engines.values():
+            await engine.stop()

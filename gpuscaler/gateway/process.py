@@ -44,14 +44,15 @@ class Discovery(Protocol):
     async def run(self, listener: EndpointsListener) -> None: ...
 
 
-def build_directory(settings: GatewaySettings) -> PodDirectory | None:
-    """The pod directory ``--pod-directory`` names: none, the Kubernetes API from in the cluster, or a YAML file."""
+async def build_directory(settings: GatewaySettings) -> PodDirectory | None:
+    """The pod directory ``--pod-directory`` names: none, the Kubernetes API (in the cluster, or KUBECONFIG's), or
+    a YAML file."""
     if settings.pod_directory is None:
         return None
     if settings.pod_directory == POD_DIRECTORY_KUBERNETES:
         from gpuscaler.gateway.directory.kubernetes import KubernetesDirectory
 
-        return KubernetesDirectory.in_cluster()
+        return await KubernetesDirectory.connect()
     try:
         return StaticPodDirectory(Path(settings.pod_directory))
     except ConfigError as error:
@@ -109,7 +110,7 @@ class Gateway:
     ) -> Gateway:
         """Listen and start subscribing. Raises ConfigError (bad TLS files) or StartupError (a port in use)."""
         to_agents = agent_tls(settings)
-        directory = directory if directory is not None else build_directory(settings)
+        directory = directory if directory is not None else await build_directory(settings)
         view = ClusterView(history_seconds=settings.history_seconds)
         engines = EngineScraper(settings.engine_scrapes)
         evaluator = Evaluator(view, directory=directory, cluster=True, memo=NodeMemo(), engines=engines)

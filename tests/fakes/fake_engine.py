@@ -102,13 +102,14 @@ class FakeEngine:
             return response
         return web.Response(text=self.page(), content_type="text/plain")
 
-    async def start(self) -> FakeEngine:
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> FakeEngine:
+        """Serves on ``host``:``port`` (any free port when 0): another loopback address stands for another pod."""
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/custom/path", self._metrics)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, host, port)
         await site.start()
         server = site._server
         assert server is not None

@@ -25,6 +25,7 @@ SERVICES: dict[str, Any] = COMPOSE["services"]
 AGENTS = {name: spec for name, spec in SERVICES.items() if spec.get("command", [None])[0] == "serve"}
 (KEDA_ENDPOINT,) = [name for name, spec in SERVICES.items() if spec["labels"].get("gpuscaler.dev/keda-endpoint")]
 (KUBELET,) = [name for name, spec in SERVICES.items() if "fake_kubelet.py" in " ".join(spec["entrypoint"])]
+(ENGINES,) = [name for name, spec in SERVICES.items() if "fake_engines.py" in " ".join(spec["entrypoint"])]
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 
@@ -125,7 +126,7 @@ def test_the_gateway_subscribes_to_every_agent() -> None:
 
 def test_a_client_shows_what_keda_sees() -> None:
     """The one other service runs `gpuscaler query` in a loop against KEDA's endpoint."""
-    others = {*AGENTS, KEDA_ENDPOINT, KUBELET}
+    others = {*AGENTS, KEDA_ENDPOINT, KUBELET, ENGINES}
     (client,) = [spec for name, spec in SERVICES.items() if name not in others]
     script = " ".join(client["command"])
     assert f"gpuscaler query --address {KEDA_ENDPOINT}:6000" in script
@@ -197,3 +198,18 @@ def test_agent_and_gateway_entrypoint_is_the_images() -> None:
     (entrypoint,) = re.findall(r"^ENTRYPOINT (.+)$", (ROOT / "Containerfile").read_text(), flags=re.MULTILINE)
     for name in [*AGENTS, KEDA_ENDPOINT]:
         assert SERVICES[name]["entrypoint"] == json.loads(entrypoint)
+
+
+def test_the_vllm_pods_engines_serve_where_the_pod_directory_says_in_the_gateways_network() -> None:
+    """The fake engines share the gateway's network namespace and serve one page on each port the vllm pods of
+    dev/pods.yaml name at ip 127.0.0.1; the gateway publishes those ports, so a person can read the pages too."""
+    engines = SERVICES[ENGINES]
+    assert engines["network_mode"] == f"service:{KEDA_ENDPOINT}"
+    listening = {int(word.rpartition(":")[2]) for word in engines["command"] if word.startswith("0.0.0.0:")}
+    directory = yaml.safe_load((ROOT / "dev" / "pods.yaml").read_text())["pods"]
+    engine_pods = [pod for pod in directory if "prometheus.io/port" in (pod.get("annotations") or {})]
+    assert {pod["workload"] for pod in engine_pods} == {"vllm"}
+    assert {pod["ip"] for pod in engine_pods} == {"127.0.0.1"}
+    assert {int(pod["annotations"]["prometheus.io/port"]) for pod in engine_pods} == listening
+    published = {port["target"] for port in SERVICES[KEDA_ENDPOINT]["ports"]}
+    assert listening <= published

@@ -147,7 +147,7 @@ def test_it_serves_every_node_and_the_gateway_at_the_addresses_it_prints(dev_sta
     first = next(line for line in lines if line.startswith("gpuscaler dev stack"))
     banner = lines[lines.index(first) : lines.index("Ctrl-C stops them all.")]
     printed = {
-        words[0]: dict(re.findall(r"(\w+) (127\.0\.0\.1:\d+)", line))
+        words[0]: dict(re.findall(r"([\w-]+) (127\.0\.0\.1:\d+)", line))
         for line in banner
         if (words := line.split()) and words[0] in SERVICES
     }
@@ -308,6 +308,25 @@ def test_pod_queries_count_exactly_the_gpus_the_fake_kubelet_gives_those_pods(
     assert (ok, gpus) == (True, expected)
 
 
+@pytest.mark.timeout(120)
+def test_the_vllm_pods_queue_is_read_from_their_fake_engines(dev_stack: Stack) -> None:
+    """`profile=vllm-queue workload=vllm` through the gateway reads each ml/vllm pod's fake engine (moved with the
+    stack's ports), and the value is the sum of the pods' queues."""
+    command = [str(BIN / "gpuscaler"), "query", "--address", dev_stack.address(6000), "--output", "json"]
+    command += ["--scaled-object", "ml/vllm", "profile=vllm-queue", "workload=vllm"]
+
+    def ask() -> dict[str, Any]:
+        report: dict[str, Any] = json.loads(subprocess.run(command, capture_output=True, text=True, timeout=60).stdout)
+        return report
+
+    report = _until(ask, lambda got: bool(got["get_metrics"]["ok"]), timeout=60)
+    rows = report["explanation"]["pods"]
+    expected = {pod["pod"] for pod in DIRECTORY["pods"] if pod["namespace"] == "ml" and pod["workload"] == "vllm"}
+    assert {row["pod"] for row in rows if row["included"]} == expected, rows
+    value = report["get_metrics"]["fields"]["metricValues"][0]["metricValueFloat"]
+    assert value == sum(row["value"] for row in rows), rows
+
+
 def test_the_two_pod_files_describe_the_same_pods() -> None:
     """Every pod that holds a GPU in dev/kubelet.yaml is in dev/pods.yaml on that node and the other way round, and
     every GPU index exists on its node."""
@@ -336,7 +355,10 @@ def test_one_agent_ending_leaves_the_rest_serving_and_ctrl_c_still_stops_all() -
     with running_stack() as stack:
         pid = int(re.findall(r"pid (\d+)", stack.said(r"^\s+node-b\s+pid \d+"))[0])
         os.kill(pid, signal.SIGKILL)
-        stack.said(r"^stack: node-b exited \(signal SIGKILL\); 5 other service\(s\) keep running .*'start node-b'")
+        others = len(SERVICES) - 1
+        stack.said(
+            rf"^stack: node-b exited \(signal SIGKILL\); {others} other service\(s\) keep running .*'start node-b'"
+        )
         for name, spec in SERVICES.items():
             if name != "node-b" and spec["command"][0] == "serve":
                 node = spec["environment"]["NODE_NAME"]
@@ -358,7 +380,7 @@ def test_one_agent_ending_leaves_the_rest_serving_and_ctrl_c_still_stops_all() -
         stack.said(r"^stack: started node-b again \(pid \d+\)")
         stack.answers(gateway, NODES)
         stack.type("stop node-a")
-        stack.said(r"^stack: node-a stopped \(code 0\); 5 other service\(s\) keep running")
+        stack.said(rf"^stack: node-a stopped \(code 0\); {others} other service\(s\) keep running")
         stack.type("start node-a")
         stack.answers(gateway, NODES)
         os.killpg(stack.process.pid, signal.SIGINT)

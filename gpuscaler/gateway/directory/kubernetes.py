@@ -15,9 +15,9 @@ class KubernetesDirectory:
         self.scaled_objects = scaled_objects
 
     @classmethod
-    def in_cluster(cls) -> KubernetesDirectory:
-        """Both watches on the pod's service account; ConfigError outside a cluster."""
-        pods = KubernetesPodDirectory.in_cluster()
+    async def connect(cls) -> KubernetesDirectory:
+        """Both watches on one connection: the pod's service account, or KUBECONFIG outside a cluster."""
+        pods = await KubernetesPodDirectory.connect()
         return cls(pods, KubernetesScaledObjects(pods.api_client_factory))
 
     def lookup(self, namespace: str, pod: str) -> PodInfo | None:

@@ -8,6 +8,7 @@ directory reports a problem, so workload queries fail (UNAVAILABLE) instead of r
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -138,16 +139,23 @@ class KubernetesPodDirectory(ListWatch[PodInfo]):
         super().__init__(PODS, api_client_factory, stale_after_seconds=stale_after_seconds)
 
     @classmethod
-    def in_cluster(cls) -> KubernetesPodDirectory:
-        """The pod's service account and the API server it is given; ConfigError outside a cluster."""
+    async def connect(cls) -> KubernetesPodDirectory:
+        """In a cluster, the pod's service account; outside one, the file ``KUBECONFIG`` names, as kubectl and
+        controller-runtime read it (a gateway run by hand, or a test against a real API server); else ConfigError."""
         configuration = client.Configuration()
         try:
             config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-        except config.ConfigException as error:
-            raise ConfigError(
-                f"--pod-directory kubernetes: no in-cluster Kubernetes API ({error}); outside a cluster, "
-                "give a static pod directory file"
-            ) from None
+        except config.ConfigException as in_cluster:
+            kubeconfig = os.environ.get("KUBECONFIG", "")
+            if not kubeconfig:
+                raise ConfigError(
+                    f"--pod-directory kubernetes: no in-cluster Kubernetes API ({in_cluster}) and no KUBECONFIG; "
+                    "outside a cluster, set KUBECONFIG or give a static pod directory file"
+                ) from None
+            try:
+                await config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+            except (config.ConfigException, OSError, ValueError) as error:
+                raise ConfigError(f"--pod-directory kubernetes: KUBECONFIG {kubeconfig!r}: {error}") from None
         return cls(lambda: client.ApiClient(configuration))
 
     @property

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes_asyncio import client
 
 from gpuscaler.gateway.directory.pod_watch import KubernetesPodDirectory
+from gpuscaler.model.errors import ConfigError
 from tests.fakes.fake_kube_api import FakeCollection, FakeKubeApi
 from tests.waiting import until
 
@@ -123,3 +126,47 @@ async def test_a_refused_list_is_a_problem_not_an_empty_cluster(
     api.pods.refused = None
     api.items = [pod("ml", "trainer-0", {"app": "trainer"})]
     await until(lambda: directory.problem() is None and directory.lookup("ml", "trainer-0") is not None, timeout=10)
+
+
+async def test_outside_a_cluster_it_watches_the_api_server_kubeconfig_names(
+    api: FakeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No service account here: KUBECONFIG's cluster and user are used, as kubectl would use them."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "fake", "cluster": {"server": f"http://127.0.0.1:{api.port}"}}],
+                "users": [{"name": "tester", "user": {"token": "not-checked"}}],
+                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "tester"}}],
+                "current-context": "fake",
+            }
+        )
+    )
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    api.items = [pod("ml", "trainer-7c9d-a", {"app": "trainer"})]
+    directory = await KubernetesPodDirectory.connect()
+    try:
+        await directory.start()
+        await until(lambda: directory.problem() is None)
+        assert _labels(directory, "ml", "trainer-7c9d-a") == {"app": "trainer"}
+    finally:
+        await directory.stop()
+
+
+async def test_outside_a_cluster_without_kubeconfig_it_says_what_to_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Neither a service account nor KUBECONFIG: a ConfigError naming both ways out; a KUBECONFIG that cannot be
+    read is named."""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    with pytest.raises(ConfigError, match="set KUBECONFIG or give a static pod directory file"):
+        await KubernetesPodDirectory.connect()
+    missing = tmp_path / "nowhere"
+    monkeypatch.setenv("KUBECONFIG", str(missing))
+    with pytest.raises(ConfigError, match=f"KUBECONFIG '{missing}'"):
+        await KubernetesPodDirectory.connect()
