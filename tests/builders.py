@@ -56,6 +56,10 @@ def gpu_sample(
     dram_bandwidth: float | None = None,
     energy: float | None = None,
     processes: tuple[ProcessUsage, ...] | None = None,
+    pcie_tx: float | None = None,
+    pcie_rx: float | None = None,
+    nvlink_tx: float | None = None,
+    nvlink_rx: float | None = None,
 ) -> GpuSample:
     """A sample of GPU ``index``; every value not given is absent."""
     return GpuSample(
@@ -73,6 +77,10 @@ def gpu_sample(
         tensor_active_percent=tensor_active,
         dram_bandwidth_percent=dram_bandwidth,
         energy_joules=energy,
+        pcie_tx_megabytes_per_second=pcie_tx,
+        pcie_rx_megabytes_per_second=pcie_rx,
+        nvlink_tx_megabytes_per_second=nvlink_tx,
+        nvlink_rx_megabytes_per_second=nvlink_rx,
         errors=errors,
         pods=pods,
         processes=processes,

@@ -35,9 +35,10 @@ from e2e.node.conftest import FAKE_GPUS, record
 from gpuscaler.signals.hpa import MetricType
 from tests.test_docs import EXTERNAL_TRIGGERS, YAML_SOURCES
 
-# Every percent reading a profile or metric may scale on, at 100 (busy) or 0 (idle).
+# Every percent reading a profile or metric may scale on, at 100 (busy) or 0 (idle); NVLink traffic (MB/s, for
+# distributed-training) at twice its profile's per-replica target.
 BUSY = {"gpu_utilization": 100.0, "memory_utilization": 100.0, "sm_active": 100.0, "sm_occupancy": 100.0}
-BUSY |= {"tensor_active": 100.0, "dram_bandwidth": 100.0}
+BUSY |= {"tensor_active": 100.0, "dram_bandwidth": 100.0, "nvlink_tx": 100000.0}
 IDLE = dict.fromkeys(BUSY, 0.0)
 SETTLE_SECONDS = 5.0
 STEP_TIMEOUT_SECONDS = 180.0

@@ -228,6 +228,37 @@ class MalformedSnapshot(ValueError):
 _ANOTHER_VERSION = "(is the agent another version of gpuscaler than the gateway?)"
 
 
+# Snapshot.readings began with 12 readings per GPU, and every later version appends (agent.proto): an agent of
+# another version sends a prefix of ours, or ours and more. A rolling upgrade mixes versions for minutes.
+FIRST_READINGS = 12
+
+
+def _readings_of_another_version(message: agent_pb2.Snapshot) -> list[float]:
+    """An older or newer agent's readings in this gateway's layout: the ones it does not read absent, with an error
+    saying so on each GPU, the ones this gateway does not know dropped; MalformedSnapshot when no version packs
+    them so."""
+    gpus, ours = len(message.gpus), len(READING_FIELDS)
+    theirs, left = divmod(len(message.readings), gpus) if gpus else (0, len(message.readings))
+    if left or theirs < FIRST_READINGS:
+        raise MalformedSnapshot(
+            f"the snapshot of node {message.node!r} has {len(message.readings)} readings for {gpus} GPUs; each GPU "
+            f"has {ours} here, and at least {FIRST_READINGS} in any version {_ANOTHER_VERSION}"
+        )
+    nan = float("nan")
+    packed: list[float] = []
+    for index, gpu in enumerate(message.gpus):
+        row = message.readings[index * theirs : index * theirs + min(theirs, ours)]
+        packed += [*row, *[nan] * (ours - len(row))]
+        for name in READING_FIELDS[theirs:]:
+            gpu.errors.add(
+                field=name,
+                kind=agent_pb2.READ_ERROR_KIND_NOT_SUPPORTED,
+                detail=f"the agent on node {message.node!r} is an older gpuscaler, which does not read {name}; "
+                "it will once it is upgraded",
+            )
+    return packed
+
+
 class SnapshotDecoder:
     """One agent's snapshot stream, from protobuf messages to domain snapshots, cheaply.
 
@@ -243,16 +274,13 @@ class SnapshotDecoder:
     def decode(self, message: agent_pb2.Snapshot, *, monotonic: float) -> Snapshot:
         """The domain snapshot; ``monotonic`` is the receiver's clock at arrival (clocks differ between hosts)."""
         node = message.node
-        gpus = len(message.gpus)
-        if len(message.readings) != len(READING_FIELDS) * gpus:
-            raise MalformedSnapshot(
-                f"the snapshot of node {node!r} has {len(message.readings)} readings for {gpus} GPUs; "
-                f"each GPU has {len(READING_FIELDS)} {_ANOTHER_VERSION}"
-            )
+        packed: Sequence[float] = message.readings
+        if len(packed) != len(READING_FIELDS) * len(message.gpus):
+            packed = _readings_of_another_version(message)
         state = _ATTRIBUTION_FROM_PB2.get(message.attribution.state)
         if state is None:
             raise MalformedSnapshot(f"the snapshot of node {node!r} has no pod attribution state {_ANOTHER_VERSION}")
-        samples = _WireSamples(message.gpus, message.readings, self)
+        samples = _WireSamples(message.gpus, packed, self)
         return Snapshot(
             sequence=message.sequence,
             taken_at=message.taken_at_unix_seconds,

@@ -4,7 +4,8 @@ A *reading* is one value NVML gives per device: a field of ``GpuSample`` with it
 call it comes from, and its Prometheus series. A *metric* is what trigger metadata names: computed from one
 reading or two, with its unit, what a fake GPU reads when idle, and the defaults a trigger that names only
 the metric gets. The collectors, the fake GPUs, the scenario files, /metrics, the profiles and the docs'
-tables (checked by tests) all read these two tables; a new metric is one entry in each.
+tables (checked by tests) all read these two tables; a new metric is one entry in each. A new reading goes at
+the end of ``READINGS``: the wire packs each GPU's readings in that order (``Snapshot.readings``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ class Metric(enum.StrEnum):
     TENSOR_ACTIVE = "tensor_active"
     DRAM_BANDWIDTH = "dram_bandwidth"
     POWER_AVERAGE = "power_average"
+    PCIE_TX = "pcie_tx"
+    PCIE_RX = "pcie_rx"
+    NVLINK_TX = "nvlink_tx"
+    NVLINK_RX = "nvlink_rx"
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +48,9 @@ class Reading:
     scale: float = 1.0  # from the field's unit to the series' (percent to ratio: 0.01)
     counter: bool = False  # a value that only grows (energy since the driver loaded)
     gpm_metric: int | None = None  # the NVML_GPM_METRIC_* id of a GPM reading: a rate between two GPM samples
+    gpm_scale: float = 1.0  # from the GPM metric's unit to the field's (MiB/s to MB/s: 1.048576)
+    # The older NVML call a GPU without GPM (before Hopper) reads it with; None: absent there, as GPM-only.
+    fallback: str | None = None
 
 
 # NVML_GPM_METRIC_* ids (nvml.h); named here so that the collector and the fake NVML share them.
@@ -51,6 +59,13 @@ GPM_SM_UTIL = 2
 GPM_SM_OCCUPANCY = 3
 GPM_ANY_TENSOR_UTIL = 5
 GPM_DRAM_BW_UTIL = 10
+GPM_PCIE_TX_PER_SEC = 20
+GPM_PCIE_RX_PER_SEC = 21
+GPM_NVLINK_TOTAL_RX_PER_SEC = 60
+GPM_NVLINK_TOTAL_TX_PER_SEC = 61
+
+# GPM's throughputs are in MiB/s; the readings are in decimal MB/s, the unit the prior art's targets are in.
+MIB_PER_SECOND_IN_MB_PER_SECOND = 1024**2 / 1e6
 
 
 READINGS: tuple[Reading, ...] = (
@@ -126,9 +141,56 @@ READINGS: tuple[Reading, ...] = (
         "Energy the board used since the driver loaded (NVML total energy consumption, mJ / 1000).",
         counter=True,
     ),
+    # Appended after energy_joules, as every new reading is: the wire's packed order must not move.
+    Reading(
+        "pcie_tx_megabytes_per_second",
+        "nvmlGpmMetricsGet",
+        "gpuscaler_gpu_pcie_tx_bytes_per_second",
+        "Bytes per second the GPU sent over PCIe (NVML_GPM_METRIC_PCIE_TX_PER_SEC; before Hopper "
+        "nvmlDeviceGetPcieThroughput, a 20 ms sample).",
+        1e6,
+        gpm_metric=GPM_PCIE_TX_PER_SEC,
+        gpm_scale=MIB_PER_SECOND_IN_MB_PER_SECOND,
+        fallback="nvmlDeviceGetPcieThroughput",
+    ),
+    Reading(
+        "pcie_rx_megabytes_per_second",
+        "nvmlGpmMetricsGet",
+        "gpuscaler_gpu_pcie_rx_bytes_per_second",
+        "Bytes per second the GPU received over PCIe (NVML_GPM_METRIC_PCIE_RX_PER_SEC; before Hopper "
+        "nvmlDeviceGetPcieThroughput, a 20 ms sample).",
+        1e6,
+        gpm_metric=GPM_PCIE_RX_PER_SEC,
+        gpm_scale=MIB_PER_SECOND_IN_MB_PER_SECOND,
+        fallback="nvmlDeviceGetPcieThroughput",
+    ),
+    Reading(
+        "nvlink_tx_megabytes_per_second",
+        "nvmlGpmMetricsGet",
+        "gpuscaler_gpu_nvlink_tx_bytes_per_second",
+        "Bytes per second the GPU sent over all its NVLinks (NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC; before "
+        "Hopper the NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX counter's rate between two reads).",
+        1e6,
+        gpm_metric=GPM_NVLINK_TOTAL_TX_PER_SEC,
+        gpm_scale=MIB_PER_SECOND_IN_MB_PER_SECOND,
+        fallback="nvmlDeviceGetFieldValues",
+    ),
+    Reading(
+        "nvlink_rx_megabytes_per_second",
+        "nvmlGpmMetricsGet",
+        "gpuscaler_gpu_nvlink_rx_bytes_per_second",
+        "Bytes per second the GPU received over all its NVLinks (NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC; "
+        "before Hopper the NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX counter's rate between two reads).",
+        1e6,
+        gpm_metric=GPM_NVLINK_TOTAL_RX_PER_SEC,
+        gpm_scale=MIB_PER_SECOND_IN_MB_PER_SECOND,
+        fallback="nvmlDeviceGetFieldValues",
+    ),
 )
 READING_FIELDS: tuple[str, ...] = tuple(reading.field for reading in READINGS)
 GPM_READINGS: tuple[Reading, ...] = tuple(reading for reading in READINGS if reading.gpm_metric is not None)
+# GPM readings that an older call also gives: a GPU without GPM reads these through ``Reading.fallback``.
+FALLBACK_READINGS: tuple[Reading, ...] = tuple(reading for reading in READINGS if reading.fallback is not None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,5 +322,56 @@ METRICS: Mapping[Metric, MetricInfo] = {
             Aggregation.SUM, 300.0, 0.0, "sum of each GPU's average watts over the window, from its energy counter"
         ),
         rate=True,
+    ),
+    # Interconnect traffic, per physical GPU: GPM on Hopper and newer, NVML's older calls before it. A sum over
+    # GPUs with a per-replica target, as for the percentages: each replica's GPUs move their share of the bytes.
+    Metric.PCIE_TX: MetricInfo(
+        "MB/s",
+        "pcie_tx_megabytes_per_second",
+        None,
+        0.0,
+        MetricDefaults(
+            Aggregation.SUM,
+            10000.0,
+            1000.0,
+            "sum of MB/s sent over PCIe; 10000 is a third of a Gen4 x16 link: busy, not saturated",
+        ),
+    ),
+    Metric.PCIE_RX: MetricInfo(
+        "MB/s",
+        "pcie_rx_megabytes_per_second",
+        None,
+        0.0,
+        MetricDefaults(
+            Aggregation.SUM,
+            10000.0,
+            1000.0,
+            "sum of MB/s received over PCIe (input pipelines); 10000 is a third of a Gen4 x16 link",
+        ),
+    ),
+    Metric.NVLINK_TX: MetricInfo(
+        "MB/s",
+        "nvlink_tx_megabytes_per_second",
+        None,
+        0.0,
+        MetricDefaults(
+            Aggregation.SUM,
+            50000.0,
+            5000.0,
+            "sum of MB/s sent over NVLink: collective traffic in data- and tensor-parallel training; the prior "
+            "art's target",
+        ),
+    ),
+    Metric.NVLINK_RX: MetricInfo(
+        "MB/s",
+        "nvlink_rx_megabytes_per_second",
+        None,
+        0.0,
+        MetricDefaults(
+            Aggregation.SUM,
+            50000.0,
+            5000.0,
+            "sum of MB/s received over NVLink: the other half of nvlink_tx's collective traffic",
+        ),
     ),
 }

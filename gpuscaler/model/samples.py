@@ -101,7 +101,8 @@ class ProcessUsage(NamedTuple):
 
 
 class GpuSample(NamedTuple):
-    """One device's readings at one tick. Percentages are 0-100, memory in bytes, power in watts, energy in joules.
+    """One device's readings at one tick. Percentages are 0-100, memory in bytes, power in watts, energy in joules,
+    PCIe and NVLink traffic in MB/s (10**6 bytes a second).
 
     ``processes`` is None when the agent does not read processes (``--processes`` is off, or the read failed:
     see ``errors``), and a tuple, maybe empty, when it read them.
@@ -121,6 +122,10 @@ class GpuSample(NamedTuple):
     tensor_active_percent: float | None = None
     dram_bandwidth_percent: float | None = None
     energy_joules: float | None = None
+    pcie_tx_megabytes_per_second: float | None = None
+    pcie_rx_megabytes_per_second: float | None = None
+    nvlink_tx_megabytes_per_second: float | None = None
+    nvlink_rx_megabytes_per_second: float | None = None
     errors: tuple[ReadError, ...] = ()
     pods: tuple[PodRef, ...] = ()
     processes: tuple[ProcessUsage, ...] | None = None

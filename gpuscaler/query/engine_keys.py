@@ -3,6 +3,9 @@
 No key takes a URL. The prior art's ``vllmEndpoint`` and ``tritonEndpoint`` are refused with the way to select
 the pods instead: a URL in a ScaledObject lets whoever writes one make the scaler fetch any address, and a
 Service's URL reads one pod of many.
+
+The prior art's NVLink names (MB/s) mean ours in the same unit; its PCIe names are in KB/s, where ours are MB/s,
+so they are refused with the conversion rather than read with a target a thousand times off.
 """
 
 from __future__ import annotations
@@ -20,6 +23,16 @@ PRIOR_ART_METRICS: Mapping[str, EngineMetric] = {
     "vllm_queue_depth": EngineMetric.VLLM_QUEUE,
     "vllm_kv_cache_usage": EngineMetric.VLLM_KV_CACHE,
     "triton_queue_wait_ms": EngineMetric.TRITON_QUEUE_WAIT,
+}
+# The prior art's GPU metricType values that are ours under another name, in the same unit.
+PRIOR_ART_GPU_METRICS: Mapping[str, Metric] = {
+    "nvlink_tx_mbps": Metric.NVLINK_TX,
+    "nvlink_rx_mbps": Metric.NVLINK_RX,
+}
+# The prior art's KB/s names, and the MB/s metric each one's user wants.
+PRIOR_ART_KILOBYTE_METRICS: Mapping[str, Metric] = {
+    "pcie_tx_kbps": Metric.PCIE_TX,
+    "pcie_rx_kbps": Metric.PCIE_RX,
 }
 ENDPOINT_KEYS = ("vllmEndpoint", "tritonEndpoint")
 ENGINE_KEYS = ("signals", "scrapeInterval")
@@ -49,7 +62,7 @@ def metric_names() -> list[str]:
 
 
 def parse_any_metric(key: str, text: str) -> AnyMetric:
-    """A GPU metric or an engine signal by name; the prior art's engine metricType values are accepted too."""
+    """A GPU metric or an engine signal by name; the prior art's metricType values with our unit are accepted too."""
     name = text.strip()
     for kind in (Metric, EngineMetric):
         try:
@@ -58,6 +71,15 @@ def parse_any_metric(key: str, text: str) -> AnyMetric:
             continue
     if name in PRIOR_ART_METRICS:
         return PRIOR_ART_METRICS[name]
+    if name in PRIOR_ART_GPU_METRICS:
+        return PRIOR_ART_GPU_METRICS[name]
+    if name in PRIOR_ART_KILOBYTE_METRICS:
+        ours = PRIOR_ART_KILOBYTE_METRICS[name]
+        raise InvalidMetadata(
+            f"{key} {text!r} is the prior art's PCIe traffic in KB/s, which gpuscaler does not read; use "
+            f"{key}: {ours.value}, in MB/s, with the target divided by 1000 (a targetValue of 10000000 KB/s is "
+            "10000 MB/s)"
+        )
     raise InvalidMetadata(f"{key} {text!r} is not allowed; use one of: {', '.join(metric_names())}")
 
 

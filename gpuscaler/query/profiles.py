@@ -7,6 +7,8 @@ that scales on GPM's ``sm_active`` instead: a better signal (the share of SMs at
 one small kernel fills), but only on Hopper and newer. A ``-gpm`` profile never falls back to the duty cycle
 on an older GPU, because a sum that mixes two metrics with different scales would be a number nobody set a
 target for; it fails with FAILED_PRECONDITION naming the plain profile instead (docs/profiles.md).
+``distributed-training`` has no twin: it scales on NVLink traffic, which the agent reads from GPM on Hopper and
+from NVML's older counters before it, so it is the same metric on every GPU that has NVLink.
 
 KEDA's default metricType is AverageValue, where the HPA computes desired = ceil(value / target)
 regardless of the current replica count. So the defaults return the SUM over the selected GPUs and
@@ -159,6 +161,22 @@ PROFILES: Mapping[str, Profile] = {
             why=(
                 "the batch profile's packing and minute-long memory, on the share of SMs at work: a worker that "
                 "fills a GPU's SMs counts more than one that keeps a single SM busy"
+            ),
+        ),
+        # No -gpm twin: NVLink traffic is one metric whether GPM or the older counters read it.
+        Profile(
+            name="distributed-training",
+            metric=Metric.NVLINK_TX,
+            aggregation=Aggregation.SUM,
+            target=50000.0,
+            activation_threshold=5000.0,
+            deactivation_threshold=500.0,
+            window_seconds=60.0,
+            window_function=WindowFunction.AVG,
+            why=(
+                "data- and tensor-parallel jobs exchange gradients and activations over NVLink every step, so its "
+                "traffic follows the work the job does across GPUs; a 60 s average spans many steps and rides out "
+                "the quiet of a checkpoint, and the prior art's target of 50000 MB/s is one replica's share"
             ),
         ),
     )

@@ -7,6 +7,10 @@ GPM is modelled as NVML has it: samples are allocated and freed by the caller (t
 refuses a sample freed twice or used after its free), a metric is computed from two samples of one device,
 and a device that is not Hopper or newer says so through ``nvmlGpmQueryDeviceSupport``. Per-process
 utilisation returns the samples newer than the caller's timestamp, and NOT_FOUND when there are none.
+
+PCIe throughput is a device's KB/s; NVLink's throughput counters are KiB totals a test advances, answered
+per link (the total split evenly) or for all links at once (scope UINT_MAX), and a device without NVLink
+answers NOT_SUPPORTED to ``nvmlDeviceGetNvLinkState`` and to the counters, as NVML does.
 """
 
 from __future__ import annotations
@@ -22,10 +26,15 @@ from gpuscaler.model.gpu_metrics import (
     GPM_ANY_TENSOR_UTIL,
     GPM_DRAM_BW_UTIL,
     GPM_GRAPHICS_UTIL,
+    GPM_NVLINK_TOTAL_RX_PER_SEC,
+    GPM_NVLINK_TOTAL_TX_PER_SEC,
+    GPM_PCIE_RX_PER_SEC,
+    GPM_PCIE_TX_PER_SEC,
     GPM_SM_OCCUPANCY,
     GPM_SM_UTIL,
 )
 
+INVALID_ARGUMENT = 2
 NOT_SUPPORTED = 3
 NOT_FOUND = 6
 TIMEOUT = 10
@@ -36,8 +45,12 @@ NO_DATA = 21
 
 NVML_GPM_METRICS_GET_VERSION = 1
 NVML_GPM_METRIC_MAX = 477
+NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX = 138
+NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX = 139
+ALL_LINKS = 0xFFFFFFFF  # a field value's scopeId for every NVLink at once
 
 _MESSAGES = {
+    INVALID_ARGUMENT: "Invalid Argument",
     NOT_SUPPORTED: "Not Supported",
     NOT_FOUND: "Not Found",
     TIMEOUT: "Timeout",
@@ -49,13 +62,17 @@ _MESSAGES = {
 
 
 def default_gpm() -> dict[int, float]:
-    """A busy Hopper GPU's GPM metrics (by NVML_GPM_METRIC_* id), in percent."""
+    """A busy Hopper GPU's GPM metrics (by NVML_GPM_METRIC_* id): activity in percent, traffic in MiB/s."""
     return {
         GPM_GRAPHICS_UTIL: 88.0,
         GPM_SM_UTIL: 35.5,
         GPM_SM_OCCUPANCY: 22.25,
         GPM_ANY_TENSOR_UTIL: 12.5,
         GPM_DRAM_BW_UTIL: 48.0,
+        GPM_PCIE_TX_PER_SEC: 1000.0,
+        GPM_PCIE_RX_PER_SEC: 3000.0,
+        GPM_NVLINK_TOTAL_RX_PER_SEC: 40000.0,
+        GPM_NVLINK_TOTAL_TX_PER_SEC: 50000.0,
     }
 
 
@@ -140,6 +157,14 @@ class FakeDevice:
     gpm_metric_errors: dict[int, int] = field(default_factory=dict)  # metric id -> the nvmlReturn it gets
     gpu_instance_id: int = 0  # of a MIG instance
     processes: list[FakeProcess] = field(default_factory=list)
+    pcie_tx_kbps: int = 500_000  # nvmlDeviceGetPcieThroughput's KB/s (1024 bytes)
+    pcie_rx_kbps: int = 1_000_000
+    nvlink: bool = True  # has NVLink (an SXM board); False: a PCIe card without a bridge
+    nvlink_links: int = 18
+    # The NVLink throughput counters over all links, KiB since the driver loaded; a test advances them.
+    nvlink_tx_kib: int = 0
+    nvlink_rx_kib: int = 0
+    field_errors: dict[int, int] = field(default_factory=dict)  # field id -> the nvmlReturn it gets
 
 
 class FakeNvml:
@@ -254,6 +279,45 @@ class FakeNvml:
 
     def nvmlDeviceGetGpuInstanceId(self, handle: FakeDevice) -> int:
         return self._device("nvmlDeviceGetGpuInstanceId", handle).gpu_instance_id
+
+    # PCIe and NVLink
+
+    def nvmlDeviceGetPcieThroughput(self, handle: FakeDevice, counter: int) -> int:
+        device = self._device("nvmlDeviceGetPcieThroughput", handle)
+        return (device.pcie_tx_kbps, device.pcie_rx_kbps)[counter]
+
+    def nvmlDeviceGetNvLinkState(self, handle: FakeDevice, link: int) -> int:
+        device = self._device("nvmlDeviceGetNvLinkState", handle)
+        if not device.nvlink:
+            raise NVMLError(NOT_SUPPORTED)
+        if not 0 <= link < device.nvlink_links:
+            raise NVMLError(INVALID_ARGUMENT)
+        return 1  # NVML_FEATURE_ENABLED
+
+    def nvmlDeviceGetFieldValues(self, handle: FakeDevice, field_ids: list[tuple[int, int]]) -> list[Any]:
+        device = self._device("nvmlDeviceGetFieldValues", handle)
+        return [self._field_value(device, field_id, scope_id) for field_id, scope_id in field_ids]
+
+    @staticmethod
+    def _field_value(device: FakeDevice, field_id: int, scope_id: int) -> Any:
+        counters = {
+            NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX: device.nvlink_tx_kib,
+            NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX: device.nvlink_rx_kib,
+        }
+        code, value = 0, 0
+        if field_id in device.field_errors:
+            code = device.field_errors[field_id]
+        elif field_id not in counters or not device.nvlink:
+            code = NOT_SUPPORTED
+        elif scope_id == ALL_LINKS:
+            value = counters[field_id]
+        elif 0 <= scope_id < device.nvlink_links:
+            value = counters[field_id] // device.nvlink_links
+        else:
+            code = INVALID_ARGUMENT
+        return SimpleNamespace(
+            fieldId=field_id, scopeId=scope_id, nvmlReturn=code, value=SimpleNamespace(ullVal=value if not code else 0)
+        )
 
     # GPM
 

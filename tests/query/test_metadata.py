@@ -55,6 +55,10 @@ def test_no_keys_give_the_documented_defaults() -> None:
         pytest.param("temperature", Aggregation.MAX, 80.0, 0.0, id="temperature"),
         pytest.param("power_draw", Aggregation.SUM, 300.0, 0.0, id="power_draw"),
         pytest.param("power_percent", Aggregation.SUM, 70.0, 0.0, id="power_percent"),
+        pytest.param("pcie_tx", Aggregation.SUM, 10000.0, 1000.0, id="pcie_tx"),
+        pytest.param("pcie_rx", Aggregation.SUM, 10000.0, 1000.0, id="pcie_rx"),
+        pytest.param("nvlink_tx", Aggregation.SUM, 50000.0, 5000.0, id="nvlink_tx"),
+        pytest.param("nvlink_rx", Aggregation.SUM, 50000.0, 5000.0, id="nvlink_rx"),
     ],
 )
 def test_each_metric_has_its_own_defaults(
@@ -397,6 +401,37 @@ def test_profile_gives_its_documented_values(
     assert query.activation == ActivationRule(activation, deactivation)
     assert query.value.window_seconds == window
     assert query.value.window_function is function
+
+
+def test_distributed_training_sums_nvlink_tx_over_a_minute() -> None:
+    """distributed-training is the sum of NVLink TX in MB/s, target 50000, active above 5000 until 500, 60 s avg."""
+    query = parse({"profile": "distributed-training"})
+    assert query.value.metric is Metric.NVLINK_TX
+    assert query.value.aggregation is Aggregation.SUM
+    assert query.target == 50000.0
+    assert query.activation == ActivationRule(5000.0, 500.0)
+    assert (query.value.window_seconds, query.value.window_function) == (60.0, WindowFunction.AVG)
+
+
+@pytest.mark.parametrize(
+    ("name", "metric"), [("nvlink_tx_mbps", Metric.NVLINK_TX), ("nvlink_rx_mbps", Metric.NVLINK_RX)]
+)
+def test_the_prior_arts_nvlink_names_are_our_nvlink_metrics(name: str, metric: Metric) -> None:
+    """The prior art's nvlink_*_mbps (MB/s) mean nvlink_tx and nvlink_rx, same unit, same defaults."""
+    for key in ("metric", "metricType"):
+        query = parse({key: name, "targetValue": "20000"})
+        assert query.value.metric is metric
+        assert query.target == 20000.0
+        assert query.activation == ActivationRule(5000.0, 5000.0)
+
+
+@pytest.mark.parametrize(("name", "ours"), [("pcie_tx_kbps", "pcie_tx"), ("pcie_rx_kbps", "pcie_rx")])
+def test_the_prior_arts_pcie_kilobyte_names_are_refused_with_the_conversion(name: str, ours: str) -> None:
+    """pcie_*_kbps are refused, naming the key and value, and saying to use pcie_tx/pcie_rx in MB/s, target / 1000."""
+    message = refusal({"metricType": name, "targetValue": "10000000"})
+    assert f"metricType {name!r}" in message
+    assert f"use metricType: {ours}, in MB/s" in message
+    assert "target divided by 1000" in message
 
 
 @pytest.mark.parametrize(

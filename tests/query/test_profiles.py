@@ -1,4 +1,5 @@
-"""Profiles over fake NVML GPUs: -gpm profiles read SM activity where GPM exists and refuse clearly where not."""
+"""Profiles over fake NVML GPUs: -gpm profiles read SM activity where GPM exists and refuse clearly where not;
+distributed-training reads NVLink traffic with or without GPM, and refuses a GPU without NVLink."""
 
 from __future__ import annotations
 
@@ -11,16 +12,17 @@ import pytest
 from gpuscaler.agent.collectors.nvml import NvmlCollector
 from gpuscaler.agent.process import Agent
 from gpuscaler.model.errors import Unavailable, Unsupported
-from gpuscaler.model.gpu_metrics import Metric
+from gpuscaler.model.gpu_metrics import METRICS, READINGS, Metric
 from gpuscaler.model.samples import ReadErrorKind
-from gpuscaler.query.profiles import GPM_SUFFIX, PROFILES
+from gpuscaler.query.profiles import DEFAULT_METRIC, GPM_SUFFIX, PROFILES
 from gpuscaler.signals.outcome import Evaluation
 from tests.conftest import serve_settings
 from tests.fakes.fake_nvml import FakeDevice, FakeNvml
 from tests.waiting import until
 
 StartNvmlAgent = Callable[..., Coroutine[Any, Any, Agent]]
-PLAIN = sorted(name for name in PROFILES if not name.endswith(GPM_SUFFIX))
+# The profiles on the duty cycle, each with a -gpm twin; the others read one metric on every GPU that has it.
+PLAIN = sorted(name for name, profile in PROFILES.items() if profile.metric is DEFAULT_METRIC)
 
 
 def hopper(uuid: str) -> FakeDevice:
@@ -70,6 +72,16 @@ async def settled(agent: Agent, **metadata: str) -> Evaluation:
 async def value(agent: Agent, **metadata: str) -> float:
     """The query's value on ``agent`` once it has settled (see ``settled``)."""
     return (await settled(agent, **metadata)).value_or_raise()
+
+
+def test_a_profile_without_a_twin_reads_its_metric_with_or_without_gpm() -> None:
+    """A profile that is neither on the duty cycle nor a -gpm twin scales on a reading that GPUs without GPM give."""
+    readings = {reading.field: reading for reading in READINGS}
+    untwinned = [name for name in PROFILES if name not in PLAIN and not name.endswith(GPM_SUFFIX)]
+    assert untwinned == ["distributed-training"]
+    for name in untwinned:
+        reading = readings[METRICS[PROFILES[name].metric].reading]
+        assert reading.gpm_metric is None or reading.fallback is not None, name
 
 
 def test_every_plain_profile_has_a_gpm_twin_with_its_shape() -> None:
@@ -126,3 +138,30 @@ async def test_on_a_mixed_node_the_gpm_profile_leaves_out_the_older_gpu_and_says
     assert [c.sample.gpu.uuid for c in left_out] == ["GPU-a100"]
     assert "GPM is not supported" in (left_out[0].reason or "")
     assert await value(agent, profile="vllm-inference") == pytest.approx(194.0)
+
+
+def nvlink_ampere(uuid: str) -> FakeDevice:
+    """An A100 SXM: NVLink, no GPM; its NVLink counters do not move unless a test moves them."""
+    return FakeDevice(uuid, name="NVIDIA A100-SXM4-80GB", gpm_supported=False)
+
+
+async def test_distributed_training_reads_nvlink_from_gpm_and_from_the_older_counters(
+    start_nvml_agent: StartNvmlAgent,
+) -> None:
+    """On Hopper the profile sums GPM's NVLink TX (50000 MiB/s = 52428.8 MB/s); an A100's counters add their rate."""
+    agent = await start_nvml_agent(hopper("GPU-h100"), nvlink_ampere("GPU-a100"))
+    evaluation = await settled(agent, profile="distributed-training")
+    assert evaluation.value_or_raise() == pytest.approx(52428.8)
+    assert {c.sample.gpu.uuid: c.value for c in evaluation.contributions} == {
+        "GPU-h100": pytest.approx(52428.8),
+        "GPU-a100": 0.0,
+    }
+
+
+async def test_distributed_training_on_gpus_without_nvlink_says_so(start_nvml_agent: StartNvmlAgent) -> None:
+    """On PCIe cards without NVLink the profile is FAILED_PRECONDITION saying the GPU has no NVLink, never 0."""
+    agent = await start_nvml_agent(FakeDevice("GPU-pcie", name="NVIDIA H100 PCIe", nvlink=False))
+    with pytest.raises(Unsupported) as raised:
+        await value(agent, profile="distributed-training")
+    assert "nvlink_tx cannot be read on GPU 0 (GPU-pcie)" in raised.value.message
+    assert "this GPU has no NVLink" in raised.value.message

@@ -76,7 +76,8 @@ async def test_gpu_series_have_labels_and_base_units(nvml_agent: tuple[Agent, Fa
 
 
 async def test_energy_is_a_counter_and_gpm_values_are_ratios(nvml_agent: tuple[Agent, FakeNvml]) -> None:
-    """The energy counter is a Prometheus counter in joules; GPM metrics are 0-1 ratios once two ticks are in."""
+    """The energy counter is a Prometheus counter in joules; GPM metrics are 0-1 ratios and NVLink traffic bytes a
+    second once two ticks are in."""
     agent, _ = nvml_agent
     await next_tick(agent)
     assert agent.frontend.metrics is not None
@@ -93,6 +94,10 @@ async def test_energy_is_a_counter_and_gpm_values_are_ratios(nvml_agent: tuple[A
     }
     assert {s.value for s in families["gpuscaler_gpu_sm_active_ratio"].samples} == {0.355}
     assert {s.value for s in families["gpuscaler_gpu_dram_bandwidth_ratio"].samples} == {0.48}
+    # GPM's 50000 MiB/s of NVLink TX, in bytes a second.
+    assert [s.value for s in families["gpuscaler_gpu_nvlink_tx_bytes_per_second"].samples] == pytest.approx(
+        [50000 * 1024**2] * 2
+    )
 
 
 async def test_nvml_calls_are_timed_and_errors_counted(nvml_agent: tuple[Agent, FakeNvml]) -> None:

@@ -115,6 +115,10 @@ SAMPLES = [
         gpu_sample(0, sm_active=35.5, sm_occupancy=0.0, tensor_active=12.25, dram_bandwidth=48.0, energy=123456.789),
         id="gpm-and-energy",
     ),
+    pytest.param(
+        gpu_sample(0, energy=5.0, pcie_tx=512.0, pcie_rx=1048.576, nvlink_tx=52428.8, nvlink_rx=0.0),
+        id="pcie-and-nvlink-after-energy",
+    ),
     pytest.param(gpu_sample(0, util=50.0, processes=()), id="processes-read-none-running"),
     pytest.param(
         gpu_sample(
@@ -182,12 +186,37 @@ def test_a_snapshot_only_another_version_sends_is_refused() -> None:
     unattributed.attribution = pb.Attribution()
     unnamed.windows = [pb.WindowedValues(window=pb.WindowSpec(metric="flops", seconds=1.0, function="max"))]
     for message, complaint in (
-        (short, "has 12 readings for 2 GPUs; each GPU has 12"),
+        (
+            short,
+            f"has {len(READING_FIELDS)} readings for 2 GPUs; each GPU has {len(READING_FIELDS)} here, and at least",
+        ),
         (unattributed, "has no pod attribution state"),
         (unnamed, "names a window this gateway cannot read: window metric 'flops' is not a metric"),
     ):
         with pytest.raises(MalformedSnapshot, match=re.escape(complaint)):
             decoded(message)
+
+
+def test_an_older_or_newer_agent_is_read_in_this_gateways_layout() -> None:
+    """A rolling upgrade mixes versions: an older agent packs a prefix of the readings (the first 12), a newer one
+    appends more. The older one's missing readings are absent with an error that says why (never 0); a newer one's
+    extra readings are dropped; the rest land where they belong."""
+    original = snapshot(1, 0.0, (gpu_sample(0, util=42.0), gpu_sample(1, util=7.0)))
+    older, newer = (snapshot_to_wire(original, poll_interval_seconds=1.0) for _ in range(2))
+    ours = len(READING_FIELDS)
+    older.readings = [value for gpu in range(2) for value in older.readings[gpu * ours : gpu * ours + 12]]
+    newer.readings = [value for gpu in range(2) for value in [*newer.readings[gpu * ours : (gpu + 1) * ours], 9.0]]
+    for message in (older, newer):
+        samples = decoded(message).samples
+        assert [sample.gpu_utilization_percent for sample in samples] == [42.0, 7.0]
+        assert samples[1].energy_joules == original.samples[1].energy_joules
+    assert decoded(newer).samples == decoded(snapshot_to_wire(original, poll_interval_seconds=1.0)).samples
+    sample = decoded(older).samples[0]
+    for name in READING_FIELDS[12:]:
+        assert getattr(sample, name) is None
+        (error,) = [error for error in sample.errors if error.field == name]
+        assert error.kind is ReadErrorKind.NOT_SUPPORTED
+        assert "is an older gpuscaler, which does not read" in error.detail
 
 
 def test_snapshot_round_trips() -> None:

@@ -1,9 +1,9 @@
 """Fake GPUs that behave like NVML ones: values from a scenario or set live, and NVML's failures on demand.
 
 A ``timeout`` failure blocks the read the way a hung NVML call blocks its thread, so the poll loop's
-timeout path is the one under test, not a shortcut. GPM metrics are absent on a GPU's first read (and on
-the first after it was lost), as NVML's rates between two samples are; the energy counter grows by the
-power drawn between two reads.
+timeout path is the one under test, not a shortcut. A fake GPU is a Hopper with NVLink: its GPM metrics,
+PCIe and NVLink traffic included, are absent on its first read (and on the first after it was lost), as
+NVML's rates between two samples are; the energy counter grows by the power drawn between two reads.
 """
 
 from __future__ import annotations

@@ -6,16 +6,19 @@ absent with that reason, never 0. A MIG instance is sampled through its parent (
 with the instance's GPU instance id). The buffers are freed exactly once: when the device goes (a lost
 GPU, a MIG change), when the collector closes, and, if a read still uses them then (a hung NVML call),
 by that read on its way out.
+
+Where GPM is not there, its readings are absent NOT_SUPPORTED, except those with a ``Reading.fallback``:
+the caller reads them with the older NVML call instead (``interconnect.py``), so this reader leaves them alone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, Protocol
 
-from gpuscaler.model.gpu_metrics import GPM_GRAPHICS_UTIL, GPM_READINGS
+from gpuscaler.model.gpu_metrics import GPM_GRAPHICS_UTIL, GPM_READINGS, Reading
 from gpuscaler.model.samples import GpuIdentity, ReadErrorKind
 
 # The key of GPM's graphics activity in ``GpmReader.read``'s answer: a MIG instance's utilisation.
@@ -120,79 +123,101 @@ class GpmReader:
         self._support: dict[str, str | None] = {}  # uuid -> None when GPM works, else why not
         self._instance_ids: dict[str, int] = {}
 
-    def read(self, gpu: GpuIdentity, handle: Any, physical: Any, calls: Calls) -> dict[str, float]:
-        """The device's GPM metrics by sample field (and ``GRAPHICS_PERCENT`` for a MIG instance).
+    def read(
+        self, gpu: GpuIdentity, handle: Any, physical: Any, calls: Calls, skip: Collection[str] = ()
+    ) -> dict[str, float]:
+        """The device's GPM metrics by sample field, in its unit (and ``GRAPHICS_PERCENT`` for a MIG instance).
 
         A field that is not in the answer has its reason in ``calls``: unsupported, the first sample, an error.
+        ``skip`` names fields the caller settles itself for this device: they are neither asked nor recorded.
         """
-        unsupported = self._unsupported(gpu, physical, calls)
+        readings = [reading for reading in GPM_READINGS if reading.field not in skip]
+        fields = [reading.field for reading in readings]
+        unsupported = self._unsupported(gpu, physical, calls, readings)
         if unsupported == UNKNOWN:
             return {}
         if unsupported is not None:
-            calls.absent(GPM_FIELDS, ReadErrorKind.NOT_SUPPORTED, unsupported)
+            calls.absent(
+                [reading.field for reading in readings if reading.fallback is None],
+                ReadErrorKind.NOT_SUPPORTED,
+                unsupported,
+            )
             return {}
         is_mig = gpu.mig_parent_uuid is not None
-        instance = self._instance_id(gpu, handle, calls) if is_mig else None
+        instance = self._instance_id(gpu, handle, calls, fields) if is_mig else None
         if is_mig and instance is None:
             return {}
-        buffers = self._buffers_of(gpu, calls)
+        buffers = self._buffers_of(gpu, calls, fields)
         if buffers is None:
             return {}
         with buffers.using() as usable:
             if not usable:
-                calls.absent(GPM_FIELDS, ReadErrorKind.TIMEOUT, "the previous GPM read of this device has not returned")
+                calls.absent(fields, ReadErrorKind.TIMEOUT, "the previous GPM read of this device has not returned")
                 return {}
-            return self._sample(gpu, physical, instance, buffers, calls)
+            return self._sample(gpu, physical, instance, buffers, calls, readings)
+
+    def supported(self, uuid: str) -> bool:
+        """Whether GPM is known to work on the device: False before it was asked, or when the answer failed."""
+        with self._lock:
+            return self._support.get(uuid, UNKNOWN) is None
 
     def _sample(
-        self, gpu: GpuIdentity, physical: Any, instance: int | None, buffers: _Buffers, calls: Calls
+        self,
+        gpu: GpuIdentity,
+        physical: Any,
+        instance: int | None,
+        buffers: _Buffers,
+        calls: Calls,
+        readings: Sequence[Reading],
     ) -> dict[str, float]:
         nvml = self._nvml
         current = buffers.current
+        fields = [reading.field for reading in readings]
         if instance is None:
-            filled = calls.call(GPM_FIELDS, "nvmlGpmSampleGet", lambda: nvml.nvmlGpmSampleGet(physical, current))
+            filled = calls.call(fields, "nvmlGpmSampleGet", lambda: nvml.nvmlGpmSampleGet(physical, current))
         else:
             filled = calls.call(
-                GPM_FIELDS, "nvmlGpmMigSampleGet", lambda: nvml.nvmlGpmMigSampleGet(physical, instance, current)
+                fields, "nvmlGpmMigSampleGet", lambda: nvml.nvmlGpmMigSampleGet(physical, instance, current)
             )
         if filled is None:
             return {}  # the previous sample stays: the next rate spans two intervals, which is still a rate
         if not buffers.has_previous:
             buffers.swap()
             calls.absent(
-                GPM_FIELDS,
+                fields,
                 ReadErrorKind.OTHER,
                 f"GPM metrics are rates between two samples, and this is {calls.where}'s first: they are read "
                 "from the next tick on",
             )
             return {}
-        wanted = [(reading.field, reading.gpm_metric) for reading in GPM_READINGS]
+        wanted = [(reading.field, reading.gpm_metric, reading.gpm_scale) for reading in readings]
         if instance is not None:
-            wanted.append((GRAPHICS_PERCENT, GPM_GRAPHICS_UTIL))
+            wanted.append((GRAPHICS_PERCENT, GPM_GRAPHICS_UTIL, 1.0))
         request = nvml.c_nvmlGpmMetricsGet_t()
         request.version = nvml.NVML_GPM_METRICS_GET_VERSION
         request.numMetrics = len(wanted)
         request.sample1 = buffers.previous
         request.sample2 = current
-        for position, (_key, metric_id) in enumerate(wanted):
+        for position, (_key, metric_id, _scale) in enumerate(wanted):
             request.metrics[position].metricId = metric_id
-        answered = calls.call(GPM_FIELDS, "nvmlGpmMetricsGet", lambda: nvml.nvmlGpmMetricsGet(request))
+        answered = calls.call(fields, "nvmlGpmMetricsGet", lambda: nvml.nvmlGpmMetricsGet(request))
         buffers.swap()
         if answered is None:
             return {}
         values: dict[str, float] = {}
-        for position, (key, metric_id) in enumerate(wanted):
+        for position, (key, metric_id, scale) in enumerate(wanted):
             metric = request.metrics[position]
             if metric.nvmlReturn == 0:
-                values[key] = float(metric.value)
+                values[key] = float(metric.value) * scale
             elif key != GRAPHICS_PERCENT:  # without it, a MIG instance keeps NVML's own utilisation refusal
                 calls.failed((key,), f"nvmlGpmMetricsGet[metric {metric_id}]", int(metric.nvmlReturn))
         return values
 
-    def _unsupported(self, gpu: GpuIdentity, physical: Any, calls: Calls) -> str | None:
+    def _unsupported(self, gpu: GpuIdentity, physical: Any, calls: Calls, readings: Sequence[Reading]) -> str | None:
         """Why GPM cannot be read on ``gpu`` (asked once per device, of the physical GPU); None when it can.
 
-        A failure that may pass (a timeout) is recorded in ``calls`` and answered with ``UNKNOWN``, uncached.
+        A failure that may pass (a timeout) is recorded in ``calls`` for the GPM-only ``readings`` (the others
+        have their fallback) and answered with ``UNKNOWN``, uncached.
         """
         with self._lock:
             if gpu.uuid in self._support:
@@ -200,7 +225,7 @@ class GpmReader:
         name = "nvmlGpmQueryDeviceSupport"
         answer, code = calls.attempt(name, lambda: self._nvml.nvmlGpmQueryDeviceSupport(physical))
         if code is not None and code not in _UNSUPPORTED_CODES:
-            calls.failed(GPM_FIELDS, name, code)
+            calls.failed([reading.field for reading in readings if reading.fallback is None], name, code)
             return UNKNOWN
         if code is not None:
             # A driver without GPM at all (FUNCTION_NOT_FOUND), or a device NVML says no for.
@@ -213,28 +238,28 @@ class GpmReader:
             self._support[gpu.uuid] = reason
         return reason
 
-    def _instance_id(self, gpu: GpuIdentity, handle: Any, calls: Calls) -> int | None:
+    def _instance_id(self, gpu: GpuIdentity, handle: Any, calls: Calls, fields: Sequence[str]) -> int | None:
         with self._lock:
             known = self._instance_ids.get(gpu.uuid)
         if known is not None:
             return known
         nvml = self._nvml
-        found = calls.call(GPM_FIELDS, "nvmlDeviceGetGpuInstanceId", lambda: nvml.nvmlDeviceGetGpuInstanceId(handle))
+        found = calls.call(fields, "nvmlDeviceGetGpuInstanceId", lambda: nvml.nvmlDeviceGetGpuInstanceId(handle))
         if found is None:
             return None
         with self._lock:
             self._instance_ids[gpu.uuid] = int(found)
         return int(found)
 
-    def _buffers_of(self, gpu: GpuIdentity, calls: Calls) -> _Buffers | None:
+    def _buffers_of(self, gpu: GpuIdentity, calls: Calls, fields: Sequence[str]) -> _Buffers | None:
         with self._lock:
             buffers = self._buffers.get(gpu.uuid)
         if buffers is not None:
             return buffers
-        first = calls.call(GPM_FIELDS, "nvmlGpmSampleAlloc", self._nvml.nvmlGpmSampleAlloc)
+        first = calls.call(fields, "nvmlGpmSampleAlloc", self._nvml.nvmlGpmSampleAlloc)
         if first is None:
             return None
-        second = calls.call(GPM_FIELDS, "nvmlGpmSampleAlloc", self._nvml.nvmlGpmSampleAlloc)
+        second = calls.call(fields, "nvmlGpmSampleAlloc", self._nvml.nvmlGpmSampleAlloc)
         if second is None:
             with contextlib.suppress(self._nvml.NVMLError):
                 self._nvml.nvmlGpmSampleFree(first)

@@ -5,8 +5,9 @@ Error details name the call and the device, the way dcgm-exporter does:
 ``nvmlDeviceGetUtilizationRates(gpu 3): GPU is lost``.
 
 GPM metrics (Hopper and newer) are rates between two GPM samples, so the collector keeps each device's
-previous sample (``gpm.py``): the first tick has none and reads them as absent, never 0. Per-process
-utilisation and memory (``--processes``) are read per device and tied to pods through ``/proc``.
+previous sample (``gpm.py``): the first tick has none and reads them as absent, never 0. PCIe and NVLink
+traffic comes from GPM too, or, on a GPU without it, from NVML's older calls (``interconnect.py``).
+Per-process utilisation and memory (``--processes``) are read per device and tied to pods through ``/proc``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from gpuscaler.agent.attribution.processes import ProcReader
 from gpuscaler.agent.collectors.base import CollectorUnavailable
 from gpuscaler.agent.collectors.gpm import GPM_FIELDS, GRAPHICS_PERCENT, GpmReader
+from gpuscaler.agent.collectors.interconnect import NVLINK_RX, NVLINK_TX, PCIE_RX, PCIE_TX, InterconnectReader
 from gpuscaler.model.samples import (
     DEVICE_FIELD,
     PROCESSES_FIELD,
@@ -63,7 +65,8 @@ class NvmlCollector:
     """Samples every GPU (and every MIG instance) that NVML enumerates.
 
     ``processes`` turns on per-process reads, with ``/proc`` read through it (a ProcReader; tests point
-    one at a fixture tree). ``wall_clock`` is the clock NVML's per-process timestamps count in.
+    one at a fixture tree). ``wall_clock`` is the clock NVML's per-process timestamps count in; ``clock`` the
+    monotonic one that NVLink counters' rates are taken in.
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class NvmlCollector:
         on_call: CallObserver | None = None,
         processes: ProcReader | None = None,
         wall_clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if nvml is None:
             import pynvml
@@ -86,6 +90,7 @@ class NvmlCollector:
         self._lock = threading.Lock()
         self.on_call = on_call
         self._gpm = GpmReader(self._nvml)
+        self._interconnect = InterconnectReader(self._nvml, clock)
         self._processes = processes
         self._wall_clock = wall_clock
 
@@ -133,6 +138,7 @@ class NvmlCollector:
         with self._lock:
             self._handles, self._parents = handles, parents
         self._gpm.keep_only(set(handles))  # a device that went (a MIG change) gives back its GPM samples
+        self._interconnect.keep_only(set(handles))
         return devices
 
     def _mig_instances(self, handle: Any) -> list[Any] | None:
@@ -211,8 +217,15 @@ class NvmlCollector:
         if reader.device_gone:  # asking a lost GPU for more would only repeat NVML's answer
             reader.absent(GPM_FIELDS, ReadErrorKind.GPU_LOST, f"{_where(gpu)} was lost during this read")
             gpm: dict[str, float] = {}
+            traffic: dict[str, float] = {}
         else:
-            gpm = self._gpm.read(gpu, handle, physical, reader)
+            # Traffic a device has none of (a MIG instance, a GPU without NVLink) is settled first: GPM would read 0.
+            no_traffic = self._interconnect.unreadable(gpu, handle, reader)
+            gpm = self._gpm.read(gpu, handle, physical, reader, skip=no_traffic)
+            if self._gpm.supported(gpu.uuid):
+                traffic = gpm
+            else:
+                traffic = self._interconnect.read(gpu, handle, reader, skip=no_traffic)
         if is_mig and utilization is None and gpm.get(GRAPHICS_PERCENT) is not None:
             # NVML has no utilisation per MIG instance; GPM's graphics activity is the same duty cycle, per
             # instance. Keep NVML's refusal out of the errors: the value is there.
@@ -238,6 +251,10 @@ class NvmlCollector:
             tensor_active_percent=gpm.get("tensor_active_percent"),
             dram_bandwidth_percent=gpm.get("dram_bandwidth_percent"),
             energy_joules=None if energy_mj is None else energy_mj / 1000.0,
+            pcie_tx_megabytes_per_second=traffic.get(PCIE_TX),
+            pcie_rx_megabytes_per_second=traffic.get(PCIE_RX),
+            nvlink_tx_megabytes_per_second=traffic.get(NVLINK_TX),
+            nvlink_rx_megabytes_per_second=traffic.get(NVLINK_RX),
             errors=tuple(reader.errors),
             processes=processes,
         )
@@ -305,6 +322,7 @@ class NvmlCollector:
         with self._lock:
             self._handles.pop(gpu.uuid, None)
         self._gpm.forget(gpu.uuid)  # its previous GPM sample is from before the loss: no rate across it
+        self._interconnect.forget(gpu.uuid)  # and its NVLink counters
 
 
 class _FieldReader:

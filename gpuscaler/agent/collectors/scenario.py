@@ -16,6 +16,7 @@
           memory_used_percent: 40
           sm_active: {shape: sine, min: 10, max: 60, period: 120s}    # GPM metrics, as on Hopper
           tensor_active: 30
+          nvlink_tx: {shape: square, low: 0, high: 80000, period: 20s}  # MB/s, as pcie_tx, pcie_rx, nvlink_rx
 
 Shapes take their time from the agent's start. Every error names the path of the bad entry. ``power_average``
 is not set: it is computed from the energy counter, which a fake GPU counts from its power draw.

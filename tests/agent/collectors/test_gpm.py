@@ -211,9 +211,9 @@ def test_mig_on_a_gpu_without_gpm_keeps_utilisation_absent() -> None:
 
 @pytest.mark.parametrize("reading", GPM_READINGS, ids=lambda reading: reading.field)
 def test_every_gpm_reading_is_read(reading: Reading) -> None:
-    """Each GPM reading of the metric table is asked of NVML by its id and lands in its sample field."""
+    """Each GPM reading of the metric table is asked of NVML by its id and lands in its sample field, in its unit."""
     device = FakeDevice("GPU-h100", gpm={reading.gpm_metric or 0: 77.0})
     collector = started(FakeNvml([device]))
     [gpu] = collector.discover()
     collector.read(gpu)
-    assert getattr(collector.read(gpu), reading.field) == 77.0
+    assert getattr(collector.read(gpu), reading.field) == pytest.approx(77.0 * reading.gpm_scale)

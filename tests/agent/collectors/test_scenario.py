@@ -117,7 +117,20 @@ def test_unset_values_are_an_idle_gpu() -> None:
     assert sample.temperature_celsius == 30.0
     assert sample.power_draw_watts == 60.0
     assert sample.power_limit_watts == 700.0
+    assert sample.pcie_tx_megabytes_per_second == sample.nvlink_rx_megabytes_per_second == 0.0
     assert sample.errors == ()
+
+
+def test_the_busy_dev_scenario_moves_nvlink_traffic() -> None:
+    """dev/scenarios/busy.yaml loads, and its GPUs send and receive over NVLink and PCIe once GPM has two samples."""
+    path = Path(__file__).parents[3] / "dev" / "scenarios" / "busy.yaml"
+    collector = FakeCollector(node="n", gpu_count=4, scenario=load_scenario(path, gpu_count=4))
+    gpu = collector.discover()[3]
+    collector.read(gpu)
+    sample = collector.read(gpu)
+    assert (sample.value(Metric.NVLINK_TX) or 0.0) >= 8000.0
+    assert (sample.value(Metric.NVLINK_RX) or 0.0) >= 8000.0
+    assert (sample.value(Metric.PCIE_RX) or 0.0) >= 2000.0
 
 
 BAD: list[tuple[Any, int, str]] = [

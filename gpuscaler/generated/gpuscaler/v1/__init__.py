@@ -684,9 +684,13 @@ class Snapshot(betterproto2.Message):
     why; never read it as 0). Each GPU's readings, in this order: gpu_utilization_percent,
     memory_utilization_percent, memory_used_bytes, memory_total_bytes, temperature_celsius, power_draw_watts,
     power_limit_watts, sm_active_percent, sm_occupancy_percent, tensor_active_percent, dram_bandwidth_percent,
-    energy_joules. The four GPM readings (Hopper and newer) are rates between two GPM samples, absent on the
-    first tick; energy_joules is the board's counter since the driver loaded. A gateway reads one reading of
-    every GPU as one slice of this array.
+    energy_joules, pcie_tx_megabytes_per_second, pcie_rx_megabytes_per_second, nvlink_tx_megabytes_per_second,
+    nvlink_rx_megabytes_per_second. New readings are appended, so older positions never move and a gateway reads
+    an agent of another version during a rolling upgrade (the first release had the first 12). The GPM
+    readings (Hopper and newer) are rates between two GPM samples, absent on the first tick; energy_joules is
+    the board's counter since the driver loaded; the PCIe and NVLink traffic (MB/s, 10^6 bytes a second) comes
+    from GPM or, before Hopper, NVML's older calls, and NVLink's is absent on a GPU without NVLink. A gateway
+    reads one reading of every GPU as one slice of this array.
     """
 
 
