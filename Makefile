@@ -12,7 +12,7 @@ RUNTIME_STAMP := $(VENV)/.installed-runtime
 PROTOS := $(shell find protos -name '*.proto' | sort)
 GENERATED := gpuscaler/generated
 # Checked and tested folders that exist in this checkout.
-PY_DIRS := $(wildcard gpuscaler tests e2e bench dev image)
+PY_DIRS := $(wildcard gpuscaler tests e2e bench dev image monitoring)
 TEST_DIRS := $(wildcard tests e2e)
 
 .PHONY: help venv dev test test-under-load unit e2e e2e-full e2e-keda e2e-node lint typecheck proto proto-check bench chart-test image docs lock clean
@@ -125,8 +125,10 @@ D2 := $(TOOLS)/d2-$(D2_VERSION)/d2
 $(D2):
 	GOBIN=$(dir $(D2)) GOFLAGS=-mod=mod go install -trimpath -ldflags='-s -w' oss.terrastruct.com/d2@$(D2_VERSION)
 
-docs: $(D2) ## Render docs/data-path.svg from docs/data-path.d2 (builds d2 with Go once)
+docs: $(STAMP) $(D2) ## Render the docs' diagrams (docs/*.svg from docs/*.d2; builds d2 with Go once)
+	$(BIN)/python -m monitoring.dashboard
 	$(D2) --layout dagre docs/data-path.d2 docs/data-path.svg
+	$(D2) --layout dagre docs/dashboard.d2 docs/dashboard.svg
 
 lock: ## Re-pin constraints.txt from a fresh install of pyproject.toml's dependencies
 	rm -rf .lock-venv

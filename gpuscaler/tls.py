@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import calendar
 import ssl
+import time
 from pathlib import Path
 
 from gpuscaler.flags import paired
@@ -58,6 +60,61 @@ def _load_ca(context: ssl.SSLContext, ca: Path, flag: str) -> None:
         raise ConfigError(f"{flag} {str(ca)!r}: not a PEM CA bundle: {error}") from None
 
 
+def certificate_expiry(path: Path) -> float | None:
+    """The notAfter of the first certificate in the PEM file ``path``, in Unix seconds; None if unreadable.
+
+    The standard library reads certificates only off a verified peer, so this reads the one field it needs
+    from the DER: Certificate -> TBSCertificate -> validity -> notAfter (RFC 5280, 4.1).
+    """
+    try:
+        text = path.read_text(encoding="ascii")
+        begin = text.index("-----BEGIN CERTIFICATE-----")
+        end = text.index("-----END CERTIFICATE-----", begin) + len("-----END CERTIFICATE-----")
+        der = ssl.PEM_cert_to_DER_cert(text[begin:end])
+        _, tbs_start, tbs_stop = _der_element(der, _der_element(der, 0)[1])
+        fields = _der_children(der, tbs_start, tbs_stop)
+        if fields and fields[0][0] == 0xA0:  # the optional [0] version
+            fields = fields[1:]
+        _, validity_start, validity_end = fields[3]  # serialNumber, signature, issuer, validity
+        _, (tag, start, stop) = _der_children(der, validity_start, validity_end)
+        return _der_time(tag, der[start:stop].decode("ascii"))
+    except (OSError, UnicodeDecodeError, ValueError, IndexError):
+        return None
+
+
+def _der_element(der: bytes, offset: int) -> tuple[int, int, int]:
+    """(tag, offset of its content, offset past its content) of the DER element at ``offset``."""
+    tag, length = der[offset], der[offset + 1]
+    start = offset + 2
+    if length & 0x80:
+        count = length & 0x7F
+        length = int.from_bytes(der[start : start + count], "big")
+        start += count
+    if start + length > len(der):
+        raise ValueError("DER element runs past the end")
+    return tag, start, start + length
+
+
+def _der_children(der: bytes, start: int, stop: int) -> list[tuple[int, int, int]]:
+    """The elements between ``start`` and ``stop``: a constructed element's content."""
+    children = []
+    while start < stop:
+        element = _der_element(der, start)
+        children.append(element)
+        start = element[2]
+    return children
+
+
+def _der_time(tag: int, text: str) -> float:
+    """UTCTime (YYMMDDHHMMSSZ, years 1950-2049) or GeneralizedTime (YYYYMMDDHHMMSSZ), both UTC, as RFC 5280 says."""
+    if tag == 0x17:
+        year = int(text[:2])
+        text = f"{19 if year >= 50 else 20}{text}"
+    elif tag != 0x18:
+        raise ValueError(f"not a DER time: tag {tag:#x}")
+    return float(calendar.timegm(time.strptime(text, "%Y%m%d%H%M%SZ")))
+
+
 FileStamp = tuple[int, int, int] | None  # (mtime ns, size, inode) of the file a path resolves to
 
 
@@ -76,6 +133,7 @@ class ReloadingServerTLS:
         self._files = (cert, key, client_ca)
         self._stamps = self._stamp_all()
         self.current = server_context(cert, key, client_ca)
+        self.expiry = certificate_expiry(cert)  # of the certificate ``current`` serves, for /metrics
 
     def context(self) -> ssl.SSLContext:
         """The context for a handshake starting now."""
@@ -106,4 +164,5 @@ class ReloadingServerTLS:
         context = server_context(cert, key, client_ca)
         self._stamps = stamps
         self.current = context
+        self.expiry = certificate_expiry(cert)
         return True

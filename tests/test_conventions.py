@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKED = ("gpuscaler", "tests", "e2e", "bench", "dev", "image")
+CHECKED = ("gpuscaler", "tests", "e2e", "bench", "dev", "image", "monitoring")
 SKIPPED = (ROOT / "gpuscaler" / "generated",)
 
 # A suppression as ruff reads it (any case, a space after the hash or not): codes separated by commas or spaces,

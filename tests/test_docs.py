@@ -23,11 +23,12 @@ from gpuscaler.model.durations import parse_duration
 from gpuscaler.model.gpu_metrics import METRICS, READINGS, Metric
 from gpuscaler.query.metadata import FROM_ENV_SUFFIX, KEDA_KEYS, KNOWN_KEYS, QUERY_KEYS, Limits, parse_metadata
 from gpuscaler.query.profiles import PROFILES
-from gpuscaler.server.telemetry import TransportCollector
+from gpuscaler.server.telemetry import TlsCollector, TransportCollector
 from gpuscaler.server.transport.limits import ConnectionGuard
 
 if TYPE_CHECKING:
     from gpuscaler.server.transport.server import ManyStreamsServer
+    from gpuscaler.tls import ReloadingServerTLS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -311,9 +312,10 @@ def _series_names() -> set[str]:
     gateway = GatewayTelemetry(view, dict, lambda: (0, 0, 0), engines=EngineScraper()).registry
     server = SimpleNamespace(guard=ConnectionGuard(DEFAULT_LIMITS), open_streams=0, handler_tasks=0)
     transport = TransportCollector(cast("ManyStreamsServer", server)).collect()
+    tls = TlsCollector(cast("ReloadingServerTLS", SimpleNamespace(expiry=0.0))).collect()  # with TLS on
     return {
         family.name + ("_total" if family.type == "counter" else "")
-        for family in [*agent.collect(), *gateway.collect(), *transport]
+        for family in [*agent.collect(), *gateway.collect(), *transport, *tls]
     }
 
 

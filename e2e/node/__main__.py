@@ -36,8 +36,8 @@ def main(argv: list[str]) -> None:
         print(f"{tool.name:16} {tool.version:9} {time.monotonic() - begun:7.1f} s  {directory}", file=sys.stderr)
     # What the suite reads from the Go module cache and the chart tools, fetched while the network is there.
     chart_tools.helm()
-    module, version, _ = chart_tools.CRDS[0]
-    chart_tools._module_dir(module, version)
+    for module, version, _ in chart_tools.CRDS:
+        chart_tools._module_dir(module, version)
     tools.keda_source()
     unshare = shutil.which("unshare")
     if unshare is None:

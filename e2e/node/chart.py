@@ -38,12 +38,14 @@ RUNTIME_CLASS: Json = {
 }
 
 
-def servicemonitor_crd() -> Json:
-    """prometheus-operator's ServiceMonitor CRD, from the module the chart tests pin (``python -m e2e.node`` fetches
-    it into the Go module cache before the namespaces cut the network off)."""
-    module, version, path = chart_tools.CRDS[0]
-    crd: Json = yaml.safe_load((chart_tools._module_dir(module, version) / path).read_text())
-    return crd
+def monitoring_crds() -> list[Json]:
+    """prometheus-operator's ServiceMonitor and PrometheusRule CRDs, from the module the chart tests pin (``python -m
+    e2e.node`` fetches it into the Go module cache before the namespaces cut the network off)."""
+    crds: list[Json] = []
+    for module, version, path in chart_tools.CRDS:
+        if "prometheus-operator" in module:
+            crds.append(yaml.safe_load((chart_tools._module_dir(module, version) / path).read_text()))
+    return crds
 
 
 @dataclass

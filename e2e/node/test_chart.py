@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from e2e.keda.control_plane import secret
-from e2e.node.chart import CI_VALUES, NAMESPACE, Release, install, query, servicemonitor_crd
+from e2e.node.chart import CI_VALUES, NAMESPACE, Release, install, monitoring_crds, query
 from e2e.node.cluster import CHART_IMAGE, Deadline, NodeCluster, in_thread
 from e2e.node.conftest import record
 from e2e.node.product_image import chart_version
@@ -54,17 +55,19 @@ def _pinned_digest(cluster: NodeCluster) -> dict[str, str]:
     return {"image.digest": digest}
 
 
-def _servicemonitor_crd(cluster: NodeCluster) -> dict[str, str]:
-    """servicemonitor-values.yaml renders a ServiceMonitor: its CRD (no operator) lets the API accept it."""
-    crd = servicemonitor_crd()
-    cluster.apply(crd)
-    Deadline("the ServiceMonitor CRD to be established", 60).until(
-        lambda: cluster.kube.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd['metadata']['name']}"),
-        lambda found: any(
-            c["type"] == "Established" and c["status"] == "True"
-            for c in ((found or {}).get("status") or {}).get("conditions") or []
-        ),
-    )
+def _monitoring_crds(cluster: NodeCluster) -> dict[str, str]:
+    """The ServiceMonitor and PrometheusRule a values file renders: their CRDs (no operator) let the API accept
+    them."""
+    for crd in monitoring_crds():
+        cluster.apply(crd)
+        path = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd['metadata']['name']}"
+        Deadline(f"the {crd['spec']['names']['kind']} CRD to be established", 60).until(
+            partial(cluster.kube.get, path),
+            lambda found: any(
+                c["type"] == "Established" and c["status"] == "True"
+                for c in ((found or {}).get("status") or {}).get("conditions") or []
+            ),
+        )
     return {}
 
 
@@ -77,7 +80,8 @@ def _ipv4_listener(cluster: NodeCluster) -> dict[str, str]:
 # What a values file needs beyond BASE_SETS on this node, and why (each adaptation returns its --set pairs).
 ADAPTATIONS = {
     "host-mounts-dev-values.yaml": [_library_stand_in],
-    "servicemonitor-values.yaml": [_servicemonitor_crd],
+    "servicemonitor-values.yaml": [_monitoring_crds],
+    "prometheusrule-values.yaml": [_monitoring_crds],
     "tls-values.yaml": [_tls_secret, _pinned_digest, _ipv4_listener],
 }
 # Values files that cannot run on a node without NVIDIA hardware: why, and what the pods say instead (a pattern

@@ -23,6 +23,7 @@ from gpuscaler.generated.externalscaler import (
 from gpuscaler.model.errors import InvalidMetadata, UnknownMetricName
 from gpuscaler.query.query import Query
 from gpuscaler.server.status import grpc_errors
+from gpuscaler.server.telemetry import ScalerAnswers
 from gpuscaler.signals.evaluator import Evaluator
 
 log = structlog.get_logger(__name__)
@@ -39,10 +40,14 @@ def round_half_up(value: float) -> int:
 
 
 class ExternalScalerService(ExternalScalerBase):
-    """KEDA's four calls. Requests are only read: calls with the same request bytes share one message."""
+    """KEDA's four calls. Requests are only read: calls with the same request bytes share one message.
 
-    def __init__(self, evaluator: Evaluator) -> None:
+    ``answers``, when given, learns each ScaledObject's target, value and failed GetMetrics for /metrics.
+    """
+
+    def __init__(self, evaluator: Evaluator, answers: ScalerAnswers | None = None) -> None:
         self._evaluator = evaluator
+        self._answers = answers
         self.open_streams = 0
         self._responses: dict[tuple[str, str], GetMetricsResponse] = {}
 
@@ -60,6 +65,8 @@ class ExternalScalerService(ExternalScalerBase):
     async def get_metric_spec(self, message: ScaledObjectRef) -> GetMetricSpecResponse:
         async with grpc_errors("GetMetricSpec"):
             query = self._query(message)
+        if self._answers is not None:
+            self._answers.observe_target(message.namespace, message.name, query)
         spec = MetricSpec(
             metric_name=query.metric_name,
             target_size=max(1, round_half_up(query.target)),
@@ -68,15 +75,25 @@ class ExternalScalerService(ExternalScalerBase):
         return GetMetricSpecResponse(metric_specs=[spec])
 
     async def get_metrics(self, message: GetMetricsRequest) -> GetMetricsResponse:
-        async with grpc_errors("GetMetrics"):
-            query = self._query(message.scaled_object_ref)
-            if message.metric_name.lower() != query.metric_name.lower():
-                raise UnknownMetricName(
-                    f"metricName {message.metric_name!r} is not this trigger's metric; "
-                    f"GetMetricSpec named it {query.metric_name!r}"
-                )
-            await self._evaluator.prepare(query)
-            value = self._evaluator.value(query)
+        ref = message.scaled_object_ref
+        query: Query | None = None
+        try:
+            async with grpc_errors("GetMetrics"):
+                query = self._query(ref)
+                if message.metric_name.lower() != query.metric_name.lower():
+                    raise UnknownMetricName(
+                        f"metricName {message.metric_name!r} is not this trigger's metric; "
+                        f"GetMetricSpec named it {query.metric_name!r}"
+                    )
+                await self._evaluator.prepare(query)
+                value = self._evaluator.value(query)
+        except Exception:  # an error answer, not a cancellation: the value KEDA had is unknown from now on
+            if self._answers is not None and ref is not None:
+                name = message.metric_name if query is None else query.metric_name
+                self._answers.observe_error(ref.namespace, ref.name, name, query)
+            raise
+        if self._answers is not None and ref is not None:
+            self._answers.observe_value(ref.namespace, ref.name, query, value)
         return self._metrics_response(query.metric_name, value)
 
     def _metrics_response(self, metric_name: str, value: float) -> GetMetricsResponse:
@@ -100,6 +117,8 @@ class ExternalScalerService(ExternalScalerBase):
             if isinstance(refusal, InvalidMetadata):
                 raise refusal  # a GPU the node lacks: refuse it as IsActive does, not with a silent stream
         scaled_object = f"{message.namespace}/{message.name}"
+        if self._answers is not None:
+            self._answers.stream_opened(message.namespace, message.name, query)
         self.open_streams += 1
         log.info("stream_opened", scaled_object=scaled_object, metric_name=query.metric_name)
         reason = "client_gone"
@@ -118,4 +137,6 @@ class ExternalScalerService(ExternalScalerBase):
                     subscription.changed.clear()
         finally:
             self.open_streams -= 1
+            if self._answers is not None:
+                self._answers.stream_closed(message.namespace, message.name, query)
             log.info("stream_closed", scaled_object=scaled_object, metric_name=query.metric_name, reason=reason)

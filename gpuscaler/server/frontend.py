@@ -71,7 +71,7 @@ class Frontend:
             if flags.tls_cert and flags.tls_key
             else None
         )
-        scaler = ExternalScalerService(evaluator)
+        scaler = ExternalScalerService(evaluator, telemetry.scaler_answers)
         health = ServiceStatus()
         health.set(evaluator.healthy())
         services: list[Any] = [scaler, AgentService(evaluator, telemetry.idle_energy_of), *extra_services]
@@ -83,6 +83,8 @@ class Frontend:
         server.on_expired.append(tracker.count_expired)
         telemetry.watch(evaluator)
         telemetry.watch_transport(server)
+        if tls is not None:
+            telemetry.watch_tls(tls)
         try:
             # TLS, when on, is not the listener's: the protocol does each handshake with the context of then.
             await server.start(flags.listen.host, flags.listen.port, reuse_address=True)

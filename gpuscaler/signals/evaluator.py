@@ -91,6 +91,8 @@ class Evaluator:
         self.on_transition: list[Callable[[bool], None]] = []
         # Called with every answer that left out GPUs or nodes (lost GPUs within maxUnreadable, minNodes).
         self.on_partial: list[Callable[[Evaluation], None]] = []
+        # Called with each push evaluation of a streamed query, once per distinct query per tick (unknown included).
+        self.on_push: list[Callable[[Query, Evaluation], None]] = []
         self._left_out: dict[AnyValueQuery, tuple[frozenset[str], float]] = {}
         if engines is not None:
             engines.add_listener(self._on_engine_pages)
@@ -226,6 +228,8 @@ class Evaluator:
         group.subscriptions.add(subscription)
         try:
             evaluation = self.evaluate(query.value)
+            for observer in self.on_push:
+                observer(query, evaluation)
             if evaluation.value is not None:
                 subscription.active = self._observe(query, evaluation.value)
             else:
@@ -250,6 +254,8 @@ class Evaluator:
     def _push(self, groups: Iterable[_Group]) -> None:
         for group in list(groups):
             evaluation = self.evaluate(group.query.value)
+            for observer in self.on_push:
+                observer(group.query, evaluation)
             if evaluation.value is None:
                 continue  # unknown is not inactive: keep the last state until the value is back
             active = self._observe(group.query, evaluation.value)

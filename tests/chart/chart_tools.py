@@ -1,4 +1,5 @@
-"""Builds the chart-test tools (helm, kubeconform) and offline API schemas once per machine, into a user cache.
+"""Builds the chart-test tools (helm, kubeconform, promtool, prometheus) and offline API schemas once per machine,
+into a user cache.
 
 Why build from Go modules: CI has a Go toolchain and a Go module proxy but no download site, and a pinned
 module version is as reproducible as a release binary. Everything lands under
@@ -32,15 +33,27 @@ HELM_PACKAGE = "helm.sh/helm/v4/cmd/helm"
 HELM_VERSION = "v4.3.2"
 KUBECONFORM_PACKAGE = "github.com/yannh/kubeconform/cmd/kubeconform"
 KUBECONFORM_VERSION = "v0.8.0"
+# promtool checks and unit-tests the alert rules (tests/monitoring/); prometheus is pinned beside it so a rule can
+# be loaded by the server the rules are written for. remove_all_sd drops every service-discovery plugin but file
+# and http (we need none), which halves the build.
+PROMETHEUS_MODULE = "github.com/prometheus/prometheus"
+PROMETHEUS_VERSION = "v0.316.0"
+PROMETHEUS_TAGS = ("remove_all_sd",)
 # The Kubernetes release whose OpenAPI document (api/openapi-spec/swagger.json) the manifests must satisfy.
 KUBERNETES_MODULE = "k8s.io/kubernetes"
 KUBERNETES_VERSION = "v1.37.2"
-# CRDs: (module, version, CRD file in it). ServiceMonitor for the chart; ScaledObject for examples/.
+# CRDs: (module, version, CRD file in it). ServiceMonitor and PrometheusRule for the chart; ScaledObject for
+# examples/.
 CRDS = (
     (
         "github.com/prometheus-operator/prometheus-operator",
         "v0.85.0",
         "example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml",
+    ),
+    (
+        "github.com/prometheus-operator/prometheus-operator",
+        "v0.85.0",
+        "example/prometheus-operator-crd/monitoring.coreos.com_prometheusrules.yaml",
     ),
     ("github.com/kedacore/keda/v2", "v2.21.0", "config/crd/bases/keda.sh_scaledobjects.yaml"),
 )
@@ -83,9 +96,10 @@ def _go() -> str:
     return go
 
 
-def _go_install(name: str, package: str, version: str) -> Path:
-    """Builds ``package@version`` stripped and trimmed, once; returns the binary."""
-    target = cache_dir() / "bin" / f"{name}-{version}"
+def _go_install(name: str, package: str, version: str, tags: tuple[str, ...] = ()) -> Path:
+    """Builds ``package@version`` stripped and trimmed, with build ``tags``, once; returns the binary."""
+    # Tags change what is compiled in, so they are part of the key: another set is another binary.
+    target = cache_dir() / "bin" / "-".join((name, version, *tags))
     with locked():
         if target.exists():
             return target
@@ -93,7 +107,14 @@ def _go_install(name: str, package: str, version: str) -> Path:
         with tempfile.TemporaryDirectory(dir=cache_dir()) as gobin:
             env = _go_env() | {"GOBIN": gobin}
             subprocess.run(
-                [_go(), "install", "-trimpath", "-ldflags=-s -w", f"{package}@{version}"],
+                [
+                    _go(),
+                    "install",
+                    "-trimpath",
+                    "-ldflags=-s -w",
+                    *([f"-tags={','.join(tags)}"] if tags else []),
+                    f"{package}@{version}",
+                ],
                 env=env,
                 cwd=gobin,
                 check=True,
@@ -141,10 +162,10 @@ def _module_dir(module: str, version: str) -> Path:
     return Path(json.loads(result.stdout)["Dir"])
 
 
-def _prebuilt_or_build(name: str, package: str, version: str) -> Path:
+def _prebuilt_or_build(name: str, package: str, version: str, tags: tuple[str, ...] = ()) -> Path:
     """The pinned build where Go exists, else a tool already on PATH, else ToolUnavailable."""
     if shutil.which("go"):
-        return _go_install(name, package, version)
+        return _go_install(name, package, version, tags)
     found = shutil.which(name)
     if found:
         return Path(found)
@@ -159,6 +180,16 @@ def helm() -> Path:
 def kubeconform() -> Path:
     """The kubeconform binary."""
     return _prebuilt_or_build("kubeconform", KUBECONFORM_PACKAGE, KUBECONFORM_VERSION)
+
+
+def promtool() -> Path:
+    """The promtool binary, of the pinned Prometheus."""
+    return _prebuilt_or_build("promtool", f"{PROMETHEUS_MODULE}/cmd/promtool", PROMETHEUS_VERSION, PROMETHEUS_TAGS)
+
+
+def prometheus() -> Path:
+    """The prometheus server binary, of the same release as promtool."""
+    return _prebuilt_or_build("prometheus", f"{PROMETHEUS_MODULE}/cmd/prometheus", PROMETHEUS_VERSION, PROMETHEUS_TAGS)
 
 
 # --- schemas -------------------------------------------------------------------------------------------
@@ -266,7 +297,7 @@ def kubernetes_schemas() -> Path:
 
 
 def crd_schemas() -> Path:
-    """A folder with the CRDs' schemas (ServiceMonitor, ScaledObject), in the same strict form."""
+    """A folder with the CRDs' schemas (ServiceMonitor, PrometheusRule, ScaledObject), in the same strict form."""
     pins = "-".join(version for _, version, _ in CRDS)
     directory = cache_dir() / "schemas" / f"crds-{pins}-strict"
     with locked():
@@ -294,7 +325,7 @@ def schema_locations() -> list[str]:
 
 def main() -> None:
     """Warms the cache and reports how long each step took (the cold numbers matter for CI's budget)."""
-    for step in (helm, kubeconform, kubernetes_schemas, crd_schemas):
+    for step in (helm, kubeconform, promtool, prometheus, kubernetes_schemas, crd_schemas):
         start = time.monotonic()
         path = step()
         print(f"{step.__name__:20} {time.monotonic() - start:7.1f} s  {path}", file=sys.stderr)

@@ -552,11 +552,50 @@ def test_servicemonitor_scrapes_the_agents_and_the_gateway(helm: Helm) -> None:
         assert role in expression["values"]
     (endpoint,) = monitor["spec"]["endpoints"]
     assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("metrics", "/metrics", "30s")
-    assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"} in endpoint["relabelings"]
+    assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "kubernetes_node"} in endpoint[
+        "relabelings"
+    ]
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
     agents_only = find(helm.template(CI["servicemonitor"], sets=["gateway.metrics.enabled=false"]), "ServiceMonitor")
     assert agents_only["spec"]["selector"]["matchExpressions"][0]["values"] == ["agents"]
+
+
+def test_servicemonitor_leaves_the_series_own_node_namespace_and_pod_alone(helm: Helm) -> None:
+    """By default no relabeling writes `node` (GPU series carry the GPU's own), and the series' own labels win over
+    the target's, so a GPU's node, an engine pod's namespace and pod are not renamed exported_*."""
+    (endpoint,) = find(helm.template(CI["prometheusrule"]), "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["honorLabels"] is True
+    targets = [relabeling.get("targetLabel") for relabeling in endpoint["relabelings"]]
+    assert targets == ["kubernetes_node"]
+    assert not {"node", "namespace", "pod"} & set(targets)
+
+
+def test_prometheusrule_renders_the_rules_file_with_its_runbooks_and_labels(helm: Helm) -> None:
+    """The PrometheusRule holds files/rules.yaml's groups as they are, but each alert's runbook is under
+    prometheusRule.runbookBaseURL and prometheusRule.additionalLabels join its labels, its own severity winning."""
+    plain = yaml.safe_load((CHART / "files" / "rules.yaml").read_text())
+    manifests = helm.template(CI["prometheusrule"])
+    rule = find(manifests, "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    rendered = rule["spec"]["groups"]
+    assert [group["name"] for group in rendered] == [group["name"] for group in plain["groups"]]
+    for ours, theirs in zip(plain["groups"], rendered, strict=True):
+        for alert, out in zip(ours["rules"], theirs["rules"], strict=True):
+            assert out["alert"] == alert["alert"]
+            assert (out["expr"], out["for"]) == (alert["expr"], alert["for"])
+            assert out["labels"] == alert["labels"] | {"team": "gpu-platform"}, "its own severity wins"
+            assert out["annotations"] == alert["annotations"] | {
+                "runbook_url": f"https://runbooks.example.com/gpuscaler/troubleshooting.md#{alert['alert'].lower()}"
+            }
+
+
+def test_prometheusrule_defaults_to_the_plain_files_runbooks(helm: Helm) -> None:
+    """Without a runbookBaseURL of one's own, the rendered alerts point where files/rules.yaml does."""
+    plain = yaml.safe_load((CHART / "files" / "rules.yaml").read_text())
+    rendered = find(helm.template(CI["defaults"], sets=["prometheusRule.enabled=true"]), "PrometheusRule")
+    assert rendered["spec"]["groups"] == plain["groups"]
 
 
 def test_servicemonitor_without_metrics_is_refused(helm: Helm) -> None:
@@ -589,8 +628,8 @@ def test_networkpolicy_admits_grpc_from_keda_only(helm: Helm) -> None:
 
 
 def test_optional_resources_are_off_by_default(helm: Helm) -> None:
-    """No ServiceMonitor (needs a CRD) and no NetworkPolicy unless asked for."""
-    assert not {"ServiceMonitor", "NetworkPolicy"} & set(kinds(helm.template(CI["defaults"])))
+    """No ServiceMonitor or PrometheusRule (each needs a CRD) and no NetworkPolicy unless asked for."""
+    assert not {"ServiceMonitor", "PrometheusRule", "NetworkPolicy"} & set(kinds(helm.template(CI["defaults"])))
 
 
 def test_default_image_is_the_published_tag_of_this_release(helm: Helm) -> None:

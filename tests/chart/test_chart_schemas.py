@@ -160,6 +160,9 @@ OPEN_SECTIONS = {
     "gateway.podLabels",
     "service.annotations",
     "serviceMonitor.labels",
+    "prometheusRule.labels",
+    "prometheusRule.additionalLabels",
+    "dashboard.annotations",
     "networkPolicy.kedaPodSelector",
 }
 

@@ -1,0 +1,1 @@
+"""Monitoring artefacts built from code: the Grafana dashboard the chart ships (``python -m monitoring.dashboard``)."""

@@ -1,0 +1,1 @@
+"""promtool checks and unit tests of the alert rules the chart ships."""
