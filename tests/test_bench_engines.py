@@ -32,3 +32,16 @@ async def test_a_short_scrape_run_reads_every_pod_about_once_a_second(tmp_path: 
     assert result["failed"] == 0
     assert 5 <= result["scrapes"] <= 20
     assert result["cpu_ms_per_scrape"] > 0
+
+
+async def test_the_bench_beside_agents_reads_every_pod_through_a_real_gateway(tmp_path: Path) -> None:
+    """bench.engines_under_load's middle setting at a tiny size: a real gateway over 2 simulated agents answers
+    the pods' summed queue (3 each), and the scrapes it counts in its /metrics are the pods', none failed."""
+    from bench.engines_under_load import WAITING_PER_POD, Setting, measure
+
+    with page_server(10, tmp_path) as port:
+        result = await measure(Setting("agents and pods", 2, True), 3, port, tmp_path, 2.0)
+    assert result["value"] == result["value_expected"] == 3 * WAITING_PER_POD
+    assert result["failed_scrapes"] == 0
+    assert result["scrapes_per_second"] > 0
+    assert result["snapshots_per_second"] == 4
