@@ -234,7 +234,7 @@ FIRST_READINGS = 12
 
 
 def _readings_of_another_version(message: agent_pb2.Snapshot) -> list[float]:
-    """An older or newer agent's readings in this gateway's layout: the ones it does not read absent, with an error
+    """An older or newer agent's readings in this gateway's layout: the ones it does not read unknown, with an error
     saying so on each GPU, the ones this gateway does not know dropped; MalformedSnapshot when no version packs
     them so."""
     gpus, ours = len(message.gpus), len(READING_FIELDS)
@@ -252,7 +252,10 @@ def _readings_of_another_version(message: agent_pb2.Snapshot) -> list[float]:
         for name in READING_FIELDS[theirs:]:
             gpu.errors.add(
                 field=name,
-                kind=agent_pb2.READ_ERROR_KIND_NOT_SUPPORTED,
+                # Unknown, not unsupported: the GPU may well have it, and a sum must not shrink while nodes
+                # upgrade (an unsupported reading leaves its GPU out of an answer; an unknown one makes the answer
+                # UNAVAILABLE, or partial within maxUnreadable).
+                kind=agent_pb2.READ_ERROR_KIND_OTHER,
                 detail=f"the agent on node {message.node!r} is an older gpuscaler, which does not read {name}; "
                 "it will once it is upgraded",
             )

@@ -215,8 +215,32 @@ def test_an_older_or_newer_agent_is_read_in_this_gateways_layout() -> None:
     for name in READING_FIELDS[12:]:
         assert getattr(sample, name) is None
         (error,) = [error for error in sample.errors if error.field == name]
-        assert error.kind is ReadErrorKind.NOT_SUPPORTED
+        # Unknown (OTHER), not NOT_SUPPORTED, which would leave the GPU out of a sum as if it had no such reading.
+        assert error.kind is ReadErrorKind.OTHER
         assert "is an older gpuscaler, which does not read" in error.detail
+
+
+def test_the_packed_readings_keep_their_wire_order() -> None:
+    """Snapshot.readings is positional, and agents and gateways of two versions read each other's (agent.proto):
+    a reading is only ever appended. This list is the wire format; change it only by adding at its end."""
+    assert READING_FIELDS == (
+        "gpu_utilization_percent",
+        "memory_utilization_percent",
+        "memory_used_bytes",
+        "memory_total_bytes",
+        "temperature_celsius",
+        "power_draw_watts",
+        "power_limit_watts",
+        "sm_active_percent",
+        "sm_occupancy_percent",
+        "tensor_active_percent",
+        "dram_bandwidth_percent",
+        "energy_joules",
+        "pcie_tx_megabytes_per_second",
+        "pcie_rx_megabytes_per_second",
+        "nvlink_tx_megabytes_per_second",
+        "nvlink_rx_megabytes_per_second",
+    )
 
 
 def test_snapshot_round_trips() -> None:

@@ -38,7 +38,9 @@ ALL_LINKS = 0xFFFFFFFF
 # NVML's KB and KiB are 1024 bytes; the readings are in MB/s of 10**6 bytes.
 _KIB_IN_MB = 1024 / 1e6
 
-_NOT_SUPPORTED = 3  # NVML_ERROR_NOT_SUPPORTED
+# NVML's NOT_SUPPORTED and FUNCTION_NOT_FOUND (a driver without the call): no NVLink to read, and asking again
+# will not change that.
+_UNSUPPORTED_CODES = frozenset({3, 13})
 _HAS_NVLINK = ""  # the cached answer for a GPU whose NVLink state NVML reports
 
 
@@ -106,7 +108,7 @@ class InterconnectReader:
         for field, answer in zip(wanted, answered, strict=True):
             name = f"nvmlDeviceGetFieldValues[field {_NVLINK_FIELD_IDS[field]}]"
             code = int(answer.nvmlReturn)
-            if code == _NOT_SUPPORTED:
+            if code in _UNSUPPORTED_CODES:
                 calls.absent(
                     (field,),
                     ReadErrorKind.NOT_SUPPORTED,
@@ -152,8 +154,8 @@ class InterconnectReader:
     def _has_nvlink(self, gpu: GpuIdentity, handle: Any, calls: Calls) -> bool:
         """Whether the GPU has NVLink (asked once per device); False with the reason recorded when not, or unknown.
 
-        Any answer but NOT_SUPPORTED means NVLink is there (a link that is down moves 0 bytes, truly); a failure
-        that may pass is recorded for the NVLink fields and asked again next tick.
+        Any answer but NOT_SUPPORTED or FUNCTION_NOT_FOUND means NVLink is there (a link that is down moves 0
+        bytes, truly); a failure that may pass is recorded for the NVLink fields and asked again next tick.
         """
         with self._lock:
             known = self._no_nvlink.get(gpu.uuid)
@@ -161,7 +163,7 @@ class InterconnectReader:
             nvml = self._nvml
             name = "nvmlDeviceGetNvLinkState"
             _state, code = calls.attempt(name, lambda: nvml.nvmlDeviceGetNvLinkState(handle, 0))
-            if code is not None and code != _NOT_SUPPORTED:
+            if code is not None and code not in _UNSUPPORTED_CODES:
                 calls.failed(NVLINK_FIELDS, name, code)
                 return False
             known = _HAS_NVLINK

@@ -155,6 +155,20 @@ def test_a_gpu_without_nvlink_has_no_nvlink_readings_but_has_pcie(gpm: bool) -> 
     assert "nvmlDeviceGetFieldValues" not in nvml.calls
 
 
+def test_a_driver_without_the_nvlink_state_call_has_no_nvlink_asked_once() -> None:
+    """FUNCTION_NOT_FOUND (a driver without nvmlDeviceGetNvLinkState) will not pass either: NVLink is absent
+    NOT_SUPPORTED, asked once, rather than an NVML error every tick that an error-rate alert would count."""
+    nvml = FakeNvml([FakeDevice("GPU-old", gpm_supported=False, errors={"nvmlDeviceGetNvLinkState": 13})])
+    collector = started(nvml)
+    [gpu] = collector.discover()
+    for _ in range(3):
+        sample = collector.read(gpu)
+        kind, detail = reason(sample, Metric.NVLINK_TX)
+        assert kind is ReadErrorKind.NOT_SUPPORTED
+        assert "this GPU has no NVLink" in detail
+    assert nvml.calls["nvmlDeviceGetNvLinkState"] == 1
+
+
 def test_counters_nvml_does_not_support_are_absent_not_supported() -> None:
     """When the links answer but the throughput counters are NOT_SUPPORTED, NVLink is absent with that reason."""
     collector = started(FakeNvml([ampere(field_errors={138: NOT_SUPPORTED, 139: NOT_SUPPORTED})]))
