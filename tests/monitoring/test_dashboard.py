@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 import yaml
 from grpclib.client import Channel
@@ -21,9 +20,9 @@ from gpuscaler.agent.process import Agent
 from gpuscaler.gateway.process import Gateway
 from gpuscaler.generated.externalscaler import ExternalScalerStub, GetMetricsRequest, ScaledObjectRef
 from monitoring import dashboard
-from tests.chart import chart_tools
 from tests.conftest import serve_settings
 from tests.gateway.conftest import gateway_settings
+from tests.monitoring.promql import exposition, promtool_or_skip, series_in
 from tests.waiting import until
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -37,10 +36,6 @@ SUBSTITUTES = {
     "node": "node-a|node-b",
 }
 _VARIABLE = re.compile(r"\$\{(\w+)\}|\$(\w+)")
-# What PromQL spells that is not a series name: keywords, and the label lists that follow some of them.
-_KEYWORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset"}
-_LABEL_LIST = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
-_IDENTIFIER = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _SELECTOR = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}")
 _LABEL_VALUES = re.compile(r"label_values\((.*),\s*(\w+)\)")
 
@@ -81,20 +76,6 @@ def substituted(expr: str) -> str:
         return SUBSTITUTES[name]
 
     return _VARIABLE.sub(value, expr)
-
-
-def series_in(expr: str) -> set[str]:
-    """The series names a PromQL expression reads: identifiers that are no keyword, function, label or duration."""
-    expr = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)  # strings (label values)
-    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
-    expr = re.sub(r"\[[^\]]*\]", "", expr)  # ranges
-    expr = _LABEL_LIST.sub("", expr)
-    names = set()
-    for match in _IDENTIFIER.finditer(expr):
-        if match[0] in _KEYWORDS or expr[match.end() :].lstrip().startswith("("):
-            continue  # a keyword or a function call
-        names.add(match[0])
-    return names
 
 
 def matched_labels(expr: str) -> Iterator[tuple[str, str]]:
@@ -163,11 +144,8 @@ def test_no_query_reads_the_job_label() -> None:
 
 @pytest.fixture(scope="module")
 def promtool() -> Path:
-    """The pinned promtool (tests/chart/chart_tools.py builds it once per machine), or a loud skip."""
-    try:
-        return chart_tools.promtool()
-    except chart_tools.ToolUnavailable as missing:
-        pytest.skip(f"DASHBOARD QUERY CHECK NOT RUN: promtool needs a Go toolchain to build it ({missing})")
+    """The pinned promtool, or a loud skip."""
+    return promtool_or_skip("DASHBOARD QUERY CHECK")
 
 
 def check_as_rules(promtool: Path, queries: list[tuple[str, str]], folder: Path) -> subprocess.CompletedProcess[str]:
@@ -205,13 +183,6 @@ def test_series_in_reads_names_not_functions_or_labels() -> None:
     expr = dashboard.AGENT_NODE.join(["max by (instance) (a_seconds)", ""]) + ' / b_bucket{le="0.25"}'
     assert series_in(substituted(expr)) == {"a_seconds", "gpuscaler_gpu_up", "b_bucket"}
     assert list(matched_labels('x{node=~"$node", gpu!="1"}')) == [("x", "node"), ("x", "gpu")]
-
-
-async def exposition(port: int) -> str:
-    """The text of a /metrics page on 127.0.0.1."""
-    async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/metrics") as response:
-        assert response.status == 200
-        return await response.text()
 
 
 async def ask(port: int) -> None:

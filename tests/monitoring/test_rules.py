@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 import trustme
 import yaml
@@ -17,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpuscaler.agent.collectors.fake import FakeCollector
 from gpuscaler.agent.process import Agent
 from gpuscaler.gateway.process import Gateway
-from tests.chart import chart_tools
 from tests.conftest import serve_settings
 from tests.gateway.conftest import gateway_settings
+from tests.monitoring.promql import exposition, promtool_or_skip, series_in
 from tests.waiting import until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,19 +27,11 @@ TESTS = sorted(Path(__file__).parent.glob("*_test.yaml"))
 TROUBLESHOOTING = ROOT / "docs" / "troubleshooting.md"
 VALUES = ROOT / "charts" / "gpuscaler" / "values.yaml"
 
-# What PromQL spells that is not a series name: keywords, and what follows them in parentheses (label lists).
-_KEYWORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset"}
-_LABEL_LIST = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
-_IDENTIFIER = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-
 
 @pytest.fixture(scope="module")
 def promtool() -> Path:
-    """The pinned promtool (tests/chart/chart_tools.py builds it once per machine), or a loud skip."""
-    try:
-        return chart_tools.promtool()
-    except chart_tools.ToolUnavailable as missing:
-        pytest.skip(f"ALERT RULE TESTS NOT RUN: promtool needs a Go toolchain to build it ({missing})")
+    """The pinned promtool, or a loud skip."""
+    return promtool_or_skip("ALERT RULE TESTS")
 
 
 def run(promtool: Path, *args: str, stdin: str | None = None, cwd: Path = ROOT) -> None:
@@ -53,20 +44,6 @@ def alerts() -> list[dict[str, Any]]:
     """Every alerting rule of the rules file."""
     groups = yaml.safe_load(RULES.read_text(encoding="utf-8"))["groups"]
     return [rule for group in groups for rule in group["rules"] if "alert" in rule]
-
-
-def series_in(expr: str) -> set[str]:
-    """The series names a PromQL expression reads: identifiers that are no keyword, function, label or duration."""
-    expr = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)  # strings (label values)
-    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
-    expr = re.sub(r"\[[^\]]*\]", "", expr)  # ranges
-    expr = _LABEL_LIST.sub("", expr)
-    names = set()
-    for match in _IDENTIFIER.finditer(expr):
-        if match[0] in _KEYWORDS or expr[match.end() :].lstrip().startswith("("):
-            continue  # a keyword or a function call
-        names.add(match[0])
-    return names
 
 
 def test_rules_pass_promtool_check(promtool: Path) -> None:
@@ -118,13 +95,6 @@ def test_series_in_reads_names_not_functions_or_labels() -> None:
     expr = 'sum without (call) (rate(a_total{code!="3"}[5m])) / ignoring (le) group_left b_bucket{le="0.25"} > 0.1'
     assert series_in(expr) == {"a_total", "b_bucket"}
     assert series_in("x - time() < 7 * 86400") == {"x"}
-
-
-async def exposition(port: int) -> str:
-    """The text of a /metrics page on 127.0.0.1."""
-    async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/metrics") as response:
-        assert response.status == 200
-        return await response.text()
 
 
 @pytest.fixture
