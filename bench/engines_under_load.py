@@ -37,7 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import cpu_seconds, print_table, write_result
 from bench.engines import page_server
-from bench.gateway import CONSOLE_SCRIPT, drain, gateway_ports, read_line, wait_for_nodes
+from bench.gateway import drain, gateway_ports, read_line, start_gateway, wait_for_nodes
 from gpuscaler.generated import externalscaler as keda
 
 GPUS = 8
@@ -147,26 +147,8 @@ async def measure(setting: Setting, pods: int, page_port: int, folder: Path, sec
     others = set(range(1, os.cpu_count() or 1))
     async with simulated_agents(setting.agents, others) as ports:
         log_path = folder / f"gateway-{setting.name.replace(' ', '-')}.log"
-        with log_path.open("wb") as log:
-            gateway = subprocess.Popen(  # noqa: ASYNC220 - started once, before anything is measured
-                [
-                    str(CONSOLE_SCRIPT),
-                    "gateway",
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--metrics-listen",
-                    "127.0.0.1:0",
-                    "--agents",
-                    ",".join(f"127.0.0.1:{port}" for port in ports),
-                    "--pod-directory",
-                    str(pod_directory(folder, pods, page_port)),
-                    "--log-format",
-                    "json",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={k: v for k, v in os.environ.items() if not k.startswith("GPUSCALER_")},
-            )
+        directory = pod_directory(folder, pods, page_port)
+        gateway = start_gateway(ports, log_path, "--pod-directory", str(directory))
         pin(gateway.pid, {0})
         stream: asyncio.Task[None] | None = None
         try:

@@ -315,24 +315,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     assert simulator.stdin is not None
     ports = (await read_line(simulator.stdout, "ports ")).split(",")
     log_path = Path(tempfile.mkdtemp(prefix="gpuscaler-bench-")) / "gateway.log"
-    with log_path.open("wb") as log:
-        gateway = subprocess.Popen(  # noqa: ASYNC220 - started once, before anything is measured
-            [
-                str(CONSOLE_SCRIPT),
-                "gateway",
-                "--listen",
-                "127.0.0.1:0",
-                "--metrics-listen",
-                "127.0.0.1:0",
-                "--agents",
-                ",".join(f"127.0.0.1:{port}" for port in ports),
-                "--log-format",
-                "json",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={k: v for k, v in os.environ.items() if not k.startswith("GPUSCALER_")},
-        )
+    gateway = start_gateway(ports, log_path)
     try:
         port, metrics_port = await gateway_ports(log_path)
         channel = Channel("127.0.0.1", port)
@@ -401,6 +384,30 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "gateway_gc_pauses": collections,
         "machine": f"{os.cpu_count()} cores",
     }
+
+
+def start_gateway(ports: list[str], log_path: Path, *flags: str) -> subprocess.Popen[bytes]:
+    """``gpuscaler gateway`` over the simulated agents on ``ports``, with ``flags``, on ephemeral loopback ports
+    (``gateway_ports`` reads them from its JSON log at ``log_path``); only the flags given count."""
+    with log_path.open("wb") as log:
+        return subprocess.Popen(
+            [
+                str(CONSOLE_SCRIPT),
+                "gateway",
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics-listen",
+                "127.0.0.1:0",
+                "--agents",
+                ",".join(f"127.0.0.1:{port}" for port in ports),
+                *flags,
+                "--log-format",
+                "json",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={k: v for k, v in os.environ.items() if not k.startswith("GPUSCALER_")},
+        )
 
 
 def ref(**metadata: str) -> keda.ScaledObjectRef:
