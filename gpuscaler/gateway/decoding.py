@@ -159,10 +159,17 @@ class _WireSamples(LazySamples):
     readings; Explain, a pod query or a named GPU reads records, each made once.
     """
 
-    __slots__ = ("_all", "_decoder", "_gpus", "_packed", "_records", "_uuids")
+    __slots__ = ("_all", "_decoder", "_gpus", "_packed", "_records", "_unread", "_uuids")
 
-    def __init__(self, gpus: Sequence[agent_pb2.GpuSample], packed: Sequence[float], decoder: SnapshotDecoder) -> None:
+    def __init__(
+        self,
+        gpus: Sequence[agent_pb2.GpuSample],
+        packed: Sequence[float],
+        decoder: SnapshotDecoder,
+        unread: tuple[ReadError, ...] = (),
+    ) -> None:
         self._gpus = gpus
+        self._unread = unread  # an older agent's: why the readings it does not have are absent
         self._packed = packed  # Snapshot.readings: every GPU's readings, GPU after GPU (``decode`` checked)
         self._decoder = decoder
         self._records: list[GpuSample | None] = [None] * len(gpus)
@@ -186,7 +193,7 @@ class _WireSamples(LazySamples):
             width = len(READING_FIELDS)
             start = (index % len(self._records)) * width
             row = self._packed[start : start + width]
-            record = self._records[index] = self._decoder.sample(self._gpus[index], row)
+            record = self._records[index] = self._decoder.sample(self._gpus[index], row, self._unread)
         return record
 
     def __iter__(self) -> Iterator[GpuSample]:
@@ -233,10 +240,10 @@ _ANOTHER_VERSION = "(is the agent another version of gpuscaler than the gateway?
 FIRST_READINGS = 12
 
 
-def _readings_of_another_version(message: agent_pb2.Snapshot) -> list[float]:
-    """An older or newer agent's readings in this gateway's layout: the ones it does not read unknown, with an error
-    saying so on each GPU, the ones this gateway does not know dropped; MalformedSnapshot when no version packs
-    them so."""
+def _readings_of_another_version(message: agent_pb2.Snapshot) -> tuple[list[float], int]:
+    """An older or newer agent's readings in this gateway's layout, and how many each GPU had: the ones it does not
+    read NaN (``SnapshotDecoder.sample`` says why), the ones this gateway does not know dropped; MalformedSnapshot
+    when no version packs them so."""
     gpus, ours = len(message.gpus), len(READING_FIELDS)
     theirs, left = divmod(len(message.readings), gpus) if gpus else (0, len(message.readings))
     if left or theirs < FIRST_READINGS:
@@ -244,22 +251,12 @@ def _readings_of_another_version(message: agent_pb2.Snapshot) -> list[float]:
             f"the snapshot of node {message.node!r} has {len(message.readings)} readings for {gpus} GPUs; each GPU "
             f"has {ours} here, and at least {FIRST_READINGS} in any version {_ANOTHER_VERSION}"
         )
-    nan = float("nan")
+    unread = [float("nan")] * max(0, ours - theirs)
     packed: list[float] = []
-    for index, gpu in enumerate(message.gpus):
-        row = message.readings[index * theirs : index * theirs + min(theirs, ours)]
-        packed += [*row, *[nan] * (ours - len(row))]
-        for name in READING_FIELDS[theirs:]:
-            gpu.errors.add(
-                field=name,
-                # Unknown, not unsupported: the GPU may well have it, and a sum must not shrink while nodes
-                # upgrade (an unsupported reading leaves its GPU out of an answer; an unknown one makes the answer
-                # UNAVAILABLE, or partial within maxUnreadable).
-                kind=agent_pb2.READ_ERROR_KIND_OTHER,
-                detail=f"the agent on node {message.node!r} is an older gpuscaler, which does not read {name}; "
-                "it will once it is upgraded",
-            )
-    return packed
+    for index in range(gpus):
+        packed += message.readings[index * theirs : index * theirs + min(theirs, ours)]
+        packed += unread
+    return packed, theirs
 
 
 class SnapshotDecoder:
@@ -273,17 +270,20 @@ class SnapshotDecoder:
         self._identities: dict[tuple[int, str], GpuIdentity] = {}
         self._pods: dict[tuple[tuple[str, str, str], ...], tuple[PodRef, ...]] = {}
         self._window_keys: dict[tuple[str, float, str], WindowKey] = {}
+        self._unread_by_version: dict[tuple[str, int], tuple[ReadError, ...]] = {}
 
     def decode(self, message: agent_pb2.Snapshot, *, monotonic: float) -> Snapshot:
         """The domain snapshot; ``monotonic`` is the receiver's clock at arrival (clocks differ between hosts)."""
         node = message.node
         packed: Sequence[float] = message.readings
+        unread: tuple[ReadError, ...] = ()
         if len(packed) != len(READING_FIELDS) * len(message.gpus):
-            packed = _readings_of_another_version(message)
+            packed, theirs = _readings_of_another_version(message)
+            unread = self._unread(node, theirs)
         state = _ATTRIBUTION_FROM_PB2.get(message.attribution.state)
         if state is None:
             raise MalformedSnapshot(f"the snapshot of node {node!r} has no pod attribution state {_ANOTHER_VERSION}")
-        samples = _WireSamples(message.gpus, packed, self)
+        samples = _WireSamples(message.gpus, packed, self, unread)
         return Snapshot(
             sequence=message.sequence,
             taken_at=message.taken_at_unix_seconds,
@@ -313,8 +313,30 @@ class SnapshotDecoder:
             by_key[key] = window
         return _WireWindows(by_key, samples)
 
-    def sample(self, gpu: agent_pb2.GpuSample, packed: Sequence[float]) -> GpuSample:
-        """One GPU's record; ``packed`` is its readings in order (NaN: absent)."""
+    def _unread(self, node: str, theirs: int) -> tuple[ReadError, ...]:
+        """Why each reading an older agent, with ``theirs`` readings a GPU, leaves NaN is absent: made once."""
+        key = (node, theirs)
+        errors = self._unread_by_version.get(key)
+        if errors is None:
+            # Unknown, not unsupported: the GPU may well have it, and a sum must not shrink while nodes upgrade
+            # (an unsupported reading leaves its GPU out of an answer; an unknown one makes the answer
+            # UNAVAILABLE, or partial within maxUnreadable).
+            errors = self._unread_by_version[key] = tuple(
+                ReadError(
+                    name,
+                    ReadErrorKind.OTHER,
+                    f"the agent on node {node!r} is an older gpuscaler, which does not read {name}; it will once "
+                    "it is upgraded",
+                )
+                for name in READING_FIELDS[theirs:]
+            )
+        return errors
+
+    def sample(
+        self, gpu: agent_pb2.GpuSample, packed: Sequence[float], unread: tuple[ReadError, ...] = ()
+    ) -> GpuSample:
+        """One GPU's record; ``packed`` is its readings in order (NaN: absent), ``unread`` why an older agent's
+        missing readings are."""
         key = (gpu.index, gpu.uuid)  # a UUID's name and MIG parent are its own for life
         identity = self._identities.get(key)
         if identity is None:
@@ -339,7 +361,7 @@ class SnapshotDecoder:
             )
             if gpu.errors
             else ()
-        )
+        ) + unread
         # Not read (the agent does not read processes, or could not) is not "no processes".
         processes = tuple(_process_from_pb2(p) for p in gpu.processes) if gpu.processes_read else None
         # By position: GpuSample's fields are (gpu, node, the readings in READINGS' order, errors, pods,

@@ -24,7 +24,7 @@ from gpuscaler.gateway.process import Gateway
 from gpuscaler.generated import externalscaler as keda
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
-from gpuscaler.model.samples import GpuSample, ReadErrorKind, Snapshot
+from gpuscaler.model.samples import GpuSample, ReadError, ReadErrorKind, Snapshot
 from gpuscaler.server.wire import MAX_EXPLAINED_GPUS, snapshot_to_wire
 from tests.builders import decoded, failed_sample, gpu_sample
 from tests.gateway.conftest import gateway_settings
@@ -74,9 +74,11 @@ class Counting(SnapshotDecoder):
         super().__init__()
         self._made = made
 
-    def sample(self, gpu: agent_pb2.GpuSample, packed: Sequence[float]) -> GpuSample:
+    def sample(
+        self, gpu: agent_pb2.GpuSample, packed: Sequence[float], unread: tuple[ReadError, ...] = ()
+    ) -> GpuSample:
         self._made[gpu.node] += 1
-        return super().sample(gpu, packed)
+        return super().sample(gpu, packed, unread)
 
 
 def feed(gateway: Gateway, made: Counter[str]) -> None:
