@@ -26,7 +26,7 @@ from e2e.keda.control_plane import free_port
 from e2e.monitoring.prometheus import Json, Prometheus, scrape_config, start, target
 from e2e.support.process import Process, environment
 from tests.chart import chart_tools
-from tests.chart.rendering import CHART, RELEASE, Helm
+from tests.chart.rendering import CHART, NAMESPACE, RELEASE, Helm
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("gpuscaler")
 RULES = CHART / "files" / "rules.yaml"
@@ -69,8 +69,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     all three as the chart's ServiceMonitor scrapes them, with the shipped rules."""
     folder = tmp_path_factory.mktemp("prometheus")
     helm = Helm(chart_tools.helm(), folder / "helm")
-    manifests = [doc for doc in yaml.safe_load_all(helm.run("template", RELEASE, str(CHART), "--namespace",
-                 RELEASE, "--set", "serviceMonitor.enabled=true").stdout) if doc]  # fmt: skip
+    manifests = helm.template(sets=["serviceMonitor.enabled=true"])
     (monitor,) = [m for m in manifests if m["kind"] == "ServiceMonitor"]
     services = {m["metadata"]["labels"]["gpuscaler/service"]: m for m in manifests if m["kind"] == "Service"}
     agents: dict[str, Process] = {}
@@ -145,7 +144,7 @@ def test_series_keep_the_gpus_node_and_the_scraped_pods_node_is_kubernetes_node(
     assert {s["kubernetes_node"] for s in heard} == {GATEWAY_NODE}
     everything = _labels(stack.prometheus.query('{__name__=~"gpuscaler_.+"}'))
     assert not [s for s in everything if any(name.startswith("exported_") for name in s)]
-    assert {s["namespace"] for s in everything} == {RELEASE}
+    assert {s["namespace"] for s in everything} == {NAMESPACE}
 
 
 def test_every_rule_loads_and_evaluates_without_error(stack: Stack) -> None:
