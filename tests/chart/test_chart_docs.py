@@ -10,8 +10,13 @@ import jsonschema  # type: ignore[import-untyped]  # no stubs in the dev depende
 import pytest
 import yaml
 
+from gpuscaler.gateway.directory.pod_watch import pod_info
+from gpuscaler.model.aggregation import Aggregation
+from gpuscaler.model.engines import ENGINE_SIGNALS
 from gpuscaler.query.metadata import Limits, parse_metadata
-from gpuscaler.query.profiles import PROFILES
+from gpuscaler.query.profiles import PROFILES, SIGNAL_PROFILES
+from gpuscaler.query.query import CombinedQuery, EngineQuery
+from gpuscaler.signals.engine_pods import Endpoint, metrics_endpoint
 from tests.chart.rendering import (
     CHART,
     CI_VALUES,
@@ -20,6 +25,7 @@ from tests.chart.rendering import (
     RELEASE,
     TOOL_BUILD_TIMEOUT_SECONDS,
     Helm,
+    Manifest,
     find,
     of_kind,
     yaml_documents,
@@ -136,11 +142,90 @@ def test_there_is_one_example_per_profile_and_trigger(trigger: str) -> None:
     assert profiles == set(PROFILES)
 
 
+ENGINE_EXAMPLES = sorted((CHART / "examples" / "engines").glob("*.yaml"))
+
+
+def _engine_example(path: Path) -> tuple[Manifest, Manifest, Manifest]:
+    """The example's Deployment, its ScaledObject and that ScaledObject's one trigger."""
+    documents = list(yaml_documents(path))
+    assert sorted(d["kind"] for d in documents) == ["Deployment", "ScaledObject"], path.name
+    scaled_object = find(documents, "ScaledObject")
+    (trigger,) = scaled_object["spec"]["triggers"]
+    return find(documents, "Deployment"), scaled_object, trigger
+
+
+def test_there_is_one_engine_example_per_signal_profile() -> None:
+    """examples/engines/ has one file per engine-signal profile, named after it: the Deployment and the ScaledObject
+    that scales it on that profile."""
+    profiles = set()
+    for path in ENGINE_EXAMPLES:
+        deployment, scaled_object, trigger = _engine_example(path)
+        assert trigger["metadata"]["profile"] == path.stem
+        profiles.add(path.stem)
+        assert scaled_object["spec"]["scaleTargetRef"] == {"name": deployment["metadata"]["name"]}
+        assert scaled_object["metadata"]["namespace"] == deployment["metadata"]["namespace"]
+    assert profiles == set(SIGNAL_PROFILES)
+
+
+@pytest.mark.parametrize("example", ENGINE_EXAMPLES, ids=[p.name for p in ENGINE_EXAMPLES])
+def test_an_engine_example_reads_the_pods_of_its_deployment_where_they_serve_metrics(example: Path) -> None:
+    """A pod of the example's Deployment, Running and Ready as the API would show it, is selected by the trigger
+    (the Deployment's name as its workload, or the scale target's pods) and has a metrics page the gateway finds,
+    on a port its engine container declares."""
+    deployment, _, trigger = _engine_example(example)
+    name, namespace = deployment["metadata"]["name"], deployment["metadata"]["namespace"]
+    template = deployment["spec"]["template"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    pod = {
+        "metadata": {
+            **template["metadata"],
+            "namespace": namespace,
+            "name": f"{name}-7c9d8f6b5-x2x4p",
+            "labels": {**template["metadata"]["labels"], "pod-template-hash": "7c9d8f6b5"},
+            "ownerReferences": [{"kind": "ReplicaSet", "name": f"{name}-7c9d8f6b5", "controller": True}],
+        },
+        "spec": template["spec"],
+        "status": {"podIP": "10.0.0.7", "phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+    info = pod_info(pod)
+    assert info is not None
+    selects = trigger["metadata"].get("workload") == name or trigger["metadata"].get("scaleTargetPods") == "true"
+    assert selects, trigger["metadata"]
+    assert (info.workload_kind, info.workload) == ("Deployment", name)
+    (metric, _), *_ = SIGNAL_PROFILES[trigger["metadata"]["profile"]].signals
+    engine = ENGINE_SIGNALS[metric].engine  # type: ignore[index]  # signal profiles name engine signals
+    endpoint = metrics_endpoint(info, engine)
+    assert isinstance(endpoint, Endpoint), endpoint
+    (container,) = template["spec"]["containers"]
+    assert endpoint.port in {port["containerPort"] for port in container["ports"]}
+
+
+@pytest.mark.parametrize("example", ENGINE_EXAMPLES, ids=[p.name for p in ENGINE_EXAMPLES])
+def test_an_engine_example_gives_the_hpa_a_value_it_counts_replicas_from(example: Path) -> None:
+    """A sum over the pods (a queue, a rate) and a combined answer (already in replicas) keep KEDA's default
+    AverageValue; an average over the pods (a cache's fill, a wait) sets metricType Value, or the HPA could never go
+    above ceil(100 / target) replicas."""
+    _, scaled_object, trigger = _engine_example(example)
+    query = parse_metadata(
+        trigger["metadata"],
+        Limits(history_seconds=600, cluster=True),
+        namespace=scaled_object["metadata"]["namespace"],
+        name=scaled_object["metadata"]["name"],
+    )
+    metric_type = trigger.get("metricType", "AverageValue")
+    if isinstance(query.value, CombinedQuery):
+        assert metric_type == "AverageValue"
+    else:
+        assert isinstance(query.value, EngineQuery)
+        averaged = query.value.aggregation is Aggregation.AVG
+        assert metric_type == ("Value" if averaged else "AverageValue"), query.value
+
+
 @pytest.mark.parametrize("example", EXAMPLES, ids=[f"{p.parent.name}/{p.name}" for p in EXAMPLES])
 def test_examples_use_metadata_the_agent_accepts_and_the_chart_service(helm: Helm, example: Path) -> None:
     """Each example's trigger metadata parses with the agent's own parser (given the ScaledObject's namespace and
     name, as KEDA sends them), and its address is the chart's Service."""
-    (scaled_object,) = yaml_documents(example)
+    scaled_object = find(list(yaml_documents(example)), "ScaledObject")
     (trigger,) = scaled_object["spec"]["triggers"]
     metadata = scaled_object["metadata"]
     parse_metadata(
