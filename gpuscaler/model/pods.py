@@ -9,7 +9,7 @@ select the pods of its own scale target.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -86,6 +86,39 @@ class ScaleTargets(Protocol):
 
     def scale_targets_problem(self) -> str | None:
         """Why the ScaledObjects cannot be read now (not listed yet, API unreachable, no KEDA CRD), or None."""
+
+
+# What carried a workload name a directory remembers (``NameHistory``): a pod's owner, a ScaledObject's target.
+POD_OWNER = "pod"
+SCALE_TARGET_REF = "scaleTargetRef"
+
+
+class NameHistory(Protocol):
+    """The names a directory has seen since it started, within a cap: what tells a selection that matches no pod
+    because its workload is at zero from one that names nothing there is (``signals/empty_selection.py``)."""
+
+    def carriers(self, namespace: str, name: str) -> frozenset[str]:
+        """What carried the workload name in ``namespace``: ``POD_OWNER`` and/or ``SCALE_TARGET_REF``; empty if none."""
+
+    def workload_names(self, namespace: str) -> Collection[str]:
+        """The workload names carried in ``namespace``."""
+
+    def namespaces_with(self, name: str) -> Collection[str]:
+        """The namespaces where the workload name was carried."""
+
+    def workload_names_anywhere(self) -> Collection[str]:
+        """Every workload name carried in any namespace, each once."""
+
+    def namespaces(self) -> Collection[str]:
+        """The namespaces that held a pod or a ScaledObject."""
+
+
+@runtime_checkable
+class RemembersNames(Protocol):
+    """A pod directory that remembers the names it has seen (the gateway's do)."""
+
+    @property
+    def seen_names(self) -> NameHistory: ...
 
 
 def uid_key(uid: str) -> str:

@@ -51,8 +51,11 @@ class ListWatch(Generic[Item]):
         api_client_factory: Callable[[], client.ApiClient],
         *,
         stale_after_seconds: float = DEFAULT_STALE_AFTER_SECONDS,
+        on_item: Callable[[Item], None] | None = None,
     ) -> None:
+        """``on_item`` is told of every object listed, added or modified (not deleted): the names remembered."""
         self.collection = collection
+        self._on_item = on_item
         self.factory = api_client_factory
         self.items: dict[Hashable, Item] = {}
         self.lists = 0
@@ -139,6 +142,8 @@ class ListWatch(Generic[Item]):
             item = self.collection.parse(raw)
             if item is not None:
                 items[self.collection.key(item)] = item
+                if self._on_item is not None:
+                    self._on_item(item)
         self.items = items
         self._contact()
         self.lists += 1
@@ -168,6 +173,8 @@ class ListWatch(Generic[Item]):
                     self.items.pop(self.collection.key(item), None)
                 elif kind in ("ADDED", "MODIFIED"):
                     self.items[self.collection.key(item)] = item
+                    if self._on_item is not None:
+                        self._on_item(item)
         return str(stream.resource_version or resource_version)
 
     def _contact(self) -> None:

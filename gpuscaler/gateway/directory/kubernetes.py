@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gpuscaler.gateway.directory.names import SeenNames
 from gpuscaler.gateway.directory.pod_watch import KubernetesPodDirectory
 from gpuscaler.gateway.directory.scaled_objects import KubernetesScaledObjects
 from gpuscaler.model.pods import PodInfo, ScaleTarget
@@ -10,15 +11,20 @@ from gpuscaler.model.pods import PodInfo, ScaleTarget
 class KubernetesDirectory:
     """The gateway's ``--pod-directory kubernetes``: pods from the pod watch, scale targets from the ScaledObjects."""
 
-    def __init__(self, pods: KubernetesPodDirectory, scaled_objects: KubernetesScaledObjects) -> None:
+    def __init__(
+        self, pods: KubernetesPodDirectory, scaled_objects: KubernetesScaledObjects, seen: SeenNames | None = None
+    ) -> None:
+        """``seen``: the names both watches remember (given to them), for selections that match no pod."""
         self.pod_watch = pods
         self.scaled_objects = scaled_objects
+        self.seen_names = seen if seen is not None else SeenNames()
 
     @classmethod
     async def connect(cls) -> KubernetesDirectory:
         """Both watches on one connection: the pod's service account, or KUBECONFIG outside a cluster."""
-        pods = await KubernetesPodDirectory.connect()
-        return cls(pods, KubernetesScaledObjects(pods.api_client_factory))
+        seen = SeenNames()
+        pods = await KubernetesPodDirectory.connect(seen)
+        return cls(pods, KubernetesScaledObjects(pods.api_client_factory, seen=seen), seen)
 
     def lookup(self, namespace: str, pod: str) -> PodInfo | None:
         return self.pod_watch.lookup(namespace, pod)

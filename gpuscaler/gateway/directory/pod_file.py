@@ -32,6 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import structlog
 
+from gpuscaler.gateway.directory.names import SeenNames
 from gpuscaler.model.errors import ConfigError
 from gpuscaler.model.pods import (
     METRICS_PATH_ANNOTATION,
@@ -65,6 +66,7 @@ class StaticPodDirectory:
         self._mtime: float | None = None
         self._checked = 0.0
         self._problem: str | None = None
+        self.seen_names = SeenNames()  # every version of the file's names, for selections that match no pod
         self._load()  # a bad file at start is a ConfigError, named by the flag
 
     def lookup(self, namespace: str, pod: str) -> PodInfo | None:
@@ -120,6 +122,10 @@ class StaticPodDirectory:
         except OSError as error:
             raise ConfigError(f"pod directory {str(self.path)!r}: {error.strerror}") from None
         self._pods, self._targets = parse_static_file(text, source=str(self.path))
+        for info in self._pods.values():
+            self.seen_names.saw_pod(info)
+        for target in self._targets.values():
+            self.seen_names.saw_scale_target(target)
         self._mtime = mtime
         self._problem = None
         log.info("pod_directory_loaded", path=str(self.path), pods=len(self._pods))

@@ -15,6 +15,7 @@ from typing import Any
 from kubernetes_asyncio import client, config
 
 from gpuscaler.gateway.directory.kube_watch import DEFAULT_STALE_AFTER_SECONDS, Collection, ListWatch
+from gpuscaler.gateway.directory.names import SeenNames
 from gpuscaler.model.errors import ConfigError
 from gpuscaler.model.pods import METRICS_PATH_ANNOTATION, METRICS_PORT_ANNOTATION, NVIDIA_RESOURCE_PREFIX, PodInfo
 
@@ -135,11 +136,18 @@ class KubernetesPodDirectory(ListWatch[PodInfo]):
         api_client_factory: Callable[[], client.ApiClient],
         *,
         stale_after_seconds: float = DEFAULT_STALE_AFTER_SECONDS,
+        seen: SeenNames | None = None,
     ) -> None:
-        super().__init__(PODS, api_client_factory, stale_after_seconds=stale_after_seconds)
+        """``seen`` remembers every pod's namespace and owner's name (a pod watch on its own needs none)."""
+        super().__init__(
+            PODS,
+            api_client_factory,
+            stale_after_seconds=stale_after_seconds,
+            on_item=seen.saw_pod if seen is not None else None,
+        )
 
     @classmethod
-    async def connect(cls) -> KubernetesPodDirectory:
+    async def connect(cls, seen: SeenNames | None = None) -> KubernetesPodDirectory:
         """In a cluster, the pod's service account; outside one, the file ``KUBECONFIG`` names, as kubectl and
         controller-runtime read it (a gateway run by hand, or a test against a real API server); else ConfigError."""
         configuration = client.Configuration()
@@ -156,7 +164,7 @@ class KubernetesPodDirectory(ListWatch[PodInfo]):
                 await config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
             except (config.ConfigException, OSError, ValueError) as error:
                 raise ConfigError(f"--pod-directory kubernetes: KUBECONFIG {kubeconfig!r}: {error}") from None
-        return cls(lambda: client.ApiClient(configuration))
+        return cls(lambda: client.ApiClient(configuration), seen=seen)
 
     @property
     def api_client_factory(self) -> Callable[[], client.ApiClient]:

@@ -16,6 +16,7 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpuscaler.gateway.directory.kube_watch import DEFAULT_STALE_AFTER_SECONDS, Collection, ListWatch
+from gpuscaler.gateway.directory.names import SeenNames
 from gpuscaler.model.pods import ScaleTarget
 
 GROUP, VERSION, PLURAL = "keda.sh", "v1alpha1", "scaledobjects"
@@ -66,8 +67,15 @@ class KubernetesScaledObjects(ListWatch[ScaleTarget]):
         api_client_factory: Callable[[], client.ApiClient],
         *,
         stale_after_seconds: float = DEFAULT_STALE_AFTER_SECONDS,
+        seen: SeenNames | None = None,
     ) -> None:
-        super().__init__(SCALED_OBJECTS, api_client_factory, stale_after_seconds=stale_after_seconds)
+        """``seen`` remembers every ScaledObject's namespace and the name its scaleTargetRef gives."""
+        super().__init__(
+            SCALED_OBJECTS,
+            api_client_factory,
+            stale_after_seconds=stale_after_seconds,
+            on_item=seen.saw_scale_target if seen is not None else None,
+        )
 
     def scale_target(self, namespace: str, scaled_object: str) -> ScaleTarget | None:
         """The ScaledObject's scale target, if the cluster has it."""
