@@ -1,4 +1,5 @@
-"""``make image``: the image built with docker or podman where one answers, else with buildah, then checked.
+"""``make image``: the image built with docker or podman where one answers and runs a trial build, else with
+buildah, then checked.
 
 The Debian bases (image/debian.py) are built once per lock file and kept in the engine's storage under
 ``localhost/gpuscaler-debian-{build,runtime}:<arch>-<key>``; the Containerfile then starts FROM them. What ships is
@@ -48,6 +49,9 @@ PIP_KEYS = ("index-url", "extra-index-url", "trusted-host", "timeout", "default-
 ARCHITECTURES = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 QEMU = {"arm64": "aarch64", "amd64": "x86_64"}
 BINFMT = Path("/proc/sys/fs/binfmt_misc")
+# What `make image` reports its image against: uncompressed size, and how soon the agent answers SERVING.
+SIZE_GOAL_MB = 120
+SERVING_GOAL_SECONDS = 0.5
 
 
 def log(message: str) -> None:
@@ -261,19 +265,77 @@ def buildah_engine() -> Engine:
     return Engine("buildah", command(driver), mounts_volumes=True, notes=notes, runroot=runroot)
 
 
-def choose_engine(requested: str) -> Engine:
-    """``requested`` (buildah, podman, docker) or the first that answers: podman, docker, then buildah."""
-    candidates = [requested] if requested else ["podman", "docker"]
-    for name in candidates:
-        if name in ("podman", "docker") and shutil.which(name) and answers([name, "info"]):
-            return Engine(name, (name,), mounts_volumes=name == "podman")
-        if name in ("podman", "docker") and requested:
-            raise SystemExit(f"ENGINE={name}, but `{name} info` does not answer")
+def trial_context(directory: Path) -> Path:
+    """A build context whose Containerfile runs a program (``true``, with the shared libraries it loads, copied from
+    this machine) FROM scratch: building it makes the engine run a container, as the image's RUN steps do, with no
+    base image to pull."""
+    program = Path(shutil.which("true") or "/bin/true").resolve()
+    listed = subprocess.run(["ldd", str(program)], capture_output=True, text=True, check=False, timeout=30).stdout
+    # "libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)" and "/lib64/ld-linux-x86-64.so.2 (0x...)"
+    libraries = [Path(word) for line in listed.splitlines() for word in line.split() if word.startswith("/")]
+    for source, target in [(program, Path("/bin/true")), *((library, library) for library in libraries)]:
+        copy = directory / target.relative_to("/")
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source.resolve(), copy)
+        copy.chmod(0o755)
+    (directory / "Containerfile").write_text('FROM scratch\nCOPY . /\nRUN ["/bin/true"]\n')
+    return directory
+
+
+def builds(name: str) -> str | None:
+    """Why engine ``name`` cannot build the image, from a trial build that runs one container (podman answering
+    `podman info` may still fail at its first RUN step, as crun does on a hybrid cgroup v1 layout); None when it
+    builds. The trial image is removed."""
+    tag = f"localhost/gpuscaler-engine-check:{os.getpid()}"
+    with tempfile.TemporaryDirectory(prefix="engine-check-", dir=cache_dir()) as scratch:
+        context = trial_context(Path(scratch))
+        command = [name, "build", "-q", "-t", tag, "-f", str(context / "Containerfile"), str(context)]
+        try:
+            trial = subprocess.run(command, capture_output=True, text=True, check=False, timeout=180)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            return f"`{name} build` of a one-step trial did not finish: {error}"
+    if trial.returncode != 0:
+        said = [line.strip() for line in (trial.stderr or trial.stdout).splitlines() if line.strip()]
+        # The runtime's own words come first ("error running container: ... crun ...: cgroups in hybrid mode not
+        # supported"); the engine's summary last.
+        reason = next((line for line in said if "error" in line.lower()), said[-1] if said else "")
+        return f"`{name} build` of a one-step trial failed ({reason or f'exit {trial.returncode}'})"
+    subprocess.run([name, "rmi", tag], capture_output=True, check=False, timeout=60)
+    return None
+
+
+def engine_choice(requested: str) -> tuple[str, str | None]:
+    """The engine to build with, and the line that says why when it is not the first one that answers: ``requested``
+    (buildah, podman, docker) as asked; otherwise podman, then docker, if its `info` answers and a trial build
+    runs, else buildah."""
+    if requested in ("podman", "docker"):
+        if not (shutil.which(requested) and answers([requested, "info"])):
+            raise SystemExit(f"ENGINE={requested}, but `{requested} info` does not answer")
+        return requested, None
     if requested not in ("", "buildah"):
         raise SystemExit(f"unknown ENGINE {requested!r}: buildah, podman or docker")
-    if not requested:
-        log("no container engine answers (podman info, docker info): building with buildah")
-    return buildah_engine()
+    if requested == "buildah":
+        return "buildah", None
+    failures: list[str] = []
+    for name in ("podman", "docker"):
+        if shutil.which(name) and answers([name, "info"]):
+            failure = builds(name)
+            if failure is None:
+                return name, (f"{'; '.join(failures)}: building with {name}" if failures else None)
+            failures.append(f"{name} answers `{name} info` but {failure}")
+    if failures:
+        return "buildah", f"{'; '.join(failures)}: building with buildah"
+    return "buildah", "no container engine answers (podman info, docker info): building with buildah"
+
+
+def choose_engine(requested: str) -> Engine:
+    """The Engine ``engine_choice`` names; the reason, if any, is logged in one line."""
+    name, reason = engine_choice(requested)
+    if reason is not None:
+        log(reason)
+    if name == "buildah":
+        return buildah_engine()
+    return Engine(name, (name,), mounts_volumes=name == "podman")
 
 
 # --- pip inside the build ----------------------------------------------------------------------------------------
@@ -480,6 +542,14 @@ def time_to_serving(rootfs: Path, config: Mapping[str, object], work: Path) -> t
                 subprocess.run([runc, "--root", str(state), "delete", "--force", container], capture_output=True)
 
 
+def verdict(measured: float, goal: float, unit: str) -> str:
+    """How a measurement stands against its goal (at most ``goal``): met, or missed by how much. A miss is reported,
+    never a failure: one start on a busy machine is a noisy number."""
+    if measured <= goal:
+        return f"the goal is <= {goal:g} {unit}: met"
+    return f"the goal is <= {goal:g} {unit}: missed by {measured - goal:.3g} {unit} ({measured / goal:.1f}x)"
+
+
 def biggest(rootfs: Path, depth: int, count: int) -> list[tuple[int, str]]:
     """The ``count`` largest folders ``depth`` levels down, in bytes (apparent sizes)."""
     sizes: dict[str, int] = {}
@@ -547,7 +617,7 @@ def check_archive(archive: Path, arch: str, version: str, work: Path) -> Report:
     size = oci.uncompressed_size(archive)
     lines = [
         f"archive: {archive.relative_to(ROOT)} ({archive.stat().st_size / 1e6:.1f} MB compressed)",
-        f"size: {size / 1e6:.1f} MB uncompressed ({size / 2**20:.1f} MiB), the goal is <= 120 MB",
+        f"size: {size / 1e6:.1f} MB uncompressed ({size / 2**20:.1f} MiB), " + verdict(size / 1e6, SIZE_GOAL_MB, "MB"),
         "largest folders: "
         + ", ".join(f"{key} {bytes_ / 1e6:.1f} MB" for bytes_, key in biggest(rootfs, 3, 4))
         + "; in the venv: "
@@ -561,7 +631,7 @@ def check_archive(archive: Path, arch: str, version: str, work: Path) -> Report:
     ]
     if arch == host_architecture():
         elapsed, how = time_to_serving(rootfs, config, work)
-        lines.append(f"start -> SERVING: {elapsed:.3f} s ({how}), the goal is <= 0.5 s")
+        lines.append(f"start -> SERVING: {elapsed:.3f} s ({how}), " + verdict(elapsed, SERVING_GOAL_SECONDS, "s"))
     else:
         lines.append("start -> SERVING: not measured (emulated architecture)")
     return Report(lines)

@@ -7,7 +7,9 @@ import gzip
 import hashlib
 import io
 import json
+import os
 import re
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from image import debian, oci, sbom
-from image.build import BUILD_CA, answers, pip_settings
+from image.build import BUILD_CA, answers, engine_choice, pip_settings, trial_context, verdict
 from image.dpkg import closure, parse_status
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -372,6 +374,117 @@ def test_an_engine_answers_only_when_its_info_command_succeeds() -> None:
     assert answers([sys.executable, "-c", "pass"])
     assert not answers([sys.executable, "-c", "raise SystemExit(1)"])
     assert not answers(["/nonexistent/docker", "info"])
+
+
+# crun 1.8's words on a hybrid cgroup v1 layout, as podman 4.3 prints them when a build reaches a RUN step.
+CRUN_HYBRID = (
+    "error running container: from /usr/bin/crun creating container for [/bin/true]: cgroups in hybrid mode not "
+    "supported, drop all controllers from cgroupv2"
+)
+
+
+def _stand_in(folder: Path, name: str, info: int, build: int, log: Path) -> None:
+    """A program called ``name`` in ``folder`` that logs its arguments; `info` exits ``info``, `build` prints crun's
+    hybrid-cgroup error and exits ``build``, anything else exits 0."""
+    script = folder / name
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import sys\n"
+        f"open({str(log)!r}, 'a').write({name!r} + ' ' + ' '.join(sys.argv[1:]) + '\\n')\n"
+        f"if sys.argv[1] == 'info': sys.exit({info})\n"
+        f"if sys.argv[1] == 'build':\n"
+        f"    print({CRUN_HYBRID!r}, file=sys.stderr)\n"
+        f"    sys.exit({build})\n"
+    )
+    script.chmod(0o755)
+
+
+@pytest.fixture
+def stand_ins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A folder first on PATH for stand-in engines, with a `docker` whose daemon does not answer; XDG_CACHE_HOME in
+    the test's folder. Returns the log the stand-ins write their calls to."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    log = tmp_path / "calls.log"
+    log.touch()
+    _stand_in(folder, "docker", info=1, build=1, log=log)
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return log
+
+
+def test_podman_that_answers_info_but_cannot_build_gives_way_to_buildah_with_one_line(
+    stand_ins: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A podman whose `info` answers but whose trial build fails as crun does on a hybrid cgroup layout is passed
+    over for buildah, and the one line says which engine, that its build failed, and the runtime's words."""
+    _stand_in(stand_ins.parent / "bin", "podman", info=0, build=125, log=stand_ins)
+    name, reason = engine_choice("")
+    assert name == "buildah"
+    assert reason is not None
+    assert "\n" not in reason
+    assert reason.startswith("podman answers `podman info` but `podman build` of a one-step trial failed")
+    assert "cgroups in hybrid mode not supported" in reason
+    assert reason.endswith(": building with buildah")
+    calls = stand_ins.read_text().splitlines()
+    assert calls[:2] == ["podman info", calls[1]]
+    assert calls[1].startswith("podman build")
+    assert "docker info" in calls  # docker was asked next, and its daemon did not answer
+    assert not any(call.startswith("docker build") for call in calls)
+    assert capsys.readouterr().err == ""  # the choice says nothing itself: make image logs the one line
+
+
+def test_podman_that_builds_is_chosen_and_its_trial_image_removed(stand_ins: Path) -> None:
+    """A podman whose trial build succeeds is the engine, with no line, and the trial's image is removed."""
+    _stand_in(stand_ins.parent / "bin", "podman", info=0, build=0, log=stand_ins)
+    assert engine_choice("") == ("podman", None)
+    calls = stand_ins.read_text().splitlines()
+    (build,) = [call for call in calls if call.startswith("podman build")]
+    tag = build.split()[build.split().index("-t") + 1]
+    assert f"podman rmi {tag}" in calls
+
+
+def test_docker_that_builds_is_chosen_after_podman_that_cannot(stand_ins: Path) -> None:
+    """When podman's trial fails and docker's runs, docker builds, and the one line says why podman did not."""
+    _stand_in(stand_ins.parent / "bin", "podman", info=0, build=125, log=stand_ins)
+    _stand_in(stand_ins.parent / "bin", "docker", info=0, build=0, log=stand_ins)
+    name, reason = engine_choice("")
+    assert name == "docker"
+    assert reason is not None
+    assert "cgroups in hybrid mode not supported" in reason
+    assert reason.endswith(": building with docker")
+
+
+def test_no_engine_answering_means_buildah_with_one_line(stand_ins: Path, tmp_path: Path) -> None:
+    """Without an engine whose `info` answers, buildah is chosen and the line says so; an asked-for engine that does
+    not answer fails naming it."""
+    _stand_in(stand_ins.parent / "bin", "podman", info=1, build=0, log=stand_ins)
+    assert engine_choice("") == (
+        "buildah",
+        "no container engine answers (podman info, docker info): building with buildah",
+    )
+    with pytest.raises(SystemExit, match="ENGINE=docker, but `docker info` does not answer"):
+        engine_choice("docker")
+    assert engine_choice("buildah") == ("buildah", None)
+
+
+def test_the_trial_build_context_runs_a_program_with_its_libraries(tmp_path: Path) -> None:
+    """The trial's context holds `true` and every shared library it loads, at the paths the loader looks for them,
+    and a Containerfile that runs it FROM scratch (no base image to pull, no shell)."""
+    context = trial_context(tmp_path)
+    assert (context / "Containerfile").read_text() == 'FROM scratch\nCOPY . /\nRUN ["/bin/true"]\n'
+    assert os.access(context / "bin" / "true", os.X_OK)
+    listed = subprocess.run(["ldd", str(context / "bin" / "true")], capture_output=True, text=True, check=True)
+    needed = [word for line in listed.stdout.splitlines() for word in line.split() if word.startswith("/")]
+    assert any("ld-linux" in path for path in needed), "the dynamic loader is among them"
+    assert all((context / path.lstrip("/")).is_file() for path in needed), needed
+
+
+def test_a_goal_reads_met_or_missed_by_how_much() -> None:
+    """A measurement within its goal reads "met"; one over it reads how far over, and it is a line, not a failure."""
+    assert verdict(0.4, 0.5, "s") == "the goal is <= 0.5 s: met"
+    assert verdict(1.381, 0.5, "s") == "the goal is <= 0.5 s: missed by 0.881 s (2.8x)"
+    assert verdict(102.2, 120, "MB") == "the goal is <= 120 MB: met"
 
 
 def test_no_registry_or_machine_path_is_written_into_the_image_files() -> None:
