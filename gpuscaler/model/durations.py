@@ -1,30 +1,80 @@
-"""Durations as people write them in metadata, flags and scenario files: ``500ms``, ``30s``, ``2m``, ``1h``."""
+"""Durations as people write them in metadata, flags and scenario files: ``500ms``, ``30s``, ``2m``, ``1m30s``.
+
+Go's and Prometheus' way, which KEDA's users already write: a number and a unit, or several such terms from the
+largest unit down (``1h30m``), in lower case, without spaces or a sign. A number alone is refused rather than read
+as seconds: ``window: "30"`` could as well mean minutes, and every other duration a ScaledObject holds has a unit.
+"""
 
 from __future__ import annotations
 
+import decimal
 import math
 import re
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-_SECONDS_PER_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_SECONDS_PER_UNIT = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}  # largest first: the order terms come in
+_NUMBER = r"\d+(?:\.\d+)?"
+_TERM = re.compile(rf"({_NUMBER})(ms|s|m|h)")
+_DURATION = re.compile(rf"(?:{_NUMBER}(?:ms|s|m|h))+")
+ALLOWED = "a number and a unit (ms, s, m or h), like '500ms', '30s', '2m' or '1m30s'"
 
 
 def parse_duration(text: str) -> float:
-    """Seconds in ``text``; a bare number is seconds. Raises ValueError with the allowed forms."""
-    match = _DURATION.match(text)
-    if match is None:
-        raise ValueError(f"{text!r} is not a duration; use a number with ms, s, m or h, like '30s' or '2m'")
-    seconds = float(match.group(1)) * _SECONDS_PER_UNIT[match.group(2) or "s"]
+    """Seconds in ``text``. Raises ValueError starting with ``repr(text)``, so that a caller can put the key or
+    flag in front of it, and saying what is wrong and what to write instead."""
+    stripped = text.strip()
+    problem = _problem(text, stripped)
+    if problem is not None:
+        raise ValueError(problem)
+    terms = [(float(number), unit) for number, unit in _TERM.findall(stripped)]
+    order = list(_SECONDS_PER_UNIT)
+    positions = [order.index(unit) for _, unit in terms]
+    if positions != sorted(set(positions)):
+        raise ValueError(
+            f"{text!r} repeats a unit or puts a smaller one first; write each unit once, largest first, like '1m30s'"
+        )
+    seconds = sum(number * _SECONDS_PER_UNIT[unit] for number, unit in terms)
     if not math.isfinite(seconds):
-        raise ValueError(f"{text!r} is not a finite duration")
+        raise ValueError(f"{text!r} is too long to be a duration")
     return seconds
 
 
+def _problem(text: str, stripped: str) -> str | None:
+    """What is wrong with ``stripped`` as a duration, in words; None when it has the form of one."""
+    if _DURATION.fullmatch(stripped):
+        return None
+    if not stripped:
+        return f"{text!r} is empty; write {ALLOWED}"
+    if stripped.startswith("-"):
+        positive = stripped.lstrip("-")
+        like = f", like {positive!r}" if _DURATION.fullmatch(positive) else ""
+        return f"{text!r} is negative; a duration must be positive{like}"
+    if re.fullmatch(_NUMBER, stripped):
+        return f"{text!r} has no unit; write '{stripped}s' for seconds, or another unit (ms, m, h)"
+    if re.search(r"\d[eE][+-]?\d", stripped):
+        one = re.fullmatch(rf"({_NUMBER}[eE][+-]?\d+)(ms|s|m|h)", stripped)
+        number = decimal.Decimal(one[1]) if one else None
+        written = f"{number:f}{one[2]}" if one and number is not None and abs(number.adjusted()) <= 20 else None
+        return f"{text!r} has an exponent; write the number out" + (
+            f", like {written!r}" if written else f": {ALLOWED}"
+        )
+    compact = re.sub(r"\s+", "", stripped)
+    if compact != stripped and _DURATION.fullmatch(compact):
+        return f"{text!r} has a space in it; write {compact!r}"
+    if _DURATION.fullmatch(stripped.lower()):
+        return f"{text!r}: units are lower case; write {stripped.lower()!r}"
+    return f"{text!r} is not a duration; write {ALLOWED}"
+
+
 def format_duration(seconds: float) -> str:
-    """The shortest of ``parse_duration``'s forms that reads back as ``seconds``."""
+    """The shortest of ``parse_duration``'s one-term forms that reads back as ``seconds``."""
     for unit, size in (("h", 3600.0), ("m", 60.0), ("s", 1.0)):
         if seconds >= size and (seconds / size).is_integer():
             return f"{int(seconds / size)}{unit}"
     if seconds >= 1:
-        return f"{seconds:g}s"
-    return f"{seconds * 1000:g}ms"
+        return f"{_decimal(seconds)}s"
+    return f"{_decimal(seconds * 1000)}ms"
+
+
+def _decimal(number: float) -> str:
+    """``number`` without an exponent (which ``parse_duration`` refuses), to the microsecond."""
+    return f"{number:.6f}".rstrip("0").rstrip(".")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from gpuscaler.model.aggregation import Aggregation, WindowFunction
 from gpuscaler.model.durations import format_duration, parse_duration
 from gpuscaler.model.engines import ENGINE_SIGNALS, EngineMetric
-from gpuscaler.model.errors import InvalidMetadata
+from gpuscaler.model.errors import InvalidMetadata, Unsupported
 from gpuscaler.model.gpu_metrics import METRICS, Metric
 from gpuscaler.query.engine_keys import (
     ENDPOINT_KEYS,
@@ -107,6 +107,8 @@ class Limits:
     history_seconds: float
     # A gateway answers for every node, where a GPU index names one GPU on each of them.
     cluster: bool = False
+    # False on a node agent: engine signals are read by the gateway, which knows the pods and reads their pages.
+    reads_engines: bool = True
 
 
 def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: str = "", name: str = "") -> Query:
@@ -134,6 +136,8 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: st
     default = profile.metric if profile else signal_profile.signals[0][0] if signal_profile else DEFAULT_METRIC
     any_metric = _parse_metric(raw, default)
     if isinstance(any_metric, EngineMetric):
+        if not limits.reads_engines:
+            raise _engine_signal_on_an_agent(any_metric)
         return _engine_query(raw, namespace, name, any_metric, signal_profile)
     metric = any_metric
     if "scrapeInterval" in raw:
@@ -248,6 +252,18 @@ def _engine_pods(raw: Mapping[str, str], namespace: str, name: str, what: str) -
     return pods
 
 
+def _engine_signal_on_an_agent(metric: EngineMetric, context: str = "") -> Unsupported:
+    """The one refusal of an engine signal at a node agent, at every call (GetMetricSpec first, so that KEDA makes no
+    HPA for it): where the signal is read, what the query needs, and the address to ask instead."""
+    return Unsupported(
+        f"{metric.value} is an engine signal{f' ({context})' if context else ''}: the gateway reads it from the "
+        "metrics pages of the workload's own pods, and this server is a node agent, which reads its node's GPUs "
+        "only. Set scalerAddress to the gateway, the chart's Service gpuscaler.<namespace>.svc.cluster.local:6000 "
+        "(gpuscaler.gpuscaler.svc.cluster.local:6000 as installed in the README), and select the pods with "
+        "workload, podSelector or pod, or scaleTargetPods: 'true' (docs/engines.md)"
+    )
+
+
 def _engine_query(
     raw: Mapping[str, str], namespace: str, name: str, metric: EngineMetric, profile: SignalProfile | None
 ) -> Query:
@@ -301,7 +317,9 @@ def _combined_query(
             )
             raise InvalidMetadata(f"keys {key!r} and 'signals' are both set; {reason}: leave {key} out")
     pairs = parse_signal_targets(raw["signals"]) if "signals" in raw else profile.signals if profile else ()
-    engine_read = any(isinstance(metric, EngineMetric) for metric, _ in pairs)
+    engine_read = [metric for metric, _ in pairs if isinstance(metric, EngineMetric)]
+    if engine_read and not limits.reads_engines:
+        raise _engine_signal_on_an_agent(engine_read[0], f"signals {describe_targets(pairs)!r} include it")
     what = "signals " + describe_targets(pairs)
     pods = _engine_pods(raw, namespace, name, what) if engine_read else _selected_pods(raw, namespace, name)
     interval = parse_scrape_interval(raw)
@@ -440,10 +458,11 @@ def _parse_window(text: str, limits: Limits) -> float:
     if seconds <= 0:
         raise InvalidMetadata(f"window {text!r} must be longer than 0; leave it out to use the latest sample")
     if seconds > limits.history_seconds:
+        history = format_duration(limits.history_seconds)
         raise InvalidMetadata(
             # "this server": an agent or the gateway, each with its own --history.
-            f"window {text!r} is longer than this server's --history of {format_duration(limits.history_seconds)}; "
-            f"use a shorter window or {RAISE_HISTORY}"
+            f"window {text!r} is longer than this server's --history of {history}; use a window of at most {history}, "
+            f"or {RAISE_HISTORY}"
         )
     return seconds
 

@@ -44,7 +44,7 @@ def shape_of(spec: Any, metric: str = "gpu_utilization") -> Shape:
         pytest.param(
             {"shape": "sine", "min": 0, "max": 10, "period": "1m", "phase": "15s"}, Sine(0, 10, 60, 15), id="sine-phase"
         ),
-        pytest.param({"shape": "square", "low": 1, "high": 9, "period": 30}, Square(1, 9, 30), id="square"),
+        pytest.param({"shape": "square", "low": 1, "high": 9, "period": "30s"}, Square(1, 9, 30), id="square"),
         pytest.param({"shape": "triangle", "min": 5, "max": 70, "period": "500ms"}, Triangle(5, 70, 0.5), id="tri"),
         pytest.param({"shape": "ramp", "from": 35, "to": 80, "duration": "5m"}, Ramp(35, 80, 300), id="ramp-up"),
         pytest.param({"shape": "ramp", "from": 80, "to": 35, "duration": "1h"}, Ramp(80, 35, 3600), id="ramp-down"),
@@ -186,7 +186,7 @@ BAD: list[tuple[Any, int, str]] = [
         "gpus.0.values.temperature has unknown key 'period'; allowed: duration, from, shape, to",
     ),
     (
-        {"gpus": {0: {"values": {"gpu_utilization": {"shape": "sine", "min": 0, "max": 150, "period": 1}}}}},
+        {"gpus": {0: {"values": {"gpu_utilization": {"shape": "sine", "min": 0, "max": 150, "period": "1s"}}}}},
         1,
         "gpus.0.values.gpu_utilization.max 150 is a percentage",
     ),
@@ -199,6 +199,11 @@ BAD: list[tuple[Any, int, str]] = [
         {"gpus": {0: {"values": {"gpu_utilization": {"shape": "square", "low": 0, "high": 1, "period": "soon"}}}}},
         1,
         "gpus.0.values.gpu_utilization.period 'soon' is not a duration",
+    ),
+    (
+        {"gpus": {0: {"values": {"gpu_utilization": {"shape": "square", "low": 0, "high": 1, "period": 30}}}}},
+        1,
+        "gpus.0.values.gpu_utilization.period '30' has no unit; write '30s' for seconds",
     ),
     ([1, 2], 1, "the file must be a mapping, not list"),
     ({"gpu": {}}, 1, "the file has unknown key 'gpu'; allowed: defaults, gpus"),
