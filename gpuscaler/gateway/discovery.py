@@ -23,6 +23,22 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_RESOLVE_INTERVAL_SECONDS = 5.0
 EndpointsListener = Callable[[frozenset[Address]], None]
+# getaddrinfo's failures in words; its own strings ("Name or service not known") vary by libc.
+_LOOKUP_FAILURES = {
+    socket.EAI_NONAME: "name not known",
+    socket.EAI_AGAIN: "no answer yet, a temporary failure",
+    socket.EAI_FAIL: "the DNS server failed",
+    **({socket.EAI_NODATA: "the name has no address"} if hasattr(socket, "EAI_NODATA") else {}),
+}
+
+
+def lookup_failure(name: str, error: socket.gaierror) -> str:
+    """A failed DNS lookup of ``name`` in words, as a reason reads it: ``cannot resolve gpu-node-b: name not known
+    (DNS)`` rather than ``gaierror(-2, 'Name or service not known')``. A stopped container's name leaves the
+    compose network's DNS, so this is how an agent listed by name (``--agents node-b:6000``) reads while stopped."""
+    known = _LOOKUP_FAILURES.get(error.errno) if error.errno is not None else None
+    reason = known or (error.strerror or "lookup failed").lower()
+    return f"cannot resolve {name}: {reason} (DNS)"
 
 
 class StaticAgents:
@@ -55,7 +71,8 @@ class DnsAgents:
             try:
                 found = await self.resolve()
             except OSError as error:
-                log.warning("agents_dns_failed", name=self.name, error=str(error), keeping=len(self.endpoints or ()))
+                reason = lookup_failure(self.name, error) if isinstance(error, socket.gaierror) else str(error)
+                log.warning("agents_dns_failed", name=self.name, error=reason, keeping=len(self.endpoints or ()))
             else:
                 if found != self.endpoints:
                     before = self.endpoints or frozenset()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 import ssl
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from gpuscaler.flags import Address
 from gpuscaler.gateway.decoding import MalformedSnapshot, SnapshotDecoder, watch_request
+from gpuscaler.gateway.discovery import lookup_failure
 from gpuscaler.gateway.view import AgentRefused, ClusterView
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
 from gpuscaler.model.staleness import snapshot_stale_after
@@ -68,7 +70,7 @@ class AgentSubscriber:
             except AgentRefused as refusal:
                 outcome, detail = "refused", str(refusal)
             except (OSError, GRPCError, StreamTerminatedError, ProtocolError, TimeoutError, MalformedSnapshot) as error:
-                outcome, detail = "failed", _describe(error)
+                outcome, detail = "failed", _describe(error, self.endpoint.host)
             finally:
                 self.connected = False
             self._view.trouble(self.agent, detail)
@@ -139,11 +141,16 @@ class AgentSubscriber:
         self.received += 1
 
 
-def _describe(error: BaseException) -> str:
+def _describe(error: BaseException, host: str) -> str:
+    """Why a stream to an agent at ``host`` ended, in words: the reason every answer it blocks names."""
     if isinstance(error, GRPCError):
         return f"{error.status.name}: {error.message}"
     if isinstance(error, TimeoutError):
         return "no snapshot within the expected time; the connection may be half-open"
+    if isinstance(error, socket.gaierror):
+        return lookup_failure(host, error)
     if isinstance(error, ConnectionRefusedError):
         return "connection refused"
+    if isinstance(error, OSError) and error.strerror:  # "connection reset by peer", "no route to host"
+        return error.strerror[:1].lower() + error.strerror[1:]
     return repr(error)

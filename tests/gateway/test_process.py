@@ -248,6 +248,29 @@ async def test_an_agent_removed_from_the_agents_file_leaves_every_answer(start_n
         await gateway.stop()
 
 
+async def test_an_agent_whose_name_does_not_resolve_is_unavailable_saying_so_in_words(start_node: StartNode) -> None:
+    """An agent listed by a name DNS does not know (a stopped container's, under compose) makes the sum UNAVAILABLE,
+    and the reason says which name could not be resolved, in words, not as a Python exception's repr."""
+    a = await start_node("node-a")
+    gateway = await Gateway.start(gateway_settings("--agents", f"127.0.0.1:{a.port},gpu-node-b.invalid:6000"))
+    try:
+        await view_has(gateway, 1)
+
+        async def reason() -> str:
+            try:
+                await value(gateway)
+            except GRPCError as error:
+                return error.message or ""
+            return ""
+
+        message = await until_result(reason, lambda text: "cannot resolve" in text, timeout=30)
+        assert "cannot resolve gpu-node-b.invalid: " in message, message
+        assert "(DNS)" in message, message
+        assert "gaierror" not in message, message
+    finally:
+        await gateway.stop()
+
+
 async def test_dns_discovery_resolves_a_name() -> None:
     """--agents-dns resolves the name with the loop's resolver, on the given port."""
     from gpuscaler.gateway.discovery import DnsAgents
