@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -15,6 +15,7 @@ from rich.console import Console
 from gpuscaler.client.explain import collect, report_renderable
 from gpuscaler.gateway.process import Gateway
 from gpuscaler.generated import externalscaler as keda
+from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.model.engines import Engine
 from tests.fakes.fake_engine import FakeEngine
 from tests.gateway.calls import explain, pushed, ref, value
@@ -183,21 +184,81 @@ async def test_push_activates_within_a_scrape_of_the_queue_rising(
         await until(lambda: seen == [False, True])
 
 
-async def test_an_agent_refuses_engine_signals_saying_they_need_the_gateway(start_node: StartNode) -> None:
-    """A node agent has no pod directory: an engine signal is FAILED_PRECONDITION pointing at the gateway."""
-    node = await start_node("node-a")
-    channel = Channel("127.0.0.1", node.port)
+ENGINE_QUERIES_FOR_AN_AGENT = [
+    pytest.param({"profile": "vllm-queue"}, "vllm_queue", id="profile-without-a-selector"),
+    pytest.param({"profile": "vllm-queue", "workload": "vllm"}, "vllm_queue", id="profile-with-a-selector"),
+    pytest.param({"metric": "sglang_queue", "targetValue": "4"}, "sglang_queue", id="metric-without-a-selector"),
+    pytest.param({"metricType": "vllm_queue_depth", "podSelector": "app=vllm"}, "vllm_queue", id="prior-art-name"),
+    pytest.param({"signals": "gpu_utilization:80,vllm_queue:8"}, "vllm_queue", id="signals-with-a-gpu-metric"),
+    pytest.param({"profile": "vllm-saturation", "scaleTargetPods": "true"}, "vllm_queue", id="combined-profile"),
+]
+
+
+async def _every_answer(port: int, metadata: dict[str, str]) -> dict[str, GRPCError | None]:
+    """The error of each call KEDA makes and of Explain, for ``metadata``, at the server on ``port``; None: no error."""
+    channel = Channel("127.0.0.1", port)
+    scaled = ref(**metadata)
+    stub = keda.ExternalScalerStub(channel)
+
+    async def stream() -> None:
+        async for _ in stub.stream_is_active(scaled):
+            return
+
+    calls: dict[str, Callable[[], Awaitable[object]]] = {
+        "GetMetricSpec": lambda: stub.get_metric_spec(scaled),
+        "GetMetrics": lambda: stub.get_metrics(keda.GetMetricsRequest(scaled_object_ref=scaled, metric_name="any")),
+        "IsActive": lambda: stub.is_active(scaled),
+        "StreamIsActive": stream,
+        "Explain": lambda: pb.AgentStub(channel).explain(pb.ExplainRequest(scaler_metadata=metadata, namespace="ml")),
+    }
+    answers: dict[str, GRPCError | None] = {}
     try:
-        with pytest.raises(GRPCError) as raised:
-            await keda.ExternalScalerStub(channel).is_active(
-                keda.ScaledObjectRef(
-                    name="so", namespace="ml", scaler_metadata={"metric": "vllm_queue", "workload": "llm"}
-                )
-            )
+        for name, call in calls.items():
+            try:
+                await call()
+            except GRPCError as error:
+                answers[name] = error
+            else:
+                answers[name] = None
     finally:
         channel.close()
-    assert raised.value.status is Status.FAILED_PRECONDITION
-    assert "point scalerAddress at the gateway" in str(raised.value.message)
+    return answers
+
+
+@pytest.mark.parametrize(("metadata", "signal"), ENGINE_QUERIES_FOR_AN_AGENT)
+async def test_an_agent_refuses_engine_signals_at_every_call_with_one_message(
+    start_node: StartNode, metadata: dict[str, str], signal: str
+) -> None:
+    """At a node agent, an engine query is FAILED_PRECONDITION from GetMetricSpec on (so KEDA makes no HPA for it),
+    with or without a selector, and every call gets the same message: who reads the signal and from where, that the
+    pods need selecting, and the gateway's address."""
+    node = await start_node("node-a")
+    answers = await _every_answer(node.port, metadata)
+    assert all(error is not None for error in answers.values()), answers
+    statuses = {name: error.status for name, error in answers.items() if error is not None}
+    assert set(statuses.values()) == {Status.FAILED_PRECONDITION}, statuses
+    messages = {error.message for error in answers.values() if error is not None}
+    assert len(messages) == 1, messages
+    [message] = messages
+    assert message is not None
+    assert message.startswith(f"{signal} is an engine signal")
+    for says in (
+        "the gateway reads it from the metrics pages of the workload's own pods",
+        "this server is a node agent",
+        "gpuscaler.gpuscaler.svc.cluster.local:6000",
+        "select the pods with workload, podSelector or pod, or scaleTargetPods: 'true'",
+    ):
+        assert says in message, message
+
+
+async def test_an_agent_still_refuses_a_typo_in_an_engine_query_first(start_node: StartNode) -> None:
+    """The agent's refusal does not hide a key it does not know: that is named first, as everywhere."""
+    node = await start_node("node-a")
+    answers = await _every_answer(node.port, {"profile": "vllm-queue", "workloda": "vllm"})
+    error = answers["GetMetricSpec"]
+    assert error is not None
+    assert error.status is Status.INVALID_ARGUMENT
+    assert error.message == "unknown key 'workloda'; did you mean 'workload'?"
 
 
 async def test_a_gateway_without_a_pod_directory_says_engine_signals_need_one(
