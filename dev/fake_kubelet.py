@@ -122,6 +122,10 @@ class NodeKubelet(kubelet.PodResourcesListerBase):
         raise GRPCError(Status.UNIMPLEMENTED, "the dev stack's fake kubelet answers List only")
 
 
+class CannotListen(Exception):
+    """A socket the fake kubelet cannot serve on."""
+
+
 async def serve(assignments: Assignments, socket_dir: Path) -> None:
     """Serves every node's socket until SIGINT or SIGTERM, then removes the sockets."""
     stop = asyncio.Event()
@@ -134,7 +138,10 @@ async def serve(assignments: Assignments, socket_dir: Path) -> None:
             path = socket_dir / f"{node}.sock"
             _remove(path)  # left by a killed run
             server = Server([NodeKubelet(node, assignments)])
-            await server.start(path=str(path))
+            try:
+                await server.start(path=str(path))
+            except OSError as error:  # said in one line by main, as every process of the dev stack says it
+                raise CannotListen(f"cannot listen on {path}: {error.strerror or error}") from None
             path.chmod(SOCKET_MODE)
             servers.append((server, path))
         pods = sum(len(pods) for pods in assignments.nodes.values())
@@ -166,7 +173,10 @@ def main() -> int:
         args.socket_dir.chmod(FOLDER_MODE)
     except (OSError, AssignmentError, yaml.YAMLError) as error:
         parser.exit(2, f"fake kubelet: {error}\n")
-    asyncio.run(serve(assignments, args.socket_dir))
+    try:
+        asyncio.run(serve(assignments, args.socket_dir))
+    except CannotListen as error:
+        parser.exit(1, f"fake kubelet: {error}\n")
     return 0
 
 
