@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 import pytest
 import yaml
 
+from gpuscaler.agent.collectors.scenario import parse_value
 from gpuscaler.agent.history import History
 from gpuscaler.agent.telemetry import AgentTelemetry
 from gpuscaler.flags import DEFAULT_LIMITS
@@ -20,7 +21,9 @@ from gpuscaler.gateway.engines.scraper import EngineScraper
 from gpuscaler.gateway.telemetry import GatewayTelemetry
 from gpuscaler.gateway.view import ClusterView
 from gpuscaler.model.durations import parse_duration
+from gpuscaler.model.errors import ConfigError, InvalidMetadata
 from gpuscaler.model.gpu_metrics import METRICS, READINGS, Metric
+from gpuscaler.query.engine_keys import metric_names
 from gpuscaler.query.metadata import FROM_ENV_SUFFIX, KEDA_KEYS, KNOWN_KEYS, QUERY_KEYS, Limits, parse_metadata
 from gpuscaler.query.profiles import PROFILES
 from gpuscaler.server.telemetry import TlsCollector, TransportCollector
@@ -237,12 +240,91 @@ def test_metrics_doc_table_matches_the_metric_table() -> None:
             assert calls[field] in row["NVML source"] or f"`{_other(field)}`" in row["NVML source"], (metric, field)
 
 
+def _missing_and_unknown(listed: set[str], known: set[str]) -> str:
+    """A list's drift from the code's, in words: what the doc misses, and what it names that the code does not."""
+    return f"the doc misses {sorted(known - listed)}; it names {sorted(listed - known)}, which the code does not"
+
+
 def test_metadata_doc_allows_every_metric() -> None:
-    """docs/metadata.md's `metric` row lists every metric a trigger can name, and no other."""
+    """docs/metadata.md's `metric` row lists every metric a trigger can name, GPU metrics and engine signals alike,
+    and no other."""
     text = (DOCS / "metadata.md").read_text(encoding="utf-8")
     [row] = [row for row in _markdown_table(text, "key", "type", "default") if _name(row["key"]) == "metric"]
     listed = set(re.findall(r"`([a-z_]+)`", row["allowed"]))
-    assert listed == {metric.value for metric in Metric}
+    assert listed == set(metric_names()), _missing_and_unknown(listed, set(metric_names()))
+
+
+def test_migration_doc_names_every_gpu_metric() -> None:
+    """docs/migration.md's "metric values" row: the prior art's five are ours, and with the ones it adds they are
+    every GPU metric."""
+    text = (DOCS / "migration.md").read_text(encoding="utf-8")
+    table = _markdown_table(text, "key", "keda-gpu-scaler", "gpuscaler")
+    [row] = [row for row in table if row["key"] == "metric values"]
+    theirs = set(re.findall(r"`([a-z_]+)`", row["keda-gpu-scaler"]))
+    added = set(re.findall(r"`([a-z_]+)`", row["gpuscaler"]))
+    gpu_metrics = {metric.value for metric in Metric}
+    assert theirs <= gpu_metrics, sorted(theirs - gpu_metrics)
+    assert not theirs & added, f"named as added but the prior art had them: {sorted(theirs & added)}"
+    assert theirs | added == gpu_metrics, _missing_and_unknown(theirs | added, gpu_metrics)
+
+
+def test_migration_doc_maps_every_gpu_metric_from_dcgm() -> None:
+    """docs/migration.md's DCGM table gives each GPU metric its DCGM field, and names no metric that does not exist."""
+    text = _section((DOCS / "migration.md").read_text(encoding="utf-8"), "From dcgm-exporter + Prometheus + KEDA")
+    table = _markdown_table(text, "DCGM field (dcgm-exporter series)", "gpuscaler `metric`")
+    mapped = {name for row in table for name in re.findall(r"`([a-z_]+)`", row["gpuscaler `metric`"])}
+    assert mapped == {metric.value for metric in Metric}, _missing_and_unknown(mapped, {m.value for m in Metric})
+    for row in table:
+        assert re.search(r"\bDCGM_FI_[A-Z_]+", row["DCGM field (dcgm-exporter series)"]), row
+
+
+# A quoted message that lists what a key or argument allows, as the code writes it.
+_ALLOWED_LIST = re.compile(r"`(?P<quote>[^`\n]*?use one of: [^`\n]*)`")
+
+
+def _allowed_list_quotes() -> list[Any]:
+    """Every message README.md and docs/ quote with a "use one of:" list, with its file and line."""
+    cases = []
+    for path in MARKDOWN:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            for match in _ALLOWED_LIST.finditer(line):
+                cases.append(pytest.param(match["quote"], id=f"{path.relative_to(ROOT)}:{number}"))
+    return cases
+
+
+def _what_the_code_says(quote: str) -> str:
+    """The message the code gives for the input ``quote`` shows: a trigger key's value, or `gpuscaler fake set`'s."""
+    fake = re.fullmatch(r"gpuscaler fake set: INVALID_ARGUMENT: METRIC: '(?P<name>[^']*)' is not a metric; .*", quote)
+    if fake is not None:
+        with pytest.raises(ConfigError) as refused:
+            parse_value(fake["name"], "1")
+        return f"gpuscaler fake set: INVALID_ARGUMENT: {refused.value}"
+    key = re.fullmatch(r"(?P<key>\w+) '(?P<value>[^']*)' is not allowed; .*", quote)
+    assert key is not None, f"{quote!r}: a list this test cannot check; say here where the message comes from"
+    metadata = {key["key"]: key["value"]}
+    if key["key"] == "podAggregation":
+        metadata["namespace"] = "ml"  # it needs a pod selection
+    with pytest.raises(InvalidMetadata) as invalid:
+        parse_metadata(metadata, LIMITS)
+    return str(invalid.value)
+
+
+def _allowed(message: str) -> set[str]:
+    return {name.strip() for name in message.partition("use one of: ")[2].split(",")}
+
+
+def test_the_docs_quote_lists_of_allowed_values() -> None:
+    """There are quoted lists for the next test to check (the metric lists of docs/troubleshooting.md at least)."""
+    assert len(_allowed_list_quotes()) >= 2
+
+
+@pytest.mark.parametrize("quote", _allowed_list_quotes())
+def test_a_quoted_list_of_allowed_values_is_what_the_code_says(quote: str) -> None:
+    """A message the docs quote with a "use one of:" list is the code's message for that input, every name in it:
+    when a metric, profile or value is added, the quote fails naming what it misses."""
+    said = _what_the_code_says(quote)
+    assert _allowed(quote) == _allowed(said), _missing_and_unknown(_allowed(quote), _allowed(said))
+    assert quote == said
 
 
 def test_metrics_doc_series_table_has_each_reading_with_its_type() -> None:

@@ -3,19 +3,25 @@
 The objects come from the same extraction as tests/test_docs.py (fenced YAML in README.md and docs/, and the chart's
 examples). Each is applied as written, with strict field validation against KEDA's CRD, except for two things a
 loopback cluster needs: its own namespace, and ``scalerAddress`` pointing at a running gateway (or, for a trigger
-that asks for TLS, a TLS agent, with the documented TriggerAuthentication applied as written too).
+that asks for TLS, a TLS agent, with the documented TriggerAuthentication applied as written too). Another scaler's
+trigger that the docs show for comparison (KEDA's ``prometheus`` trigger in docs/migration.md) gets a stand-in of
+its server on loopback instead, in ``serverAddress``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import re
+import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from aiohttp import web
 
 from e2e.keda.control_plane import ApiError, Json, secret
 from e2e.keda.scenario import Scenario, scaled_object
@@ -73,12 +79,42 @@ async def _tls_agent(scenario: Scenario, source: YamlSource) -> Process:
     return await scenario.agent("node-1", tls=files, mtls="tlsClientCert" in parameters)
 
 
+@contextlib.asynccontextmanager
+async def _prometheus_stand_in() -> AsyncIterator[str]:
+    """Prometheus' instant-query API on loopback, answering every query with one sample of 0, as a real Prometheus
+    answers a query over idle GPUs: what KEDA's prometheus scaler reads. Yields its URL, for ``serverAddress``."""
+
+    async def query(_request: web.Request) -> web.Response:
+        sample = {"metric": {}, "value": [time.time(), "0"]}
+        return web.json_response({"status": "success", "data": {"resultType": "vector", "result": [sample]}})
+
+    app = web.Application()
+    app.router.add_get("/api/v1/query", query)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        host, port = runner.addresses[0][:2]
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
 @pytest.mark.parametrize(("source", "document"), documented())
 async def test_documented_scaled_object_becomes_ready(
     scenario: Scenario, tmp_path: Path, source: YamlSource, document: Json
 ) -> None:
     """The documented ScaledObject passes KEDA's CRD schema, and KEDA makes it Ready with an HPA."""
     manifest = copy.deepcopy(document)
+    others = [trigger for trigger in manifest["spec"]["triggers"] if trigger["type"] not in EXTERNAL_TRIGGERS]
+    assert {trigger["type"] for trigger in others} <= {"prometheus"}, f"{source.id}: no stand-in for {others}"
+    async with contextlib.AsyncExitStack() as stand_ins:
+        for trigger in others:
+            trigger["metadata"]["serverAddress"] = await stand_ins.enter_async_context(_prometheus_stand_in())
+        await _becomes_ready(scenario, tmp_path, source, manifest)
+
+
+async def _becomes_ready(scenario: Scenario, tmp_path: Path, source: YamlSource, manifest: Json) -> None:
     tls = _uses_tls(manifest)
     if tls:
         scaler = await _tls_agent(scenario, source)
