@@ -4,6 +4,7 @@ Windows are reduced here, from the ring buffer: each GPU's readable values in th
 through ``aggregation.reduce_window``. The series are split once per (newest snapshot, window length), so
 a window costs one pass over the buffer however many GPUs and queries ask for it. A rate's window is the
 counter's increase over it (``rates.py``); on a GPU several pods hold, each pod's own share is reduced too.
+Each says how much of its length its readings cover: the buffer starts empty when the agent starts.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from gpuscaler.model.aggregation import reduce_window
 from gpuscaler.model.gpu_metrics import METRICS
 from gpuscaler.model.pods import uid_key
 from gpuscaler.model.samples import GpuSample, Snapshot
-from gpuscaler.model.windows import Windowed, WindowKey
+from gpuscaler.model.windows import Windowed, WindowKey, covered
 from gpuscaler.signals.rates import counter_rate
 from gpuscaler.signals.shares import holders, pod_share
 from gpuscaler.signals.source import AnnouncedSource
@@ -65,17 +66,51 @@ class History(AnnouncedSource):
         if info.rate:
             readings = [getattr(other, info.reading) for other in series]
             rate = counter_rate(window.metric, list(zip(times, readings, strict=True)))
-            return Windowed(rate.value, rate.sample_count, rate.reason)
+            first = rate.first_seconds if rate.value is not None else None
+            return Windowed(rate.value, rate.sample_count, rate.reason, covered_seconds=self._covered(window, first))
         values = [value for other in series if (value := other.value(window.metric)) is not None]
-        reduced = Windowed(reduce_window(window.function, values) if values else None, len(values))
+        # The oldest readable sample is nearly always the window's first: found at once.
+        first = next(
+            (t for t, other in zip(times, series, strict=True) if other.value(window.metric) is not None), None
+        )
+        reduced = Windowed(
+            reduce_window(window.function, values) if values else None,
+            len(values),
+            covered_seconds=self._covered(window, first),
+        )
         if info.per_process is None or holders(sample) < 2 or not sample.processes:
             return reduced
         shares = {}  # each pod's own share over the window, for a gateway that knows the pods' UIDs
         for uid in {process.pod_uid for process in sample.processes if process.pod_uid}:
             # ticks without per-process figures are left out of the pod's window, as unread values are
-            own = [v for other in series if (v := pod_share(other, window.metric, uid)) is not None]
-            shares[uid_key(uid)] = Windowed(reduce_window(window.function, own) if own else None, len(own))
+            own = [
+                (t, v)
+                for t, other in zip(times, series, strict=True)
+                if (v := pod_share(other, window.metric, uid)) is not None
+            ]
+            shares[uid_key(uid)] = (
+                Windowed(
+                    reduce_window(window.function, [v for _, v in own]),
+                    len(own),
+                    covered_seconds=self._covered(window, own[0][0]),
+                )
+                if own
+                else Windowed(None, 0)
+            )
         return reduced._replace(shares=shares)
+
+    def _covered(self, window: WindowKey, first: float | None) -> float | None:
+        """How much of ``window`` readings from ``first`` (a tick time) to the newest tick cover (``covered``)."""
+        latest = self.latest
+        if first is None or latest is None:
+            return None
+        return covered(
+            first,
+            latest.taken_at,
+            window_seconds=window.seconds,
+            interval_seconds=self._interval_seconds,
+            rate=METRICS[window.metric].rate,
+        )
 
     def _series_of(self, node: str, seconds: float) -> dict[str, tuple[list[float], list[GpuSample]]]:
         """Each GPU's samples in the window, with their tick times, oldest first; ``seconds`` 0: the newest two."""

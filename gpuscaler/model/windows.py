@@ -51,13 +51,35 @@ class Windowed(NamedTuple):
 
     ``reason`` says more than "nothing readable" where there is more to say (a counter that restarted).
     ``shares`` are, on a GPU several pods hold, each pod's own share over the window, by pod UID key
-    (``model.pods.uid_key``), where the agent read processes.
+    (``model.pods.uid_key``), where the agent read processes. ``covered_seconds`` is how much of the window
+    the readings cover where that is less than all of it (``covered``); None: the whole window.
     """
 
     value: float | None
     sample_count: int
     reason: str | None = None
     shares: Mapping[str, Windowed] = EMPTY_SHARES
+    covered_seconds: float | None = None
+
+
+def covered(
+    oldest: float, newest: float, *, window_seconds: float, interval_seconds: float, rate: bool
+) -> float | None:
+    """How many seconds of a window of ``window_seconds`` readings taken from ``oldest`` to ``newest`` (the
+    window's end) cover; None when they cover all of it.
+
+    An agent's history starts when the agent does, so for one window length after a start or a restart (every
+    DaemonSet rollout) its windows hold less than they say. A reading stands for the poll interval that ends at
+    it (GPM's readings are rates over exactly that), so one reading covers one interval; a rate covers the span
+    between its first and last reading. Within half a poll interval of the whole counts as the whole: ticks
+    jitter. A window of 0 seconds (a rate between the newest two samples) has no length to cover.
+    """
+    if window_seconds == 0:
+        return None
+    seconds = newest - oldest + (0.0 if rate else interval_seconds)
+    if seconds >= window_seconds - interval_seconds / 2:
+        return None
+    return max(seconds, 0.0)
 
 
 class WindowValues(NamedTuple):

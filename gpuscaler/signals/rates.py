@@ -18,11 +18,12 @@ from gpuscaler.model.gpu_metrics import METRICS, Metric
 
 @dataclass(frozen=True, slots=True)
 class Rate:
-    """A rate per second, from ``sample_count`` readings; or None, and why."""
+    """A rate per second, from ``sample_count`` readings taken from ``first_seconds`` on; or None, and why."""
 
     value: float | None
     sample_count: int
     reason: str | None = None
+    first_seconds: float | None = None  # when its first reading was taken (after the last restart)
 
 
 def counter_rate(metric: Metric, points: Sequence[tuple[float, float | None]]) -> Rate:
@@ -56,4 +57,4 @@ def counter_rate(metric: Metric, points: Sequence[tuple[float, float | None]]) -
             len(segment),
             f"{metric.value}: the agent's clock did not advance between its readings of {reading} (a clock step)",
         )
-    return Rate((last - first) / (last_seconds - first_seconds), len(segment))
+    return Rate((last - first) / (last_seconds - first_seconds), len(segment), first_seconds=first_seconds)
