@@ -53,6 +53,11 @@ class ActivationStates:
         entry.last_used = now
         return Transition(active, changed=changed, first=False)
 
+    def peek(self, key: Hashable, value: float, rule: ActivationRule) -> bool:
+        """The state ``observe`` would give for ``value``, without keeping it or touching the entry's use."""
+        entry = self._entries.get(key)
+        return next_state(entry.active if entry else None, value, rule)
+
     def forget_idle(self, *, now: float, keep: set[Hashable]) -> None:
         """Drop states not used for ``idle_seconds``, except those in ``keep`` (open streams)."""
         cutoff = now - self._idle_seconds

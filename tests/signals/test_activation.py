@@ -120,3 +120,14 @@ def test_using_a_state_keeps_it_alive() -> None:
     assert len(registry) == 1
     registry.forget_idle(now=281.0, keep=set())
     assert len(registry) == 0
+
+
+def test_peek_answers_as_observe_would_and_keeps_nothing() -> None:
+    """peek() gives the state a value would lead to, from the kept one, and keeps nothing."""
+    registry = ActivationStates(idle_seconds=100.0)
+    assert registry.peek("q", 20.0, RULE) is True  # first sight
+    assert len(registry) == 0
+    registry.observe("q", 20.0, RULE, now=0.0)
+    assert registry.peek("q", 7.0, RULE) is True  # between the thresholds: stays active
+    assert registry.peek("q", 3.0, RULE) is False
+    assert registry.observe("q", 7.0, RULE, now=50.0).changed is False  # peeking at 3 moved nothing
