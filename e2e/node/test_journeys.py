@@ -5,6 +5,8 @@ The chart is installed as the README says (namespace gpuscaler labelled for Pod 
 with ``chart.BASE_SETS`` and the documented ``agent.podResources.enabled: true``: the agent reads the real kubelet's
 PodResources. Workloads are busybox Deployments whose pods request ``nvidia.com/gpu``; the fake device plugin gives
 each the UUID of one of the agent's fake GPUs. ``gpuscaler fake set`` on the agent pod makes GPUs busy or idle.
+The engine examples bring their own Deployment, whose engine container runs the dev stack's fake engine
+(``e2e/node/engines.py``); a request to that fake makes its queue rise.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from e2e.keda.control_plane import Json, namespace
 from e2e.keda.scenario import ReplicaHistory, expected_replicas, scaled_object
 from e2e.node.chart import EXAMPLES, NAMESPACE, Release, counted_gpus, fake_set, install, query
 from e2e.node.cluster import (
+    CHART_IMAGE,
     GPU_RESOURCE,
     REPOSITORY_ROOT,
     Deadline,
@@ -32,6 +35,19 @@ from e2e.node.cluster import (
     pod_resources,
 )
 from e2e.node.conftest import FAKE_GPUS, record
+from e2e.node.engines import EXAMPLES as ENGINE_EXAMPLES
+from e2e.node.engines import (
+    POD_SELECTION,
+    config_map,
+    engine_of,
+    engine_query,
+    included_pods,
+    label_selector,
+    one_busy_pod_value,
+    set_requests,
+    with_fake_engine,
+)
+from e2e.node.product_image import chart_version
 from gpuscaler.signals.hpa import MetricType
 from tests.test_docs import EXTERNAL_TRIGGERS, YAML_SOURCES
 
@@ -42,6 +58,11 @@ BUSY |= {"tensor_active": 100.0, "dram_bandwidth": 100.0, "nvlink_tx": 100000.0}
 IDLE = dict.fromkeys(BUSY, 0.0)
 SETTLE_SECONDS = 5.0
 STEP_TIMEOUT_SECONDS = 180.0
+# The requests one engine pod is given: 16 run and 20 wait in the fake's model, which puts every profile's answer
+# between two whole numbers of replicas (2.5 for a queue, 1.125 for the cache, 250 ms for Triton's wait, 80/s).
+BUSY_REQUESTS = 36.0
+# How close the gateway's answer must come to the fake's model: a rate's two reads are timed by the gateway.
+VALUE_TOLERANCE = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -181,13 +202,14 @@ def _wait_replacement(cluster: NodeCluster, ns: str, app: str, deleted: str) -> 
 
 
 def documented() -> list[Any]:
-    """Every ScaledObject of README.md and the chart's examples, read from the files when collected."""
+    """Every ScaledObject on GPU signals of README.md and the chart's examples, read from the files when collected
+    (the engine examples have a journey of their own, below)."""
     cases = []
     for source in YAML_SOURCES:
         if source.path != REPOSITORY_ROOT / "README.md" and not source.path.is_relative_to(EXAMPLES):
             continue
         for document in yaml.safe_load_all(source.text):
-            if isinstance(document, dict) and document.get("kind") == "ScaledObject":
+            if isinstance(document, dict) and document.get("kind") == "ScaledObject" and not engine_query(document):
                 cases.append(pytest.param(document, id=f"{source.id}:{document['metadata']['name']}"))
     return cases
 
@@ -273,6 +295,105 @@ async def test_a_documented_scaled_object_scales_its_workload(installed: Release
         for deployment in deployments:
             meta = deployment["metadata"]
             await in_thread(cluster.wait_running, meta["namespace"], f"app={meta['name']}", 0)
+
+
+# --- the engine examples -------------------------------------------------------------------------------
+
+
+def engine_examples() -> list[Any]:
+    """Each file of examples/engines/: its Deployment and ScaledObject, read when collected."""
+    cases = []
+    for path in sorted(ENGINE_EXAMPLES.glob("*.yaml")):
+        documents = [d for d in yaml.safe_load_all(path.read_text()) if isinstance(d, dict)]
+        (deployment,) = [d for d in documents if d["kind"] == "Deployment"]
+        (scaled_object,) = [d for d in documents if d["kind"] == "ScaledObject"]
+        cases.append(pytest.param(deployment, scaled_object, id=f"engines/{path.name}"))
+    return cases
+
+
+@pytest.mark.parametrize(("deployment", "document"), engine_examples())
+async def test_an_engine_example_scales_its_deployment_on_its_engine(
+    installed: Release, deployment: Json, document: Json
+) -> None:
+    """Applied as written, with only what the engine container runs replaced by the fake engine (on the ports it
+    declares, answering its readiness probe): KEDA makes the ScaledObject Ready; the gateway finds the pod's metrics
+    where the example says and counts exactly the Deployment's Ready pods; KEDA leaves the Deployment alone while the
+    queue is empty; when one pod's queue rises, the gateway's answer is the fake's value, and the HPA's first step is
+    the example's arithmetic on it (ceil(value / target) for AverageValue, ceil(Ready pods x value / target) for
+    Value)."""
+    cluster = installed.cluster
+    manifest = copy.deepcopy(document)
+    name, ns = manifest["metadata"]["name"], manifest["metadata"].get("namespace", "default")
+    spec = manifest["spec"]
+    assert spec["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    (trigger,) = spec["triggers"]
+    metric_type = MetricType(trigger.get("metricType", MetricType.AVERAGE_VALUE.value))
+    reads = engine_query(manifest)
+    assert reads is not None, f"{name} reads no engine signal"
+    engine = engine_of(reads)
+    address = await in_thread(installed.service_address)
+    assert trigger["metadata"]["scalerAddress"] == address, "the documented address is the chart's Service"
+    asked = dict(trigger["metadata"])
+    if POD_SELECTION & asked.keys():
+        asked.setdefault("namespace", ns)  # what KEDA's ScaledObjectRef implies
+    selector = label_selector(deployment)
+    minimum, maximum = int(spec.get("minReplicaCount", 0)), int(spec.get("maxReplicaCount", 100))
+    assert minimum >= 1, "an engine signal cannot wake a workload from zero: it has no pod to read there"
+    image = f"{CHART_IMAGE}:{chart_version()}"
+    workload = with_fake_engine(deployment, engine, image)
+    await in_thread(cluster.apply, namespace(ns))
+    await in_thread(cluster.apply, config_map(ns))
+    try:
+        await in_thread(cluster.apply, workload)
+        history = ReplicaHistory(cluster.plane, ns, deployment["metadata"]["name"])
+        pods = await in_thread(cluster.wait_running, ns, selector, deployment["spec"].get("replicas", 1))
+        # The ScaledObject first: scaleTargetPods selects the pods of its scaleTargetRef, which the gateway learns
+        # from the ScaledObject itself.
+        await in_thread(cluster.apply, manifest)
+        await in_thread(_wait_scaled_object_ready, cluster, ns, name)
+        _, start = await history.wait_for(lambda replicas: True, 30, "recorded")
+        assert start == len(pods), history.describe()
+
+        async def ask() -> Json:
+            return await query(address, asked, scaled_object=f"{ns}/{name}")
+
+        ready = {f"{ns}/{pod['metadata']['name']}" for pod in pods}
+        idle = await eventually(
+            f"the gateway to read 0 from exactly {sorted(ready)} for {asked}",
+            60,
+            ask,
+            lambda answer: answer["get_metrics"]["ok"] and included_pods(answer) == ready and _value(answer) == 0,
+        )
+        target = float(idle["get_metric_spec"]["fields"]["metricSpecs"][0]["targetSizeFloat"])
+        await history.hold(start, SETTLE_SECONDS)  # an empty queue: KEDA leaves it where it is
+
+        busy_at = time.monotonic()
+        await set_requests(pods[0], BUSY_REQUESTS)
+        value = one_busy_pod_value(reads, BUSY_REQUESTS, start)
+        answer = await eventually(
+            f"the gateway's answer to reach {value:g} for {asked}",
+            60,
+            ask,
+            lambda answer: answer["get_metrics"]["ok"] and _value(answer) == pytest.approx(value, rel=VALUE_TOLERANCE),
+        )
+        expected = expected_replicas(metric_type, value=value, target=target, current=start, maximum=maximum)
+        assert expected > start, f"{BUSY_REQUESTS:g} requests must ask for more than {start} replicas"
+        at, reached = await history.wait_for(
+            lambda replicas: replicas != start, STEP_TIMEOUT_SECONDS, f"other than {start}", after=busy_at
+        )
+        assert reached == expected, f"{name}: the HPA's first step was to {reached}, not {expected}"
+        record(
+            f"engines/{name} ({trigger['metadata']['profile']}, {metric_type.value}, target {target:g}): value "
+            f"{_value(answer):.3g}, {start} -> {reached} {at - busy_at:.1f} s after one pod's fake {engine.value} got "
+            f"{BUSY_REQUESTS:g} requests; replicas {history.describe()}"
+        )
+        history.stop()
+    finally:
+        await in_thread(cluster.delete, manifest)
+        await in_thread(cluster.wait_gone, manifest)
+        await in_thread(cluster.delete, workload)
+        await in_thread(cluster.wait_running, ns, selector, 0)
+        await in_thread(cluster.delete, config_map(ns))
 
 
 def _wait_scaled_object_ready(cluster: NodeCluster, ns: str, name: str) -> Json:
