@@ -15,7 +15,7 @@ GENERATED := gpuscaler/generated
 PY_DIRS := $(wildcard gpuscaler tests e2e bench dev image monitoring)
 TEST_DIRS := $(wildcard tests e2e)
 
-.PHONY: help venv dev test test-under-load unit e2e e2e-full e2e-keda e2e-node lint typecheck proto proto-check bench chart-test image docs lock clean
+.PHONY: help venv dev test test-under-load unit e2e e2e-full e2e-keda e2e-node e2e-compose lint typecheck proto proto-check bench chart-test image docs lock clean tools
 
 help: ## List the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -38,31 +38,43 @@ $(RUNTIME_STAMP): pyproject.toml constraints.txt
 	fi
 	touch $@
 
-dev: $(RUNTIME_STAMP) ## Run the dev stack with fake GPUs as local processes (Ctrl-C stops it); runtime deps only
-	$(BIN)/python dev/stack.py
+# PORT_OFFSET=N moves every port of the stack by N, to run beside another one (a clash says which offset is free).
+dev: $(RUNTIME_STAMP) ## Run the dev stack with fake GPUs as local processes (Ctrl-C stops it; PORT_OFFSET=100 moves its ports)
+	$(BIN)/python dev/stack.py --port-offset $(or $(PORT_OFFSET),0)
 
-test: $(STAMP) proto-check lint typecheck ## Every check CI runs: generated code, lint, types, unit, e2e, chart
+# The tools the tests run, built (or found) before pytest starts, never inside a test's timeout; fixtures only locate
+# them. One line per tool: name, version, seconds, built or cached. tests/tools.py lists them; each pin stays by its tool.
+tools: $(STAMP) ## Build every pinned tool the tests run (helm, kubeconform, promtool, hadolint, ...) once per machine
+	$(BIN)/python -m tests.tools
+
+test: $(STAMP) proto-check lint typecheck tools ## Every check CI runs: generated code, lint, types, tools, unit, e2e, chart
 	$(BIN)/pytest $(TEST_DIRS)
 
-test-under-load: $(STAMP) ## `make test` with one busy process per core beside it, as on a shared CI runner
+test-under-load: $(STAMP) tools ## `make test` with one busy process per core beside it, as on a shared CI runner (tools built first)
 	$(BIN)/python -m tests.load -- $(MAKE) test
 
-unit: $(STAMP) ## Unit and in-process tests only
+unit: $(STAMP) tools ## Unit and in-process tests only
 	$(BIN)/pytest tests
 
-e2e: $(STAMP) ## End-to-end tests against real processes
+e2e: $(STAMP) tools ## End-to-end tests against real processes
 	$(BIN)/pytest e2e
 
-e2e-full: $(STAMP) ## End-to-end tests at full size (10,000 streams, long fuzzing)
+e2e-full: $(STAMP) tools ## End-to-end tests at full size (10,000 streams, long fuzzing)
 	GPUSCALER_E2E_FULL=1 $(BIN)/pytest e2e
 
 e2e-keda: $(STAMP) ## The real KEDA on a loopback control plane (builds etcd, Kubernetes, KEDA once: ~30 min cold)
-	$(BIN)/python -m e2e.keda.tools
+	$(BIN)/python -m tests.tools keda
 	GPUSCALER_E2E_KEDA=1 $(BIN)/pytest e2e/keda -o timeout=600
 
 e2e-node: $(STAMP) ## The chart on a real kubelet, containerd and KEDA (root; builds the image, node tools once)
 	$(MAKE) image
 	$(BIN)/python -m e2e.node -o timeout=900
+
+# compose.yaml under Docker Compose v2 (built once from its Go module) on podman's API socket (Debian 12's podman,
+# unpacked into the tool cache, never installed), in private namespaces; the machine is checked unchanged after.
+e2e-compose: $(STAMP) ## compose.yaml under docker compose on podman (root, Debian; builds the image, compose once)
+	$(MAKE) image
+	$(BIN)/python -m e2e.compose -o timeout=300
 
 lint: $(STAMP) ## ruff check and format check
 	$(BIN)/ruff check .
@@ -96,10 +108,11 @@ proto-check: $(STAMP) ## Fail when gpuscaler/generated is not what `make proto` 
 bench: $(STAMP) ## Measurements; writes bench/results/*.json
 	$(BIN)/python -m bench
 
-chart-test: $(STAMP) ## Helm chart checks with the real helm
+chart-test: $(STAMP) tools ## Helm chart checks with the real helm
 	$(BIN)/pytest tests/chart
 
-# The image: podman or docker where one answers, else buildah (installed with apt-get on first use, like mmdebstrap).
+# The image: podman or docker where one answers and a trial build runs, else buildah (installed with apt-get on first
+# use, like mmdebstrap).
 # Leaves build/image/gpuscaler-<version>-<arch>.oci.tar and its SBOM (.cdx.json); see image/build.py.
 # IMAGE_ARCH=arm64 builds the arm64 image on an amd64 machine with qemu-user-static; PYTHON_IMAGE=python:3.11-slim-bookworm
 # builds on an upstream image instead of the Debian base; ENGINE=buildah|podman|docker chooses the engine.

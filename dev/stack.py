@@ -4,13 +4,15 @@ compose.yaml stays the one definition of the stack: each service's ``entrypoint`
 ``environment``, where an address it binds (``0.0.0.0:6000``) or calls (``node-b:6000``) becomes 127.0.0.1 and the
 port compose.yaml publishes for it, a bind-mounted folder (``/scenarios``) the host's, and a named volume a folder
 of a temporary directory that lives as long as the stack. The other keys (image, user, ...) mean nothing to a local
-process; ``--port-offset N`` moves every port, to run beside another stack.
+process; ``--port-offset N`` (``make dev PORT_OFFSET=N``) moves every port, to run beside another stack.
 
 A service is up once it has logged the event its ``gpuscaler.dev/up-when-logged`` label names (at once without the
-label). A service that exits before every service is up stops the whole stack (a second ``make dev`` on taken ports
-must not run half a stack); one that exits later is reported, and the others keep running, as the nodes of a
-cluster do when one agent dies. Lines typed into the stack's terminal control single services: ``stop NAME``,
-``kill NAME`` (SIGKILL, as a crash), ``start NAME``, ``status``.
+label). Before anything starts, every address a service listens on is tried: one that another process holds (a
+second ``make dev``, say) stops the stack with the address and an offset whose ports are free, without a traceback.
+A service that exits before every service is up stops the whole stack (no half a stack), with the same advice when
+another process holds an address it listens on; one that exits later is reported, and the others keep running, as
+the nodes of a cluster do when one agent dies. Lines typed into the stack's terminal control single services:
+``stop NAME``, ``kill NAME`` (SIGKILL, as a crash), ``start NAME``, ``status``.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -33,10 +36,14 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 ADDRESS = re.compile(r"\b(?P<host>[\w.-]+):(?P<port>\d+)\b")
+# The only interpolation compose.yaml uses: a published port's variable and its default.
+INTERPOLATION = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*):-(?P<default>[^}$]*)\}")
 STOP_GRACE_SECONDS = 15.0  # compose.yaml's stop_grace_period: longer than the agent's drain
 COMMANDS = "stop NAME, kill NAME, start NAME, status"
 POD_DIRECTORY = "--pod-directory"
 METRICS_PORT = "prometheus.io/port"  # where a pod of the pod directory serves its engine's metrics
+OFFSET_STEP = 100  # a clash suggests the next multiple: ports keep their last two digits, so 6101 is still node-a
+NAMED_ADDRESSES = 3  # a clash names this many taken addresses, then counts the rest
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +55,7 @@ class Service:
     environment: dict[str, str]
     ports: dict[str, str]  # the port's name in compose.yaml -> the local address
     labels: dict[str, str]
+    listens: tuple[str, ...] = ()  # the local addresses its process listens on (its own or its network's ports)
 
     @property
     def up_when_logged(self) -> str | None:
@@ -58,9 +66,7 @@ class Service:
 def load(port_offset: int, volumes: Path) -> list[Service]:
     """compose.yaml's services, mapped onto the host; they start in file order, as every client here retries.
     Named volumes become folders under ``volumes``."""
-    text = (ROOT / "compose.yaml").read_text(encoding="utf-8")
-    if "$" in text:
-        sys.exit("stack: compose.yaml uses ${...} interpolation, which dev/stack.py does not do")
+    text = interpolate((ROOT / "compose.yaml").read_text(encoding="utf-8"), os.environ)
     specs = yaml.safe_load(text)["services"]
     # Every port is published on 127.0.0.1 (a compose.yaml test holds it to that), so that is the local address.
     published = {
@@ -79,11 +85,15 @@ def load(port_offset: int, volumes: Path) -> list[Service]:
         mode = str(specs[name].get("network_mode", ""))
         return mode.removeprefix("service:") if mode.startswith("service:") else name
 
+    listening: dict[str, list[str]] = {}
+
     def local(name: str, mounts: list[list[str]], word: object) -> str:
         def address(match: re.Match[str]) -> str:
             key = (network_of(name) if match["host"] == "0.0.0.0" else match["host"], int(match["port"]))
             if match["host"] == "0.0.0.0" and key not in published:
                 sys.exit(f"stack: {name} binds {match[0]}, which compose.yaml does not publish on the host")
+            if match["host"] == "0.0.0.0":
+                listening.setdefault(name, []).append(published[key])
             return published.get(key, match[0])
 
         text = ADDRESS.sub(address, str(word))
@@ -96,7 +106,7 @@ def load(port_offset: int, volumes: Path) -> list[Service]:
     for name, spec in specs.items():
         mounts = [volume.split(":")[:2] for volume in spec.get("volumes", [])]
         argv = [local(name, mounts, word) for word in [*spec["entrypoint"], *spec.get("command", [])]]
-        if POD_DIRECTORY in argv and port_offset:
+        if POD_DIRECTORY in argv:
             at = argv.index(POD_DIRECTORY) + 1
             argv[at] = str(moved_pod_directory(Path(argv[at]), published, name, volumes))
         services.append(
@@ -106,21 +116,96 @@ def load(port_offset: int, volumes: Path) -> list[Service]:
                 environment={key: local(name, mounts, value) for key, value in spec.get("environment", {}).items()},
                 ports={port["name"]: published[name, port["target"]] for port in spec.get("ports", [])},
                 labels=spec.get("labels", {}),
+                listens=tuple(dict.fromkeys(listening.get(name, []))),
             )
         )
     return services
 
 
+def free(address: str) -> bool:
+    """Whether a server could listen on ``address`` (HOST:PORT) now, binding as the services' servers do (asyncio's
+    SO_REUSEADDR: a port whose last connections linger in TIME_WAIT is free)."""
+    host, _, port = address.rpartition(":")
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, int(port)))
+        except OSError:
+            return False
+    return True
+
+
+def taken(services: list[Service]) -> list[tuple[str, str]]:
+    """(address, service) of each address a service listens on that another process holds now."""
+    return [(address, service.name) for service in services for address in service.listens if not free(address)]
+
+
+def shifted(address: str, by: int) -> str:
+    """``address`` (HOST:PORT) with its port moved ``by``."""
+    host, _, port = address.rpartition(":")
+    return f"{host}:{int(port) + by}"
+
+
+def clash(held: list[tuple[str, str]], services: list[Service], port_offset: int) -> list[str]:
+    """What the stack says when addresses it listens on are taken: which, and the offset that moves past them (the
+    next multiple of OFFSET_STEP whose addresses are all free now, if one is)."""
+    named = ", ".join(f"{address} ({name})" for address, name in held[:NAMED_ADDRESSES])
+    if len(held) > NAMED_ADDRESSES:
+        named += f" and {len(held) - NAMED_ADDRESSES} more"
+    addresses = [address for service in services for address in service.listens]
+    ports = [int(address.rpartition(":")[2]) - port_offset for address in addresses]  # as compose.yaml has them
+    first = (port_offset // OFFSET_STEP + 1) * OFFSET_STEP
+    fitting = [
+        offset
+        for offset in range(first, first + 100 * OFFSET_STEP, OFFSET_STEP)
+        if min(ports, default=1) + offset >= 1 and max(ports, default=1) + offset <= 65535
+    ]
+    free_now = next(
+        (offset for offset in fitting if all(free(shifted(a, offset - port_offset)) for a in addresses)), None
+    )
+    offset = free_now if free_now is not None else fitting[0] if fitting else first
+    endpoint = next((s.ports["grpc"] for s in services if s.labels.get("gpuscaler.dev/keda-endpoint") == "true"), None)
+    where = f": the gateway at {shifted(endpoint, offset - port_offset)}" if endpoint else ""
+    return [
+        f"stack: {named} {'is' if len(held) == 1 else 'are'} taken by another process (another `make dev`?)",
+        f"stack: move every port to run beside it: make dev PORT_OFFSET={offset} "
+        f"(or python dev/stack.py --port-offset {offset}), "
+        + (f"whose ports are all free now{where}" if free_now is not None else f"which moves them{where}"),
+    ]
+
+
+def interpolate(text: str, environ: Mapping[str, str]) -> str:
+    """compose.yaml with each ``${NAME:-default}`` (a published port's variable) replaced as Docker Compose does:
+    NAME's value, or the default where NAME is unset or empty. A value that is no port, or any other ``$`` form,
+    ends the stack with what is wrong."""
+
+    def value(match: re.Match[str]) -> str:
+        chosen = environ.get(match["name"]) or match["default"]
+        if not chosen.isdigit() or not 1 <= int(chosen) <= 65535:
+            sys.exit(f"stack: {match['name']}={chosen!r}: a port number, 1 to 65535")
+        return chosen
+
+    resolved = INTERPOLATION.sub(value, text)
+    if "$" in resolved:
+        sys.exit("stack: compose.yaml uses a ${...} form other than ${NAME:-default}, which dev/stack.py does not do")
+    return resolved
+
+
 def moved_pod_directory(path: Path, published: dict[tuple[str, int], str], service: str, volumes: Path) -> Path:
     """A copy of the pod directory file whose pods' metrics ports (``prometheus.io/port``) are moved where their
-    pages are published: the pods' engines serve in ``service``'s network namespace, moved by --port-offset. The
-    copy is made once; edits to the original are not followed while a moved stack runs."""
+    pages are published: the pods' engines serve in ``service``'s network namespace, moved by --port-offset or a
+    port's variable. The copy is made once; edits to the original are not followed while a moved stack runs.
+    ``path`` itself where no port moved."""
     directory = yaml.safe_load(path.read_text(encoding="utf-8"))
+    changed = False
     for pod in directory.get("pods") or []:
         annotations = pod.get("annotations") or {}
         port = str(annotations.get(METRICS_PORT, ""))
         if port.isdigit() and (service, int(port)) in published:
             annotations[METRICS_PORT] = published[service, int(port)].rpartition(":")[2]
+            changed = changed or annotations[METRICS_PORT] != port
+    if not changed:
+        return path
     moved = volumes / f"moved-{path.name}"
     moved.write_text(yaml.safe_dump(directory), encoding="utf-8")
     return moved
@@ -281,11 +366,19 @@ class Stack:
         await asyncio.gather(*(r.pump for r in self.running.values() if r.pump is not None))
 
 
-async def run(services: list[Service], write: Callable[[str], None], commands: asyncio.Queue[str] | None = None) -> int:
+async def run(
+    services: list[Service],
+    write: Callable[[str], None],
+    commands: asyncio.Queue[str] | None = None,
+    *,
+    port_offset: int = 0,
+) -> int:
     """Starts every service, copies its output behind its name, and prints the banner once all are up. Until SIGINT
     or SIGTERM: a service that exits is reported and the others go on, and each line put into ``commands`` is a
-    command (``stop NAME``, ...). A service that exits before all are up stops every service, and returns 1.
-    Otherwise returns 0 when every service still running at the signal stopped cleanly."""
+    command (``stop NAME``, ...). A service that exits before all are up stops every service, and returns 1; when
+    another process holds an address it listens on, the stack says which and the offset (``port_offset``: the
+    services' own) that moves past it. Otherwise returns 0 when every service still running at the signal stopped
+    cleanly."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -304,8 +397,12 @@ async def run(services: list[Service], write: Callable[[str], None], commands: a
             if not first_exit.done():
                 first_exit.cancel()
                 return 0
-            name = first_exit.result().service.name
-            write(f"stack: {name} exited before every service was up; stopping the others")
+            service = first_exit.result().service
+            write(f"stack: {service.name} exited before every service was up; stopping the others")
+            # Its own sockets closed when it exited: an address it listens on that is not free is someone else's.
+            held = [(address, service.name) for address in service.listens if not free(address)]
+            for line in clash(held, services, port_offset) if held else []:
+                write(line)
             return 1
         first_exit.cancel()
         pids = {name: running.child.pid for name, running in stack.running.items()}
@@ -346,7 +443,10 @@ def main() -> int:
     """Run the stack until Ctrl-C; the exit status is 0 when every service then stopped cleanly."""
     parser = argparse.ArgumentParser(description="Run compose.yaml's services as local processes.")
     parser.add_argument(
-        "--port-offset", type=int, default=0, help="add N to every published port, to run beside another stack"
+        "--port-offset",
+        type=int,
+        default=0,
+        help="add N to every published port, to run beside another stack (make dev PORT_OFFSET=N)",
     )
     args = parser.parse_args()
     # A stack moved to the background that reads the terminal would be stopped by SIGTTIN; ignored, the read
@@ -354,9 +454,22 @@ def main() -> int:
     signal.signal(signal.SIGTTIN, signal.SIG_IGN)
 
     async def main_async(volumes: Path) -> int:
+        services = load(args.port_offset, volumes)
+        ports = {int(address.rpartition(":")[2]) for s in services for address in [*s.ports.values(), *s.listens]}
+        if ports and not 1 <= min(ports) <= max(ports) <= 65535:
+            low, high = 1 - (min(ports) - args.port_offset), 65535 - (max(ports) - args.port_offset)
+            parser.error(
+                f"--port-offset {args.port_offset} moves ports outside 1-65535 (to {min(ports)}-{max(ports)}); "
+                f"use an offset from {low} to {high}"
+            )
+        held = taken(services)
+        if held:  # before anything starts: a second stack must not run half a stack, nor print tracebacks
+            for line in clash(held, services, args.port_offset):
+                print(line, flush=True)
+            return 1
         commands: asyncio.Queue[str] = asyncio.Queue()
         read_commands(asyncio.get_running_loop(), commands)
-        return await run(load(args.port_offset, volumes), partial(print, flush=True), commands)
+        return await run(services, partial(print, flush=True), commands, port_offset=args.port_offset)
 
     with tempfile.TemporaryDirectory(prefix="gpuscaler-dev-") as volumes:
         try:

@@ -37,6 +37,7 @@ import yaml
 
 from e2e.keda import tools
 from e2e.support.certs import TlsFiles, make_certificates, make_server_certificate
+from tests.tools import locate, programs
 
 Json = dict[str, Any]
 
@@ -486,7 +487,7 @@ class ControlPlane:
         self.wait_for("kube-controller-manager", lambda: all(line in daemon.log_text() for line in started), [daemon])
 
     def _install_keda_api_objects(self, adapter_port: int) -> None:
-        crds = sorted((tools.keda_source() / "config" / "crd" / "bases").glob("*.yaml"))
+        crds = sorted((locate(tools.KEDA_SOURCE) / "config" / "crd" / "bases").glob("*.yaml"))
         for crd in crds:
             self.kube.apply(yaml.safe_load(crd.read_text()))
         for crd in crds:
@@ -601,7 +602,7 @@ class ControlPlane:
         self.wait_for("KEDA's admission webhooks", lambda: _http_get(probe, "/readyz") == "ok", [daemon])
         self.kube.apply(_localhost_service(WEBHOOKS_SERVICE, port))
         configuration = yaml.safe_load(
-            (tools.keda_source() / "config" / "webhooks" / "validation_webhooks.yaml").read_text()
+            (locate(tools.KEDA_SOURCE) / "config" / "webhooks" / "validation_webhooks.yaml").read_text()
         )
         ca_bundle = base64.b64encode(self.certificates.ca.read_bytes()).decode()
         for webhook in configuration["webhooks"]:
@@ -737,8 +738,8 @@ def secret(name: str, namespace_name: str, files: Mapping[str, bytes]) -> Json:
 
 @contextlib.contextmanager
 def running(directory: Path, settings: PlaneSettings | None = None) -> Iterator[ControlPlane]:
-    """Builds the tools if needed, starts the control plane, and stops it on the way out."""
-    plane = ControlPlane.start(directory, tools.build_all(), settings)
+    """Starts the control plane with the tools the setup step built, and stops it on the way out."""
+    plane = ControlPlane.start(directory, programs(tools.TOOLS), settings)
     try:
         yield plane
     finally:

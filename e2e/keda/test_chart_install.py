@@ -20,6 +20,7 @@ import pytest
 from e2e.keda.control_plane import Json, namespace
 from e2e.keda.scenario import Scenario
 from tests.chart import chart_tools
+from tests.tools import locate
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "gpuscaler"
 
@@ -59,7 +60,7 @@ async def nodes(scenario: Scenario) -> AsyncIterator[dict[str, str]]:
 async def _install(scenario: Scenario, *sets: str) -> subprocess.CompletedProcess[str]:
     kubeconfig = scenario.plane.kubeconfig
     assert kubeconfig is not None
-    helm = await asyncio.to_thread(chart_tools.helm)
+    helm = locate(chart_tools.HELM)
     home = scenario.directory / "helm"
     environment = dict(os.environ) | {
         name: str(home / name) for name in ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME")

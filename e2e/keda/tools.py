@@ -6,8 +6,8 @@ keyed by version, under a file lock, with ``GOTOOLCHAIN=local`` and ``CGO_ENABLE
 generated here: it requires the pinned module and repeats the replacements a build of that module needs.
 
 A missing Go toolchain or a failed build raises: this suite exists to run the real thing, so it never skips.
-Run ``python -m e2e.keda.tools`` to warm the cache and print how long each build took (``--node`` adds the kubelet,
-kube-scheduler, kube-proxy and CoreDNS of ``make e2e-node``).
+Builds run only in the setup step before the tests (``python -m tests.tools keda`` in ``make e2e-keda``, ``node``
+in ``make e2e-node``); fixtures locate what it built.
 """
 
 from __future__ import annotations
@@ -18,14 +18,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from image.build import cache_dir
+from tests.chart.chart_tools import ModuleSource
 
 # The newest KEDA release the module proxy serves, and the Kubernetes minor its own go.mod builds against (k8s.io/*
 # v0.36): the control plane KEDA's release was tested with.
@@ -62,15 +61,28 @@ class Tool:
     # Files written into the generated module before the build, as (relative path, text): a main package of our own
     # when the module's own one builds far more than the suite needs.
     sources: tuple[tuple[str, str], ...] = ()
+    # Whether the generated module repeats the pinned module's own replace and exclude lines, so that the build
+    # resolves the dependencies the module's release was built with.
+    keeps_directives: bool = False
 
     @property
-    def directory(self) -> Path:
+    def needs_go(self) -> bool:
+        """Built with Go."""
+        return True
+
+    @property
+    def stand_in(self) -> str | None:
+        """Nothing stands in: the suite runs these builds or nothing."""
+        return None
+
+    @property
+    def path(self) -> Path:
         """Where the binaries land, one folder per tool and version."""
         return cache_dir() / "bin" / f"{self.name}-{self.version}-r{RECIPE}"
 
-    def binary(self, program: str) -> Path:
-        """The path of one built program."""
-        return self.directory / program
+    def build(self) -> Path:
+        """Builds every program once and returns the folder; raises BuildFailed with Go's output."""
+        return _build(self)
 
 
 ETCD = Tool("etcd", ETCD_MODULE, ETCD_VERSION, (("etcd", ETCD_MODULE),))
@@ -140,10 +152,13 @@ KEDA = Tool(
         ("keda-webhooks", f"{KEDA_MODULE}/cmd/webhooks"),
     ),
     (f"{KEDA_MODULE}/version.Version={KEDA_VERSION}",),
+    keeps_directives=True,
 )
 TOOLS = (ETCD, KUBERNETES, KEDA)
 # What `make e2e-node` adds to them.
 NODE_TOOLS = (KUBERNETES_NODE, COREDNS)
+# KEDA's source: its CRDs and its admission webhooks' configuration.
+KEDA_SOURCE = ModuleSource(KEDA_MODULE, KEDA_VERSION)
 
 
 @contextlib.contextmanager
@@ -210,7 +225,7 @@ def _replacements(tool: Tool, go_mod: dict[str, object]) -> list[str]:
             old, new = replace["Old"]["Path"], replace["New"]["Path"]
             if new.startswith("./staging/"):
                 lines.append(f"replace {old} => {old} {staging_version}")
-    elif tool is KEDA:
+    elif tool.keeps_directives:
         for replace in replaces:
             old, new = replace["Old"], replace["New"]
             left = old["Path"] + (f" {old['Version']}" if old.get("Version") else "")
@@ -223,12 +238,11 @@ def _replacements(tool: Tool, go_mod: dict[str, object]) -> list[str]:
     return lines
 
 
-def build(tool: Tool) -> Path:
-    """Builds every program of ``tool`` once and returns its folder; raises BuildFailed with Go's output."""
+def _build(tool: Tool) -> Path:
     with _locked(tool.name):
-        if tool.directory.exists():
-            return tool.directory
-        tool.directory.parent.mkdir(parents=True, exist_ok=True)
+        if tool.path.exists():
+            return tool.path
+        tool.path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=f"build-{tool.name}-") as scratch_name:
             scratch = Path(scratch_name)
             go_mod = _module_go_mod(tool.module, tool.version, scratch)
@@ -262,41 +276,5 @@ def build(tool: Tool) -> Path:
                     module_dir,
                     f"building {program} from {tool.module}@{tool.version}",
                 )
-            os.replace(out, tool.directory)
-    return tool.directory
-
-
-def build_all(tools: tuple[Tool, ...] = TOOLS) -> dict[str, Path]:
-    """Every program of every tool (the control plane's by default), by name, built on first use."""
-    programs: dict[str, Path] = {}
-    for tool in tools:
-        build(tool)
-        for program, _ in tool.programs:
-            programs[program] = tool.binary(program)
-    return programs
-
-
-def keda_source() -> Path:
-    """KEDA's module source (for its CRDs), from the module cache."""
-    with tempfile.TemporaryDirectory() as scratch:
-        info = json.loads(
-            _run([_go(), "mod", "download", "-json", f"{KEDA_MODULE}@{KEDA_VERSION}"], Path(scratch), "download")
-        )
-    return Path(info["Dir"])
-
-
-def main() -> None:
-    """Warms the cache and reports how long each build took (the cold numbers go into CONTRIBUTING.md);
-    ``--node`` adds what `make e2e-node` needs."""
-    for tool in TOOLS + (NODE_TOOLS if "--node" in sys.argv[1:] else ()):
-        start = time.monotonic()
-        try:
-            directory = build(tool)
-        except BuildFailed as error:
-            print(error, file=sys.stderr)
-            raise SystemExit(1) from None
-        print(f"{tool.name:12} {tool.version:9} {time.monotonic() - start:7.1f} s  {directory}", file=sys.stderr)
-
-
-if __name__ == "__main__":
-    main()
+            os.replace(out, tool.path)
+    return tool.path

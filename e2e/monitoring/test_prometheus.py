@@ -27,6 +27,7 @@ from e2e.monitoring.prometheus import Json, Prometheus, scrape_config, start, ta
 from e2e.support.process import Process, environment
 from tests.chart import chart_tools
 from tests.chart.rendering import CHART, NAMESPACE, RELEASE, Helm
+from tests.tools import locate
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("gpuscaler")
 RULES = CHART / "files" / "rules.yaml"
@@ -68,7 +69,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Two agents (gpu-node-1, gpu-node-2), a gateway over them and one unreachable address, and Prometheus over
     all three as the chart's ServiceMonitor scrapes them, with the shipped rules."""
     folder = tmp_path_factory.mktemp("prometheus")
-    helm = Helm(chart_tools.helm(), folder / "helm")
+    helm = Helm(locate(chart_tools.HELM), folder / "helm")
     manifests = helm.template(sets=["serviceMonitor.enabled=true"])
     (monitor,) = [m for m in manifests if m["kind"] == "ServiceMonitor"]
     services = {m["metadata"]["labels"]["gpuscaler/service"]: m for m in manifests if m["kind"] == "Service"}
@@ -103,7 +104,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         targets_file = folder / "targets.yaml"
         targets_file.write_text(yaml.safe_dump(targets))
         prometheus = start(
-            chart_tools.prometheus(),
+            locate(chart_tools.PROMETHEUS),
             folder,
             scrape_config(monitor, targets_file),
             [_shortened_rules(folder)],
@@ -225,7 +226,7 @@ def test_a_silent_node_fires_node_unavailable_naming_the_gpus_node(stack: Stack)
 
 def test_both_metrics_pages_pass_promtool_check_metrics(stack: Stack) -> None:
     """promtool's linter on the live /metrics of an agent and of the gateway: no problem reported."""
-    promtool = chart_tools.promtool()
+    promtool = locate(chart_tools.PROMTOOL)
     for name in (NODES[0], "gateway"):
         with urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics[name]}/metrics", timeout=10) as response:
             page = response.read()

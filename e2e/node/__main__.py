@@ -2,8 +2,8 @@
 
 ``python -m e2e.node [PYTEST ARGS]``: as root, installs the missing Debian packages (containerd, runc, the CNI
 plugins, iptables, busybox-static) with apt-get, builds the control plane's and the node's Go tools on first use
-(the network is needed for both), then runs ``pytest e2e/node`` under ``unshare --net --mount`` with
-GPUSCALER_E2E_NODE=1, so that nothing the node does reaches the host's network or mount table.
+(``python -m tests.tools node``; the network is needed for both), then runs ``pytest e2e/node`` under ``unshare
+--net --mount`` with GPUSCALER_E2E_NODE=1, so that nothing the node does reaches the host's network or mount table.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ import shutil
 import sys
 import time
 
-from e2e.keda import tools
 from e2e.node import host
-from tests.chart import chart_tools
+from tests import tools as setup_step
 
 
 def main(argv: list[str]) -> None:
@@ -27,18 +26,9 @@ def main(argv: list[str]) -> None:
         host.install_packages()
     except host.HostUnsuitable as error:
         raise SystemExit(str(error)) from None
-    for tool in tools.TOOLS + tools.NODE_TOOLS:
-        begun = time.monotonic()
-        try:
-            directory = tools.build(tool)
-        except tools.BuildFailed as error:
-            raise SystemExit(str(error)) from None
-        print(f"{tool.name:16} {tool.version:9} {time.monotonic() - begun:7.1f} s  {directory}", file=sys.stderr)
-    # What the suite reads from the Go module cache and the chart tools, fetched while the network is there.
-    chart_tools.helm()
-    for module, version, _ in chart_tools.CRDS:
-        chart_tools._module_dir(module, version)
-    tools.keda_source()
+    # The control plane's and the node's tools, and what the suite reads from the Go module cache, while the network
+    # is there: inside the namespaces, fixtures only locate them.
+    setup_step.set_up("node")
     unshare = shutil.which("unshare")
     if unshare is None:
         raise SystemExit("no `unshare` (util-linux) on PATH: the node suite runs in private namespaces")

@@ -22,6 +22,7 @@ from e2e.node.node import NVIDIA_RUNTIME
 from e2e.support.agent import CONSOLE_SCRIPT
 from e2e.support.clients import query_json
 from tests.chart import chart_tools
+from tests.tools import locate
 
 CI_VALUES = CHART / "ci"
 EXAMPLES = CHART / "examples"
@@ -40,11 +41,11 @@ RUNTIME_CLASS: Json = {
 
 def monitoring_crds() -> list[Json]:
     """prometheus-operator's ServiceMonitor and PrometheusRule CRDs, from the module the chart tests pin (``python -m
-    e2e.node`` fetches it into the Go module cache before the namespaces cut the network off)."""
+    e2e.node``'s setup step fetches it into the Go module cache before the namespaces cut the network off)."""
     crds: list[Json] = []
     for module, version, path in chart_tools.CRDS:
         if "prometheus-operator" in module:
-            crds.append(yaml.safe_load((chart_tools._module_dir(module, version) / path).read_text()))
+            crds.append(yaml.safe_load((locate(chart_tools.ModuleSource(module, version)) / path).read_text()))
     return crds
 
 

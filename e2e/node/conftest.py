@@ -23,6 +23,8 @@ from e2e.node.images import ImageArchive, suite_images
 from e2e.node.node import NODE_SETTINGS, Node
 from e2e.node.product_image import chart_image_archive, chart_version
 from tests.chart import chart_tools
+from tests.tools import locate
+from tests.tools import programs as located_programs
 
 # Collected only when asked for, as e2e/keda is.
 collect_ignore_glob = [] if os.environ.get("GPUSCALER_E2E_NODE") == "1" else ["test_*.py"]
@@ -43,8 +45,8 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     host.check()
     started = time.monotonic()
     directory = tmp_path_factory.mktemp("node-cluster")
-    programs = tools.build_all(tools.TOOLS + tools.NODE_TOOLS)
-    helm = chart_tools.helm()
+    programs = located_programs(tools.TOOLS + tools.NODE_TOOLS)
+    helm = locate(chart_tools.HELM)
     private = host.PrivateHost(directory / "node")
     problems: list[str] = []
     try:

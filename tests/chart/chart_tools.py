@@ -1,12 +1,11 @@
-"""Builds the chart-test tools (helm, kubeconform, promtool, prometheus) and offline API schemas once per machine,
-into a user cache.
+"""The chart tests' pinned tools (helm, kubeconform, promtool, prometheus) and offline API schemas: where each lands
+in the user's tool cache, and how it is built there once per machine.
 
 Why build from Go modules: CI has a Go toolchain and a Go module proxy but no download site, and a pinned
 module version is as reproducible as a release binary. Everything lands under
 ``${XDG_CACHE_HOME:-~/.cache}/gpuscaler-tools`` (outside the repo, so a clean checkout reuses it) and is
-keyed by version, so bumping a pin below rebuilds exactly that tool.
-
-Run ``python tests/chart/chart_tools.py`` to warm the cache and print how long each step took.
+keyed by version, so bumping a pin below rebuilds exactly that tool. Builds run only in the setup step before the
+tests (``make tools``, tests/tools.py); fixtures locate what it built.
 """
 
 from __future__ import annotations
@@ -18,10 +17,9 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,12 +60,12 @@ Json = dict[str, Any]
 
 
 class ToolUnavailable(Exception):
-    """Neither a Go toolchain nor a prebuilt tool on PATH: the caller skips, loudly."""
+    """Neither a Go toolchain nor a prebuilt tool on PATH: the caller skips, loudly (or fails, where nothing skips)."""
 
 
 @contextlib.contextmanager
 def locked() -> Iterator[None]:
-    """Serialises builds between concurrent test runs on one machine."""
+    """Serialises builds between concurrent runs on one machine."""
     with (cache_dir() / ".lock").open("w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -96,100 +94,162 @@ def _go() -> str:
     return go
 
 
-def _go_install(name: str, package: str, version: str, tags: tuple[str, ...] = ()) -> Path:
-    """Builds ``package@version`` stripped and trimmed, with build ``tags``, once; returns the binary."""
-    # Tags change what is compiled in, so they are part of the key: another set is another binary.
-    target = cache_dir() / "bin" / "-".join((name, version, *tags))
-    with locked():
-        if target.exists():
-            return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache_dir()) as gobin:
-            env = _go_env() | {"GOBIN": gobin}
-            subprocess.run(
-                [
-                    _go(),
-                    "install",
-                    "-trimpath",
-                    "-ldflags=-s -w",
-                    *([f"-tags={','.join(tags)}"] if tags else []),
-                    f"{package}@{version}",
-                ],
-                env=env,
-                cwd=gobin,
+@dataclass(frozen=True)
+class GoProgram:
+    """One program ``go install``-ed from a pinned module version, stripped and trimmed, with build ``tags``."""
+
+    name: str
+    package: str
+    version: str
+    tags: tuple[str, ...] = ()
+
+    @property
+    def needs_go(self) -> bool:
+        """Built with Go."""
+        return True
+
+    @property
+    def stand_in(self) -> str | None:
+        """Where there is no Go, a program of the same name on PATH may stand in for the pinned build."""
+        return self.name
+
+    @property
+    def path(self) -> Path:
+        """The binary; tags change what is compiled in, so they are part of the name, as the version is."""
+        return cache_dir() / "bin" / "-".join((self.name, self.version, *self.tags))
+
+    def build(self) -> Path:
+        """Builds the binary once; returns it."""
+        target = self.path
+        with locked():
+            if target.exists():
+                return target
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache_dir()) as gobin:
+                tags = [f"-tags={','.join(self.tags)}"] if self.tags else []
+                subprocess.run(
+                    [_go(), "install", "-trimpath", "-ldflags=-s -w", *tags, f"{self.package}@{self.version}"],
+                    env=_go_env() | {"GOBIN": gobin},
+                    cwd=gobin,
+                    check=True,
+                    capture_output=True,  # hundreds of "go: downloading" lines: the error carries them if it fails
+                    text=True,
+                )
+                os.replace(Path(gobin) / self.name, target)
+        return target
+
+
+@dataclass(frozen=True)
+class LocalProgram:
+    """A Go program kept in this repository (its own go.mod and go.sum, read-only), built once per content of its
+    files."""
+
+    name: str
+    source: Path
+
+    @property
+    def needs_go(self) -> bool:
+        """Built with Go."""
+        return True
+
+    @property
+    def stand_in(self) -> str | None:
+        """Nothing stands in for a program of our own."""
+        return None
+
+    @property
+    def version(self) -> str:
+        """The digest of its Go files, go.mod and go.sum: an edit is another version."""
+        digest = hashlib.sha256()
+        for path in sorted(self.source.glob("*")):
+            if path.suffix == ".go" or path.name in ("go.mod", "go.sum"):
+                digest.update(path.name.encode() + b"\0" + path.read_bytes())
+        return digest.hexdigest()[:16]
+
+    @property
+    def path(self) -> Path:
+        """The binary."""
+        return cache_dir() / "bin" / f"{self.name}-{self.version}"
+
+    def build(self) -> Path:
+        """Builds the binary once; returns it."""
+        target = self.path
+        with locked():
+            if target.exists():
+                return target
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache_dir()) as scratch:
+                built = Path(scratch) / self.name
+                subprocess.run(
+                    [_go(), "build", "-trimpath", "-ldflags=-s -w", "-o", str(built), "."],
+                    # -mod=readonly: a build must never rewrite the committed go.mod or go.sum.
+                    env=_go_env() | {"GOFLAGS": "-mod=readonly -buildvcs=false"},
+                    cwd=self.source,
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
+                os.replace(built, target)
+        return target
+
+
+def _escaped(path: str) -> str:
+    """A module path or version as the module cache spells it: each capital letter as ``!`` and its lower case."""
+    return "".join(f"!{char.lower()}" if char.isupper() else char for char in path)
+
+
+@dataclass(frozen=True)
+class ModuleSource:
+    """One Go module's source at a pinned version, downloaded from the module proxy into the module cache (no
+    build): where the CRDs, the OpenAPI document and KEDA's webhook configuration come from."""
+
+    module: str
+    version: str
+
+    @property
+    def name(self) -> str:
+        """The module path."""
+        return self.module
+
+    @property
+    def needs_go(self) -> bool:
+        """Downloaded with Go."""
+        return True
+
+    @property
+    def stand_in(self) -> str | None:
+        """A module's source has no stand-in."""
+        return None
+
+    @property
+    def path(self) -> Path:
+        """The module's folder in the module cache, where ``go mod download`` extracts it."""
+        return cache_dir() / "go-mod" / f"{_escaped(self.module)}@{_escaped(self.version)}"
+
+    def build(self) -> Path:
+        """Downloads the module (Go's module cache has a lock of its own); returns its folder."""
+        with tempfile.TemporaryDirectory() as cwd:
+            result = subprocess.run(
+                [_go(), "mod", "download", "-json", f"{self.module}@{self.version}"],
+                env=_go_env(),
+                cwd=cwd,
                 check=True,
+                capture_output=True,
+                text=True,
             )
-            os.replace(Path(gobin) / name, target)
-    return target
+        directory = Path(json.loads(result.stdout)["Dir"])
+        assert directory == self.path, f"go put {self.name} in {directory}, not in {self.path}"
+        return directory
 
 
-def build_local(name: str, source: Path) -> Path:
-    """Builds the Go program in ``source`` (its own go.mod and go.sum, read-only), once per content of its files."""
-    digest = hashlib.sha256()
-    for path in sorted(source.glob("*")):
-        if path.suffix == ".go" or path.name in ("go.mod", "go.sum"):
-            digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    target = cache_dir() / "bin" / f"{name}-{digest.hexdigest()[:16]}"
-    with locked():
-        if target.exists():
-            return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache_dir()) as scratch:
-            built = Path(scratch) / name
-            # -mod=readonly: a build must never rewrite the committed go.mod or go.sum.
-            env = _go_env() | {"GOFLAGS": "-mod=readonly -buildvcs=false"}
-            subprocess.run(
-                [_go(), "build", "-trimpath", "-ldflags=-s -w", "-o", str(built), "."],
-                env=env,
-                cwd=source,
-                check=True,
-            )
-            os.replace(built, target)
-    return target
-
-
-def _module_dir(module: str, version: str) -> Path:
-    """Downloads one module's source from the module proxy (no build) and returns its directory."""
-    with tempfile.TemporaryDirectory() as cwd:
-        result = subprocess.run(
-            [_go(), "mod", "download", "-json", f"{module}@{version}"],
-            env=_go_env(),
-            cwd=cwd,
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-    return Path(json.loads(result.stdout)["Dir"])
-
-
-def _prebuilt_or_build(name: str, package: str, version: str, tags: tuple[str, ...] = ()) -> Path:
-    """The pinned build where Go exists, else a tool already on PATH, else ToolUnavailable."""
-    if shutil.which("go"):
-        return _go_install(name, package, version, tags)
-    found = shutil.which(name)
-    if found:
-        return Path(found)
-    raise ToolUnavailable(f"neither `go` nor `{name}` is on PATH")
-
-
-def helm() -> Path:
-    """The helm binary."""
-    return _prebuilt_or_build("helm", HELM_PACKAGE, HELM_VERSION)
-
-
-def kubeconform() -> Path:
-    """The kubeconform binary."""
-    return _prebuilt_or_build("kubeconform", KUBECONFORM_PACKAGE, KUBECONFORM_VERSION)
-
-
-def promtool() -> Path:
-    """The promtool binary, of the pinned Prometheus."""
-    return _prebuilt_or_build("promtool", f"{PROMETHEUS_MODULE}/cmd/promtool", PROMETHEUS_VERSION, PROMETHEUS_TAGS)
-
-
-def prometheus() -> Path:
-    """The prometheus server binary, of the same release as promtool."""
-    return _prebuilt_or_build("prometheus", f"{PROMETHEUS_MODULE}/cmd/prometheus", PROMETHEUS_VERSION, PROMETHEUS_TAGS)
+HELM = GoProgram("helm", HELM_PACKAGE, HELM_VERSION)
+KUBECONFORM = GoProgram("kubeconform", KUBECONFORM_PACKAGE, KUBECONFORM_VERSION)
+# promtool, and the prometheus server of the same release.
+PROMTOOL = GoProgram("promtool", f"{PROMETHEUS_MODULE}/cmd/promtool", PROMETHEUS_VERSION, PROMETHEUS_TAGS)
+PROMETHEUS = GoProgram("prometheus", f"{PROMETHEUS_MODULE}/cmd/prometheus", PROMETHEUS_VERSION, PROMETHEUS_TAGS)
+KUBERNETES_SOURCE = ModuleSource(KUBERNETES_MODULE, KUBERNETES_VERSION)
+# Each module that holds a CRD, once.
+CRD_SOURCES = tuple(dict.fromkeys(ModuleSource(module, version) for module, version, _ in CRDS))
 
 
 # --- schemas -------------------------------------------------------------------------------------------
@@ -266,70 +326,75 @@ def _write_json_atomically(directory: Path, files: dict[str, Json]) -> None:
         os.replace(staging, directory)
 
 
-def kubernetes_schemas() -> Path:
-    """A folder of strict standalone JSON schemas, one per kind, from the Kubernetes release's OpenAPI document."""
-    directory = cache_dir() / "schemas" / f"kubernetes-{KUBERNETES_VERSION}-strict"
-    with locked():
-        if directory.exists():
-            return directory
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        source = _module_dir(KUBERNETES_MODULE, KUBERNETES_VERSION) / "api" / "openapi-spec" / "swagger.json"
-        definitions: Json = {
-            name: strict(schema) for name, schema in json.loads(source.read_text())["definitions"].items()
-        }
-        # Quantity is a string in OpenAPI, but the API accepts a bare number (``cpu: 1``) too.
-        definitions["io.k8s.apimachinery.pkg.api.resource.Quantity"] = {
-            "oneOf": [{"type": "string"}, {"type": "number"}]
-        }
-        files: dict[str, Json] = {}
-        for name, schema in definitions.items():
-            for gvk in schema.get("x-kubernetes-group-version-kind", []):
-                group, version, kind = gvk["group"], gvk["version"], gvk["kind"]
-                # Several definitions carry meta kinds (DeleteOptions, WatchEvent): the group's own one wins.
-                file_name = _file_name(group, version, kind)
-                if file_name in files and not name.endswith(f".{version}.{kind}"):
-                    continue
-                closure = _closure(definitions, name)
-                root = _pin_gvk(closure.pop(name), group, version, kind)
-                files[file_name] = root | {"definitions": closure}
-        _write_json_atomically(directory, files)
-    return directory
+def _kubernetes_schema_files() -> dict[str, Json]:
+    """Strict standalone JSON schemas, one per kind, from the Kubernetes release's OpenAPI document."""
+    source = KUBERNETES_SOURCE.build() / "api" / "openapi-spec" / "swagger.json"
+    definitions: Json = {name: strict(schema) for name, schema in json.loads(source.read_text())["definitions"].items()}
+    # Quantity is a string in OpenAPI, but the API accepts a bare number (``cpu: 1``) too.
+    definitions["io.k8s.apimachinery.pkg.api.resource.Quantity"] = {"oneOf": [{"type": "string"}, {"type": "number"}]}
+    files: dict[str, Json] = {}
+    for name, schema in definitions.items():
+        for gvk in schema.get("x-kubernetes-group-version-kind", []):
+            group, version, kind = gvk["group"], gvk["version"], gvk["kind"]
+            # Several definitions carry meta kinds (DeleteOptions, WatchEvent): the group's own one wins.
+            file_name = _file_name(group, version, kind)
+            if file_name in files and not name.endswith(f".{version}.{kind}"):
+                continue
+            closure = _closure(definitions, name)
+            root = _pin_gvk(closure.pop(name), group, version, kind)
+            files[file_name] = root | {"definitions": closure}
+    return files
 
 
-def crd_schemas() -> Path:
-    """A folder with the CRDs' schemas (ServiceMonitor, PrometheusRule, ScaledObject), in the same strict form."""
-    pins = "-".join(version for _, version, _ in CRDS)
-    directory = cache_dir() / "schemas" / f"crds-{pins}-strict"
-    with locked():
-        if directory.exists():
-            return directory
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        files: dict[str, Json] = {}
-        for module, version, crd_path in CRDS:
-            crd = yaml.safe_load((_module_dir(module, version) / crd_path).read_text())
-            group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
-            for served in crd["spec"]["versions"]:
-                schema = strict(served["schema"]["openAPIV3Schema"])
-                files[_file_name(group, served["name"], kind)] = _pin_gvk(schema, group, served["name"], kind)
-        _write_json_atomically(directory, files)
-    return directory
+def _crd_schema_files() -> dict[str, Json]:
+    """The CRDs' schemas (ServiceMonitor, PrometheusRule, ScaledObject), in the same strict form."""
+    files: dict[str, Json] = {}
+    for module, version, crd_path in CRDS:
+        crd = yaml.safe_load((ModuleSource(module, version).build() / crd_path).read_text())
+        group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+        for served in crd["spec"]["versions"]:
+            schema = strict(served["schema"]["openAPIV3Schema"])
+            files[_file_name(group, served["name"], kind)] = _pin_gvk(schema, group, served["name"], kind)
+    return files
 
 
-def schema_locations() -> list[str]:
-    """kubeconform ``-schema-location`` templates for every schema folder, built on first use."""
-    return [
-        f"{folder}/{{{{ .ResourceKind }}}}{{{{ .KindSuffix }}}}.json"
-        for folder in (kubernetes_schemas(), crd_schemas())
-    ]
+@dataclass(frozen=True)
+class SchemaFolder:
+    """A folder of strict JSON schemas for kubeconform, made from pinned modules' sources."""
+
+    name: str
+    version: str
+    files: Callable[[], dict[str, Json]]
+
+    @property
+    def needs_go(self) -> bool:
+        """Its sources come from the Go module proxy."""
+        return True
+
+    @property
+    def stand_in(self) -> str | None:
+        """Nothing stands in for the schemas."""
+        return None
+
+    @property
+    def path(self) -> Path:
+        """The folder, keyed by the pins it is made from."""
+        return cache_dir() / "schemas" / f"{self.name}-{self.version}-strict"
+
+    def build(self) -> Path:
+        """Makes the folder once; returns it."""
+        directory = self.path
+        with locked():
+            if not directory.exists():
+                directory.parent.mkdir(parents=True, exist_ok=True)
+                _write_json_atomically(directory, self.files())
+        return directory
 
 
-def main() -> None:
-    """Warms the cache and reports how long each step took (the cold numbers matter for CI's budget)."""
-    for step in (helm, kubeconform, promtool, prometheus, kubernetes_schemas, crd_schemas):
-        start = time.monotonic()
-        path = step()
-        print(f"{step.__name__:20} {time.monotonic() - start:7.1f} s  {path}", file=sys.stderr)
+KUBERNETES_SCHEMAS = SchemaFolder("kubernetes-schemas", KUBERNETES_VERSION, _kubernetes_schema_files)
+CRD_SCHEMAS = SchemaFolder("crd-schemas", "-".join(dict.fromkeys(v for _, v, _ in CRDS)), _crd_schema_files)
 
 
-if __name__ == "__main__":
-    main()
+def schema_locations(*folders: Path) -> list[str]:
+    """kubeconform ``-schema-location`` templates for schema folders."""
+    return [f"{folder}/{{{{ .ResourceKind }}}}{{{{ .KindSuffix }}}}.json" for folder in folders]

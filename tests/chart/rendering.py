@@ -21,8 +21,6 @@ CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 EXAMPLES = sorted((CHART / "examples").rglob("*.yaml"))
 RELEASE = "gpuscaler"
 NAMESPACE = "gpuscaler"
-# The first chart test builds helm from source: about two minutes cold on a 2-core machine.
-TOOL_BUILD_TIMEOUT_SECONDS = 900
 COMMAND_TIMEOUT_SECONDS = 120
 
 Manifest = dict[str, Any]

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
-from tests.chart.rendering import CHART, CI_VALUES, NAMESPACE, RELEASE, TOOL_BUILD_TIMEOUT_SECONDS, Helm, of_kind
-
-pytestmark = pytest.mark.timeout(TOOL_BUILD_TIMEOUT_SECONDS)
+from tests.chart.rendering import CHART, CI_VALUES, NAMESPACE, RELEASE, Helm, of_kind
 
 NAME = f"{RELEASE}-dashboard"
 DASHBOARD = CHART / "files" / "dashboard.json"

@@ -23,15 +23,12 @@ from tests.chart.rendering import (
     EXAMPLES,
     NAMESPACE,
     RELEASE,
-    TOOL_BUILD_TIMEOUT_SECONDS,
     Helm,
     Manifest,
     find,
     of_kind,
     yaml_documents,
 )
-
-pytestmark = pytest.mark.timeout(TOOL_BUILD_TIMEOUT_SECONDS)
 
 KEY = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z0-9_.\"/-]+):(?: |$)")
 

@@ -13,7 +13,6 @@ from tests.chart.rendering import (
     CI_VALUES,
     NAMESPACE,
     RELEASE,
-    TOOL_BUILD_TIMEOUT_SECONDS,
     Helm,
     Manifest,
     connection_limit_defaults,
@@ -24,8 +23,6 @@ from tests.chart.rendering import (
     restricted_violations,
     selects,
 )
-
-pytestmark = pytest.mark.timeout(TOOL_BUILD_TIMEOUT_SECONDS)
 
 CI = {path.name.removesuffix("-values.yaml"): path for path in CI_VALUES}
 GATEWAY = f"{RELEASE}-gateway"

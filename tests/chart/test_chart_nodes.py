@@ -24,15 +24,12 @@ from tests.chart.rendering import (
     CI_VALUES,
     NAMESPACE,
     RELEASE,
-    TOOL_BUILD_TIMEOUT_SECONDS,
     Helm,
     Manifest,
     find,
     pod_spec,
     selects,
 )
-
-pytestmark = pytest.mark.timeout(TOOL_BUILD_TIMEOUT_SECONDS)
 
 CI = {path.name.removesuffix("-values.yaml"): path for path in CI_VALUES}
 VALUES = yaml.safe_load((CHART / "values.yaml").read_text())

@@ -22,7 +22,6 @@ from tests.chart.rendering import (
     CI_VALUES,
     NAMESPACE,
     RELEASE,
-    TOOL_BUILD_TIMEOUT_SECONDS,
     Helm,
     Manifest,
     agent_container,
@@ -37,8 +36,6 @@ from tests.chart.rendering import (
     restricted_violations,
     selects,
 )
-
-pytestmark = pytest.mark.timeout(TOOL_BUILD_TIMEOUT_SECONDS)
 
 CI = {path.name.removesuffix("-values.yaml"): path for path in CI_VALUES}
 FULLNAME = RELEASE  # the release name contains the chart name, so it is the prefix as it is

@@ -13,13 +13,10 @@ from tests.chart.rendering import (
     CHART,
     CI_VALUES,
     EXAMPLES,
-    TOOL_BUILD_TIMEOUT_SECONDS,
     Helm,
     Kubeconform,
     kinds,
 )
-
-pytestmark = pytest.mark.timeout(TOOL_BUILD_TIMEOUT_SECONDS)
 
 VALUES_SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 

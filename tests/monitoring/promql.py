@@ -9,6 +9,7 @@ import aiohttp
 import pytest
 
 from tests.chart import chart_tools
+from tests.tools import locate
 
 # What PromQL spells that is not a series name: keywords, and the label lists that follow some of them.
 _KEYWORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset"}
@@ -17,11 +18,11 @@ _IDENTIFIER = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 
 def promtool_or_skip(what: str) -> Path:
-    """The pinned promtool (tests/chart/chart_tools.py builds it once per machine), or a loud skip naming ``what``."""
+    """The pinned promtool as the setup step built it (tests/tools.py), or, without Go, a loud skip naming ``what``."""
     try:
-        return chart_tools.promtool()
+        return locate(chart_tools.PROMTOOL)
     except chart_tools.ToolUnavailable as missing:
-        pytest.skip(f"{what} NOT RUN: promtool needs a Go toolchain to build it ({missing})")
+        pytest.skip(f"{what} NOT RUN: promtool is built with a Go toolchain ({missing})")
 
 
 def series_in(expr: str) -> set[str]:

@@ -4,7 +4,9 @@ promises."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
 import subprocess
 import tomllib
 from pathlib import Path
@@ -15,7 +17,10 @@ import pytest
 import yaml
 
 from gpuscaler.agent.collectors.scenario import load_scenario
-from tests.chart import chart_tools
+from gpuscaler.cli import build_parser
+from tests.chart.chart_tools import ToolUnavailable
+from tests.packaging.image_tools import COMPOSECHECK
+from tests.tools import locate
 
 ROOT = Path(__file__).resolve().parents[2]
 # schema/compose-spec.json of the compose-spec project's Go module github.com/compose-spec/compose-go/v2 v2.16.2.
@@ -50,8 +55,8 @@ def test_the_schema_check_catches_a_misspelt_service_key() -> None:
 def composecheck() -> Path:
     """tests/packaging/composecheck: compose-go, Docker Compose's own loader, printing a file's project as JSON."""
     try:
-        return chart_tools.build_local("composecheck", Path(__file__).with_name("composecheck"))
-    except chart_tools.ToolUnavailable as missing:
+        return locate(COMPOSECHECK)
+    except ToolUnavailable as missing:
         pytest.skip(f"COMPOSE LOADER CHECK NOT RUN: it is built with Go, and there is none ({missing})")
 
 
@@ -59,7 +64,6 @@ def _compose_go(composecheck: Path, path: Path) -> subprocess.CompletedProcess[s
     return subprocess.run([str(composecheck), str(path)], capture_output=True, text=True, timeout=60, check=False)
 
 
-@pytest.mark.timeout(300)
 def test_compose_go_loads_the_compose_file(composecheck: Path) -> None:
     """compose-go, the loader `docker compose` uses, loads compose.yaml with every service in it."""
     result = _compose_go(composecheck, ROOT / "compose.yaml")
@@ -67,7 +71,6 @@ def test_compose_go_loads_the_compose_file(composecheck: Path) -> None:
     assert set(json.loads(result.stdout)["services"]) == set(SERVICES)
 
 
-@pytest.mark.timeout(300)
 def test_compose_go_refuses_a_broken_file(composecheck: Path, tmp_path: Path) -> None:
     """The loader check is not vacuous: compose-go rejects a dependency on a service that does not exist."""
     path = tmp_path / "compose.yaml"
@@ -107,14 +110,96 @@ def test_scenarios_cover_busy_idle_and_rising_and_falling() -> None:
 
 
 def test_ports_are_published_on_localhost_only_and_the_keda_endpoint_is_6000() -> None:
-    """Every published port binds 127.0.0.1; the gateway, KEDA's endpoint, publishes gRPC on 6000."""
+    """Every published port binds 127.0.0.1; the gateway, KEDA's endpoint, publishes gRPC on 6000 by default."""
     published = [port for spec in SERVICES.values() for port in spec.get("ports", [])]
     assert published
     assert {port["host_ip"] for port in published} == {"127.0.0.1"}
-    assert len({port["published"] for port in published}) == len(published), "host ports must not collide"
+    assert len({_default(port) for port in published}) == len(published), "host ports must not collide"
     assert SERVICES[KEDA_ENDPOINT]["command"][0] == "gateway"
     grpc = next(port for port in SERVICES[KEDA_ENDPOINT]["ports"] if port["name"] == "grpc")
-    assert (grpc["published"], grpc["target"]) == ("6000", 6000)
+    assert (_default(grpc), grpc["target"]) == (6000, 6000)
+
+
+# Where each port is published when no variable moves it: what README and the banner of `make dev` say.
+DEFAULT_PORTS = {
+    ("node-a", "grpc"): 6001,
+    ("node-a", "metrics"): 9402,
+    ("node-b", "grpc"): 6002,
+    ("node-b", "metrics"): 9403,
+    ("node-c", "grpc"): 6003,
+    ("node-c", "metrics"): 9404,
+    ("gateway", "grpc"): 6000,
+    ("gateway", "metrics"): 9400,
+    ("gateway", "vllm1"): 8101,
+    ("gateway", "vllm2"): 8102,
+    ("gateway", "vllm3"): 8103,
+}
+PORT_VARIABLE = re.compile(r"\$\{(?P<name>GPUSCALER_DEV_[A-Z0-9_]+_PORT):-(?P<default>\d+)\}")
+
+
+def _port_variable(service: str, port: dict[str, Any]) -> str:
+    """The variable that moves a published port: GPUSCALER_DEV_<SERVICE>_<PORT NAME>_PORT."""
+    return f"GPUSCALER_DEV_{service}_{port['name']}_PORT".upper().replace("-", "_")
+
+
+def _default(port: dict[str, Any]) -> int:
+    """A published port's default, from its ``${VARIABLE:-default}``."""
+    match = PORT_VARIABLE.fullmatch(port["published"])
+    assert match is not None, f"published {port['published']!r} is not ${{VARIABLE:-default}}"
+    return int(match["default"])
+
+
+def test_every_published_port_has_its_variable_and_today_s_default() -> None:
+    """Each published port is ``${GPUSCALER_DEV_<SERVICE>_<PORT NAME>_PORT:-N}``, N the port it always had, so a
+    stack moves beside another by the variables alone and nothing moves without them."""
+    found = {}
+    for name, spec in SERVICES.items():
+        for port in spec.get("ports", []):
+            match = PORT_VARIABLE.fullmatch(port["published"])
+            assert match is not None, f"{name} {port['name']}: published {port['published']!r}"
+            assert match["name"] == _port_variable(name, port), f"{name} {port['name']}"
+            found[name, port["name"]] = int(match["default"])
+    assert found == DEFAULT_PORTS
+
+
+def _published(project: dict[str, Any]) -> dict[tuple[str, str], int]:
+    """(service, port name) -> host port, from compose-go's project."""
+    return {
+        (name, port["name"]): int(port["published"])
+        for name, spec in project["services"].items()
+        for port in spec.get("ports") or []
+    }
+
+
+def test_the_port_variables_move_every_published_port_in_compose_go(composecheck: Path) -> None:
+    """compose-go, as `docker compose` loads the file, publishes every port at its variable's value when set, and
+    at today's port when not."""
+    moved = {key: 20000 + number for number, key in enumerate(DEFAULT_PORTS)}
+    environment = {_port_variable(service, {"name": port}): str(value) for (service, port), value in moved.items()}
+    plain = {key: value for key, value in os.environ.items() if not key.startswith("GPUSCALER_DEV_")}
+    for env, expected in ((plain, DEFAULT_PORTS), (plain | environment, moved)):
+        result = subprocess.run(
+            [str(composecheck), str(ROOT / "compose.yaml")], capture_output=True, text=True, timeout=60, env=env
+        )
+        assert result.returncode == 0, result.stderr
+        assert _published(json.loads(result.stdout)) == expected
+
+
+# The programs the image has on its PATH (Containerfile: the venv's bin); it has no shell.
+IMAGE_PROGRAMS = {"gpuscaler", "python"}
+
+
+def test_no_service_runs_a_shell() -> None:
+    """Every service runs the image's gpuscaler or its Python, never a shell, which the image `make image` builds
+    does not have; a Python service's script is a file of dev/ through the service's mount."""
+    for name, spec in SERVICES.items():
+        program, *rest = spec["entrypoint"]
+        assert program in IMAGE_PROGRAMS, f"{name} runs {program!r}"
+        if program == "python":
+            script = Path(rest[0])
+            assert (ROOT / "dev" / script.relative_to(_dev_mount(spec))).is_file(), name
+        words = [*rest, *spec.get("command", [])]
+        assert not any(re.search(r"(^|/)(ba|da)?sh$", str(word)) for word in words), f"{name} runs a shell"
 
 
 def test_the_gateway_subscribes_to_every_agent() -> None:
@@ -125,12 +210,17 @@ def test_the_gateway_subscribes_to_every_agent() -> None:
 
 
 def test_a_client_shows_what_keda_sees() -> None:
-    """The one other service runs `gpuscaler query` in a loop against KEDA's endpoint."""
+    """The one other service runs dev/keda_view.py, `gpuscaler query` every few seconds against KEDA's endpoint,
+    for queries dev/keda_view.py's own parser accepts."""
     others = {*AGENTS, KEDA_ENDPOINT, KUBELET, ENGINES}
     (client,) = [spec for name, spec in SERVICES.items() if name not in others]
-    script = " ".join(client["command"])
-    assert f"gpuscaler query --address {KEDA_ENDPOINT}:6000" in script
-    assert "while :" in script
+    assert client["entrypoint"] == ["python", f"{_dev_mount(client)}/keda_view.py"]
+    assert flag(client["command"], "--address") == f"{KEDA_ENDPOINT}:6000"
+    assert float(flag(client["command"], "--every")) > 0
+    queries = client["command"][client["command"].index("--every") + 2 :]
+    assert queries
+    for query in queries:  # each one `gpuscaler query`'s arguments: its parser takes them
+        build_parser({}).parse_args(["query", "--address", f"{KEDA_ENDPOINT}:6000", *shlex.split(query)])
     assert client["depends_on"] == [KEDA_ENDPOINT]
 
 

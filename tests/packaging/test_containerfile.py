@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.packaging.image_tools import hadolint
+from tests.packaging.image_tools import HADOLINT
+from tests.tools import locate
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTAINERFILE = ROOT / "Containerfile"
@@ -78,11 +79,10 @@ def last(stage: list[Instruction], keyword: str) -> str:
     return [i.arguments for i in stage if i.keyword == keyword][-1]
 
 
-@pytest.mark.timeout(300)
 def test_hadolint_finds_nothing() -> None:
     """hadolint, at its strictest threshold, has no finding for the Containerfile."""
     result = subprocess.run(
-        [str(hadolint()), "--no-color", "--failure-threshold", "style", str(CONTAINERFILE)],
+        [str(locate(HADOLINT)), "--no-color", "--failure-threshold", "style", str(CONTAINERFILE)],
         capture_output=True,
         text=True,
         check=False,
@@ -209,12 +209,13 @@ def test_the_build_step_yields_a_small_venv_whose_gpuscaler_runs(tmp_path: Path)
     assert size < 80 * 1024**2, f"the venv is {size / 1024**2:.0f} MiB"
 
 
-@pytest.mark.timeout(300)
 def test_hadolint_is_the_real_linter(tmp_path: Path) -> None:
     """The same hadolint flags an untagged base image and unpinned apt packages, so a clean result means something."""
     bad = tmp_path / "Containerfile"
     bad.write_text("FROM python\nRUN apt-get update && apt-get install -y curl\n")
-    result = subprocess.run([str(hadolint()), "--no-color", str(bad)], capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [str(locate(HADOLINT)), "--no-color", str(bad)], capture_output=True, text=True, check=False
+    )
     assert result.returncode == 1
     assert "DL3006" in result.stdout
     assert "DL3008" in result.stdout

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import random
@@ -35,7 +36,18 @@ NODES = {
     for spec in SERVICES.values()
     if spec.get("command", [None])[0] == "serve"
 }
-PUBLISHED = [int(port["published"]) for spec in SERVICES.values() for port in spec.get("ports", [])]
+# compose.yaml publishes each port at ``${VARIABLE:-default}``: the default, as no test sets the variables.
+PORT_VARIABLE = re.compile(r"\$\{(?P<name>\w+):-(?P<default>\d+)\}")
+
+
+def _default(port: dict[str, Any]) -> int:
+    """Where compose.yaml publishes ``port`` when its variable is unset."""
+    match = PORT_VARIABLE.fullmatch(port["published"])
+    assert match is not None, port
+    return int(match["default"])
+
+
+PUBLISHED = [_default(port) for spec in SERVICES.values() for port in spec.get("ports", [])]
 T = TypeVar("T")
 
 
@@ -152,7 +164,7 @@ def test_it_serves_every_node_and_the_gateway_at_the_addresses_it_prints(dev_sta
         if (words := line.split()) and words[0] in SERVICES
     }
     assert printed == {
-        name: {port["name"]: f"127.0.0.1:{int(port['published']) + dev_stack.offset}" for port in spec.get("ports", [])}
+        name: {port["name"]: f"127.0.0.1:{_default(port) + dev_stack.offset}" for port in spec.get("ports", [])}
         for name, spec in SERVICES.items()
     }
     gateway = next(name for name, spec in SERVICES.items() if spec["command"][0] == "gateway")
@@ -202,12 +214,16 @@ def test_keda_view_prints_what_keda_gets_from_the_gateway(dev_stack: Stack) -> N
 
 @pytest.mark.timeout(180)
 def test_a_second_stack_on_taken_ports_stops_with_the_reason(dev_stack: Stack) -> None:
-    """A second `make dev` beside a running one does not run half a stack: it stops every service, says which
-    address is taken, and exits 1."""
+    """A second `make dev` beside a running one does not run half a stack: it starts no service, says which
+    addresses are taken and the offset that moves past them, without a traceback, and exits 1."""
     command = [sys.executable, "dev/stack.py", "--port-offset", str(dev_stack.offset)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1, result.stdout[-3000:]
-    assert "address already in use" in result.stdout
+    assert f"127.0.0.1:{6001 + dev_stack.offset} (node-a)" in result.stdout, result.stdout
+    assert "taken by another process" in result.stdout
+    assert "make dev PORT_OFFSET=" in result.stdout
+    assert " | " not in result.stdout, "a service started"
+    assert "Traceback" not in result.stdout + result.stderr
     dev_stack.answers(f"127.0.0.1:{6000 + dev_stack.offset}", NODES)  # the first one still runs
 
 
@@ -229,15 +245,11 @@ def _descendants(root: int, processes: dict[int, tuple[int, str, str, str]]) -> 
 @pytest.mark.timeout(180)
 def test_ctrl_c_stops_every_process_it_started_and_exits_0() -> None:
     """SIGINT to its process group, as Ctrl-C sends it, ends the stack with status 0 within seconds; every process
-    it started, the shell's children too, is gone and every port is free for the next `make dev`."""
+    it started, and any child of theirs, is gone and every port is free for the next `make dev`."""
     with running_stack() as stack:
-        # Ctrl-C in the first second of keda-view's `sleep 10`: had only the shell been stopped, not its process
-        # group, that sleep would hold the stack's pipe, and so the stack, for 9 s more.
-        processes = _until(
-            _processes,
-            lambda table: any(table[p][2:] == ("00:00", "sleep 10") for p in _descendants(stack.process.pid, table)),
-        )
-        started = _descendants(stack.process.pid, processes)
+        # Ctrl-C while keda-view waits for its next round: it must end at SIGTERM, not finish its wait.
+        stack.said(r"^keda-view\s+\| What KEDA gets")
+        started = _descendants(stack.process.pid, _processes())
         os.killpg(stack.process.pid, signal.SIGINT)
         try:
             assert stack.process.wait(timeout=8) == 0, stack.tail()
@@ -362,7 +374,7 @@ def test_one_agent_ending_leaves_the_rest_serving_and_ctrl_c_still_stops_all() -
         for name, spec in SERVICES.items():
             if name != "node-b" and spec["command"][0] == "serve":
                 node = spec["environment"]["NODE_NAME"]
-                stack.answers(stack.address(int(spec["ports"][0]["published"])), {node: NODES[node]})
+                stack.answers(stack.address(_default(spec["ports"][0])), {node: NODES[node]})
         gateway = stack.address(6000)
         _until(lambda: _pod_query(gateway, "profile=batch")[0], lambda ok: not ok)  # gpu-node-b is silent now
         for command in _quiet_node_commands():
@@ -385,6 +397,51 @@ def test_one_agent_ending_leaves_the_rest_serving_and_ctrl_c_still_stops_all() -
         stack.answers(gateway, NODES)
         os.killpg(stack.process.pid, signal.SIGINT)
         assert stack.process.wait(timeout=60) == 0, stack.tail()
+
+
+def _load_stack_module() -> Any:
+    """dev/stack.py as a module (dev/ is no package: `make dev` runs it as a script)."""
+    spec = importlib.util.spec_from_file_location("dev_stack", ROOT / "dev" / "stack.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_make_dev_moves_each_port_with_compose_yaml_s_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The variables that move compose.yaml's published ports move `make dev`'s too, with --port-offset added on top:
+    every published address, every address a service calls, and the pod directory's engine ports follow."""
+    stack = _load_stack_module()
+    moved: dict[tuple[str, str], int] = {}
+    for name, spec in SERVICES.items():
+        for port in spec.get("ports", []):
+            variable = f"GPUSCALER_DEV_{name}_{port['name']}_PORT".upper().replace("-", "_")
+            moved[name, port["name"]] = 21000 + len(moved)
+            monkeypatch.setenv(variable, str(moved[name, port["name"]]))
+    services = {service.name: service for service in stack.load(5, tmp_path)}
+    got = {
+        (name, port): int(address.rpartition(":")[2])
+        for name, s in services.items()
+        for port, address in s.ports.items()
+    }
+    assert got == {key: value + 5 for key, value in moved.items()}
+    gateway = services["gateway"]
+    agents = gateway.argv[gateway.argv.index("--agents") + 1].split(",")
+    assert sorted(agents) == sorted(
+        f"127.0.0.1:{moved[name, 'grpc'] + 5}" for name in services if name.startswith("node-")
+    )
+    directory = yaml.safe_load(Path(gateway.argv[gateway.argv.index("--pod-directory") + 1]).read_text())
+    engine_ports = {
+        int(pod["annotations"]["prometheus.io/port"])
+        for pod in directory["pods"]
+        if pod.get("annotations", {}).get("prometheus.io/port")
+    }
+    assert engine_ports == {moved["gateway", f"vllm{n}"] + 5 for n in (1, 2, 3)}
+    monkeypatch.setenv("GPUSCALER_DEV_GATEWAY_GRPC_PORT", "60k")
+    with pytest.raises(SystemExit, match="GPUSCALER_DEV_GATEWAY_GRPC_PORT='60k': a port number"):
+        stack.load(0, tmp_path)
 
 
 def test_unknown_commands_are_answered_with_the_list(dev_stack: Stack) -> None:
