@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import datetime
 import gc
 import os
 import re
+import signal
 import ssl
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
@@ -35,6 +38,7 @@ if TYPE_CHECKING:
     from gpuscaler.client.channels import ClientOptions
 
 CLIENT_TIMEOUT_SECONDS = 5.0
+T = TypeVar("T")
 # Allocations between two young collections of the gateway (the default is 700); see `_gateway`.
 GATEWAY_GC_YOUNG_THRESHOLD = 100_000
 FAILURES = {
@@ -82,11 +86,16 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="show what KEDA would get for trigger metadata",
         description="Call the four ExternalScaler RPCs (and Explain) with the given trigger metadata.",
     )
-    _add_client_flags(query)
+    _add_client_flags(query, scaler=True)
     query.add_argument("metadata", nargs="*", metavar="KEY=VALUE", help="trigger metadata, e.g. profile=training")
     query.add_argument("--output", choices=("table", "json"), default="table", help="output format")
     query.add_argument("--replicas", type=int, default=1, help="current replicas, for the HPA's arithmetic")
-    query.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    query.add_argument(
+        "--watch",
+        type=float,
+        metavar="SECONDS",
+        help="ask again every SECONDS until Ctrl-C or SIGTERM; into a pipe or a file, each answer is written in full",
+    )
     query.add_argument(
         "--scaled-object",
         metavar="NAMESPACE/NAME",
@@ -98,12 +107,21 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     return parser
 
 
-def _add_client_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", default="127.0.0.1:6000", help="agent HOST:PORT (default 127.0.0.1:6000)")
-    parser.add_argument("--tls-ca", type=Path, help="PEM CA bundle to verify the agent; turns TLS on")
+def _add_client_flags(parser: argparse.ArgumentParser, *, scaler: bool = False) -> None:
+    """The flags that reach a server: ``scaler`` for a command that asks KEDA's questions (a gateway or an agent
+    answers them), else one that drives an agent's fake GPUs."""
+    address_help = (
+        "the gateway's or an agent's HOST:PORT, as a ScaledObject's scalerAddress names it (default "
+        "127.0.0.1:6000: the dev stack's gateway)"
+        if scaler
+        else "an agent's HOST:PORT, one started with --collector fake (default 127.0.0.1:6000; the dev stack's "
+        "agents are 127.0.0.1:6001 to 6003)"
+    )
+    parser.add_argument("--address", default="127.0.0.1:6000", help=address_help)
+    parser.add_argument("--tls-ca", type=Path, help="PEM CA bundle to verify the server; turns TLS on")
     parser.add_argument("--tls-cert", type=Path, help="PEM client certificate, for mTLS")
     parser.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
-    parser.add_argument("--tls-server-name", help="name to verify in the agent's certificate")
+    parser.add_argument("--tls-server-name", help="name to verify in the server's certificate")
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
@@ -244,16 +262,47 @@ async def _query(args: argparse.Namespace, channel: Channel) -> int:
         else:
             render_table(report, console)
         return 0 if report.get_metrics.ok else 1
-    if args.output == "json":  # one JSON document per line, for jq and logs
-        while True:
-            report = await report_now()
+    live = Live(console=console, auto_refresh=False) if args.output == "table" and console.is_terminal else None
+
+    def show(report: Report) -> None:
+        if args.output == "json":  # one JSON document per line, for jq and logs
             print(report.to_json(indent=None), flush=True)
-            await asyncio.sleep(args.watch)
-    with Live(console=console, auto_refresh=False) as live:
+        elif live is not None:  # a terminal: redrawn in place
+            live.update(report_renderable(report, width=console.width), refresh=True)
+        else:  # a pipe or a file, which Live would write only at the end: each answer in full, under its time
+            console.rule(datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
+            render_table(report, console)
+            console.file.flush()
+
+    with live if live is not None else contextlib.nullcontext():
+        return await _watch(args.watch, report_now, show)
+
+
+async def _watch(seconds: float, ask: Callable[[], Awaitable[T]], show: Callable[[T], None]) -> int:
+    """Show an answer every ``seconds`` until SIGTERM, which ends the watch with 0 after what it showed was written
+    (the default action would kill the process with a pipe's buffer unwritten); Ctrl-C is ``main``'s 130."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    terminated = False
+
+    def terminate() -> None:
+        nonlocal terminated
+        terminated = True
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, terminate)
+    try:
         while True:
-            report = await report_now()
-            live.update(report_renderable(report), refresh=True)
-            await asyncio.sleep(args.watch)
+            show(await ask())
+            await asyncio.sleep(seconds)
+    except asyncio.CancelledError:
+        if not terminated:
+            raise
+        task.uncancel()
+        return 0
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
 
 
 async def _fake(args: argparse.Namespace, channel: Channel) -> int:

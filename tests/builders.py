@@ -10,6 +10,7 @@ from gpuscaler.agent.history import History
 from gpuscaler.gateway.decoding import SnapshotDecoder
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
+from gpuscaler.model.columns import WindowColumn
 from gpuscaler.model.samples import (
     DEVICE_FIELD,
     Absence,
@@ -182,7 +183,7 @@ class ClusterSource:
         history = self._histories.get(sample.node)
         return history.windowed(sample, window) if history is not None else Windowed(None, 0)
 
-    def window_column(self, part: Snapshot, window: WindowKey) -> tuple[list[float | None], list[int]]:
+    def window_column(self, part: Snapshot, window: WindowKey) -> WindowColumn:
         return window_column(self.windowed, part, window)
 
     def request(self, windows: Iterable[WindowKey]) -> None:

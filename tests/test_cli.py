@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import sys
 
 import pytest
 
@@ -107,6 +110,41 @@ async def test_a_fake_change_answers_once_a_tick_has_read_it(start_agent: StartA
     assert latest.samples[1].errors
 
 
+@pytest.mark.parametrize("output", ["table", "json"])
+async def test_query_watch_into_a_pipe_writes_each_answer_and_ends_cleanly_on_sigterm(
+    agent: Agent, output: str
+) -> None:
+    """`query --watch` into a pipe (a real process, no terminal) writes every answer as it comes, whole (tables
+    under the time they were asked, or one JSON document a line), and SIGTERM ends it with 0 and nothing on
+    stderr, its last answer written to the end."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gpuscaler", "query", "--address", f"127.0.0.1:{agent.port}", "--output", output,
+        "--watch", "0.2", "profile=batch",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, "COLUMNS": "80"},
+    )  # fmt: skip
+    assert process.stdout is not None
+    read: list[bytes] = []
+    try:
+        async with asyncio.timeout(60):
+            # Each line arrives as it is written: nothing waits in a buffer for the end.
+            while sum(line.startswith((b"What KEDA gets", b'{"metadata"')) for line in read) < 2:
+                read.append(await process.stdout.readline())
+                assert read[-1], (await process.communicate())[1].decode()
+        process.send_signal(signal.SIGTERM)
+        rest, errors = await asyncio.wait_for(process.communicate(), 60)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert (process.returncode, errors.decode()) == (0, "")
+    lines = b"".join([*read, rest]).decode().splitlines()
+    if output == "json":
+        assert all(json.loads(line)["metadata"] == {"profile": "batch"} for line in lines)
+    else:
+        assert max(map(len, lines)) <= 80
+        assert lines[-1].startswith("HPA at 1 current replica(s)"), lines[-1]
+
+
 @pytest.mark.parametrize("argv", [["--version"], ["version"]])
 def test_the_version_prints_with_the_flag_and_the_command(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     """`gpuscaler --version` and `gpuscaler version` print the same line and exit 0."""
@@ -116,3 +154,17 @@ def test_the_version_prints_with_the_flag_and_the_command(argv: list[str], capsy
         code = int(exit_.code or 0)
     assert code == 0
     assert capsys.readouterr().out == f"gpuscaler {__version__}\n"
+
+
+@pytest.mark.parametrize(
+    ("command", "said"),
+    [(["query"], "the gateway's or an agent's HOST:PORT"), (["fake", "set"], "an agent's HOST:PORT, one started with")],
+)
+def test_address_help_names_what_each_command_talks_to(
+    command: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`query --help` says its address is the gateway's (the dev stack's default) or an agent's; `fake` drives an
+    agent's fake GPUs."""
+    with pytest.raises(SystemExit):
+        main([*command, "--help"], {})
+    assert said in " ".join(capsys.readouterr().out.split())

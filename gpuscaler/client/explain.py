@@ -8,20 +8,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from grpclib.client import Channel
 from grpclib.exceptions import GRPCError
-from rich.console import Console, Group
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
 from gpuscaler.generated import externalscaler as keda
 from gpuscaler.generated.gpuscaler import v1 as pb
+from gpuscaler.model.gpu_metrics import Metric
 from gpuscaler.signals.hpa import MetricType, desired_replicas
 
+# A query on one of these reads GPUs; any other metric is an engine signal, or a combined query's name.
+GPU_METRICS = frozenset(Metric)
 # The ScaledObject `gpuscaler query` speaks for unless told (--scaled-object): the default namespace's pods.
 DEFAULT_SCALED_OBJECT = ("default", "gpuscaler-query")
 
@@ -48,6 +51,8 @@ class Report:
     explanation: Mapping[str, Any] | None
     replicas: Mapping[str, int] | None
     current_replicas: int
+    # The ScaledObject it asked as (namespace, name): its namespace is the selection's unless the metadata names one.
+    scaled_object: tuple[str, str] = DEFAULT_SCALED_OBJECT
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(asdict(self), indent=indent)
@@ -105,6 +110,7 @@ async def collect(
         explanation=explanation.fields if explanation.ok else None,
         replicas=replicas,
         current_replicas=current_replicas,
+        scaled_object=scaled_object,
     )
 
 
@@ -127,10 +133,18 @@ async def _first_stream_message(
     return Answer(ok=True, fields=message.to_dict(include_default_values=True))
 
 
-def report_renderable(report: Report) -> Group:
-    """The report for a person: the four answers, the GPUs that went in, what was left out, the HPA's math."""
-    parts: list[Table | Text] = [_answers_table(report), _gpus_table(report)]
-    parts += [table for table in (_signals_table(report), _pods_table(report)) if table is not None]
+# The width a renderable is laid out for when no console says: wide enough for every column of most answers.
+WIDE_COLUMNS = 160
+
+
+def report_renderable(report: Report, *, width: int = WIDE_COLUMNS) -> Group:
+    """The report for a person, for a console ``width`` columns wide: the four answers, the GPUs that went in
+    (a query on GPUs), the pods, what was left out, windows that have not filled, the HPA's math."""
+    tables = (_gpus_table(report, width=width), _signals_table(report), _pods_table(report, width=width))
+    parts: list[RenderableType] = [_answers_table(report), *(table for table in tables if table is not None)]
+    windows = window_line(report)
+    if windows:
+        parts.append(Text(windows, style="yellow"))
     unlisted = unlisted_line(report)
     if unlisted:
         parts.append(Text(unlisted))
@@ -140,6 +154,7 @@ def report_renderable(report: Report) -> Group:
     for line in (selection_line(report), idle_energy_line(report)):
         if line:
             parts.append(Text(line))
+    parts += [Text(line, style="yellow") for line in selection_namespace_lines(report)]
     parts.append(_replicas_text(report))
     return Group(*parts)
 
@@ -156,6 +171,26 @@ def selection_line(report: Report) -> str:
     """Which GPUs or pods the answer read, as the server resolved the metadata."""
     selection = (report.explanation or {}).get("selection", "")
     return f"Selection: {selection}" if selection else ""
+
+
+# The keys that select pods in a namespace: the metadata's own, or the ScaledObject's (scaleTargetPods' always is).
+SELECTING_KEYS = ("workload", "pod", "podSelector")
+
+
+def selection_namespace_lines(report: Report) -> list[str]:
+    """Which namespace a pod selection without ``namespace`` asked in, and what a selection that matched no pod
+    was (explanation's emptySelection: a workload at zero, or a name nothing there carries); [] otherwise."""
+    lines = []
+    namespace, name = report.scaled_object
+    if "namespace" not in report.metadata and any(key in report.metadata for key in SELECTING_KEYS):
+        lines.append(
+            f"Namespace: {namespace}, the namespace of ScaledObject {namespace}/{name}, which the query asks as; "
+            "namespace=NAME or --scaled-object NAMESPACE/NAME asks in another"
+        )
+    empty = (report.explanation or {}).get("emptySelection")
+    if empty:
+        lines.append(str(empty.get("message", "")))
+    return lines
 
 
 def idle_energy_line(report: Report) -> str:
@@ -203,14 +238,35 @@ def left_out_lines(report: Report) -> list[str]:
 
 
 def render_table(report: Report, console: Console) -> None:
-    """Print the report for a person, as tables, on ``console``."""
-    console.print(report_renderable(report))
+    """Print the report for a person, as tables, on ``console``, laid out for its width."""
+    console.print(report_renderable(report, width=console.width))
+
+
+def window_line(report: Report) -> str:
+    """How many GPUs' windows have not filled and the least one's coverage (docs/metadata.md), or ""."""
+    explanation = report.explanation or {}
+    covered = explanation.get("windowCoveredSeconds")
+    if covered is None:
+        return ""
+    short = int(explanation.get("gpusWindowShort", 0))
+    total = len(explanation.get("gpus", [])) + int(explanation.get("gpusOmitted", 0))
+    node = explanation.get("windowLeastCoveredNode", "")
+    where = f", on node {node}" if node else ""
+    return (
+        f"Windows not yet full: {short} of {total} GPU(s); the least covers {_covers(covered, explanation)}{where} "
+        "(an agent that started less than a window ago, or a GPU read only lately). The value counts them as they are."
+    )
+
+
+def _covers(covered: float, explanation: Mapping[str, Any]) -> str:
+    """``7.5 s of 120 s``: seconds a window covers of its length."""
+    return f"{float(covered):.1f} s of {float(explanation.get('windowSeconds', 0.0)):g} s"
 
 
 def _answers_table(report: Report) -> Table:
     table = Table(title="What KEDA gets", title_justify="left", show_lines=False)
-    table.add_column("RPC")
-    table.add_column("answer")
+    table.add_column("RPC", no_wrap=True)
+    table.add_column("answer", overflow="fold")  # a metric name is one long word: whole, over two lines if need be
     spec = report.get_metric_spec
     if spec.ok:
         item = spec.fields["metricSpecs"][0]
@@ -249,36 +305,142 @@ def _answers_table(report: Report) -> Table:
     return table
 
 
-def _gpus_table(report: Report) -> Table:
+def _gpus_table(report: Report, *, width: int) -> Group | None:
+    """Each GPU's part, for a query on GPUs (an engine signal or a combined query has none), laid out for ``width``
+    (``_layout``). A "counted as" that every row shares is said once, under the table."""
     explanation = report.explanation or {}
+    gpus = explanation.get("gpus", [])
+    if not gpus and explanation.get("metric") not in GPU_METRICS:
+        return None
     window = float(explanation.get("windowSeconds", 0.0))
     how = f"{explanation.get('windowFunction')} over {window:g}s" if window else "latest sample"
-    title = (
-        f"GPUs: {explanation.get('metric', '?')} ({how}), then {explanation.get('aggregation', '?')} across GPUs; "
+    pods = bool(explanation.get("podAggregation"))
+    if pods:  # the pods table says how the pods' GPUs combine
+        title = f"GPUs: {explanation.get('metric', '?')} ({how}) of each selected pod's GPUs"
+    else:
+        metric, aggregation = explanation.get("metric", "?"), explanation.get("aggregation", "?")
+        title = f"GPUs: {metric} ({how}), then {aggregation} across GPUs; {_activation(explanation)}"
+    shares = {gpu.get("share", "") for gpu in gpus}
+    shared_once = pods and len(shares) == 1
+    caption = f"each GPU counted as: {shares.pop()}" if shared_once and gpus else ""
+    namespace = _one_namespace(gpus)
+
+    def columns(wide: bool) -> list[_Column]:
+        named = (
+            [
+                _Column("node", [g.get("node", "") for g in gpus]),
+                _Column("index", [str(g.get("index", 0)) for g in gpus], right=True),
+                _Column("uuid", [g.get("uuid", "") for g in gpus]),
+            ]
+            if wide
+            else [_Column("GPU", [f"{g.get('node', '')}/{g.get('index', 0)}" for g in gpus])]
+        )
+        if pods:  # whose GPU it is, and whether the pod's own share or the whole GPU counted
+            named.append(_Column("pod", [_pod_name(g, None if wide else namespace) for g in gpus]))
+            if not shared_once:
+                named.append(_Column("counted as", [g.get("share", "") for g in gpus], fold=True))
+        named.append(_Column("value", [_value(g, wide) for g in gpus], right=True))
+        named.append(_Column("samples", [str(g.get("samples", 0)) for g in gpus], right=True))
+        return named + _covers_column(gpus)
+
+    unread = [g for g in gpus if g.get("reason")]
+    footnotes = (
+        []
+        if report.get_metrics.ok  # left_out_lines lists them, under the tables
+        else [f"  GPU {g.get('index', 0)} ({g.get('uuid', '')}) on {g.get('node', '')}: {g['reason']}" for g in unread]
+    )
+    reasons = [g.get("reason", "") for g in gpus]
+    return _layout(title, columns, reasons, footnotes, caption=caption, width=width)
+
+
+def _value(row: Mapping[str, Any], wide: bool) -> str:
+    """A row's value; a row left out says so where its reason has no column of its own (a narrow table)."""
+    value = row.get("value")
+    if value is not None:
+        return f"{float(value):.3f}"
+    return "" if wide or not row.get("reason") else "left out"
+
+
+def _covers_column(rows: list[Mapping[str, Any]]) -> list[_Column]:
+    """How much of its window each row covers, where any row's is not whole (docs/metadata.md); else none."""
+    covered = [row.get("windowCoveredSeconds") for row in rows]
+    if all(seconds is None for seconds in covered):
+        return []
+    return [_Column("covers", ["" if s is None else f"{float(s):.1f} s" for s in covered], right=True)]
+
+
+@dataclass(frozen=True, slots=True)
+class _Column:
+    """One column of a table: its header, its cells, and how it lays out."""
+
+    header: str
+    cells: list[str]
+    right: bool = False
+    fold: bool = False  # words that wrap (a reason); every other column keeps each cell on one line
+
+    def width(self) -> int:
+        return max([len(self.header), *map(len, self.cells)])
+
+
+# A reason column narrower than this is one word a line: below it, reasons are listed under the table instead.
+REASON_ROOM = 30
+
+
+def _layout(
+    title: str,
+    columns: Callable[[bool], list[_Column]],
+    reasons: list[str],
+    footnotes: list[str],
+    *,
+    caption: str = "",
+    width: int,
+) -> Group:
+    """The table ``columns(wide)`` makes, wide (every column) where it fits ``width`` with room for the reasons,
+    else narrow: fewer, merged columns, and the reasons listed under it (``footnotes``) rather than in a column
+    that a narrow table would squeeze to a word a line. Names and numbers are never cut or folded."""
+    wide = columns(True)
+    has_reasons = any(reasons)
+    chosen = wide if _natural_width(wide) + (REASON_ROOM if has_reasons else 0) <= width else columns(False)
+    if chosen is wide and has_reasons:
+        chosen = [*wide, _Column("left out because", reasons, fold=True)]
+        footnotes = []
+    table = Table(caption=caption or None, caption_justify="left")
+    for column in chosen:
+        table.add_column(
+            column.header,
+            justify="right" if column.right else "left",
+            no_wrap=not column.fold,
+            overflow="fold" if column.fold else "ellipsis",
+        )
+    for row in zip(*(column.cells for column in chosen), strict=True):
+        table.add_row(*row)
+    parts: list[RenderableType] = [Text(title, style="italic"), table]
+    if footnotes:
+        parts.append(Text("\n".join(footnotes), style="yellow"))
+    return Group(*parts)
+
+
+def _natural_width(columns: list[_Column]) -> int:
+    """The width of a table of ``columns`` with no cell wrapped: each column, its padding and its border."""
+    return sum(column.width() + 3 for column in columns) + 1
+
+
+def _activation(explanation: Mapping[str, Any]) -> str:
+    return (
         f"activation > {explanation.get('activationThreshold', 0):g}, deactivation <= "
         f"{explanation.get('deactivationThreshold', 0):g}"
     )
-    table = Table(title=title, title_justify="left")
-    pods = bool(explanation.get("podAggregation"))
-    columns = ["node", "index", "uuid", "value", "samples", "left out because"]
-    if pods:  # a pod query: whose GPU it is, and whether the pod's own share or the whole GPU counted
-        columns[3:3] = ["pod", "counted as"]
-    for column in columns:
-        table.add_column(column)
-    for gpu in explanation.get("gpus", []):
-        value = gpu.get("value")
-        cells = [
-            gpu.get("node", ""),
-            str(gpu.get("index", 0)),
-            gpu.get("uuid", ""),
-            "" if value is None else f"{float(value):.3f}",
-            str(gpu.get("samples", 0)),
-            gpu.get("reason", ""),
-        ]
-        if pods:
-            cells[3:3] = [f"{gpu.get('namespace', '')}/{gpu.get('pod', '')}", gpu.get("share", "")]
-        table.add_row(*cells)
-    return table
+
+
+def _one_namespace(rows: list[Mapping[str, Any]]) -> str | None:
+    """The namespace every row's pod is in, when it is one: a narrow table names pods without it."""
+    namespaces = {row.get("namespace", "") for row in rows}
+    return namespaces.pop() if len(namespaces) == 1 else None
+
+
+def _pod_name(row: Mapping[str, Any], namespace: str | None) -> str:
+    pod = row.get("pod", "")
+    return pod if namespace is not None else f"{row.get('namespace', '')}/{pod}"
 
 
 def _signals_table(report: Report) -> Table | None:
@@ -287,8 +449,10 @@ def _signals_table(report: Report) -> Table | None:
     if not signals:
         return None
     table = Table(title="Signals: the answer is the most replicas any asks for", title_justify="left")
-    for column in ("signal", "value", "target", "replicas", "unknown because"):
-        table.add_column(column)
+    table.add_column("signal", no_wrap=True)
+    for column in ("value", "target", "replicas"):
+        table.add_column(column, justify="right", no_wrap=True)
+    table.add_column("unknown because", overflow="fold", ratio=1)
     for part in signals:
         value, replicas = part.get("value"), part.get("replicas")
         table.add_row(
@@ -301,29 +465,45 @@ def _signals_table(report: Report) -> Table | None:
     return table
 
 
-def _pods_table(report: Report) -> Table | None:
-    """Each selected pod's value, with the signal it counts for (a combined query), its GPUs or the age of its
-    metrics page (an engine signal), and why it was left out or unread; None when the query selects no pods."""
-    pods = (report.explanation or {}).get("pods") or []
+def _pods_table(report: Report, *, width: int) -> Group | None:
+    """Each selected pod's value, with the signal it counts for (a combined query), its GPUs (a query on GPUs) or
+    the age of its metrics page (an engine signal), how much of its window it covers where not all, and why it
+    was left out or unread; None when the query selects no pods. The title says how the pods make the answer."""
+    explanation = report.explanation or {}
+    pods = explanation.get("pods") or []
     if not pods:
         return None
-    table = Table(title="Pods: each replica's value", title_justify="left")
     combined = any(pod.get("signal") for pod in pods)
-    columns = ["pod", "node", "value", "GPUs", "page age", "left out or unread because"]
-    for column in (["signal"] if combined else []) + columns:
-        table.add_column(column)
-    for pod in pods:
-        value, age = pod.get("value"), pod.get("ageSeconds")
-        cells = [
-            f"{pod.get('namespace', '')}/{pod.get('pod', '')}",
-            pod.get("node", ""),
-            "" if value is None else f"{float(value):.3f}",
-            str(pod.get("gpus") or ""),
-            "" if age is None else f"{float(age):.1f}s",
-            pod.get("reason", ""),
+    aggregation = explanation.get("aggregation", "?")
+    if explanation.get("signals"):
+        title = "Pods: each signal's value per pod, summed across pods signal by signal"
+    elif explanation.get("metric") not in GPU_METRICS:  # an engine signal
+        title = f"Pods: {explanation.get('metric', '?')} from each pod's metrics page, then {aggregation} across pods; "
+        title += _activation(explanation)
+    else:
+        pod_aggregation = explanation.get("podAggregation") or "avg"
+        title = (
+            f"Pods: {pod_aggregation} of each pod's GPUs, then {aggregation} across pods; {_activation(explanation)}"
+        )
+    namespace = _one_namespace(pods)
+
+    def columns(wide: bool) -> list[_Column]:
+        chosen = [_Column("signal", [pod.get("signal", "") for pod in pods])] if combined else []
+        chosen += [
+            _Column("pod", [_pod_name(pod, None if wide else namespace) for pod in pods]),
+            _Column("node", [pod.get("node", "") for pod in pods]),
+            _Column("value", [_value(pod, wide) for pod in pods], right=True),
         ]
-        table.add_row(*([pod.get("signal", "")] if combined else []), *cells)
-    return table
+        if any(pod.get("gpus") for pod in pods):
+            chosen.append(_Column("GPUs", [str(pod.get("gpus") or "") for pod in pods], right=True))
+        ages = [pod.get("ageSeconds") for pod in pods]
+        if any(age is not None for age in ages):
+            chosen.append(_Column("page age", ["" if a is None else f"{float(a):.1f}s" for a in ages], right=True))
+        return chosen + _covers_column(pods)
+
+    reasons = [pod.get("reason", "") for pod in pods]
+    footnotes = [f"  {_pod_name(pod, None)}: {pod['reason']}" for pod in pods if pod.get("reason")]
+    return _layout(title, columns, reasons, footnotes, width=width)
 
 
 def _replicas_text(report: Report) -> Text:

@@ -13,7 +13,7 @@ from typing import Any, overload
 
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
-from gpuscaler.model.columns import LazySamples, WindowColumns
+from gpuscaler.model.columns import LazySamples, WindowColumn, WindowColumns
 from gpuscaler.model.gpu_metrics import READING_FIELDS
 from gpuscaler.model.samples import (
     Attribution,
@@ -57,20 +57,36 @@ _ATTRIBUTION_FROM_PB2 = {
 }
 
 
-def _windowed(value: float, samples: int, detail: agent_pb2.WindowedValue | None) -> Windowed:
-    """One GPU's value over a window from the packed arrays (NaN: unset) and, where there is one, its detail."""
+def _windowed(
+    value: float, samples: int, detail: agent_pb2.WindowedValue | None, covered: float | None = None
+) -> Windowed:
+    """One GPU's value over a window from the packed arrays (NaN: unset), with the seconds it covers where less
+    than the window, and, where there is one, its detail."""
     known = None if value != value else value
     if detail is None:
-        return Windowed(known, samples)
+        return Windowed(known, samples, covered_seconds=covered)
     shares = (
         {
-            share.pod_uid: Windowed(share.value if share.HasField("value") else None, share.samples)
+            share.pod_uid: Windowed(
+                share.value if share.HasField("value") else None,
+                share.samples,
+                covered_seconds=share.covered_seconds if share.HasField("covered_seconds") else None,
+            )
             for share in detail.shares
         }
         if detail.shares
         else EMPTY_SHARES
     )
-    return Windowed(known, samples, detail.reason or None, shares)
+    return Windowed(known, samples, detail.reason or None, shares, covered)
+
+
+def _covered(window: agent_pb2.WindowedValues) -> list[float | None] | None:
+    """Each GPU's seconds covered where less than the window, None where whole; None when every GPU's is (an
+    empty array: most windows, and every window of an agent older than the field)."""
+    if not window.packed_covered_seconds:
+        return None
+    whole = window.window.seconds
+    return [None if seconds >= whole else seconds for seconds in window.packed_covered_seconds]
 
 
 # The readings counted in bytes: integers in a sample, doubles in the packed array (exact below 2**53).
@@ -98,35 +114,39 @@ class _WireWindows(WindowColumns):
     def _decode(self, window: agent_pb2.WindowedValues) -> WindowValues:
         if not self._fits(window):
             return WindowValues({}, window.problem or self._mismatch(window))
-        details: Sequence[agent_pb2.WindowedValue | None] = window.details or [None] * len(window.packed_values)
+        gpus = len(window.packed_values)
+        details: Sequence[agent_pb2.WindowedValue | None] = window.details or [None] * gpus
+        covered: Sequence[float | None] = _covered(window) or [None] * gpus
         return WindowValues(
             {
-                uuid: _windowed(value, count, detail)
-                for uuid, value, count, detail in zip(
-                    self._samples.uuids(), window.packed_values, window.packed_samples, details, strict=True
+                uuid: _windowed(value, count, detail, seconds)
+                for uuid, value, count, detail, seconds in zip(
+                    self._samples.uuids(), window.packed_values, window.packed_samples, details, covered, strict=True
                 )
             }
         )
 
-    def column(self, key: WindowKey) -> tuple[list[float | None], list[int]] | None:
-        """Each GPU's value over window ``key`` (None where unset) and its sample count, in order, straight from
-        the packed arrays; None where the agent could not reduce it (``self[key]`` says why)."""
+    def column(self, key: WindowKey) -> WindowColumn | None:
+        """Each GPU's value over window ``key`` (None where unset), its sample count and coverage, in order,
+        straight from the packed arrays; None where the agent could not reduce it (``self[key]`` says why)."""
         window = self._wire.get(key)
         if window is None or not self._fits(window):
             return None
-        return [None if value != value else value for value in window.packed_values], list(window.packed_samples)
+        values = [None if value != value else value for value in window.packed_values]
+        return values, list(window.packed_samples), _covered(window)
 
     def _fits(self, window: agent_pb2.WindowedValues) -> bool:
-        """Whether the agent reduced the window, with one value, count (and detail, if any) per GPU."""
+        """Whether the agent reduced the window, with one value, count (and detail and coverage, if any) per GPU."""
         gpus = len(self._samples)
         if window.problem or not len(window.packed_values) == len(window.packed_samples) == gpus:
             return False
-        return not window.details or len(window.details) == gpus
+        return len(window.details) in (0, gpus) and len(window.packed_covered_seconds) in (0, gpus)
 
     def _mismatch(self, window: agent_pb2.WindowedValues) -> str:
         return (
-            f"{len(window.packed_values)} values, {len(window.packed_samples)} sample counts and "
-            f"{len(window.details)} details for {len(self._samples)} GPUs"
+            f"{len(window.packed_values)} values, {len(window.packed_samples)} sample counts, "
+            f"{len(window.details)} details and {len(window.packed_covered_seconds)} coverages for "
+            f"{len(self._samples)} GPUs"
         )
 
     def get(self, key: WindowKey, default: WindowValues | None = None) -> WindowValues | None:  # type: ignore[override]

@@ -20,7 +20,9 @@ from gpuscaler.gateway.view import ClusterView
 from gpuscaler.model.pods import PodDirectory
 from gpuscaler.model.samples import GpuKey
 from gpuscaler.server.telemetry import ServerTelemetry
+from gpuscaler.signals.empty_answers import EmptyAnswers
 from gpuscaler.signals.energy import IdleEnergy
+from gpuscaler.signals.evaluator import Evaluator
 
 AGENT_STATES = ("heard", "silent", "unheard", "refused", "replaced")
 COMPOSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -94,6 +96,26 @@ class _ViewCollector(Collector):
             yield from (pod_family, list_family, event_family)
 
 
+class _EmptySelectionCollector(Collector):
+    """Each ScaledObject's trigger KEDA is answered 0 for because its selection matches no pod (evaluator.py keeps
+    them, at most 5,000, each until 10 minutes after KEDA last asked)."""
+
+    def __init__(self) -> None:
+        self.answers: EmptyAnswers | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "gpuscaler_gateway_selection_empty",
+            "1 for each ScaledObject's trigger whose selection matches no pod (KEDA gets 0); seen: whether a pod's "
+            "owner or a scaleTargetRef in its namespace carried the workload name since the gateway started "
+            "(yes, no, or unknown for a pod glob or podSelector).",
+            labels=["namespace", "scaled_object", "metric_name", "seen"],
+        )
+        for (namespace, scaled_object, metric_name), finding in self.answers.findings() if self.answers else ():
+            family.add_metric([namespace, scaled_object, metric_name, finding.seen.value], 1.0)
+        yield family
+
+
 class GatewayTelemetry(ServerTelemetry):
     """The gateway's registry."""
 
@@ -120,6 +142,13 @@ class GatewayTelemetry(ServerTelemetry):
             registry=self.registry,
         )
         view.on_compose = self.compose_seconds.observe
+        self.empty_selections = _EmptySelectionCollector()
+        self.registry.register(self.empty_selections)
+
+    def watch(self, evaluator: Evaluator) -> None:
+        """The shared series, and the ScaledObjects whose selection matches no pod."""
+        super().watch(evaluator)
+        self.empty_selections.answers = evaluator.empty_answers
 
     def idle_energy_of(self, gpus: Iterable[GpuKey], window_seconds: float | None) -> IdleEnergy | None:
         """Since this gateway first saw each GPU, whatever the window: the gateway keeps no history."""

@@ -25,7 +25,7 @@ from operator import attrgetter, itemgetter
 
 import structlog
 
-from gpuscaler.model.columns import Chained, WindowColumns
+from gpuscaler.model.columns import Chained, WindowColumn, WindowColumns
 from gpuscaler.model.errors import Unavailable, Unsupported
 from gpuscaler.model.samples import Absence, GpuSample, Snapshot
 from gpuscaler.model.staleness import snapshot_stale_after
@@ -168,7 +168,7 @@ class ClusterView(AnnouncedSource):
             raise Unavailable(f"node {sample.node!r} cannot reduce {window.describe()}: {values.problem}")
         return values.by_uuid.get(sample.gpu.uuid, Windowed(None, 0))
 
-    def window_column(self, part: Snapshot, window: WindowKey) -> tuple[list[float | None], list[int]]:
+    def window_column(self, part: Snapshot, window: WindowKey) -> WindowColumn:
         """``windowed`` for each of ``part``'s GPUs, read from the packed arrays its agent sends where it can."""
         newest = self._newest.get(part.node)
         windows = newest.snapshot.windows if newest is not None else None

@@ -120,12 +120,17 @@ def metric_column(samples: Sequence[GpuSample], metric: Metric) -> list[float | 
     return list(map(percent_of, values, column(samples, info.of)))
 
 
+# A window across a node's GPUs, in order: each value (None where unset), sample count, and seconds covered where
+# less than the window (``Windowed.covered_seconds``); that list is None when every GPU's window is whole.
+WindowColumn = tuple[list[float | None], list[int], list[float | None] | None]
+
+
 class WindowColumns(Mapping[WindowKey, WindowValues]):
     """A node snapshot's windows as they arrived from its agent, each readable across the node's GPUs at once."""
 
     __slots__ = ()
 
     @abstractmethod
-    def column(self, key: WindowKey) -> tuple[list[float | None], list[int]] | None:
-        """Each GPU's value over ``key`` (None where unset) and sample count, in order; None where this
-        cannot tell them so (then read ``self[key]``)."""
+    def column(self, key: WindowKey) -> WindowColumn | None:
+        """Each GPU's value over ``key``, sample count and coverage, in order (``WindowColumn``); None where
+        this cannot tell them so (then read ``self[key]``)."""

@@ -94,9 +94,16 @@ class AgentService(pb.AgentBase):
             query = self._evaluator.parse(message.scaler_metadata, message.namespace, message.name)
             await self._evaluator.prepare(query)
         evaluation = self._evaluator.evaluate(query.value)
-        active = evaluation.value is not None and self._evaluator.is_active(query)
+        # A read: what IsActive would answer now, without moving the state KEDA's calls keep.
+        active = evaluation.value is not None and self._evaluator.would_be_active(query, evaluation.value)
         code = status_for(evaluation.error).name if evaluation.error is not None else ""
         idle = self._idle_energy_of(evaluation.gpu_keys(), query.value.window_seconds)
         return explanation_to_wire(
-            query, evaluation, active=active, now=self._evaluator.now(), error_code=code, idle_energy=idle
+            query,
+            evaluation,
+            active=active,
+            now=self._evaluator.now(),
+            error_code=code,
+            idle_energy=idle,
+            empty_selection=self._evaluator.empty_selection(evaluation),
         )

@@ -60,7 +60,7 @@ class ExternalScalerService(ExternalScalerBase):
         async with grpc_errors("IsActive"):
             query = self._query(message)
             await self._evaluator.prepare(query)
-            return IsActiveResponse(result=self._evaluator.is_active(query))
+            return IsActiveResponse(result=self._evaluator.is_active(query, (message.namespace, message.name)))
 
     async def get_metric_spec(self, message: ScaledObjectRef) -> GetMetricSpecResponse:
         async with grpc_errors("GetMetricSpec"):
@@ -86,7 +86,7 @@ class ExternalScalerService(ExternalScalerBase):
                         f"GetMetricSpec named it {query.metric_name!r}"
                     )
                 await self._evaluator.prepare(query)
-                value = self._evaluator.value(query)
+                value = self._evaluator.value(query, (ref.namespace, ref.name) if ref is not None else None)
         except Exception:  # an error answer, not a cancellation: the value KEDA had is unknown from now on
             if self._answers is not None and ref is not None:
                 name = message.metric_name if query is None else query.metric_name

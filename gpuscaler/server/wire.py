@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from gpuscaler.generated.gpuscaler import v1 as pb
@@ -20,6 +21,7 @@ from gpuscaler.model.gpu_metrics import METRICS, READING_FIELDS, Metric
 from gpuscaler.model.samples import Attribution, AttributionState, GpuSample, ProcessUsage, ReadErrorKind, Snapshot
 from gpuscaler.model.windows import Windowed, WindowKey, WindowValues
 from gpuscaler.query.query import AnyValueQuery, CombinedQuery, EngineQuery, Query, ValueQuery
+from gpuscaler.signals.empty_selection import EmptySelection
 from gpuscaler.signals.energy import IdleEnergy
 from gpuscaler.signals.outcome import Contribution, Evaluation, PodValue
 
@@ -126,7 +128,12 @@ def _window_to_wire(key: WindowKey, values: WindowValues, snapshot: Snapshot) ->
             pb.WindowedValue(
                 reason=w.reason or "",
                 shares=[
-                    pb.PodWindowedValue(pod_uid=uid, value=share.value, samples=share.sample_count)
+                    pb.PodWindowedValue(
+                        pod_uid=uid,
+                        value=share.value,
+                        samples=share.sample_count,
+                        covered_seconds=share.covered_seconds,
+                    )
                     for uid, share in w.shares.items()
                 ],
             )
@@ -135,11 +142,17 @@ def _window_to_wire(key: WindowKey, values: WindowValues, snapshot: Snapshot) ->
         if any(w.reason or w.shares for w in per_gpu)
         else []
     )
+    covered = (  # sent only for one window length after the agent starts, or after a GPU was unreadable
+        [key.seconds if w.covered_seconds is None else w.covered_seconds for w in per_gpu]
+        if any(w.covered_seconds is not None for w in per_gpu)
+        else []
+    )
     return pb.WindowedValues(
         window=window_key_to_wire(key),
         packed_values=[math.nan if w.value is None else w.value for w in per_gpu],
         packed_samples=[w.sample_count for w in per_gpu],
         details=details,
+        packed_covered_seconds=covered,
     )
 
 
@@ -172,11 +185,15 @@ def explanation_to_wire(
     now: float,
     error_code: str,
     idle_energy: IdleEnergy | None = None,
+    empty_selection: EmptySelection | None = None,
 ) -> pb.Explanation:
     """``error_code`` is the gRPC status name KEDA gets for ``evaluation.error`` (the server's table says which)."""
     snapshot = evaluation.snapshot
     value = query.value
     rows, omitted = explained_gpus(evaluation)
+    # Windows that have not filled: from each node's list of them, without making the other GPUs' records.
+    short = evaluation.short_windows()
+    least = min(short, key=_COVERED) if short else None
     idle = (
         pb.IdleEnergy(
             idle_joules=idle_energy.idle_joules,
@@ -210,6 +227,7 @@ def explanation_to_wire(
                 namespace=c.pod[0] if c.pod else "",
                 pod=c.pod[1] if c.pod else "",
                 share=c.share or "",
+                window_covered_seconds=c.covered_seconds if c.value is not None else None,
             )
             for c in rows
         ],
@@ -226,6 +244,7 @@ def explanation_to_wire(
                 reason=p.reason or "",
                 age_seconds=p.age_seconds,
                 signal=signal,
+                window_covered_seconds=p.covered_seconds,
             )
             for signal, p in _pod_rows(value, evaluation)
         ],
@@ -245,6 +264,30 @@ def explanation_to_wire(
         ],
         idle_energy=idle,
         signals=_signal_parts(value, evaluation),
+        empty_selection=empty_selection_to_wire(empty_selection) if empty_selection is not None else None,
+        window_covered_seconds=least.covered_seconds if least is not None else None,
+        gpus_window_short=len(short),
+        window_least_covered_node=least.sample.node if least is not None else "",
+    )
+
+
+_COVERED = attrgetter("covered_seconds")
+
+
+def empty_selection_to_wire(finding: EmptySelection) -> pb.EmptySelection:
+    """A selection that matched no pod, what its name was seen as, and the names it may have meant."""
+    return pb.EmptySelection(
+        selection=finding.selection,
+        namespace=finding.namespace,
+        workload=finding.workload or "",
+        seen=finding.seen.value,
+        seen_as=list(finding.seen_as),
+        namespace_pods=finding.namespace_pods,
+        did_you_mean=list(finding.did_you_mean),
+        seen_in_namespaces=list(finding.seen_in),
+        namespace_did_you_mean=list(finding.namespaces),
+        did_you_mean_elsewhere=list(finding.did_you_mean_elsewhere),
+        message=finding.describe(),
     )
 
 

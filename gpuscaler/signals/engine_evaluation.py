@@ -89,7 +89,16 @@ def evaluate_engine(
     else:
         included = [p.value for p in values if p.value is not None]
         value = aggregate(query.aggregation, included) if included else 0.0
-    return Evaluation(query, ListedContributions(()), value, error, snapshot, tuple(values), selection=pods.describe())
+    return Evaluation(
+        query,
+        ListedContributions(()),
+        value,
+        error,
+        snapshot,
+        tuple(values),
+        selection=pods.describe(),
+        unmatched=pods if value is not None and not values else None,
+    )
 
 
 def selected_pods(pods: PodSelection, directory: PodDirectory) -> list[PodInfo]:

@@ -20,6 +20,8 @@ from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.query.query import AnyValueQuery, CombinedQuery, EngineQuery, Query, Signal, ValueQuery, windows_of
 from gpuscaler.signals.activation import ActivationStates
 from gpuscaler.signals.combined import evaluate_combined
+from gpuscaler.signals.empty_answers import EmptyAnswers
+from gpuscaler.signals.empty_selection import EmptySelection, find_empty, unmatched_of
 from gpuscaler.signals.engine_evaluation import evaluate_engine
 from gpuscaler.signals.engine_source import EngineSource
 from gpuscaler.signals.evaluation import evaluate
@@ -78,7 +80,7 @@ class Evaluator:
         self.source = source
         self.directory = directory
         self.engines = engines
-        self.limits = Limits(history_seconds=source.history_seconds, cluster=cluster)
+        self.limits = Limits(history_seconds=source.history_seconds, cluster=cluster, reads_engines=engines is not None)
         self._parsed: dict[tuple[str, str, tuple[tuple[str, str], ...]], Query] = {}
         self.stale_after = source.stale_after
         self._clock = clock or asyncio.get_running_loop().time
@@ -94,6 +96,8 @@ class Evaluator:
         # Called with each push evaluation of a streamed query, once per distinct query per tick (unknown included).
         self.on_push: list[Callable[[Query, Evaluation], None]] = []
         self._left_out: dict[AnyValueQuery, tuple[frozenset[str], float]] = {}
+        # KEDA's answers of 0 whose selection matches no pod, per ScaledObject: only a pod directory can tell.
+        self.empty_answers = EmptyAnswers(directory, clock=self._clock) if directory is not None else None
         if engines is not None:
             engines.add_listener(self._on_engine_pages)
 
@@ -161,9 +165,14 @@ class Evaluator:
             )
         return cached
 
-    def value(self, query: Query) -> float:
-        """The query's value now; raises the GpuscalerError KEDA must see instead of a made-up 0."""
+    def value(self, query: Query, scaled_object: tuple[str, str] | None = None) -> float:
+        """The query's value now; raises the GpuscalerError KEDA must see instead of a made-up 0.
+
+        ``scaled_object`` (namespace, name): KEDA asks for it, and an answer of 0 whose selection matches no pod
+        is noted for it (``empty_answers``)."""
         evaluation = self.evaluate(query.value)
+        if scaled_object is not None and self.empty_answers is not None:
+            self.empty_answers.observe((*scaled_object, query.metric_name), evaluation)
         value = evaluation.value_or_raise()
         self._note_left_out(evaluation)
         return value
@@ -195,8 +204,17 @@ class Evaluator:
                 ),
             )
 
-    def is_active(self, query: Query) -> bool:
-        return self._observe(query, self.value(query))
+    def is_active(self, query: Query, scaled_object: tuple[str, str] | None = None) -> bool:
+        """IsActive's answer, moving the query's activation state (``value`` says what ``scaled_object`` is for)."""
+        return self._observe(query, self.value(query, scaled_object))
+
+    def would_be_active(self, query: Query, value: float) -> bool:
+        """What IsActive would answer for ``value`` now, from the state as it is, which this leaves as it is."""
+        return self._states.peek(query.activation_key, value, query.activation)
+
+    def empty_selection(self, evaluation: Evaluation) -> EmptySelection | None:
+        """Why an answer of 0 selected no pod, if its selection matches none (read only: for Explain)."""
+        return find_empty(unmatched_of(evaluation), self.directory)
 
     def _observe(self, query: Query, value: float) -> bool:
         transition = self._states.observe(query.activation_key, value, query.activation, now=self._clock())

@@ -115,8 +115,20 @@ def _from_columns(query: ValueQuery, part: Snapshot, source: SnapshotSource) -> 
     if window is None:
         values = tuple(cast(list[float], now))
         return NodePart(values, (), make=lambda: tuple(map(Contribution, samples, values, repeat(1, len(values)))))
-    over, counts = source.window_column(part, window)
+    over, counts, covered = source.window_column(part, window)
     if None in over:
         return None
     reduced = tuple(cast(list[float], over))
-    return NodePart(reduced, (), make=lambda: tuple(map(Contribution, samples, reduced, counts)))
+    if covered is None:
+        return NodePart(reduced, (), make=lambda: tuple(map(Contribution, samples, reduced, counts)))
+    # Windows still filling (an agent that restarted): the same values, and the records that say how much each
+    # covers made only when read (Explain), not for KEDA's polls, as in a rollout of every node at once.
+    return NodePart(
+        reduced,
+        (),
+        make=lambda: tuple(
+            Contribution(sample, value, count, covered_seconds=seconds)
+            for sample, value, count, seconds in zip(samples, reduced, counts, covered, strict=True)
+        ),
+        short=None,
+    )

@@ -17,7 +17,7 @@ from typing import NamedTuple, Protocol
 from gpuscaler.model.columns import Chained, uuids
 from gpuscaler.model.errors import GpuscalerError
 from gpuscaler.model.samples import Absence, GpuKey, GpuSample, ReadError, Snapshot, gpu_keys
-from gpuscaler.query.query import AnyValueQuery
+from gpuscaler.query.query import AnyValueQuery, PodSelection
 
 HeldPods = tuple[tuple[str, str], ...]  # (namespace, pod) of a selection that an absent node held
 
@@ -36,6 +36,8 @@ class Contribution(NamedTuple):
     error: ReadError | None = None
     pod: tuple[str, str] | None = None  # (namespace, pod)
     share: str | None = None  # in a pod query: the whole GPU's value or the pod's own share, in words
+    # Seconds of its window its readings cover, where less than all of it (a restarted agent); None: all of it.
+    covered_seconds: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +52,7 @@ class PodValue:
     gpus: int
     reason: str | None = None
     age_seconds: float | None = None  # engine signals: how old the pod's newest metrics page is
+    covered_seconds: float | None = None  # the least its counted GPUs' windows cover, where less than all
 
 
 class Contributions(Protocol):
@@ -71,6 +74,10 @@ class Contributions(Protocol):
         """Each contribution's GPU as (node, UUID), in order."""
         ...
 
+    def short_windows(self) -> list[Contribution]:
+        """The GPUs in the value whose windows' readings cover less than the window (``covered_seconds``)."""
+        ...
+
 
 class ListedContributions(tuple[Contribution, ...]):
     """Contributions made as the answer was: an agent's, a pod query's, named GPUs'."""
@@ -85,6 +92,9 @@ class ListedContributions(tuple[Contribution, ...]):
 
     def gpu_keys(self, snapshot: Snapshot | None) -> Iterable[GpuKey]:
         return gpu_keys(c.sample for c in self)
+
+    def short_windows(self) -> list[Contribution]:
+        return short_windows(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +114,9 @@ class Evaluation:
     selection: str | None = None
     # A combined query's signals, each evaluated on its own, in the query's order.
     parts: tuple[Evaluation, ...] = ()
+    # An answer of 0 because no pod of this selection (resolved: scaleTargetPods as its workload) holds a GPU, or for
+    # an engine signal because none is selected: a workload at zero, or a selection of nothing (empty_selection.py).
+    unmatched: PodSelection | None = None
 
     def value_or_raise(self) -> float:
         if self.error is not None:
@@ -126,6 +139,10 @@ class Evaluation:
         columns, without making the records."""
         return self.contributions.gpu_keys(self.snapshot)
 
+    def short_windows(self) -> list[Contribution]:
+        """The GPUs in the value whose windows' readings cover less than the window, a combined query's too."""
+        return [*self.contributions.short_windows(), *(c for part in self.parts for c in part.short_windows())]
+
 
 class NodePart:
     """One node's GPUs in an all-GPU query: the readable values and the rest apart, and every contribution.
@@ -134,7 +151,7 @@ class NodePart:
     hold each GPU's record) are made only when something reads them: Explain, not KEDA's polls.
     """
 
-    __slots__ = ("_contributions", "_make", "included", "left_out")
+    __slots__ = ("_contributions", "_make", "_short", "included", "left_out")
 
     def __init__(
         self,
@@ -142,9 +159,11 @@ class NodePart:
         left_out: tuple[Contribution, ...],
         contributions: tuple[Contribution, ...] | None = None,
         make: Callable[[], tuple[Contribution, ...]] | None = None,
+        short: tuple[Contribution, ...] | None = (),
     ) -> None:
         self.included = included
         self.left_out = left_out
+        self._short = short  # None: found among the contributions when first read
         self._contributions = contributions
         self._make = make
 
@@ -155,6 +174,7 @@ class NodePart:
             tuple(c.value for c in contributions if c.value is not None),
             tuple(c for c in contributions if c.value is None),
             contributions,
+            short=tuple(short_windows(contributions)),
         )
 
     @property
@@ -164,13 +184,20 @@ class NodePart:
             self._contributions, self._make = self._make(), None
         return self._contributions
 
+    @property
+    def short(self) -> tuple[Contribution, ...]:
+        """Its GPUs in the value whose windows cover less than the window (``short_windows``)."""
+        if self._short is None:
+            self._short = tuple(short_windows(self.contributions))
+        return self._short
+
 
 EMPTY_PART = NodePart((), (), ())
 
 
 # A part's fields, read in C by code that maps them over thousands of nodes.
 PART_CONTRIBUTIONS, PART_INCLUDED = attrgetter("contributions"), attrgetter("included")
-PART_LEFT_OUT = attrgetter("left_out")
+PART_LEFT_OUT, PART_SHORT = attrgetter("left_out"), attrgetter("short")
 
 
 class NodeContributions(Chained[Contribution]):
@@ -193,12 +220,21 @@ class NodeContributions(Chained[Contribution]):
         """Nodes (parts) with a GPU in the value."""
         return sum(map(bool, map(PART_INCLUDED, self._parts)))
 
+    def short_windows(self) -> list[Contribution]:
+        """From each part's own list, without making the others' contributions."""
+        return list(itertools.chain.from_iterable(map(PART_SHORT, self._parts)))
+
     def gpu_keys(self, snapshot: Snapshot | None) -> Iterable[GpuKey]:
         """From the nodes' UUID columns, without making the records."""
         assert snapshot is not None
         return itertools.chain.from_iterable(
             zip(repeat(part.node), uuids(part.samples), strict=False) for part in snapshot.parts
         )
+
+
+def short_windows(contributions: Iterable[Contribution]) -> list[Contribution]:
+    """The contributions in the value whose windows' readings cover less than the window."""
+    return [c for c in contributions if c.covered_seconds is not None and c.value is not None]
 
 
 def failed(query: AnyValueQuery, snapshot: Snapshot | None, error: GpuscalerError) -> Evaluation:

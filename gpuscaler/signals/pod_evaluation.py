@@ -20,7 +20,15 @@ from gpuscaler.query.query import PodSelection, ValueQuery
 from gpuscaler.query.scale_targets import resolve as resolve_scale_target
 from gpuscaler.signals.absences import absences_allowed, judge_unreadable, left_out_by_node, no_gpus
 from gpuscaler.signals.gpu_values import contribution_of, unreadable_error
-from gpuscaler.signals.outcome import Contribution, Evaluation, HeldPods, ListedContributions, PodValue, failed
+from gpuscaler.signals.outcome import (
+    Contribution,
+    Evaluation,
+    HeldPods,
+    ListedContributions,
+    PodValue,
+    failed,
+    short_windows,
+)
 from gpuscaler.signals.shares import share_basis
 from gpuscaler.signals.source import SnapshotSource
 
@@ -76,6 +84,7 @@ def evaluate_pods(
             return failed(query, snapshot, unknown)
         contributions.extend(own)
         readable = [c.value for c in own if c.value is not None]
+        short = [c.covered_seconds for c in short_windows(own) if c.covered_seconds is not None]
         nodes = sorted({sample.node for sample in samples})
         values.append(
             PodValue(
@@ -86,12 +95,14 @@ def evaluate_pods(
                 value=aggregate(pods.pod_aggregation, readable) if readable else None,
                 gpus=len(samples),
                 reason=None if readable else f"none of its {len(samples)} GPU(s) could be read",
+                covered_seconds=min(short, default=None),
             )
         )
 
     included = [p.value for p in values if p.value is not None]
     error: GpuscalerError | None = None
     value: float | None
+    unmatched: PodSelection | None = None
     if not values and not snapshot.cluster:
         # One node's agent cannot tell a workload at zero from one whose pods run on other nodes;
         # answering 0 would scale it in. Only the gateway's cluster view can say "zero".
@@ -104,6 +115,7 @@ def evaluate_pods(
         )
     elif not values:
         value = 0.0  # no selected pod holds a GPU on any node, and no node that cannot be heard may hold one
+        unmatched = pods
     else:
         value = None
         left_out = [c for c in contributions if c.value is None]
@@ -135,6 +147,7 @@ def evaluate_pods(
         tuple(values),
         absent=gate,
         selection=pods.describe(),
+        unmatched=unmatched,
     )
 
 

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import structlog
 
+from gpuscaler.model.columns import WindowColumn
 from gpuscaler.model.samples import GpuSample, Snapshot
 from gpuscaler.model.staleness import snapshot_stale_after
 from gpuscaler.model.windows import Windowed, WindowKey
@@ -48,8 +49,8 @@ class SnapshotSource(Protocol):
         Raises Unavailable when the source cannot tell yet (a gateway whose agents have not computed it).
         """
 
-    def window_column(self, part: Snapshot, window: WindowKey) -> tuple[list[float | None], list[int]]:
-        """``windowed``'s value and sample count for each of node snapshot ``part``'s GPUs, in order.
+    def window_column(self, part: Snapshot, window: WindowKey) -> WindowColumn:
+        """``windowed``'s value, sample count and coverage for each of node snapshot ``part``'s GPUs, in order.
 
         A gateway reads them as a column of its agent's snapshot; raises as ``windowed`` does.
         """
@@ -73,10 +74,15 @@ class SnapshotSource(Protocol):
 
 def window_column(
     windowed: Callable[[GpuSample, WindowKey], Windowed], part: Snapshot, window: WindowKey
-) -> tuple[list[float | None], list[int]]:
+) -> WindowColumn:
     """``window_column`` as any source can answer it: through its ``windowed``, GPU by GPU."""
     each = [windowed(sample, window) for sample in part.samples]
-    return [w.value for w in each], [w.sample_count for w in each]
+    covered = [w.covered_seconds for w in each]
+    return (
+        [w.value for w in each],
+        [w.sample_count for w in each],
+        covered if any(seconds is not None for seconds in covered) else None,
+    )
 
 
 class Announcer:
@@ -131,7 +137,7 @@ class AnnouncedSource:
     def windowed(self, sample: GpuSample, window: WindowKey) -> Windowed:
         raise NotImplementedError
 
-    def window_column(self, part: Snapshot, window: WindowKey) -> tuple[list[float | None], list[int]]:
+    def window_column(self, part: Snapshot, window: WindowKey) -> WindowColumn:
         return window_column(self.windowed, part, window)
 
     def request(self, windows: Iterable[WindowKey]) -> None:

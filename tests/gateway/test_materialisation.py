@@ -24,7 +24,10 @@ from gpuscaler.gateway.process import Gateway
 from gpuscaler.generated import externalscaler as keda
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
+from gpuscaler.model.aggregation import WindowFunction
+from gpuscaler.model.gpu_metrics import Metric
 from gpuscaler.model.samples import GpuSample, ReadError, ReadErrorKind, Snapshot
+from gpuscaler.model.windows import Windowed, WindowKey, WindowValues
 from gpuscaler.server.wire import MAX_EXPLAINED_GPUS, snapshot_to_wire
 from tests.builders import decoded, failed_sample, gpu_sample
 from tests.gateway.conftest import gateway_settings
@@ -144,3 +147,45 @@ async def test_every_consumer_makes_records_only_for_what_it_must_read(gateway: 
     # The rows it lists (the lost GPU first, then the first nodes' GPUs, whole nodes at a time), no more.
     assert sum(made.values()) - before_explain <= listed + GPUS
     assert len(made) <= listed // GPUS + 2
+
+
+async def test_windows_that_are_filling_cost_keda_no_records_and_explain_names_them(gateway: Gateway) -> None:
+    """A windowed query's polls read every node's window as a column, a node whose agent restarted a few seconds
+    ago included (a rollout of every node at once must not turn the gateway back to records); Explain makes that
+    node's records, which say how much of the window they cover, and names it."""
+    window = WindowKey(Metric.GPU_UTILIZATION, 60.0, WindowFunction.AVG)
+    restarted = "node-150"  # beyond the rows Explain lists: found all the same
+    names = [f"node-{n:03d}" for n in range(NODES)]
+    gateway.view.set_agents(names)
+    gateway.view.request([window])
+    made: Counter[str] = Counter()
+    now = asyncio.get_running_loop().time()
+    for name in names:
+        tick = node_snapshot(name)
+        whole = Windowed(50.0, 120) if name != restarted else Windowed(50.0, 6, covered_seconds=3.0)
+        values = {
+            s.gpu.uuid: whole if s.gpu_utilization_percent is not None else Windowed(None, 0) for s in tick.samples
+        }
+        message = snapshot_to_wire(
+            tick, poll_interval_seconds=POLL_INTERVAL_SECONDS, windows={window: WindowValues(values)}
+        )
+        received = decoded(message, Counting(made), monotonic=now)
+        gateway.view.update(name, received, poll_interval_seconds=POLL_INTERVAL_SECONDS)
+    gateway.view.compose()
+    metadata = {**METADATA, "window": "60s"}
+    scaled = keda.ScaledObjectRef(name="trainer", namespace="ml", scaler_metadata=metadata)
+    channel = Channel("127.0.0.1", gateway.port)
+    try:
+        scaler = keda.ExternalScalerStub(channel)
+        spec = await scaler.get_metric_spec(scaled)
+        request = keda.GetMetricsRequest(scaled_object_ref=scaled, metric_name=spec.metric_specs[0].metric_name)
+        for _ in range(2):
+            answer = await scaler.get_metrics(request)
+            assert answer.metric_values[0].metric_value_float == 50.0 * (NODES * GPUS - 1)
+        assert made == {LAST: GPUS}  # the lost GPU's node only: it has no column to read
+        explanation = await pb.AgentStub(channel).explain(pb.ExplainRequest(scaler_metadata=metadata))
+    finally:
+        channel.close()
+    assert (explanation.window_covered_seconds, explanation.gpus_window_short) == (3.0, GPUS)
+    assert explanation.window_least_covered_node == restarted
+    assert made[restarted] == GPUS

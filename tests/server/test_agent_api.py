@@ -12,6 +12,7 @@ from grpclib.exceptions import GRPCError
 
 from gpuscaler.agent.collectors.fake import Failure, FakeCollector
 from gpuscaler.agent.process import Agent
+from gpuscaler.generated.externalscaler import ExternalScalerStub, ScaledObjectRef
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.model.gpu_metrics import Metric
 from gpuscaler.server.agent_api import AgentService
@@ -126,6 +127,25 @@ async def test_explain_shows_each_gpu_and_the_result(agent: Agent, channel: Chan
     assert "gpu_lost" in explanation.gpus[1].reason
     assert explanation.gpus[0].samples >= 1
     assert explanation.nodes == 1
+
+
+async def test_explain_reads_the_activation_state_without_moving_it(agent: Agent, channel: Channel) -> None:
+    """Explain says what IsActive would answer now, and leaves the hysteresis state as KEDA's calls left it: a value
+    between the thresholds after it still reads inactive, as if Explain had not been asked."""
+    metadata = {"aggregation": "max", "activationThreshold": "50", "deactivationThreshold": "20"}
+    ref = ScaledObjectRef(name="so", namespace="ml", scaler_metadata=metadata)
+
+    async def utilization(value: float) -> None:
+        fake(agent).set_values(None, {Metric.GPU_UTILIZATION: value})
+        await next_tick(agent)
+
+    await utilization(30.0)
+    assert (await ExternalScalerStub(channel).is_active(ref)).result is False  # 30 is not above 50
+    await utilization(60.0)
+    explanation = await pb.AgentStub(channel).explain(pb.ExplainRequest(scaler_metadata=metadata))
+    assert explanation.active is True  # what IsActive would answer for 60
+    await utilization(30.0)
+    assert (await ExternalScalerStub(channel).is_active(ref)).result is False  # had Explain moved it: 30 > 20, active
 
 
 async def test_explain_reports_the_error_keda_would_get(agent: Agent, channel: Channel) -> None:

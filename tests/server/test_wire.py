@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,8 @@ from gpuscaler.model.columns import WindowColumns
 from gpuscaler.model.gpu_metrics import READING_FIELDS, Metric
 from gpuscaler.model.samples import (
     DEVICE_FIELD,
+    Attribution,
+    AttributionState,
     GpuIdentity,
     GpuSample,
     PodRef,
@@ -27,8 +30,9 @@ from gpuscaler.model.samples import (
 from gpuscaler.model.windows import Windowed, WindowKey, WindowValues
 from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.server.wire import MAX_EXPLAINED_GPUS, explanation_to_wire, sample_to_wire, snapshot_to_wire
+from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.outcome import Contribution, Evaluation, ListedContributions
-from tests.builders import decoded, failed_sample, gpu_sample, snapshot
+from tests.builders import ClusterSource, cluster, decoded, failed_sample, gpu_query, gpu_sample, history_of, snapshot
 
 GPU_1 = GpuIdentity(1, "GPU-11111111-test", "Test GPU")
 
@@ -325,14 +329,15 @@ def test_an_explanation_over_many_gpus_lists_a_few_hundred_and_counts_the_rest()
 
 
 def test_windows_round_trip_packed_with_their_details_only_where_there_are_some() -> None:
-    """Each GPU's value over a window travels once, packed; a reason or pods' shares travel beside it only in a
-    window that has one, and the gateway reads back what the agent reduced, GPU by GPU and as a column."""
+    """Each GPU's value over a window travels once, packed; a reason, pods' shares or a coverage short of the
+    window travel beside it only in a window that has one, and the gateway reads back what the agent reduced,
+    GPU by GPU and as a column."""
     samples = (gpu_sample(0, util=10.0), gpu_sample(1, util=20.0)._replace(gpu=GPU_1))
     plain = WindowKey(Metric.GPU_UTILIZATION, 5.0, WindowFunction.MAX)
     detailed = WindowKey(Metric.POWER_AVERAGE, 5.0, WindowFunction.AVG)
     failing = WindowKey(Metric.TEMPERATURE, 3600.0, WindowFunction.AVG)
     shared = {
-        "1b4e2a3c11112222333344445556666": Windowed(40.0, 5),
+        "1b4e2a3c11112222333344445556666": Windowed(40.0, 5, covered_seconds=1.5),
         "9f8e7d6caaaabbbbccccddddeeeeffff": Windowed(None, 0),
     }
     windows = {
@@ -340,15 +345,57 @@ def test_windows_round_trip_packed_with_their_details_only_where_there_are_some(
         detailed: WindowValues(
             {
                 samples[0].gpu.uuid: Windowed(None, 0, "the energy counter restarted"),
-                GPU_1.uuid: Windowed(7.0, 4, None, shared),
+                GPU_1.uuid: Windowed(7.0, 4, None, shared, covered_seconds=2.0),
             }
         ),
         failing: WindowValues({}, "longer than this agent's --history of 10m"),
     }
     message = snapshot_to_wire(snapshot(1, 0.0, samples), poll_interval_seconds=0.5, windows=windows)
     assert [len(window.details) for window in message.windows] == [0, 2, 0]
+    assert [list(window.packed_covered_seconds) for window in message.windows] == [[], [5.0, 2.0], []]
     received = decoded(message)
     assert {key: received.windows[key] for key in windows} == windows
     assert isinstance(received.windows, WindowColumns)
-    assert received.windows.column(plain) == ([12.5, None], [5, 0])
+    assert received.windows.column(plain) == ([12.5, None], [5, 0], None)
+    assert received.windows.column(detailed) == ([None, 7.0], [0, 4], [None, 2.0])
     assert received.windows.column(failing) is None
+
+
+@pytest.mark.parametrize(
+    ("metadata", "value", "pods"),
+    [
+        pytest.param({"window": "20s"}, 200.0, set(), id="all-gpus"),
+        pytest.param(
+            {"window": "20s", "namespace": "ml", "pod": "trainer-*"},
+            100.0,
+            {("trainer-a", None), ("trainer-b", 3.0)},
+            id="pods",
+        ),
+    ],
+)
+def test_an_explanation_marks_each_window_that_has_not_filled_and_the_least_covered_one(
+    metadata: dict[str, str], value: float, pods: set[tuple[str, float | None]]
+) -> None:
+    """A cluster answer over a node whose agent restarted 3 s ago: its GPUs' rows and its pod's say their 20 s
+    window covers 3 s, the answer says how many GPUs have such a window and names the node of the least; the
+    whole node's rows say nothing."""
+    refs = {"node-a": PodRef("ml", "trainer-a", "main"), "node-b": PodRef("ml", "trainer-b", "main")}
+
+    def tick(name: str, at: float) -> Snapshot:
+        samples = tuple(
+            gpu_sample(index, util=50.0, node=name, uuid=f"GPU-{name}-{index}", pods=(refs[name],))
+            for index in range(2)
+        )
+        return replace(snapshot(int(at) + 1, at, samples, node=name), attribution=Attribution(AttributionState.OK))
+
+    steady = [tick("node-a", float(t)) for t in range(31)]
+    restarted = [tick("node-b", float(t)) for t in range(28, 31)]
+    source = ClusterSource(cluster(steady[-1], restarted[-1], at=30.0), history_of(*steady), history_of(*restarted))
+    query = parse_metadata(metadata, Limits(history_seconds=600, cluster=True), namespace="ml")
+    evaluation = evaluate(gpu_query(query).value, source, now=30.0, stale_after=5.0)
+    explanation = explanation_to_wire(query, evaluation, active=True, now=30.0, error_code="")
+    assert evaluation.value == value
+    assert (explanation.window_covered_seconds, explanation.gpus_window_short) == (3.0, 2)
+    assert explanation.window_least_covered_node == "node-b"
+    assert {(g.node, g.window_covered_seconds) for g in explanation.gpus} == {("node-a", None), ("node-b", 3.0)}
+    assert {(p.pod, p.window_covered_seconds) for p in explanation.pods} == pods

@@ -104,6 +104,17 @@ def test_window_reduces_over_time_first_then_across_gpus(aggregation: Aggregatio
     assert run(query(aggregation=aggregation, window=10.0), history).value_or_raise() == expected
 
 
+def test_a_window_that_has_not_filled_answers_from_its_readings_and_says_how_much_it_covers() -> None:
+    """An agent 5 s old asked for a 2-minute average answers its readings' average, not an error (KEDA would keep
+    or fall back on every agent restart: docs/metadata.md), and each GPU says its window covers 5 s of 120."""
+    history = series([[40.0, 80.0]] * 4 + [[60.0, 80.0]])
+    evaluation = run(query(window=120.0), history)
+    assert evaluation.value_or_raise() == 44.0 + 80.0
+    assert [(c.sample_count, c.covered_seconds) for c in evaluation.contributions] == [(5, 5.0), (5, 5.0)]
+    assert [c.sample.gpu.index for c in evaluation.short_windows()] == [0, 1]
+    assert run(query(), history).short_windows() == []  # the latest sample has no window to fill
+
+
 def test_window_skips_failed_reads_instead_of_counting_zero() -> None:
     """A tick where the GPU could not be read is left out of its window, never averaged in as 0."""
     history = history_of(

@@ -7,7 +7,7 @@ import random
 from operator import is_
 
 from gpuscaler.model.errors import GpuscalerError
-from gpuscaler.model.samples import ReadErrorKind, Snapshot
+from gpuscaler.model.samples import GpuSample, ReadErrorKind, Snapshot
 from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.evaluator import Evaluator
@@ -83,6 +83,26 @@ def test_answers_with_the_memo_equal_fresh_evaluations_while_nodes_change() -> N
             assert outcome(query, view, source, memo) == outcome(query, view, source, None)
             compared += 1
     assert compared == 40 * len(QUERIES)
+
+
+def test_a_cluster_answer_names_the_windows_that_have_not_filled_from_the_nodes_that_have_them() -> None:
+    """A node whose agent restarted 3 s ago counts its GPUs' 3 s windows and lists them as short; a node whose
+    history spans the window is whole, and the answer sums both."""
+    steady = [snapshot(t, float(t), utilizations_of("node-a", 50.0), node="node-a") for t in range(1, 31)]
+    restarted = [snapshot(t, float(27 + t), utilizations_of("node-b", 10.0), node="node-b") for t in range(1, 4)]
+    view = cluster(steady[-1], restarted[-1], at=30.0)
+    source = ClusterSource(view, history_of(*steady), history_of(*restarted))
+    query = gpu_query(parse_metadata({"metric": "gpu_utilization", "window": "20s"}, LIMITS)).value
+    for memo in (NodeMemo(), None):
+        evaluation = evaluate(query, source, now=30.0, stale_after=5.0, memo=memo)
+        assert evaluation.value == 4 * 50.0 + 4 * 10.0
+        short = evaluation.short_windows()
+        assert [(c.sample.node, c.covered_seconds) for c in short] == [("node-b", 3.0)] * 4
+
+
+def utilizations_of(name: str, util: float) -> tuple[GpuSample, ...]:
+    """Four GPUs of node ``name`` (GPU-<name>-<index>) at ``util``."""
+    return tuple(gpu_sample(index, util=util, node=name, uuid=f"GPU-{name}-{index}") for index in range(4))
 
 
 def test_an_unchanged_node_is_not_evaluated_again() -> None:

@@ -9,6 +9,7 @@ __all__ = (
     "AgentStub",
     "Attribution",
     "AttributionState",
+    "EmptySelection",
     "ExplainRequest",
     "Explanation",
     "FailRequest",
@@ -211,6 +212,69 @@ default_message_pool.register_message("gpuscaler.v1", "Attribution", Attribution
 
 
 @dataclass(eq=False, repr=False)
+class EmptySelection(betterproto2.Message):
+    """
+    A selection that matches no pod the gateway's pod directory knows (docs/gateway.md, selections that match nothing).
+    """
+
+    selection: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    The selection, in words, and its namespace.
+    """
+
+    namespace: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+
+    workload: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    The workload name asked for (workload, or scaleTargetPods' target); empty for a pod glob or a podSelector.
+    """
+
+    seen: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+    """
+    "yes": a pod's owner or a ScaledObject's scaleTargetRef in the namespace carried the workload name since the
+    gateway started (at zero replicas?); "no": nothing did (a typo?); "unknown": the selection names no workload.
+    """
+
+    seen_as: "list[str]" = betterproto2.field(5, betterproto2.TYPE_STRING, repeated=True)
+    """
+    What carried it: "pod", "scaleTargetRef".
+    """
+
+    namespace_pods: "int" = betterproto2.field(6, betterproto2.TYPE_UINT32)
+    """
+    Pods the namespace has now.
+    """
+
+    did_you_mean: "list[str]" = betterproto2.field(7, betterproto2.TYPE_STRING, repeated=True)
+    """
+    Workload names in the namespace close to the one asked for (for a pod glob: "<workload>-*").
+    """
+
+    seen_in_namespaces: "list[str]" = betterproto2.field(8, betterproto2.TYPE_STRING, repeated=True)
+    """
+    Other namespaces where the workload name was carried.
+    """
+
+    namespace_did_you_mean: "list[str]" = betterproto2.field(9, betterproto2.TYPE_STRING, repeated=True)
+    """
+    Namespace names close to the namespace, when it has no pods.
+    """
+
+    message: "str" = betterproto2.field(10, betterproto2.TYPE_STRING)
+    """
+    All of the above, in words.
+    """
+
+    did_you_mean_elsewhere: "list[str]" = betterproto2.field(11, betterproto2.TYPE_STRING, repeated=True)
+    """
+    Without a close name in the namespace: close workload names carried in other namespaces, as "namespace/name".
+    """
+
+
+default_message_pool.register_message("gpuscaler.v1", "EmptySelection", EmptySelection)
+
+
+@dataclass(eq=False, repr=False)
 class ExplainRequest(betterproto2.Message):
     scaler_metadata: "dict[str, str]" = betterproto2.field(
         1, betterproto2.TYPE_MAP, map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_STRING)
@@ -311,6 +375,26 @@ class Explanation(betterproto2.Message):
     A combined query's signals, in its order: each one's value, target and the replicas it asks for.
     """
 
+    empty_selection: "EmptySelection | None" = betterproto2.field(26, betterproto2.TYPE_MESSAGE, optional=True)
+    """
+    Set when the answer is 0 because the selection matches no pod at all (a workload at zero replicas, or a
+    name nothing in the namespace carries): which, and the names it may have meant. KEDA still gets the 0.
+    """
+
+    window_covered_seconds: "float | None" = betterproto2.field(30, betterproto2.TYPE_DOUBLE, optional=True)
+    """
+    Windows that have not filled: the least any window that went into the value covers, in seconds, where less
+    than `window_seconds` (the value is still the answer: docs/metadata.md); absent when every one is whole.
+    """
+
+    gpus_window_short: "int" = betterproto2.field(31, betterproto2.TYPE_UINT32)
+    """
+    How many GPUs in the value have a window that covers less than its length, and the node of the least
+    covered one (a node whose agent started or restarted less than a window ago).
+    """
+
+    window_least_covered_node: "str" = betterproto2.field(32, betterproto2.TYPE_STRING)
+
 
 default_message_pool.register_message("gpuscaler.v1", "Explanation", Explanation)
 
@@ -396,6 +480,13 @@ class GpuContribution(betterproto2.Message):
     """
     What the value is, in a query that selects pods: the whole GPU's, or the pod's own share of a shared GPU
     (from per-process figures), in words; empty otherwise.
+    """
+
+    window_covered_seconds: "float | None" = betterproto2.field(11, betterproto2.TYPE_DOUBLE, optional=True)
+    """
+    The seconds of the query's window this GPU's readings cover, where less than the whole window (an agent
+    that started or restarted less than a window ago); absent when they cover all of it, or without a window.
+    The value still counts (docs/metadata.md, windows that have not filled).
     """
 
 
@@ -527,6 +618,11 @@ class PodContribution(betterproto2.Message):
     A combined query's signal this row belongs to; "" for a single signal.
     """
 
+    window_covered_seconds: "float | None" = betterproto2.field(11, betterproto2.TYPE_DOUBLE, optional=True)
+    """
+    The least of its counted GPUs' `window_covered_seconds`; absent when every one covers the whole window.
+    """
+
 
 default_message_pool.register_message("gpuscaler.v1", "PodContribution", PodContribution)
 
@@ -557,6 +653,11 @@ class PodWindowedValue(betterproto2.Message):
     value: "float | None" = betterproto2.field(2, betterproto2.TYPE_DOUBLE, optional=True)
 
     samples: "int" = betterproto2.field(3, betterproto2.TYPE_UINT32)
+
+    covered_seconds: "float | None" = betterproto2.field(4, betterproto2.TYPE_DOUBLE, optional=True)
+    """
+    The seconds of the window its readings cover, where less than all of it (`WindowedValues`); absent: all.
+    """
 
 
 default_message_pool.register_message("gpuscaler.v1", "PodWindowedValue", PodWindowedValue)
@@ -755,6 +856,15 @@ class WindowedValues(betterproto2.Message):
     details: "list[WindowedValue]" = betterproto2.field(6, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     Each GPU's reason and pods' shares, in the same order; empty when no GPU has either (most windows).
+    """
+
+    packed_covered_seconds: "list[float]" = betterproto2.field(7, betterproto2.TYPE_DOUBLE, repeated=True)
+    """
+    How many seconds of the window each GPU's readings cover, in the same order: from its oldest readable
+    sample in the window to the newest, plus the poll interval that sample stands for (a rate: the span between
+    its readings); `window.seconds` where they cover all of it, to within half a poll interval. Less for one
+    window length after the agent starts (its history starts empty) or after a GPU was unreadable. Empty when
+    every GPU's readings cover the whole window (most windows; and an older agent, which does not say).
     """
 
 

@@ -60,28 +60,32 @@ class WindowedValue(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., shares: _Optional[_Iterable[_Union[PodWindowedValue, _Mapping]]] = ...) -> None: ...
 
 class PodWindowedValue(_message.Message):
-    __slots__ = ("pod_uid", "value", "samples")
+    __slots__ = ("pod_uid", "value", "samples", "covered_seconds")
     POD_UID_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    COVERED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     pod_uid: str
     value: float
     samples: int
-    def __init__(self, pod_uid: _Optional[str] = ..., value: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
+    covered_seconds: float
+    def __init__(self, pod_uid: _Optional[str] = ..., value: _Optional[float] = ..., samples: _Optional[int] = ..., covered_seconds: _Optional[float] = ...) -> None: ...
 
 class WindowedValues(_message.Message):
-    __slots__ = ("window", "problem", "packed_values", "packed_samples", "details")
+    __slots__ = ("window", "problem", "packed_values", "packed_samples", "details", "packed_covered_seconds")
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     PROBLEM_FIELD_NUMBER: _ClassVar[int]
     PACKED_VALUES_FIELD_NUMBER: _ClassVar[int]
     PACKED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_COVERED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     window: WindowSpec
     problem: str
     packed_values: _containers.RepeatedScalarFieldContainer[float]
     packed_samples: _containers.RepeatedScalarFieldContainer[int]
     details: _containers.RepeatedCompositeFieldContainer[WindowedValue]
-    def __init__(self, window: _Optional[_Union[WindowSpec, _Mapping]] = ..., problem: _Optional[str] = ..., packed_values: _Optional[_Iterable[float]] = ..., packed_samples: _Optional[_Iterable[int]] = ..., details: _Optional[_Iterable[_Union[WindowedValue, _Mapping]]] = ...) -> None: ...
+    packed_covered_seconds: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, window: _Optional[_Union[WindowSpec, _Mapping]] = ..., problem: _Optional[str] = ..., packed_values: _Optional[_Iterable[float]] = ..., packed_samples: _Optional[_Iterable[int]] = ..., details: _Optional[_Iterable[_Union[WindowedValue, _Mapping]]] = ..., packed_covered_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ReadError(_message.Message):
     __slots__ = ("field", "kind", "detail", "last_read_unix_seconds")
@@ -189,7 +193,7 @@ class ExplainRequest(_message.Message):
     def __init__(self, scaler_metadata: _Optional[_Mapping[str, str]] = ..., name: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class GpuContribution(_message.Message):
-    __slots__ = ("index", "uuid", "node", "included", "value", "samples", "reason", "namespace", "pod", "share")
+    __slots__ = ("index", "uuid", "node", "included", "value", "samples", "reason", "namespace", "pod", "share", "window_covered_seconds")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +204,7 @@ class GpuContribution(_message.Message):
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     POD_FIELD_NUMBER: _ClassVar[int]
     SHARE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_COVERED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     index: int
     uuid: str
     node: str
@@ -210,10 +215,11 @@ class GpuContribution(_message.Message):
     namespace: str
     pod: str
     share: str
-    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., node: _Optional[str] = ..., included: _Optional[bool] = ..., value: _Optional[float] = ..., samples: _Optional[int] = ..., reason: _Optional[str] = ..., namespace: _Optional[str] = ..., pod: _Optional[str] = ..., share: _Optional[str] = ...) -> None: ...
+    window_covered_seconds: float
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., node: _Optional[str] = ..., included: _Optional[bool] = ..., value: _Optional[float] = ..., samples: _Optional[int] = ..., reason: _Optional[str] = ..., namespace: _Optional[str] = ..., pod: _Optional[str] = ..., share: _Optional[str] = ..., window_covered_seconds: _Optional[float] = ...) -> None: ...
 
 class PodContribution(_message.Message):
-    __slots__ = ("namespace", "pod", "workload", "node", "included", "value", "gpus", "reason", "age_seconds", "signal")
+    __slots__ = ("namespace", "pod", "workload", "node", "included", "value", "gpus", "reason", "age_seconds", "signal", "window_covered_seconds")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     POD_FIELD_NUMBER: _ClassVar[int]
     WORKLOAD_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +230,7 @@ class PodContribution(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_COVERED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     pod: str
     workload: str
@@ -234,10 +241,11 @@ class PodContribution(_message.Message):
     reason: str
     age_seconds: float
     signal: str
-    def __init__(self, namespace: _Optional[str] = ..., pod: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., included: _Optional[bool] = ..., value: _Optional[float] = ..., gpus: _Optional[int] = ..., reason: _Optional[str] = ..., age_seconds: _Optional[float] = ..., signal: _Optional[str] = ...) -> None: ...
+    window_covered_seconds: float
+    def __init__(self, namespace: _Optional[str] = ..., pod: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., included: _Optional[bool] = ..., value: _Optional[float] = ..., gpus: _Optional[int] = ..., reason: _Optional[str] = ..., age_seconds: _Optional[float] = ..., signal: _Optional[str] = ..., window_covered_seconds: _Optional[float] = ...) -> None: ...
 
 class Explanation(_message.Message):
-    __slots__ = ("metric_name", "metric", "profile", "aggregation", "window_seconds", "window_function", "target", "activation_threshold", "deactivation_threshold", "gpus", "value", "active", "error_code", "error_message", "snapshot_age_seconds", "snapshot_sequence", "nodes", "pods", "nodes_expected", "pod_aggregation", "selection", "absent", "idle_energy", "gpus_omitted", "signals")
+    __slots__ = ("metric_name", "metric", "profile", "aggregation", "window_seconds", "window_function", "target", "activation_threshold", "deactivation_threshold", "gpus", "value", "active", "error_code", "error_message", "snapshot_age_seconds", "snapshot_sequence", "nodes", "pods", "nodes_expected", "pod_aggregation", "selection", "absent", "idle_energy", "gpus_omitted", "signals", "empty_selection", "window_covered_seconds", "gpus_window_short", "window_least_covered_node")
     METRIC_NAME_FIELD_NUMBER: _ClassVar[int]
     METRIC_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +271,10 @@ class Explanation(_message.Message):
     IDLE_ENERGY_FIELD_NUMBER: _ClassVar[int]
     GPUS_OMITTED_FIELD_NUMBER: _ClassVar[int]
     SIGNALS_FIELD_NUMBER: _ClassVar[int]
+    EMPTY_SELECTION_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_COVERED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GPUS_WINDOW_SHORT_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_LEAST_COVERED_NODE_FIELD_NUMBER: _ClassVar[int]
     metric_name: str
     metric: str
     profile: str
@@ -288,7 +300,37 @@ class Explanation(_message.Message):
     idle_energy: IdleEnergy
     gpus_omitted: int
     signals: _containers.RepeatedCompositeFieldContainer[SignalPart]
-    def __init__(self, metric_name: _Optional[str] = ..., metric: _Optional[str] = ..., profile: _Optional[str] = ..., aggregation: _Optional[str] = ..., window_seconds: _Optional[float] = ..., window_function: _Optional[str] = ..., target: _Optional[float] = ..., activation_threshold: _Optional[float] = ..., deactivation_threshold: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuContribution, _Mapping]]] = ..., value: _Optional[float] = ..., active: _Optional[bool] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., snapshot_age_seconds: _Optional[float] = ..., snapshot_sequence: _Optional[int] = ..., nodes: _Optional[int] = ..., pods: _Optional[_Iterable[_Union[PodContribution, _Mapping]]] = ..., nodes_expected: _Optional[int] = ..., pod_aggregation: _Optional[str] = ..., selection: _Optional[str] = ..., absent: _Optional[_Iterable[_Union[AbsentNode, _Mapping]]] = ..., idle_energy: _Optional[_Union[IdleEnergy, _Mapping]] = ..., gpus_omitted: _Optional[int] = ..., signals: _Optional[_Iterable[_Union[SignalPart, _Mapping]]] = ...) -> None: ...
+    empty_selection: EmptySelection
+    window_covered_seconds: float
+    gpus_window_short: int
+    window_least_covered_node: str
+    def __init__(self, metric_name: _Optional[str] = ..., metric: _Optional[str] = ..., profile: _Optional[str] = ..., aggregation: _Optional[str] = ..., window_seconds: _Optional[float] = ..., window_function: _Optional[str] = ..., target: _Optional[float] = ..., activation_threshold: _Optional[float] = ..., deactivation_threshold: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuContribution, _Mapping]]] = ..., value: _Optional[float] = ..., active: _Optional[bool] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., snapshot_age_seconds: _Optional[float] = ..., snapshot_sequence: _Optional[int] = ..., nodes: _Optional[int] = ..., pods: _Optional[_Iterable[_Union[PodContribution, _Mapping]]] = ..., nodes_expected: _Optional[int] = ..., pod_aggregation: _Optional[str] = ..., selection: _Optional[str] = ..., absent: _Optional[_Iterable[_Union[AbsentNode, _Mapping]]] = ..., idle_energy: _Optional[_Union[IdleEnergy, _Mapping]] = ..., gpus_omitted: _Optional[int] = ..., signals: _Optional[_Iterable[_Union[SignalPart, _Mapping]]] = ..., empty_selection: _Optional[_Union[EmptySelection, _Mapping]] = ..., window_covered_seconds: _Optional[float] = ..., gpus_window_short: _Optional[int] = ..., window_least_covered_node: _Optional[str] = ...) -> None: ...
+
+class EmptySelection(_message.Message):
+    __slots__ = ("selection", "namespace", "workload", "seen", "seen_as", "namespace_pods", "did_you_mean", "seen_in_namespaces", "namespace_did_you_mean", "message", "did_you_mean_elsewhere")
+    SELECTION_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    WORKLOAD_FIELD_NUMBER: _ClassVar[int]
+    SEEN_FIELD_NUMBER: _ClassVar[int]
+    SEEN_AS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_PODS_FIELD_NUMBER: _ClassVar[int]
+    DID_YOU_MEAN_FIELD_NUMBER: _ClassVar[int]
+    SEEN_IN_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_DID_YOU_MEAN_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DID_YOU_MEAN_ELSEWHERE_FIELD_NUMBER: _ClassVar[int]
+    selection: str
+    namespace: str
+    workload: str
+    seen: str
+    seen_as: _containers.RepeatedScalarFieldContainer[str]
+    namespace_pods: int
+    did_you_mean: _containers.RepeatedScalarFieldContainer[str]
+    seen_in_namespaces: _containers.RepeatedScalarFieldContainer[str]
+    namespace_did_you_mean: _containers.RepeatedScalarFieldContainer[str]
+    message: str
+    did_you_mean_elsewhere: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, selection: _Optional[str] = ..., namespace: _Optional[str] = ..., workload: _Optional[str] = ..., seen: _Optional[str] = ..., seen_as: _Optional[_Iterable[str]] = ..., namespace_pods: _Optional[int] = ..., did_you_mean: _Optional[_Iterable[str]] = ..., seen_in_namespaces: _Optional[_Iterable[str]] = ..., namespace_did_you_mean: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ..., did_you_mean_elsewhere: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SignalPart(_message.Message):
     __slots__ = ("metric", "target", "value", "replicas", "error_message")

@@ -1,0 +1,1 @@
+"""Tests of the clients: what `gpuscaler query` shows of an answer."""
