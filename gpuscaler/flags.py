@@ -13,9 +13,10 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from gpuscaler.logs import LOG_LEVELS, LogFormat, default_format
-from gpuscaler.model.durations import parse_duration
+from gpuscaler.model.durations import DurationError, parse_duration
 from gpuscaler.model.errors import ConfigError
 
 ENV_PREFIX = "GPUSCALER_"
@@ -24,8 +25,14 @@ DEFAULT_DRAIN_TIMEOUT_SECONDS = 5.0
 DEFAULT_TLS_RELOAD_INTERVAL_SECONDS = 10.0
 DEFAULT_METRICS_LISTEN = "0.0.0.0:9402"
 Refusal = Callable[[str], ConfigError]  # builds the error for a bad value, given what is allowed
-Fail = Callable[[str, object, str], ConfigError]  # builds the error for flag, value, what is allowed
 FlagTable = Mapping[str, tuple[str, str | None, str]]  # flag -> (variable without prefix, default, help)
+
+
+class Fail(Protocol):
+    """Builds the error for ``flag``'s bad ``value``: ``--flag 'value': allowed``, or with ``reads_on``,
+    ``--flag 'value' allowed``, for a reason that reads on from the value (``has no unit; write '600s'``)."""
+
+    def __call__(self, flag: str, value: object, allowed: str, *, reads_on: bool = False) -> ConfigError: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,10 +167,10 @@ def add_flags(parser: argparse.ArgumentParser, flags: FlagTable, environ: Mappin
 def flag_error(flags: FlagTable, environ: Mapping[str, str]) -> Fail:
     """Builds ConfigErrors naming the flag, and the variable when the bad value came from it."""
 
-    def fail(flag: str, value: object, allowed: str) -> ConfigError:
+    def fail(flag: str, value: object, allowed: str, *, reads_on: bool = False) -> ConfigError:
         variable = ENV_PREFIX + flags[flag][0]
         source = f" (from {variable})" if environ.get(variable) == value else ""
-        return ConfigError(f"{flag}{source} {value!r}: {allowed}")
+        return ConfigError(f"{flag}{source} {value!r}{' ' if reads_on else ': '}{allowed}")
 
     return fail
 
@@ -259,8 +266,8 @@ def duration_flag(text: str, flag: str, fail: Fail, low: float, high: float, all
     """``flag``'s duration (``30s``, ``10m``), between ``low`` and ``high`` seconds; ``allowed`` says so in words."""
     try:
         value = parse_duration(text)
-    except ValueError as error:
-        raise fail(flag, text, str(error)) from None
+    except DurationError as error:
+        raise fail(flag, text, error.problem, reads_on=True) from None
     if not low <= value <= high:
         raise fail(flag, text, allowed)
     return value

@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, Any, cast
 import pytest
 import yaml
 
+from gpuscaler import cli
 from gpuscaler.agent.collectors.scenario import parse_value
 from gpuscaler.agent.history import History
+from gpuscaler.agent.settings import settings_from_args
 from gpuscaler.agent.telemetry import AgentTelemetry
 from gpuscaler.flags import DEFAULT_LIMITS
 from gpuscaler.gateway.engines.scraper import EngineScraper
@@ -325,6 +327,45 @@ def test_a_quoted_list_of_allowed_values_is_what_the_code_says(quote: str) -> No
     said = _what_the_code_says(quote)
     assert _allowed(quote) == _allowed(said), _missing_and_unknown(_allowed(quote), _allowed(said))
     assert quote == said
+
+
+# A quoted refusal of a duration, as a trigger's window or the --history flag says it.
+_DURATION_REFUSAL = re.compile(
+    r"`(?P<quote>(?P<name>window|--history) '(?P<value>[^'`]*)' (?:has|is|repeats) [^`\n]*)`"
+)
+
+
+def _duration_refusal_quotes() -> list[Any]:
+    """Every refusal of a duration README.md and docs/ quote (metadata.md's and migration.md's tables)."""
+    cases = []
+    for path in MARKDOWN:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            for match in _DURATION_REFUSAL.finditer(line):
+                quote = (match["quote"], match["name"], match["value"])
+                cases.append(pytest.param(*quote, id=f"{path.relative_to(ROOT)}:{number}"))
+    return cases
+
+
+def test_the_docs_quote_refusals_of_durations() -> None:
+    """There are quoted refusals for the next test to check: metadata.md's table and migration.md's upgrade note."""
+    files = {case.id.partition(":")[0] for case in _duration_refusal_quotes()}
+    assert {"docs/metadata.md", "docs/migration.md"} <= files
+
+
+@pytest.mark.parametrize(("quote", "name", "value"), _duration_refusal_quotes())
+def test_a_quoted_refusal_of_a_duration_is_what_the_code_says(quote: str, name: str, value: str) -> None:
+    """A refusal of a window or of --history that the docs quote is the code's message for that value, word for
+    word up to where the quote stops (a quote may end early, with "..." or "…")."""
+    if name == "window":
+        with pytest.raises(InvalidMetadata) as invalid:
+            parse_metadata({"window": value}, LIMITS)
+        said = str(invalid.value)
+    else:
+        environ: dict[str, str] = {}
+        with pytest.raises(ConfigError) as refused:
+            settings_from_args(cli.build_parser(environ).parse_args(["serve", "--history", value]), environ)
+        said = str(refused.value)
+    assert said.startswith(re.sub(r"[;,]? ?(?:\.\.\.|…)$", "", quote)), said
 
 
 def test_metrics_doc_series_table_has_each_reading_with_its_type() -> None:

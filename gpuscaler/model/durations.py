@@ -18,51 +18,58 @@ _DURATION = re.compile(rf"(?:{_NUMBER}(?:ms|s|m|h))+")
 ALLOWED = "a number and a unit (ms, s, m or h), like '500ms', '30s', '2m' or '1m30s'"
 
 
+class DurationError(ValueError):
+    """``parse_duration``'s refusal. Its message is the text quoted, then ``problem``: what is wrong and what to
+    write instead, a predicate that reads on from whatever names the text (``window '30' has no unit; ...``)."""
+
+    def __init__(self, text: str, problem: str) -> None:
+        super().__init__(f"{text!r} {problem}")
+        self.problem = problem
+
+
 def parse_duration(text: str) -> float:
-    """Seconds in ``text``. Raises ValueError starting with ``repr(text)``, so that a caller can put the key or
-    flag in front of it, and saying what is wrong and what to write instead."""
+    """Seconds in ``text``. Raises DurationError, whose message starts with ``repr(text)`` so that a caller can put
+    the key in front of it, or whose ``problem`` a caller puts after its own words for the text (a flag does)."""
     stripped = text.strip()
-    problem = _problem(text, stripped)
+    problem = _problem(stripped)
     if problem is not None:
-        raise ValueError(problem)
+        raise DurationError(text, problem)
     terms = [(float(number), unit) for number, unit in _TERM.findall(stripped)]
     order = list(_SECONDS_PER_UNIT)
     positions = [order.index(unit) for _, unit in terms]
     if positions != sorted(set(positions)):
-        raise ValueError(
-            f"{text!r} repeats a unit or puts a smaller one first; write each unit once, largest first, like '1m30s'"
+        raise DurationError(
+            text, "repeats a unit or puts a smaller one first; write each unit once, largest first, like '1m30s'"
         )
     seconds = sum(number * _SECONDS_PER_UNIT[unit] for number, unit in terms)
     if not math.isfinite(seconds):
-        raise ValueError(f"{text!r} is too long to be a duration")
+        raise DurationError(text, "is too long to be a duration")
     return seconds
 
 
-def _problem(text: str, stripped: str) -> str | None:
-    """What is wrong with ``stripped`` as a duration, in words; None when it has the form of one."""
+def _problem(stripped: str) -> str | None:
+    """What is wrong with ``stripped`` as a duration, as a predicate; None when it has the form of one."""
     if _DURATION.fullmatch(stripped):
         return None
     if not stripped:
-        return f"{text!r} is empty; write {ALLOWED}"
+        return f"is empty; write {ALLOWED}"
     if stripped.startswith("-"):
         positive = stripped.lstrip("-")
         like = f", like {positive!r}" if _DURATION.fullmatch(positive) else ""
-        return f"{text!r} is negative; a duration must be positive{like}"
+        return f"is negative; a duration must be positive{like}"
     if re.fullmatch(_NUMBER, stripped):
-        return f"{text!r} has no unit; write '{stripped}s' for seconds, or another unit (ms, m, h)"
+        return f"has no unit; write '{stripped}s' for seconds, or another unit (ms, m, h)"
     if re.search(r"\d[eE][+-]?\d", stripped):
         one = re.fullmatch(rf"({_NUMBER}[eE][+-]?\d+)(ms|s|m|h)", stripped)
         number = decimal.Decimal(one[1]) if one else None
         written = f"{number:f}{one[2]}" if one and number is not None and abs(number.adjusted()) <= 20 else None
-        return f"{text!r} has an exponent; write the number out" + (
-            f", like {written!r}" if written else f": {ALLOWED}"
-        )
+        return "has an exponent; write the number out" + (f", like {written!r}" if written else f": {ALLOWED}")
     compact = re.sub(r"\s+", "", stripped)
     if compact != stripped and _DURATION.fullmatch(compact):
-        return f"{text!r} has a space in it; write {compact!r}"
+        return f"has a space in it; write {compact!r}"
     if _DURATION.fullmatch(stripped.lower()):
-        return f"{text!r}: units are lower case; write {stripped.lower()!r}"
-    return f"{text!r} is not a duration; write {ALLOWED}"
+        return f"has an upper-case unit; write {stripped.lower()!r}"
+    return f"is not a duration; write {ALLOWED}"
 
 
 def format_duration(seconds: float) -> str:

@@ -8,7 +8,6 @@ import math
 from dataclasses import dataclass
 
 from gpuscaler.model.aggregation import Aggregation, WindowFunction
-from gpuscaler.model.durations import format_duration
 from gpuscaler.model.engines import EngineMetric
 from gpuscaler.model.gpu_metrics import METRICS, Metric
 from gpuscaler.model.pods import PodInfo
@@ -271,15 +270,28 @@ def default_metric_name(value: ValueQuery) -> str:
         )
         parts.append(f"pods{pods.pod_aggregation.value}{hashlib.sha256(selection.encode()).hexdigest()[:10]}")
     if value.window_seconds is not None:
-        parts.append(f"{value.window_function.value}{format_duration(value.window_seconds)}")
+        parts.append(f"{value.window_function.value}{_name_duration(value.window_seconds)}")
     return "-".join(parts).replace(".", "_")
+
+
+def _name_duration(seconds: float) -> str:
+    """``seconds`` as metric names have always spelled it: the largest whole unit, else 6 significant digits.
+
+    Not ``format_duration``, which keeps every digit to the microsecond so that what it writes reads back: the two
+    differ only for a duration of 7 or more significant digits (``1000001ms``, written here ``1000s``, as it was
+    before durations were strict), and a metric name KEDA and the HPA already hold must not change on an upgrade.
+    """
+    for unit, size in (("h", 3600.0), ("m", 60.0), ("s", 1.0)):
+        if seconds >= size and (seconds / size).is_integer():
+            return f"{int(seconds / size)}{unit}"
+    return f"{seconds:g}s" if seconds >= 1 else f"{seconds * 1000:g}ms"
 
 
 def digest_name(value: EngineQuery | CombinedQuery) -> str:
     """``default_metric_name`` for engine signals and combined queries: what is read, then a digest of the rest."""
     if isinstance(value, EngineQuery):
         parts = ["gpuscaler", value.metric.value, value.aggregation.value]
-        described = [value.pods.describe(), format_duration(value.interval_seconds)]
+        described = [value.pods.describe(), _name_duration(value.interval_seconds)]
     else:
         parts = ["gpuscaler", "signals", *(part.signal.name for part in value.signals)]
         described = [value.name, value.describe_selection()]

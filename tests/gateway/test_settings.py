@@ -48,6 +48,7 @@ def test_every_flag_has_a_variable() -> None:
         (["--agents-dns", "svc:0"], "--agents-dns 'svc:0'"),
         (["--agents", "a:1", "--resolve-interval", "x"], "--resolve-interval 'x': must be a number"),
         (["--agents", "a:1", "--history", "0s"], "--history '0s'"),
+        (["--agents", "a:1", "--history", "600"], "--history '600' has no unit; write '600s'"),
         (["--agents", "a:1", "--pod-directory", "/nonexistent/pods.yaml"], "--pod-directory"),
         (["--agents", "a:1", "--agent-tls-cert", "c.pem"], "--agent-tls-cert and --agent-tls-key go together"),
         (["--agents", "a:1", "--tls-key", "k.pem"], "--tls-cert and --tls-key go together"),

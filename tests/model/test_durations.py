@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpuscaler.model.durations import format_duration, parse_duration
+from gpuscaler.model.durations import DurationError, format_duration, parse_duration
 
 
 @pytest.mark.parametrize(
@@ -37,8 +37,8 @@ def test_parse_duration(text: str, seconds: float) -> None:
         pytest.param("0", "'0' has no unit; write '0s'", id="bare-zero"),
         pytest.param("30 s", "'30 s' has a space in it; write '30s'", id="space-before-unit"),
         pytest.param("1m 30s", "'1m 30s' has a space in it; write '1m30s'", id="space-between-terms"),
-        pytest.param("30S", "'30S': units are lower case; write '30s'", id="upper-case-unit"),
-        pytest.param("2M", "'2M': units are lower case; write '2m'", id="upper-case-minutes"),
+        pytest.param("30S", "'30S' has an upper-case unit; write '30s'", id="upper-case-unit"),
+        pytest.param("2M", "'2M' has an upper-case unit; write '2m'", id="upper-case-minutes"),
         pytest.param("-5s", "'-5s' is negative; a duration must be positive, like '5s'", id="negative"),
         pytest.param("1e9s", "'1e9s' has an exponent; write the number out, like '1000000000s'", id="exponent"),
         pytest.param("2.5e-1m", "'2.5e-1m' has an exponent; write the number out, like '0.25m'", id="small-exponent"),
@@ -58,11 +58,13 @@ def test_parse_duration(text: str, seconds: float) -> None:
     ],
 )
 def test_a_bad_duration_says_what_is_wrong_and_what_to_write(text: str, message: str) -> None:
-    """A text that is not a strict duration raises ValueError quoting it first, then what to write instead."""
-    with pytest.raises(ValueError, match=r"^'") as caught:
+    """A text that is not a strict duration raises DurationError quoting it first, then what to write instead,
+    and its problem alone is what follows the quoted text, for a caller that names the text its own way."""
+    with pytest.raises(DurationError, match=r"^'") as caught:
         parse_duration(text)
     assert message in str(caught.value)
-    assert str(caught.value).startswith(repr(text))
+    assert str(caught.value) == f"{text!r} {caught.value.problem}"
+    assert repr(text) not in caught.value.problem
 
 
 @pytest.mark.parametrize(

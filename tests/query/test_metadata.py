@@ -319,7 +319,7 @@ BAD_VALUES: list[tuple[str, str, str]] = [
     ("window", "1d", "ms, s, m or h"),
     ("window", "30", "window '30' has no unit; write '30s' for seconds"),
     ("window", "30 s", "window '30 s' has a space in it; write '30s'"),
-    ("window", "30S", "window '30S': units are lower case; write '30s'"),
+    ("window", "30S", "window '30S' has an upper-case unit; write '30s'"),
     ("window", "1e9s", "window '1e9s' has an exponent; write the number out"),
     ("window", "0s", "longer than 0"),
     ("window", "11m", "history of 10m; use a window of at most 10m, or raise --history"),
@@ -547,6 +547,20 @@ def test_vllm_inference_never_uses_a_memory_metric(extra: dict[str, str]) -> Non
 def test_default_metric_names_are_stable(metadata: dict[str, str], name: str) -> None:
     """The default metric name is a fixed function of the value's meaning (KEDA and the HPA store it)."""
     assert parse(metadata).metric_name == name
+
+
+@pytest.mark.parametrize(
+    ("window", "name"),
+    [
+        pytest.param("1234567ms", "gpuscaler-gpu_utilization-sum-avg1234_57s", id="seconds"),
+        pytest.param("0.1234567s", "gpuscaler-gpu_utilization-sum-avg123_457ms", id="sub-ms"),
+    ],
+)
+def test_a_window_of_seven_significant_digits_keeps_its_name_from_before_durations_were_strict(
+    window: str, name: str
+) -> None:
+    """A window that format_duration spells with every digit is named with 6 significant digits, as before."""
+    assert gpu_query(parse_metadata({"window": window}, Limits(history_seconds=86400))).metric_name == name
 
 
 NAMED_QUERIES: list[dict[str, str]] = [
