@@ -381,19 +381,19 @@ class Explanation(betterproto2.Message):
     name nothing in the namespace carries): which, and the names it may have meant. KEDA still gets the 0.
     """
 
-    window_covered_seconds: "float | None" = betterproto2.field(30, betterproto2.TYPE_DOUBLE, optional=True)
+    window_covered_seconds: "float | None" = betterproto2.field(27, betterproto2.TYPE_DOUBLE, optional=True)
     """
     Windows that have not filled: the least any window that went into the value covers, in seconds, where less
     than `window_seconds` (the value is still the answer: docs/metadata.md); absent when every one is whole.
     """
 
-    gpus_window_short: "int" = betterproto2.field(31, betterproto2.TYPE_UINT32)
+    gpus_window_short: "int" = betterproto2.field(28, betterproto2.TYPE_UINT32)
     """
     How many GPUs in the value have a window that covers less than its length, and the node of the least
     covered one (a node whose agent started or restarted less than a window ago).
     """
 
-    window_least_covered_node: "str" = betterproto2.field(32, betterproto2.TYPE_STRING)
+    window_least_covered_node: "str" = betterproto2.field(29, betterproto2.TYPE_STRING)
 
 
 default_message_pool.register_message("gpuscaler.v1", "Explanation", Explanation)
