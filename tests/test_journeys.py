@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import yaml
 
+from gpuscaler.query.metadata import POD_NAME_KEYS, SELECTOR_KEYS
 from tests.test_docs import EXAMPLES, EXTERNAL_TRIGGERS, ROOT, YAML_SOURCES, YamlSource
 
-POD_SELECTION = ("workload", "pod", "podSelector", "scaleTargetPods")
-GPU_SELECTION = ("gpuUUID", "gpuIndex", "namespace", "pod", "workload", "podSelector")
+POD_SELECTION = (*POD_NAME_KEYS, "scaleTargetPods")
 
 
 def scaled_objects(source: YamlSource) -> list[dict[str, Any]]:
@@ -36,7 +36,7 @@ def reads_only_its_own_pods(scaled_object: dict[str, Any], trigger: dict[str, An
     own_namespace = scaled_object["metadata"].get("namespace", "default")
     if metadata.get("namespace", own_namespace) != own_namespace:
         return False
-    if metadata.get("scaleTargetPods") == "true" and not any(key in metadata for key in GPU_SELECTION):
+    if metadata.get("scaleTargetPods") == "true" and not any(key in metadata for key in SELECTOR_KEYS):
         return True
     if metadata.get("workload") == target:
         return True

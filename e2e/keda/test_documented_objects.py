@@ -27,11 +27,10 @@ from e2e.keda.control_plane import ApiError, Json, secret
 from e2e.keda.scenario import Scenario, scaled_object
 from e2e.support.certs import TlsFiles
 from e2e.support.process import Process
+from gpuscaler.query.metadata import asks_in_scaled_object_namespace
 from tests.test_docs import EXTERNAL_TRIGGERS, YAML_SOURCES, YamlSource
 
 # TriggerAuthentication parameters -> which of the suite's PEM files their Secret key holds.
-# Keys that select pods, whose namespace defaults to the ScaledObject's.
-POD_SELECTION = {"pod", "workload", "podSelector"}
 TLS_PARAMETERS = {"caCert": "ca", "tlsClientCert": "client_cert", "tlsClientKey": "client_key"}
 
 
@@ -146,7 +145,7 @@ async def _becomes_ready(scenario: Scenario, tmp_path: Path, source: YamlSource,
     # Ready says KEDA built the scaler; the answers say the documented metadata works: ask as KEDA asks.
     for trigger in triggers:
         metadata = dict(trigger["metadata"])
-        if POD_SELECTION & metadata.keys():
+        if asks_in_scaled_object_namespace(metadata):
             metadata.setdefault("namespace", scenario.namespace)  # what KEDA's ScaledObjectRef implies
         scaled_object = f"{scenario.namespace}/{manifest['metadata']['name']}"  # what KEDA's calls name
         answer = await scenario.query(

@@ -29,8 +29,6 @@ EXAMPLES = REPOSITORY_ROOT / "charts" / "gpuscaler" / "examples" / "engines"
 CONFIG_MAP = "gpuscaler-e2e-fake-engine"
 MOUNT = "/fake-engine"
 REQUEST_TIMEOUT_SECONDS = 10.0
-# Keys that select pods, whose namespace defaults to the ScaledObject's (what KEDA's ScaledObjectRef implies).
-POD_SELECTION = {"pod", "workload", "podSelector"}
 
 
 def _fake_engines() -> Any:

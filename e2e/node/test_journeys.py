@@ -37,7 +37,6 @@ from e2e.node.cluster import (
 from e2e.node.conftest import FAKE_GPUS, record
 from e2e.node.engines import EXAMPLES as ENGINE_EXAMPLES
 from e2e.node.engines import (
-    POD_SELECTION,
     config_map,
     engine_of,
     engine_query,
@@ -48,6 +47,7 @@ from e2e.node.engines import (
     with_fake_engine,
 )
 from e2e.node.product_image import chart_version
+from gpuscaler.query.metadata import asks_in_scaled_object_namespace
 from gpuscaler.signals.hpa import MetricType
 from tests.test_docs import EXTERNAL_TRIGGERS, YAML_SOURCES
 
@@ -334,7 +334,7 @@ async def test_an_engine_example_scales_its_deployment_on_its_engine(
     address = await in_thread(installed.service_address)
     assert trigger["metadata"]["scalerAddress"] == address, "the documented address is the chart's Service"
     asked = dict(trigger["metadata"])
-    if POD_SELECTION & asked.keys():
+    if asks_in_scaled_object_namespace(asked):
         asked.setdefault("namespace", ns)  # what KEDA's ScaledObjectRef implies
     selector = label_selector(deployment)
     minimum, maximum = int(spec.get("minReplicaCount", 0)), int(spec.get("maxReplicaCount", 100))

@@ -21,6 +21,7 @@ from rich.text import Text
 from gpuscaler.generated import externalscaler as keda
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.model.gpu_metrics import Metric
+from gpuscaler.query.metadata import asks_in_scaled_object_namespace
 from gpuscaler.signals.hpa import MetricType, desired_replicas
 
 # A query on one of these reads GPUs; any other metric is an engine signal, or a combined query's name.
@@ -173,16 +174,12 @@ def selection_line(report: Report) -> str:
     return f"Selection: {selection}" if selection else ""
 
 
-# The keys that select pods in a namespace: the metadata's own, or the ScaledObject's (scaleTargetPods' always is).
-SELECTING_KEYS = ("workload", "pod", "podSelector")
-
-
 def selection_namespace_lines(report: Report) -> list[str]:
     """Which namespace a pod selection without ``namespace`` asked in, and what a selection that matched no pod
     was (explanation's emptySelection: a workload at zero, or a name nothing there carries); [] otherwise."""
     lines = []
     namespace, name = report.scaled_object
-    if "namespace" not in report.metadata and any(key in report.metadata for key in SELECTING_KEYS):
+    if asks_in_scaled_object_namespace(report.metadata):
         lines.append(
             f"Namespace: {namespace}, the namespace of ScaledObject {namespace}/{name}, which the query asks as; "
             "namespace=NAME or --scaled-object NAMESPACE/NAME asks in another"

@@ -90,7 +90,9 @@ QUERY_KEYS = (
     "scaleTargetPods",
     *ENGINE_KEYS,
 )
-POD_KEYS = ("namespace", "pod", "workload", "podSelector")
+# The keys that select pods by name or labels, in `namespace`, else in the ScaledObject's (scaleTargetPods' always is).
+POD_NAME_KEYS = ("pod", "workload", "podSelector")
+POD_KEYS = ("namespace", *POD_NAME_KEYS)
 SELECTOR_KEYS = (*POD_KEYS, "gpuIndex", "gpuUUID")
 KNOWN_KEYS = frozenset(QUERY_KEYS) | KEDA_KEYS
 
@@ -351,6 +353,16 @@ def _combined_query(
         metric_name=parse_metric_name(raw["metricName"]) if "metricName" in raw else digest_name(value),
         profile=profile.name if profile else None,
     )
+
+
+def asks_in_scaled_object_namespace(metadata: Mapping[str, str]) -> bool:
+    """Whether ``metadata`` selects pods by name or labels without naming their namespace, which is then the
+    ScaledObject's: each key counts as written or as ``<key>FromEnv``, as the server reads it."""
+
+    def written(key: str) -> bool:
+        return key in metadata or key + FROM_ENV_SUFFIX in metadata
+
+    return not written("namespace") and any(written(key) for key in POD_NAME_KEYS)
 
 
 def _resolve_keys(metadata: Mapping[str, str]) -> dict[str, str]:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from gpuscaler.client.explain import Answer, Report, render_table, window_line
+from gpuscaler.client.explain import Answer, Report, render_table, selection_namespace_lines, window_line
 from gpuscaler.generated.gpuscaler import v1 as pb
 
 # Pod names as a Deployment's ReplicaSet makes them, long enough to be cut off in a narrow table.
@@ -234,3 +234,22 @@ def test_windows_that_have_not_filled_are_marked_per_gpu_per_pod_and_for_the_ans
     assert "The value counts them as they are." in line
     assert window_line(workload_query()) == ""
     assert "covers" not in rendered(workload_query(), 80)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "says"),
+    [
+        pytest.param({"workload": "trainer"}, True, id="workload"),
+        pytest.param({"workloadFromEnv": "trainer"}, True, id="workload-from-env"),
+        pytest.param({"namespaceFromEnv": "ml", "workload": "trainer"}, False, id="namespace-from-env"),
+    ],
+)
+def test_a_pod_selection_without_a_namespace_says_which_it_asked_in(metadata: dict[str, str], says: bool) -> None:
+    """A selection of pods that names no namespace, written or from the environment, says it asked in the
+    ScaledObject's."""
+    asked = replace(report(pb.Explanation()), metadata=metadata, scaled_object=("team-a", "trainer-so"))
+    lines = selection_namespace_lines(asked)
+    assert (
+        any(line.startswith("Namespace: team-a, the namespace of ScaledObject team-a/trainer-so") for line in lines)
+        is says
+    )

@@ -10,7 +10,7 @@ import pytest
 from gpuscaler.model.aggregation import Aggregation, WindowFunction
 from gpuscaler.model.errors import InvalidMetadata
 from gpuscaler.model.gpu_metrics import Metric
-from gpuscaler.query.metadata import MAX_TARGET, Limits, parse_metadata
+from gpuscaler.query.metadata import MAX_TARGET, Limits, asks_in_scaled_object_namespace, parse_metadata
 from gpuscaler.query.query import DEFAULT_MAX_UNREADABLE, ActivationRule, GpuSelection, UnreadableTolerance
 from tests.builders import GpuQuery, gpu_query
 
@@ -635,6 +635,27 @@ def test_default_metric_names_differ_when_the_value_differs(left: dict[str, str]
 def test_default_metric_names_match_when_the_value_does(left: dict[str, str], right: dict[str, str]) -> None:
     """Triggers whose values mean the same get the same default name, however they were written."""
     assert parse(left).metric_name == parse(right).metric_name
+
+
+@pytest.mark.parametrize(
+    ("metadata", "asks"),
+    [
+        pytest.param({"workload": "trainer"}, True, id="workload"),
+        pytest.param({"pod": "trainer-0"}, True, id="pod"),
+        pytest.param({"podSelector": "app=trainer"}, True, id="pod-selector"),
+        pytest.param({"workloadFromEnv": "trainer"}, True, id="workload-from-env"),
+        pytest.param({"workload": "trainer", "namespace": "ml"}, False, id="namespace"),
+        pytest.param({"workload": "trainer", "namespaceFromEnv": "ml"}, False, id="namespace-from-env"),
+        pytest.param({"scaleTargetPods": "true"}, False, id="scale-target-pods"),
+        pytest.param({"gpuIndex": "0"}, False, id="gpus"),
+    ],
+)
+def test_a_pod_selection_without_a_namespace_asks_in_the_scaled_objects(metadata: dict[str, str], asks: bool) -> None:
+    """A pod, workload or label selection, as written or from the environment, without a namespace of either kind,
+    takes the ScaledObject's namespace, as the server reads it."""
+    assert asks_in_scaled_object_namespace(metadata) is asks
+    pods = gpu_query(parse_metadata(metadata, LIMITS, namespace="so-ns", name="so")).value.pods
+    assert (pods is not None and pods.namespace == "so-ns" and pods.scale_target is None) is asks
 
 
 def test_equal_selections_are_one_query() -> None:
