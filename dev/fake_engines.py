@@ -187,6 +187,8 @@ def _page_response(engine: FakeEngine) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+# dev/fake_kubelet.py has its own: make e2e-node runs this file alone, from a ConfigMap in the image, so it imports
+# nothing from dev/.
 class CannotListen(Exception):
     """An address a page cannot be served on: ``main`` says so in one line (the dev stack adds how to move), not in a
     traceback."""

@@ -122,6 +122,7 @@ class NodeKubelet(kubelet.PodResourcesListerBase):
         raise GRPCError(Status.UNIMPLEMENTED, "the dev stack's fake kubelet answers List only")
 
 
+# dev/fake_engines.py has its own, as it cannot import this one: make e2e-node runs it alone, from a ConfigMap.
 class CannotListen(Exception):
     """A socket the fake kubelet cannot serve on."""
 

@@ -18,8 +18,9 @@ import sys
 import time
 
 from e2e.compose import packages
-from e2e.compose.conftest import HOST_NAMESPACES_VARIABLE, PACKAGES_VARIABLE, namespaces
+from e2e.compose.conftest import HOST_NAMESPACES_VARIABLE, PACKAGES_VARIABLE
 from e2e.compose.podman import machine_traces
+from e2e.support.namespaces import namespaces
 from image.build import archive_path, host_architecture, project_version
 from tests import tools
 

@@ -14,6 +14,7 @@ import sys
 import time
 
 from e2e.node import host
+from e2e.support.namespaces import namespaces
 from tests import tools as setup_step
 
 
@@ -34,7 +35,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit("no `unshare` (util-linux) on PATH: the node suite runs in private namespaces")
     print(f"prerequisites ready in {time.monotonic() - started:.1f} s", file=sys.stderr)
     os.environ["GPUSCALER_E2E_NODE"] = "1"
-    os.environ[host.HOST_NAMESPACES_VARIABLE] = host.namespaces()
+    os.environ[host.HOST_NAMESPACES_VARIABLE] = namespaces()
     command = [unshare, "--net", "--mount", "--propagation", "private", "--"]
     command += [sys.executable, "-m", "pytest", "e2e/node", *argv]
     os.execv(unshare, command)

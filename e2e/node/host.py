@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from e2e.keda.control_plane import SERVICE_CLUSTER_IP_RANGE
+from e2e.support.namespaces import left
 
 # The node's address: the CNI bridge's, on which the pods' gateway, the API server's advertised address and CoreDNS
 # listen. Inside the private network namespace only.
@@ -81,12 +82,6 @@ def install_packages() -> None:
 # Set by ``python -m e2e.node`` to the namespaces it ran in, before it entered private ones (PID 1's may not be
 # readable, even by root).
 HOST_NAMESPACES_VARIABLE = "GPUSCALER_E2E_NODE_HOST_NAMESPACES"
-NAMESPACE_KINDS = ("net", "mnt")
-
-
-def namespaces() -> str:
-    """This process's network and mount namespaces, as ``net:INODE,mnt:INODE``."""
-    return ",".join(f"{kind}:{os.stat(f'/proc/self/ns/{kind}').st_ino}" for kind in NAMESPACE_KINDS)
 
 
 def check() -> None:
@@ -96,7 +91,7 @@ def check() -> None:
     if os.geteuid() != 0:
         problems.append("not root: the kubelet, containerd and the CNI bridge need root")
     outer = os.environ.get(HOST_NAMESPACES_VARIABLE, "")
-    if not outer or set(outer.split(",")) & set(namespaces().split(",")):
+    if not left(outer):
         problems.append(
             "not in private network and mount namespaces: run `make e2e-node` (python -m e2e.node), which runs "
             "pytest under `unshare --net --mount`, so the node's network and mounts stay off the host"
