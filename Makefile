@@ -70,8 +70,9 @@ e2e-node: $(STAMP) ## The chart on a real kubelet, containerd and KEDA (root; bu
 	$(MAKE) image
 	$(BIN)/python -m e2e.node -o timeout=900
 
-# compose.yaml under Docker Compose v2 (built once from its Go module) on podman's API socket (Debian 12's podman,
-# unpacked into the tool cache, never installed), in private namespaces; the machine is checked unchanged after.
+# compose.yaml under Docker Compose v5.6.0, the Go CLI (built once from its Go module), on podman's API socket
+# (Debian 12's podman, unpacked into the tool cache, never installed), in private namespaces; the machine is checked
+# unchanged after.
 e2e-compose: $(STAMP) ## compose.yaml under docker compose on podman (root, Debian; builds the image, compose once)
 	$(MAKE) image
 	$(BIN)/python -m e2e.compose -o timeout=300

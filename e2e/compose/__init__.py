@@ -1,1 +1,1 @@
-"""`make e2e-compose`: compose.yaml under Docker Compose v2 on podman's Docker-compatible API, as a user runs it."""
+"""`make e2e-compose`: compose.yaml under Docker Compose (the Go CLI) on podman's Docker API, as a user runs it."""

@@ -1,4 +1,4 @@
-"""Docker Compose v2, built once per machine from its pinned Go module into the shared tool cache.
+"""Docker Compose (the Go CLI), built once per machine from its pinned Go module into the shared tool cache.
 
 ``go install github.com/docker/compose/v5/cmd@VERSION`` is refused (the module's go.mod has exclude directives), so
 it is built like e2e-keda's tools (e2e/keda/tools.py: the same cache, file lock and recipe versioning) from a
