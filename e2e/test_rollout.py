@@ -3,7 +3,7 @@
 The new agent's history starts empty, so for one window length its windows cover less than they say. KEDA's rounds
 (GetMetricSpec, GetMetrics, IsActive over one grpcio channel, as ``e2e/test_keda_pattern.py`` makes them) get
 UNAVAILABLE only while the gateway cannot hear the node, then the value from the windows as they fill, marked in
-Explain, never an error for a short window (docs/metadata.md, windows that have not filled).
+Explain, never an error for a filling window (docs/metadata.md, windows that are filling).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from tests.fakes.fake_kubelet import FakeKubelet, short_socket_path
 
 WINDOW_SECONDS = 4.0
 # Two nodes of two fake GPUs, each node's GPUs at a steady load from its agent's first tick on (a scenario
-# file, so a restarted agent reads the load at once): a short window's average is then the whole window's.
+# file, so a restarted agent reads the load at once): a filling window's average is then the whole window's.
 LOADS = {"node-1": 40.0, "node-2": 20.0}
 TOTAL = 2 * sum(LOADS.values())
 TRIGGER = {**KEDA_OWN_KEYS, "window": f"{WINDOW_SECONDS:g}s", "targetValue": "30", "activationThreshold": "10"}
@@ -79,7 +79,7 @@ async def one_round(scaler: GrpcioScaler, cluster: Cluster) -> Round:
     except RpcFailure as error:
         return Round(at, None, None, error, None, "")
     explanation = await explain(cluster.gateways[0], **TRIGGER)
-    return Round(at, value, active, None, explanation.window_covered_seconds, explanation.window_least_covered_node)
+    return Round(at, value, active, None, explanation.least_covered_seconds, explanation.least_covered_node)
 
 
 async def keep_polling(scaler: GrpcioScaler, cluster: Cluster, rounds: list[Round]) -> None:
@@ -140,10 +140,10 @@ async def test_a_rollout_answers_from_the_filling_window_and_errs_only_while_the
             assert "node 'node-1'" in round_.error.message or new_agent in round_.error.message, round_
     # What the HPA makes of every answer: 4 replicas throughout; an error keeps them (or applies KEDA's fallback).
     assert {average_value_replicas(r.value, 30.0, current=4) for r in during if r.value is not None} == {4}
-    first_short = next(index for index, r in enumerate(during) if r.covered is not None)
-    assert all(r.error is None for r in during[first_short:]), "an error after the new agent was heard"
-    short = [r.covered for r in during if r.covered is not None]
+    first_filling = next(index for index, r in enumerate(during) if r.covered is not None)
+    assert all(r.error is None for r in during[first_filling:]), "an error after the new agent was heard"
+    filling = [r.covered for r in during if r.covered is not None]
     assert all(r.least_node == "node-1" for r in during if r.covered is not None)
-    assert all(0 < covered < WINDOW_SECONDS for covered in short), short
-    assert short == sorted(short)  # they fill
+    assert all(0 < covered < WINDOW_SECONDS for covered in filling), filling
+    assert filling == sorted(filling)  # they fill
     assert [active for _, active in pushes.received] == [True]

@@ -140,7 +140,7 @@ WIDE_COLUMNS = 160
 
 def report_renderable(report: Report, *, width: int = WIDE_COLUMNS) -> Group:
     """The report for a person, for a console ``width`` columns wide: the four answers, the GPUs that went in
-    (a query on GPUs), the pods, what was left out, windows that have not filled, the HPA's math."""
+    (a query on GPUs), the pods, what was left out, windows that are filling, the HPA's math."""
     tables = (_gpus_table(report, width=width), _signals_table(report), _pods_table(report, width=width))
     parts: list[RenderableType] = [_answers_table(report), *(table for table in tables if table is not None)]
     windows = window_line(report)
@@ -240,17 +240,17 @@ def render_table(report: Report, console: Console) -> None:
 
 
 def window_line(report: Report) -> str:
-    """How many GPUs' windows have not filled and the least one's coverage (docs/metadata.md), or ""."""
+    """How many GPUs' windows are filling and the least one's covered seconds (docs/metadata.md), or ""."""
     explanation = report.explanation or {}
-    covered = explanation.get("windowCoveredSeconds")
+    covered = explanation.get("leastCoveredSeconds")
     if covered is None:
         return ""
-    short = int(explanation.get("gpusWindowShort", 0))
+    filling = int(explanation.get("gpusFilling", 0))
     total = len(explanation.get("gpus", [])) + int(explanation.get("gpusOmitted", 0))
-    node = explanation.get("windowLeastCoveredNode", "")
+    node = explanation.get("leastCoveredNode", "")
     where = f", on node {node}" if node else ""
     return (
-        f"Windows not yet full: {short} of {total} GPU(s); the least covers {_covers(covered, explanation)}{where} "
+        f"Windows filling: {filling} of {total} GPU(s); the least covers {_covers(covered, explanation)}{where} "
         "(an agent that started less than a window ago, or a GPU read only lately). The value counts them as they are."
     )
 
@@ -359,8 +359,8 @@ def _value(row: Mapping[str, Any], wide: bool) -> str:
 
 
 def _covers_column(rows: list[Mapping[str, Any]]) -> list[_Column]:
-    """How much of its window each row covers, where any row's is not whole (docs/metadata.md); else none."""
-    covered = [row.get("windowCoveredSeconds") for row in rows]
+    """How much of its window each row covers, where any row's window is filling (docs/metadata.md); else none."""
+    covered = [row.get("coveredSeconds") for row in rows]
     if all(seconds is None for seconds in covered):
         return []
     return [_Column("covers", ["" if s is None else f"{float(s):.1f} s" for s in covered], right=True)]

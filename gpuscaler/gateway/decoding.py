@@ -145,7 +145,7 @@ class _WireWindows(WindowColumns):
     def _mismatch(self, window: agent_pb2.WindowedValues) -> str:
         return (
             f"{len(window.packed_values)} values, {len(window.packed_samples)} sample counts, "
-            f"{len(window.details)} details and {len(window.packed_covered_seconds)} coverages for "
+            f"{len(window.details)} details and {len(window.packed_covered_seconds)} covered seconds for "
             f"{len(self._samples)} GPUs"
         )
 

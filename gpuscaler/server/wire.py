@@ -191,9 +191,9 @@ def explanation_to_wire(
     snapshot = evaluation.snapshot
     value = query.value
     rows, omitted = explained_gpus(evaluation)
-    # Windows that have not filled: from each node's list of them, without making the other GPUs' records.
-    short = evaluation.short_windows()
-    least = min(short, key=_COVERED) if short else None
+    # Windows that are filling: from each node's list of them, without making the other GPUs' records.
+    filling = evaluation.filling_windows()
+    least = min(filling, key=_COVERED) if filling else None
     idle = (
         pb.IdleEnergy(
             idle_joules=idle_energy.idle_joules,
@@ -227,7 +227,7 @@ def explanation_to_wire(
                 namespace=c.pod[0] if c.pod else "",
                 pod=c.pod[1] if c.pod else "",
                 share=c.share or "",
-                window_covered_seconds=c.covered_seconds if c.value is not None else None,
+                covered_seconds=c.covered_seconds if c.value is not None else None,
             )
             for c in rows
         ],
@@ -244,7 +244,7 @@ def explanation_to_wire(
                 reason=p.reason or "",
                 age_seconds=p.age_seconds,
                 signal=signal,
-                window_covered_seconds=p.covered_seconds,
+                covered_seconds=p.covered_seconds,
             )
             for signal, p in _pod_rows(value, evaluation)
         ],
@@ -265,9 +265,9 @@ def explanation_to_wire(
         idle_energy=idle,
         signals=_signal_parts(value, evaluation),
         empty_selection=empty_selection_to_wire(empty_selection) if empty_selection is not None else None,
-        window_covered_seconds=least.covered_seconds if least is not None else None,
-        gpus_window_short=len(short),
-        window_least_covered_node=least.sample.node if least is not None else "",
+        least_covered_seconds=least.covered_seconds if least is not None else None,
+        gpus_filling=len(filling),
+        least_covered_node=least.sample.node if least is not None else "",
     )
 
 

@@ -54,7 +54,7 @@ def contribution_of(
     if windowed.value is None:
         reason = windowed.reason or f"no readable {query.metric.value} in {window.describe_span()}"
         return Contribution(sample, None, 0, reason, pod=pod, share=basis)
-    # A window that covers less than its length still answers (docs/metadata.md, windows that have not filled):
+    # A window that covers less than its length still answers (docs/metadata.md, windows that are filling):
     # its readings are real, and an error here would make KEDA keep or fall back on every agent restart.
     return Contribution(
         sample, windowed.value, windowed.sample_count, pod=pod, share=basis, covered_seconds=windowed.covered_seconds

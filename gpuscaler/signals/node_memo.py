@@ -130,5 +130,5 @@ def _from_columns(query: ValueQuery, part: Snapshot, source: SnapshotSource) -> 
             Contribution(sample, value, count, covered_seconds=seconds)
             for sample, value, count, seconds in zip(samples, reduced, counts, covered, strict=True)
         ),
-        short=None,
+        filling=None,
     )

@@ -74,8 +74,9 @@ class Contributions(Protocol):
         """Each contribution's GPU as (node, UUID), in order."""
         ...
 
-    def short_windows(self) -> list[Contribution]:
-        """The GPUs in the value whose windows' readings cover less than the window (``covered_seconds``)."""
+    def filling_windows(self) -> list[Contribution]:
+        """The GPUs in the value whose windows are filling: their readings cover less than the window
+        (``covered_seconds``)."""
         ...
 
 
@@ -93,8 +94,8 @@ class ListedContributions(tuple[Contribution, ...]):
     def gpu_keys(self, snapshot: Snapshot | None) -> Iterable[GpuKey]:
         return gpu_keys(c.sample for c in self)
 
-    def short_windows(self) -> list[Contribution]:
-        return short_windows(self)
+    def filling_windows(self) -> list[Contribution]:
+        return filling_windows(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,9 +140,9 @@ class Evaluation:
         columns, without making the records."""
         return self.contributions.gpu_keys(self.snapshot)
 
-    def short_windows(self) -> list[Contribution]:
-        """The GPUs in the value whose windows' readings cover less than the window, a combined query's too."""
-        return [*self.contributions.short_windows(), *(c for part in self.parts for c in part.short_windows())]
+    def filling_windows(self) -> list[Contribution]:
+        """The GPUs in the value whose windows are filling, a combined query's too."""
+        return [*self.contributions.filling_windows(), *(c for part in self.parts for c in part.filling_windows())]
 
 
 class NodePart:
@@ -151,7 +152,7 @@ class NodePart:
     hold each GPU's record) are made only when something reads them: Explain, not KEDA's polls.
     """
 
-    __slots__ = ("_contributions", "_make", "_short", "included", "left_out")
+    __slots__ = ("_contributions", "_filling", "_make", "included", "left_out")
 
     def __init__(
         self,
@@ -159,11 +160,11 @@ class NodePart:
         left_out: tuple[Contribution, ...],
         contributions: tuple[Contribution, ...] | None = None,
         make: Callable[[], tuple[Contribution, ...]] | None = None,
-        short: tuple[Contribution, ...] | None = (),
+        filling: tuple[Contribution, ...] | None = (),
     ) -> None:
         self.included = included
         self.left_out = left_out
-        self._short = short  # None: found among the contributions when first read
+        self._filling = filling  # None: found among the contributions when first read
         self._contributions = contributions
         self._make = make
 
@@ -174,7 +175,7 @@ class NodePart:
             tuple(c.value for c in contributions if c.value is not None),
             tuple(c for c in contributions if c.value is None),
             contributions,
-            short=tuple(short_windows(contributions)),
+            filling=tuple(filling_windows(contributions)),
         )
 
     @property
@@ -185,11 +186,11 @@ class NodePart:
         return self._contributions
 
     @property
-    def short(self) -> tuple[Contribution, ...]:
-        """Its GPUs in the value whose windows cover less than the window (``short_windows``)."""
-        if self._short is None:
-            self._short = tuple(short_windows(self.contributions))
-        return self._short
+    def filling(self) -> tuple[Contribution, ...]:
+        """Its GPUs in the value whose windows are filling (``filling_windows``)."""
+        if self._filling is None:
+            self._filling = tuple(filling_windows(self.contributions))
+        return self._filling
 
 
 EMPTY_PART = NodePart((), (), ())
@@ -197,7 +198,7 @@ EMPTY_PART = NodePart((), (), ())
 
 # A part's fields, read in C by code that maps them over thousands of nodes.
 PART_CONTRIBUTIONS, PART_INCLUDED = attrgetter("contributions"), attrgetter("included")
-PART_LEFT_OUT, PART_SHORT = attrgetter("left_out"), attrgetter("short")
+PART_LEFT_OUT, PART_FILLING = attrgetter("left_out"), attrgetter("filling")
 
 
 class NodeContributions(Chained[Contribution]):
@@ -220,9 +221,9 @@ class NodeContributions(Chained[Contribution]):
         """Nodes (parts) with a GPU in the value."""
         return sum(map(bool, map(PART_INCLUDED, self._parts)))
 
-    def short_windows(self) -> list[Contribution]:
+    def filling_windows(self) -> list[Contribution]:
         """From each part's own list, without making the others' contributions."""
-        return list(itertools.chain.from_iterable(map(PART_SHORT, self._parts)))
+        return list(itertools.chain.from_iterable(map(PART_FILLING, self._parts)))
 
     def gpu_keys(self, snapshot: Snapshot | None) -> Iterable[GpuKey]:
         """From the nodes' UUID columns, without making the records."""
@@ -232,8 +233,8 @@ class NodeContributions(Chained[Contribution]):
         )
 
 
-def short_windows(contributions: Iterable[Contribution]) -> list[Contribution]:
-    """The contributions in the value whose windows' readings cover less than the window."""
+def filling_windows(contributions: Iterable[Contribution]) -> list[Contribution]:
+    """The contributions in the value whose windows are filling: their readings cover less than the window."""
     return [c for c in contributions if c.covered_seconds is not None and c.value is not None]
 
 

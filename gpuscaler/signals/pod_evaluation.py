@@ -27,7 +27,7 @@ from gpuscaler.signals.outcome import (
     ListedContributions,
     PodValue,
     failed,
-    short_windows,
+    filling_windows,
 )
 from gpuscaler.signals.shares import share_basis
 from gpuscaler.signals.source import SnapshotSource
@@ -84,7 +84,7 @@ def evaluate_pods(
             return failed(query, snapshot, unknown)
         contributions.extend(own)
         readable = [c.value for c in own if c.value is not None]
-        short = [c.covered_seconds for c in short_windows(own) if c.covered_seconds is not None]
+        filling = [c.covered_seconds for c in filling_windows(own) if c.covered_seconds is not None]
         nodes = sorted({sample.node for sample in samples})
         values.append(
             PodValue(
@@ -95,7 +95,7 @@ def evaluate_pods(
                 value=aggregate(pods.pod_aggregation, readable) if readable else None,
                 gpus=len(samples),
                 reason=None if readable else f"none of its {len(samples)} GPU(s) could be read",
-                covered_seconds=min(short, default=None),
+                covered_seconds=min(filling, default=None),
             )
         )
 

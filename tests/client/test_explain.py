@@ -34,7 +34,7 @@ def gpu(index: int, pod: str, *, value: float | None = 91.5, covered: float | No
         namespace="ml" if pod else "",
         pod=pod,
         share=WHOLE if pod else "",
-        window_covered_seconds=covered if value is not None else None,  # as the server sends it
+        covered_seconds=covered if value is not None else None,  # as the server sends it
     )
 
 
@@ -70,7 +70,7 @@ def workload_query(*, covered: float | None = None) -> Report:
                     included=True,
                     value=91.5,
                     gpus=4,
-                    window_covered_seconds=covered,
+                    covered_seconds=covered,
                 ),
                 pb.PodContribution(
                     namespace="ml",
@@ -80,15 +80,15 @@ def workload_query(*, covered: float | None = None) -> Report:
                     included=True,
                     value=91.5,
                     gpus=4,
-                    window_covered_seconds=covered,
+                    covered_seconds=covered,
                 ),
             ],
             pod_aggregation="avg",
             selection="pods in namespace ml, workload trainer",
             value=183.0,
-            window_covered_seconds=covered,
-            gpus_window_short=7 if covered is not None else 0,
-            window_least_covered_node="gpu-node-a" if covered is not None else "",
+            least_covered_seconds=covered,
+            gpus_filling=7 if covered is not None else 0,
+            least_covered_node="gpu-node-a" if covered is not None else "",
         )
     )
 
@@ -223,14 +223,14 @@ def test_an_engine_query_shows_its_pods_and_no_gpu_table() -> None:
     assert "vllm-6b8c9d7f4-p4t7n" in text
 
 
-def test_windows_that_have_not_filled_are_marked_per_gpu_per_pod_and_for_the_answer() -> None:
+def test_filling_windows_are_marked_per_gpu_per_pod_and_for_the_answer() -> None:
     """A window that covers 7.5 s of 120 s shows in a covers column of both tables and in one line that counts
     the GPUs, names the node and says the value counts them; whole windows show neither."""
     text = rendered(workload_query(covered=7.5), 80)
     assert text.count("7.5 s") == 7 + 2 + 1  # seven GPUs, two pods, the line
     assert re.search(r"┃ samples ┃ covers ┃", text), text
     line = window_line(workload_query(covered=7.5))
-    assert line.startswith("Windows not yet full: 7 of 8 GPU(s); the least covers 7.5 s of 120 s, on node gpu-node-a")
+    assert line.startswith("Windows filling: 7 of 8 GPU(s); the least covers 7.5 s of 120 s, on node gpu-node-a")
     assert "The value counts them as they are." in line
     assert window_line(workload_query()) == ""
     assert "covers" not in rendered(workload_query(), 80)

@@ -186,6 +186,6 @@ async def test_windows_that_are_filling_cost_keda_no_records_and_explain_names_t
         explanation = await pb.AgentStub(channel).explain(pb.ExplainRequest(scaler_metadata=metadata))
     finally:
         channel.close()
-    assert (explanation.window_covered_seconds, explanation.gpus_window_short) == (3.0, GPUS)
-    assert explanation.window_least_covered_node == restarted
+    assert (explanation.least_covered_seconds, explanation.gpus_filling) == (3.0, GPUS)
+    assert explanation.least_covered_node == restarted
     assert made[restarted] == GPUS

@@ -373,7 +373,7 @@ def test_windows_round_trip_packed_with_their_details_only_where_there_are_some(
         ),
     ],
 )
-def test_an_explanation_marks_each_window_that_has_not_filled_and_the_least_covered_one(
+def test_an_explanation_marks_each_filling_window_and_the_least_covered_one(
     metadata: dict[str, str], value: float, pods: set[tuple[str, float | None]]
 ) -> None:
     """A cluster answer over a node whose agent restarted 3 s ago: its GPUs' rows and its pod's say their 20 s
@@ -395,7 +395,7 @@ def test_an_explanation_marks_each_window_that_has_not_filled_and_the_least_cove
     evaluation = evaluate(gpu_query(query).value, source, now=30.0, stale_after=5.0)
     explanation = explanation_to_wire(query, evaluation, active=True, now=30.0, error_code="")
     assert evaluation.value == value
-    assert (explanation.window_covered_seconds, explanation.gpus_window_short) == (3.0, 2)
-    assert explanation.window_least_covered_node == "node-b"
-    assert {(g.node, g.window_covered_seconds) for g in explanation.gpus} == {("node-a", None), ("node-b", 3.0)}
-    assert {(p.pod, p.window_covered_seconds) for p in explanation.pods} == pods
+    assert (explanation.least_covered_seconds, explanation.gpus_filling) == (3.0, 2)
+    assert explanation.least_covered_node == "node-b"
+    assert {(g.node, g.covered_seconds) for g in explanation.gpus} == {("node-a", None), ("node-b", 3.0)}
+    assert {(p.pod, p.covered_seconds) for p in explanation.pods} == pods

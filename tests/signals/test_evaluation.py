@@ -111,8 +111,8 @@ def test_a_window_that_has_not_filled_answers_from_its_readings_and_says_how_muc
     evaluation = run(query(window=120.0), history)
     assert evaluation.value_or_raise() == 44.0 + 80.0
     assert [(c.sample_count, c.covered_seconds) for c in evaluation.contributions] == [(5, 5.0), (5, 5.0)]
-    assert [c.sample.gpu.index for c in evaluation.short_windows()] == [0, 1]
-    assert run(query(), history).short_windows() == []  # the latest sample has no window to fill
+    assert [c.sample.gpu.index for c in evaluation.filling_windows()] == [0, 1]
+    assert run(query(), history).filling_windows() == []  # the latest sample has no window to fill
 
 
 def test_window_skips_failed_reads_instead_of_counting_zero() -> None:

@@ -96,8 +96,8 @@ def test_a_cluster_answer_names_the_windows_that_have_not_filled_from_the_nodes_
     for memo in (NodeMemo(), None):
         evaluation = evaluate(query, source, now=30.0, stale_after=5.0, memo=memo)
         assert evaluation.value == 4 * 50.0 + 4 * 10.0
-        short = evaluation.short_windows()
-        assert [(c.sample.node, c.covered_seconds) for c in short] == [("node-b", 3.0)] * 4
+        filling = evaluation.filling_windows()
+        assert [(c.sample.node, c.covered_seconds) for c in filling] == [("node-b", 3.0)] * 4
 
 
 def utilizations_of(name: str, util: float) -> tuple[GpuSample, ...]:

@@ -381,19 +381,19 @@ class Explanation(betterproto2.Message):
     name nothing in the namespace carries): which, and the names it may have meant. KEDA still gets the 0.
     """
 
-    window_covered_seconds: "float | None" = betterproto2.field(27, betterproto2.TYPE_DOUBLE, optional=True)
+    least_covered_seconds: "float | None" = betterproto2.field(27, betterproto2.TYPE_DOUBLE, optional=True)
     """
-    Windows that have not filled: the least any window that went into the value covers, in seconds, where less
+    Windows that are filling: the least covered seconds of any window that went into the value, where less
     than `window_seconds` (the value is still the answer: docs/metadata.md); absent when every one is whole.
     """
 
-    gpus_window_short: "int" = betterproto2.field(28, betterproto2.TYPE_UINT32)
+    gpus_filling: "int" = betterproto2.field(28, betterproto2.TYPE_UINT32)
     """
-    How many GPUs in the value have a window that covers less than its length, and the node of the least
-    covered one (a node whose agent started or restarted less than a window ago).
+    How many GPUs in the value have a window that is filling, and the node of the least covered one (a node
+    whose agent started or restarted less than a window ago).
     """
 
-    window_least_covered_node: "str" = betterproto2.field(29, betterproto2.TYPE_STRING)
+    least_covered_node: "str" = betterproto2.field(29, betterproto2.TYPE_STRING)
 
 
 default_message_pool.register_message("gpuscaler.v1", "Explanation", Explanation)
@@ -482,11 +482,11 @@ class GpuContribution(betterproto2.Message):
     (from per-process figures), in words; empty otherwise.
     """
 
-    window_covered_seconds: "float | None" = betterproto2.field(11, betterproto2.TYPE_DOUBLE, optional=True)
+    covered_seconds: "float | None" = betterproto2.field(11, betterproto2.TYPE_DOUBLE, optional=True)
     """
-    The seconds of the query's window this GPU's readings cover, where less than the whole window (an agent
-    that started or restarted less than a window ago); absent when they cover all of it, or without a window.
-    The value still counts (docs/metadata.md, windows that have not filled).
+    The seconds of the query's window this GPU's readings cover, where the window is filling (an agent that
+    started or restarted less than a window ago); absent when they cover all of it, or without a window.
+    The value still counts (docs/metadata.md, windows that are filling).
     """
 
 
@@ -618,9 +618,9 @@ class PodContribution(betterproto2.Message):
     A combined query's signal this row belongs to; "" for a single signal.
     """
 
-    window_covered_seconds: "float | None" = betterproto2.field(11, betterproto2.TYPE_DOUBLE, optional=True)
+    covered_seconds: "float | None" = betterproto2.field(11, betterproto2.TYPE_DOUBLE, optional=True)
     """
-    The least of its counted GPUs' `window_covered_seconds`; absent when every one covers the whole window.
+    The least of its counted GPUs' `covered_seconds`; absent when every one covers the whole window.
     """
 
 

@@ -193,7 +193,7 @@ class ExplainRequest(_message.Message):
     def __init__(self, scaler_metadata: _Optional[_Mapping[str, str]] = ..., name: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class GpuContribution(_message.Message):
-    __slots__ = ("index", "uuid", "node", "included", "value", "samples", "reason", "namespace", "pod", "share", "window_covered_seconds")
+    __slots__ = ("index", "uuid", "node", "included", "value", "samples", "reason", "namespace", "pod", "share", "covered_seconds")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -204,7 +204,7 @@ class GpuContribution(_message.Message):
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     POD_FIELD_NUMBER: _ClassVar[int]
     SHARE_FIELD_NUMBER: _ClassVar[int]
-    WINDOW_COVERED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COVERED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     index: int
     uuid: str
     node: str
@@ -215,11 +215,11 @@ class GpuContribution(_message.Message):
     namespace: str
     pod: str
     share: str
-    window_covered_seconds: float
-    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., node: _Optional[str] = ..., included: _Optional[bool] = ..., value: _Optional[float] = ..., samples: _Optional[int] = ..., reason: _Optional[str] = ..., namespace: _Optional[str] = ..., pod: _Optional[str] = ..., share: _Optional[str] = ..., window_covered_seconds: _Optional[float] = ...) -> None: ...
+    covered_seconds: float
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., node: _Optional[str] = ..., included: _Optional[bool] = ..., value: _Optional[float] = ..., samples: _Optional[int] = ..., reason: _Optional[str] = ..., namespace: _Optional[str] = ..., pod: _Optional[str] = ..., share: _Optional[str] = ..., covered_seconds: _Optional[float] = ...) -> None: ...
 
 class PodContribution(_message.Message):
-    __slots__ = ("namespace", "pod", "workload", "node", "included", "value", "gpus", "reason", "age_seconds", "signal", "window_covered_seconds")
+    __slots__ = ("namespace", "pod", "workload", "node", "included", "value", "gpus", "reason", "age_seconds", "signal", "covered_seconds")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     POD_FIELD_NUMBER: _ClassVar[int]
     WORKLOAD_FIELD_NUMBER: _ClassVar[int]
@@ -230,7 +230,7 @@ class PodContribution(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
-    WINDOW_COVERED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COVERED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     pod: str
     workload: str
@@ -241,11 +241,11 @@ class PodContribution(_message.Message):
     reason: str
     age_seconds: float
     signal: str
-    window_covered_seconds: float
-    def __init__(self, namespace: _Optional[str] = ..., pod: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., included: _Optional[bool] = ..., value: _Optional[float] = ..., gpus: _Optional[int] = ..., reason: _Optional[str] = ..., age_seconds: _Optional[float] = ..., signal: _Optional[str] = ..., window_covered_seconds: _Optional[float] = ...) -> None: ...
+    covered_seconds: float
+    def __init__(self, namespace: _Optional[str] = ..., pod: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., included: _Optional[bool] = ..., value: _Optional[float] = ..., gpus: _Optional[int] = ..., reason: _Optional[str] = ..., age_seconds: _Optional[float] = ..., signal: _Optional[str] = ..., covered_seconds: _Optional[float] = ...) -> None: ...
 
 class Explanation(_message.Message):
-    __slots__ = ("metric_name", "metric", "profile", "aggregation", "window_seconds", "window_function", "target", "activation_threshold", "deactivation_threshold", "gpus", "value", "active", "error_code", "error_message", "snapshot_age_seconds", "snapshot_sequence", "nodes", "pods", "nodes_expected", "pod_aggregation", "selection", "absent", "idle_energy", "gpus_omitted", "signals", "empty_selection", "window_covered_seconds", "gpus_window_short", "window_least_covered_node")
+    __slots__ = ("metric_name", "metric", "profile", "aggregation", "window_seconds", "window_function", "target", "activation_threshold", "deactivation_threshold", "gpus", "value", "active", "error_code", "error_message", "snapshot_age_seconds", "snapshot_sequence", "nodes", "pods", "nodes_expected", "pod_aggregation", "selection", "absent", "idle_energy", "gpus_omitted", "signals", "empty_selection", "least_covered_seconds", "gpus_filling", "least_covered_node")
     METRIC_NAME_FIELD_NUMBER: _ClassVar[int]
     METRIC_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
@@ -272,9 +272,9 @@ class Explanation(_message.Message):
     GPUS_OMITTED_FIELD_NUMBER: _ClassVar[int]
     SIGNALS_FIELD_NUMBER: _ClassVar[int]
     EMPTY_SELECTION_FIELD_NUMBER: _ClassVar[int]
-    WINDOW_COVERED_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    GPUS_WINDOW_SHORT_FIELD_NUMBER: _ClassVar[int]
-    WINDOW_LEAST_COVERED_NODE_FIELD_NUMBER: _ClassVar[int]
+    LEAST_COVERED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FILLING_FIELD_NUMBER: _ClassVar[int]
+    LEAST_COVERED_NODE_FIELD_NUMBER: _ClassVar[int]
     metric_name: str
     metric: str
     profile: str
@@ -301,10 +301,10 @@ class Explanation(_message.Message):
     gpus_omitted: int
     signals: _containers.RepeatedCompositeFieldContainer[SignalPart]
     empty_selection: EmptySelection
-    window_covered_seconds: float
-    gpus_window_short: int
-    window_least_covered_node: str
-    def __init__(self, metric_name: _Optional[str] = ..., metric: _Optional[str] = ..., profile: _Optional[str] = ..., aggregation: _Optional[str] = ..., window_seconds: _Optional[float] = ..., window_function: _Optional[str] = ..., target: _Optional[float] = ..., activation_threshold: _Optional[float] = ..., deactivation_threshold: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuContribution, _Mapping]]] = ..., value: _Optional[float] = ..., active: _Optional[bool] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., snapshot_age_seconds: _Optional[float] = ..., snapshot_sequence: _Optional[int] = ..., nodes: _Optional[int] = ..., pods: _Optional[_Iterable[_Union[PodContribution, _Mapping]]] = ..., nodes_expected: _Optional[int] = ..., pod_aggregation: _Optional[str] = ..., selection: _Optional[str] = ..., absent: _Optional[_Iterable[_Union[AbsentNode, _Mapping]]] = ..., idle_energy: _Optional[_Union[IdleEnergy, _Mapping]] = ..., gpus_omitted: _Optional[int] = ..., signals: _Optional[_Iterable[_Union[SignalPart, _Mapping]]] = ..., empty_selection: _Optional[_Union[EmptySelection, _Mapping]] = ..., window_covered_seconds: _Optional[float] = ..., gpus_window_short: _Optional[int] = ..., window_least_covered_node: _Optional[str] = ...) -> None: ...
+    least_covered_seconds: float
+    gpus_filling: int
+    least_covered_node: str
+    def __init__(self, metric_name: _Optional[str] = ..., metric: _Optional[str] = ..., profile: _Optional[str] = ..., aggregation: _Optional[str] = ..., window_seconds: _Optional[float] = ..., window_function: _Optional[str] = ..., target: _Optional[float] = ..., activation_threshold: _Optional[float] = ..., deactivation_threshold: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuContribution, _Mapping]]] = ..., value: _Optional[float] = ..., active: _Optional[bool] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., snapshot_age_seconds: _Optional[float] = ..., snapshot_sequence: _Optional[int] = ..., nodes: _Optional[int] = ..., pods: _Optional[_Iterable[_Union[PodContribution, _Mapping]]] = ..., nodes_expected: _Optional[int] = ..., pod_aggregation: _Optional[str] = ..., selection: _Optional[str] = ..., absent: _Optional[_Iterable[_Union[AbsentNode, _Mapping]]] = ..., idle_energy: _Optional[_Union[IdleEnergy, _Mapping]] = ..., gpus_omitted: _Optional[int] = ..., signals: _Optional[_Iterable[_Union[SignalPart, _Mapping]]] = ..., empty_selection: _Optional[_Union[EmptySelection, _Mapping]] = ..., least_covered_seconds: _Optional[float] = ..., gpus_filling: _Optional[int] = ..., least_covered_node: _Optional[str] = ...) -> None: ...
 
 class EmptySelection(_message.Message):
     __slots__ = ("selection", "namespace", "workload", "seen", "seen_as", "namespace_pods", "did_you_mean", "seen_in_namespaces", "namespace_did_you_mean", "message", "did_you_mean_elsewhere")
