@@ -149,7 +149,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     except (OSError, TimeoutError, StreamTerminatedError, ProtocolError) as error:
         if args.command in ("serve", "gateway"):
             raise  # not a connection of ours: keep the traceback
-        reason = _unreachable(error, tls=_client_options(args).tls)
+        reason = _unreachable(error, tls=_client_options(args).tls, fake=args.command == "fake")
         print(f"{_prog(args)}: cannot reach {args.address}: {reason}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -174,29 +174,38 @@ def _prog(args: argparse.Namespace) -> str:
     return " ".join(["gpuscaler", args.command, *([args.fake_command] if args.command == "fake" else [])])
 
 
-def _unreachable(error: BaseException, *, tls: bool) -> str:
-    """Why a client command got no answer, and what to check; never a bare exception repr."""
+def _unreachable(error: BaseException, *, tls: bool, fake: bool) -> str:
+    """Why a client command got no answer, and what to check; never a bare exception repr. The server is a
+    gateway or an agent for ``query``, an agent with fake GPUs for ``fake``."""
     if isinstance(error, ssl.SSLCertVerificationError):
         return (
-            f"the agent's certificate does not verify ({error.verify_message}); give the CA that signed it "
+            f"the server's certificate does not verify ({error.verify_message}); give the CA that signed it "
             "with --tls-ca, and --tls-server-name when the address is not a name in the certificate"
         )
     if isinstance(error, ssl.SSLError):
         if error.reason == "WRONG_VERSION_NUMBER":
-            return "the agent there does not speak TLS; drop --tls-ca, --tls-cert and --tls-key"
+            return "the server there does not speak TLS; drop --tls-ca, --tls-cert and --tls-key"
         return f"TLS handshake failed ({error.reason or error}); check --tls-ca, --tls-cert and --tls-key"
     if isinstance(error, ConnectionRefusedError):
-        return "connection refused; is `gpuscaler serve` running, and is this its --listen port?"
+        if fake:
+            return (
+                "connection refused; is an agent with --collector fake (`gpuscaler serve`) running there, and is "
+                "this its --listen port? make dev's agents are 127.0.0.1:6001 to 6003"
+            )
+        return (
+            "connection refused; is a gateway (`gpuscaler gateway`) or an agent (`gpuscaler serve`) running there, "
+            "and is this its --listen port? The default, 127.0.0.1:6000, is make dev's gateway"
+        )
     if isinstance(error, TimeoutError):
         return f"no answer within {CLIENT_TIMEOUT_SECONDS:g}s"
     if isinstance(error, StreamTerminatedError | ProtocolError):
         if tls:
             return (
-                "the agent closed the connection; if it requires client certificates, give --tls-cert and "
+                "the server closed the connection; if it requires client certificates, give --tls-cert and "
                 "--tls-key signed by its --tls-client-ca"
             )
         return (
-            "the connection closed before an answer; if the agent serves TLS, give --tls-ca (and --tls-cert, "
+            "the connection closed before an answer; if the server serves TLS, give --tls-ca (and --tls-cert, "
             "--tls-key for mTLS); check that this is its gRPC port, not /metrics"
         )
     if isinstance(error, OSError) and error.strerror:

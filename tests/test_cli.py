@@ -90,10 +90,18 @@ async def test_fake_commands_refuse_bad_input(agent: Agent, capsys: pytest.Captu
     assert "'speed' is not a metric" in capsys.readouterr().err
 
 
-async def test_unreachable_agent_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    """A client command against a closed port exits 1 saying which address it could not reach."""
+async def test_unreachable_server_is_one_line_that_says_what_to_start(capsys: pytest.CaptureFixture[str]) -> None:
+    """A client command against a closed port exits 1 in one line saying which address it could not reach and
+    what should listen there: for `query` a gateway or an agent, for `fake` an agent with fake GPUs."""
     assert await run_cli("query", "--address", "127.0.0.1:9", "profile=batch") == 1
-    assert "cannot reach 127.0.0.1:9" in capsys.readouterr().err
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("gpuscaler query: cannot reach 127.0.0.1:9: connection refused; is a gateway")
+    assert "or an agent (`gpuscaler serve`)" in line
+    assert "127.0.0.1:6000, is make dev's gateway" in line
+    assert await run_cli("fake", "heal", "--address", "127.0.0.1:9", "--gpu", "all") == 1
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("gpuscaler fake heal: cannot reach 127.0.0.1:9: connection refused; is an agent with")
+    assert "gateway" not in line
 
 
 async def test_a_fake_change_answers_once_a_tick_has_read_it(start_agent: StartAgent) -> None:

@@ -83,12 +83,12 @@ def test_serve_on_a_busy_port_exits_1_with_one_line(busy_port: int) -> None:
 async def test_tls_client_against_a_plain_agent_says_so(
     agent: Agent, ca_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """--tls-ca against an agent without TLS says the agent does not speak TLS, in one line."""
+    """--tls-ca against an agent without TLS says the server there does not speak TLS, in one line."""
     code = await run_cli("query", "--address", f"127.0.0.1:{agent.port}", "--tls-ca", str(ca_path), "profile=batch")
     err = capsys.readouterr().err
     assert code == 1
     assert err.strip() == (
-        f"gpuscaler query: cannot reach 127.0.0.1:{agent.port}: the agent there does not speak TLS; "
+        f"gpuscaler query: cannot reach 127.0.0.1:{agent.port}: the server there does not speak TLS; "
         "drop --tls-ca, --tls-cert and --tls-key"
     )
 
