@@ -20,7 +20,7 @@ from gpuscaler.gateway.view import ClusterView
 from gpuscaler.model.pods import PodDirectory
 from gpuscaler.model.samples import GpuKey
 from gpuscaler.server.telemetry import ServerTelemetry
-from gpuscaler.signals.empty_answers import EmptyAnswers
+from gpuscaler.signals.empty_selection_record import EmptySelectionRecord
 from gpuscaler.signals.energy import IdleEnergy
 from gpuscaler.signals.evaluator import Evaluator
 
@@ -97,11 +97,11 @@ class _ViewCollector(Collector):
 
 
 class _EmptySelectionCollector(Collector):
-    """Each ScaledObject's trigger KEDA is answered 0 for because its selection matches no pod (evaluator.py keeps
-    them, at most 5,000, each until 10 minutes after KEDA last asked)."""
+    """Each ScaledObject's trigger KEDA is answered 0 for because its selection matches no pod, as the evaluator's
+    ``EmptySelectionRecord`` keeps them (how many, and for how long: ``signals/empty_selection_record.py``)."""
 
     def __init__(self) -> None:
-        self.answers: EmptyAnswers | None = None
+        self.record: EmptySelectionRecord | None = None
 
     def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily(
@@ -111,9 +111,16 @@ class _EmptySelectionCollector(Collector):
             "(yes, no, or unknown for a pod glob or podSelector).",
             labels=["namespace", "scaled_object", "metric_name", "seen"],
         )
-        for (namespace, scaled_object, metric_name), finding in self.answers.findings() if self.answers else ():
+        for (namespace, scaled_object, metric_name), finding in self.record.findings() if self.record else ():
             family.add_metric([namespace, scaled_object, metric_name, finding.seen.value], 1.0)
         yield family
+        unrecorded = CounterMetricFamily(
+            "gpuscaler_gateway_selection_empty_unrecorded",
+            "KEDA's answers of 0 for a selection that matched no GPU-holding pod, for a ScaledObject's trigger not "
+            "recorded (nor logged) because the record of such triggers was full of ones KEDA still asks for.",
+        )
+        unrecorded.add_metric([], self.record.unrecorded if self.record else 0)
+        yield unrecorded
 
 
 class GatewayTelemetry(ServerTelemetry):
@@ -148,7 +155,7 @@ class GatewayTelemetry(ServerTelemetry):
     def watch(self, evaluator: Evaluator) -> None:
         """The shared series, and the ScaledObjects whose selection matches no pod."""
         super().watch(evaluator)
-        self.empty_selections.answers = evaluator.empty_answers
+        self.empty_selections.record = evaluator.empty_selections
 
     def idle_energy_of(self, gpus: Iterable[GpuKey], window_seconds: float | None) -> IdleEnergy | None:
         """Since this gateway first saw each GPU, whatever the window: the gateway keeps no history."""

@@ -1,15 +1,15 @@
 """Who a pod is, as workload queries need it: its labels, its owner, where it runs, whether it asks for a GPU,
 and where its engine's metrics can be read.
 
-The pod directory is the interface; the gateway has two (``gateway/pod_watch.py``, the Kubernetes API,
-and ``gateway/pod_directory.py``, a static file). A directory is the authority on which pods exist.
+The pod directory is the interface; the gateway has two (``gateway/directory/kubernetes.py``, the Kubernetes API,
+and ``gateway/directory/pod_file.py``, a static file). A directory is the authority on which pods exist.
 A directory that also knows KEDA's ScaledObjects (``ScaleTargets``) lets a trigger with ``scaleTargetPods``
 select the pods of its own scale target.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -49,16 +49,24 @@ class PodInfo:
 
 
 class PodDirectory(Protocol):
-    """Pods by (namespace, name)."""
+    """Pods by (namespace, name), and the names they and KEDA's ScaledObjects carried."""
 
     def lookup(self, namespace: str, pod: str) -> PodInfo | None:
         """The pod, or None when the directory does not know it (yet)."""
 
     def pods(self, namespace: str) -> Iterable[PodInfo]:
-        """Every pod it knows in ``namespace``."""
+        """Every pod it knows in ``namespace``: a look-up, not a pass over the cluster's pods."""
 
     def problem(self) -> str | None:
         """Why the directory cannot answer now (not synced, API unreachable), or None when it can."""
+
+    def version(self, namespace: str) -> Hashable:
+        """Equal before and after means that nothing the directory says of ``namespace`` changed in between: its pods,
+        and the names ``seen_names`` remembers (compared for equality only)."""
+
+    @property
+    def seen_names(self) -> NameHistory | None:
+        """The names it has seen since it started (the gateway's directories remember them), or None."""
 
 
 # The workload kinds whose pods a directory can name (a pod's owner, with Deployments through their
@@ -111,14 +119,6 @@ class NameHistory(Protocol):
 
     def namespaces(self) -> Collection[str]:
         """The namespaces that held a pod or a ScaledObject."""
-
-
-@runtime_checkable
-class RemembersNames(Protocol):
-    """A pod directory that remembers the names it has seen (the gateway's do)."""
-
-    @property
-    def seen_names(self) -> NameHistory: ...
 
 
 def uid_key(uid: str) -> str:

@@ -284,8 +284,8 @@ def empty_selection_to_wire(finding: EmptySelection) -> pb.EmptySelection:
         seen_as=list(finding.seen_as),
         namespace_pods=finding.namespace_pods,
         did_you_mean=list(finding.did_you_mean),
-        seen_in_namespaces=list(finding.seen_in),
-        namespace_did_you_mean=list(finding.namespaces),
+        seen_in_namespaces=list(finding.seen_in_namespaces),
+        namespace_did_you_mean=list(finding.namespace_did_you_mean),
         did_you_mean_elsewhere=list(finding.did_you_mean_elsewhere),
         message=finding.describe(),
     )

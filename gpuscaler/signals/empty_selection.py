@@ -1,11 +1,12 @@
-"""A pod selection that matches no pod, told apart: a workload at zero replicas, or a name nothing carries there.
+"""The finding, pure, for a pod selection that matches no pod: a workload at zero replicas, or a name nothing carries.
 
 Both read 0, and must (KEDA scales a workload at zero from it; an error would apply its fallback). What differs
 is whether the workload name was carried in the namespace since the gateway started, by a pod's owner or a
-ScaledObject's scaleTargetRef (the directory's ``NameHistory``), and the names it may have meant: workload
+ScaledObject's scaleTargetRef (the directory's ``seen_names``), and the names it may have meant: workload
 names in the namespace close to it, the namespaces where that name was seen, and, when the namespace has no
 pods, the namespace names close to it. A pod glob or a podSelector names no workload: its finding says only
-that it matches nothing. Reading the finding changes nothing.
+that it matches nothing. Making a finding reads the directory and changes nothing; the record of KEDA's
+ScaledObjects that such findings are about, with its log and series, is ``empty_selection_record.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from gpuscaler.model.pods import POD_OWNER, NameHistory, PodDirectory, PodInfo, RemembersNames
+from gpuscaler.model.pods import POD_OWNER, NameHistory, PodDirectory, PodInfo
 from gpuscaler.query.query import CombinedQuery, PodSelection
 from gpuscaler.signals.outcome import Evaluation
 
@@ -47,8 +48,8 @@ class EmptySelection:
     seen_as: tuple[str, ...]  # what carried the name: POD_OWNER, SCALE_TARGET_REF
     namespace_pods: int  # pods the namespace has now
     did_you_mean: tuple[str, ...]  # workload names (or, for a pod glob, "<workload>-*") in the namespace
-    seen_in: tuple[str, ...]  # other namespaces where that workload name was carried
-    namespaces: tuple[str, ...]  # namespace names close to the namespace, when it has no pods
+    seen_in_namespaces: tuple[str, ...]  # other namespaces where that workload name was carried
+    namespace_did_you_mean: tuple[str, ...]  # namespace names close to the namespace, when it has no pods
     # Without a close name in the namespace: close workload names in other namespaces, as "namespace/name".
     did_you_mean_elsewhere: tuple[str, ...] = ()
 
@@ -59,7 +60,11 @@ class EmptySelection:
             "at zero replicas."
         ]
         if self.namespace_pods == 0:
-            near = f"; did you mean namespace {_either(self.namespaces)}?" if self.namespaces else "."
+            near = (
+                f"; did you mean namespace {_either(self.namespace_did_you_mean)}?"
+                if self.namespace_did_you_mean
+                else "."
+            )
             said.append(f"Namespace {self.namespace} has no pods{near}")
         if self.workload is not None:
             said += self._workload_words(self.workload)
@@ -88,9 +93,10 @@ class EmptySelection:
             said.append(f"Did you mean workload {_either(self.did_you_mean)}?")
         elif self.did_you_mean_elsewhere:
             said.append(f"Did you mean {_either(self.did_you_mean_elsewhere)} (namespace/workload)?")
-        if self.seen_in:
+        if self.seen_in_namespaces:
             said.append(
-                f"Workload {workload} is in namespace {_either(self.seen_in)}: give namespace={self.seen_in[0]}."
+                f"Workload {workload} is in namespace {_either(self.seen_in_namespaces)}: "
+                f"give namespace={self.seen_in_namespaces[0]}."
             )
         return said
 
@@ -107,16 +113,15 @@ def find_empty(
     selection: PodSelection | None, directory: PodDirectory | None, *, suggest: bool = True
 ) -> EmptySelection | None:
     """The finding for ``selection`` (resolved: no scaleTargetPods) if it matches no pod the directory knows; None
-    when a pod matches (it may hold no GPU yet), or when the directory cannot tell now. ``suggest=False`` leaves
-    out the names it may have meant, which read more of what the directory remembers."""
+    when a pod matches (it may hold no GPU yet), or when the directory cannot tell now (``problem()``).
+    ``suggest=False`` leaves out the names it may have meant, which read more of what the directory remembers."""
     if selection is None or directory is None or directory.problem() is not None:
         return None
     namespace = selection.namespace
     pods = list(directory.pods(namespace))
     if any(selection.selects(info) for info in pods):
         return None
-    known: object = directory  # a directory may remember names: the protocol is checked at run time
-    names = known.seen_names if isinstance(known, RemembersNames) else None
+    names = directory.seen_names
     workload = selection.workload
     seen = Seen.UNKNOWN
     seen_as: tuple[str, ...] = ()
@@ -132,8 +137,8 @@ def find_empty(
         seen_as=seen_as,
         namespace_pods=len(pods),
         did_you_mean=(),
-        seen_in=(),
-        namespaces=(),
+        seen_in_namespaces=(),
+        namespace_did_you_mean=(),
     )
     return _with_suggestions(finding, selection, pods, names) if suggest else finding
 
@@ -159,7 +164,11 @@ def _with_suggestions(
         did_you_mean = _close(selection.pod, {f"{name}-*" for name in here} - {selection.pod})
     namespaces = _close(namespace, set(names.namespaces()) - {namespace}) if not pods and names is not None else ()
     return replace(
-        finding, did_you_mean=did_you_mean, seen_in=seen_in, namespaces=namespaces, did_you_mean_elsewhere=elsewhere
+        finding,
+        did_you_mean=did_you_mean,
+        seen_in_namespaces=seen_in,
+        namespace_did_you_mean=namespaces,
+        did_you_mean_elsewhere=elsewhere,
     )
 
 

@@ -20,8 +20,8 @@ from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.query.query import AnyValueQuery, CombinedQuery, EngineQuery, Query, Signal, ValueQuery, windows_of
 from gpuscaler.signals.activation import ActivationStates
 from gpuscaler.signals.combined import evaluate_combined
-from gpuscaler.signals.empty_answers import EmptyAnswers
 from gpuscaler.signals.empty_selection import EmptySelection, find_empty, unmatched_of
+from gpuscaler.signals.empty_selection_record import EmptySelectionRecord
 from gpuscaler.signals.engine_evaluation import evaluate_engine
 from gpuscaler.signals.engine_source import EngineSource
 from gpuscaler.signals.evaluation import evaluate
@@ -97,7 +97,7 @@ class Evaluator:
         self.on_push: list[Callable[[Query, Evaluation], None]] = []
         self._left_out: dict[AnyValueQuery, tuple[frozenset[str], float]] = {}
         # KEDA's answers of 0 whose selection matches no pod, per ScaledObject: only a pod directory can tell.
-        self.empty_answers = EmptyAnswers(directory, clock=self._clock) if directory is not None else None
+        self.empty_selections = EmptySelectionRecord(directory, clock=self._clock) if directory is not None else None
         if engines is not None:
             engines.add_listener(self._on_engine_pages)
 
@@ -169,10 +169,10 @@ class Evaluator:
         """The query's value now; raises the GpuscalerError KEDA must see instead of a made-up 0.
 
         ``scaled_object`` (namespace, name): KEDA asks for it, and an answer of 0 whose selection matches no pod
-        is noted for it (``empty_answers``)."""
+        is recorded for it (``empty_selections``)."""
         evaluation = self.evaluate(query.value)
-        if scaled_object is not None and self.empty_answers is not None:
-            self.empty_answers.observe((*scaled_object, query.metric_name), evaluation)
+        if scaled_object is not None and self.empty_selections is not None:
+            self.empty_selections.observe((*scaled_object, query.metric_name), evaluation)
         value = evaluation.value_or_raise()
         self._note_left_out(evaluation)
         return value

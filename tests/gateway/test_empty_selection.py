@@ -80,8 +80,8 @@ async def test_keda_gets_zero_and_explain_says_the_selection_matched_nothing(gat
         assert (before.empty_selection.seen, before.empty_selection.did_you_mean) == ("no", ["trainer"])
         assert "never scales up" in before.empty_selection.message
         assert activation_states(gateway) == 0  # Explain reads: it made no state
-        assert gateway.evaluator.empty_answers is not None
-        assert len(gateway.evaluator.empty_answers) == 0  # nor did it feed KEDA's findings
+        assert gateway.evaluator.empty_selections is not None
+        assert len(gateway.evaluator.empty_selections) == 0  # nor did it feed KEDA's findings
 
         with structlog.testing.capture_logs() as logged:
             assert [await keda_round(channel, "typo-so", workload="trainr") for _ in range(3)] == [(0.0, False)] * 3
@@ -91,7 +91,7 @@ async def test_keda_gets_zero_and_explain_says_the_selection_matched_nothing(gat
         assert activation_states(gateway) == states == 1
         assert after.empty_selection == before.empty_selection
         warnings = [entry for entry in logged if entry["event"] == "selection_matches_nothing"]
-        assert [(w["scaled_object"], w["workload_seen"], w["did_you_mean"]) for w in warnings] == [
+        assert [(w["scaled_object"], w["seen"], w["did_you_mean"]) for w in warnings] == [
             ("ml/typo-so", "no", ["trainer"])
         ]
 

@@ -24,8 +24,8 @@ from tests.signals.test_evaluation_workloads import DIRECTORY, NODE_A, VIEW, Dir
 
 
 class Remembering(Directory):
-    """A hand-written directory that also remembers names (``RemembersNames``), as the gateway's do: its pods'
-    owners, and the (namespace, name) -> carriers given."""
+    """A hand-written directory that also remembers names (``seen_names``), as the gateway's do: its pods' owners,
+    and the (namespace, name) -> carriers given."""
 
     def __init__(self, *pods: PodInfo, seen: Mapping[tuple[str, str], frozenset[str]], problem: str | None = None):
         super().__init__(*pods, problem=problem)
@@ -120,7 +120,7 @@ def test_a_workload_at_zero_was_seen_and_says_by_what(workload: str, seen_as: tu
 def test_a_misspelt_namespace_suggests_the_close_namespace_and_where_the_workload_is() -> None:
     """namespace=mll workload=trainer: mll has no pods; did you mean ml, where trainer is."""
     finding = found(namespace="mll", workload="trainer")
-    assert (finding.namespace_pods, finding.namespaces, finding.seen_in) == (0, ("ml",), ("ml",))
+    assert (finding.namespace_pods, finding.namespace_did_you_mean, finding.seen_in_namespaces) == (0, ("ml",), ("ml",))
     assert finding.seen is Seen.NO
     assert "Namespace mll has no pods; did you mean namespace ml?" in finding.describe()
     assert "Workload trainer is in namespace ml: give namespace=ml." in finding.describe()
@@ -183,5 +183,6 @@ def test_among_twenty_thousand_remembered_names_the_close_one_is_still_found() -
     """Past MAX_COMPARED names only the likely ones are compared (first letter, length): trainer is one of them."""
     crowd = {(f"team-{n % 50}", f"service-{n}"): frozenset({POD_OWNER}) for n in range(20_000)}
     directory = Remembering(seen={**crowd, ("ml", "trainer"): frozenset({POD_OWNER})})
+    assert directory.seen_names is not None
     assert len(directory.seen_names.workload_names_anywhere()) > MAX_COMPARED
     assert found(namespace="default", directory=directory, workload="trainr").did_you_mean_elsewhere == ("ml/trainer",)

@@ -48,6 +48,13 @@ class Directory:
     def problem(self) -> str | None:
         return None
 
+    def version(self, namespace: str) -> int:
+        return 0
+
+    @property
+    def seen_names(self) -> None:
+        return None
+
 
 def node(name: str, *gpus: tuple[float, str | None]) -> Snapshot:
     """A node whose GPUs have these utilisations, each held by the named pod of namespace ml (or by none)."""

@@ -8,7 +8,7 @@ import pytest
 
 from gpuscaler.model.aggregation import Aggregation
 from gpuscaler.model.errors import InvalidMetadata, Unavailable, Unsupported
-from gpuscaler.model.pods import PodInfo
+from gpuscaler.model.pods import NameHistory, PodInfo
 from gpuscaler.model.samples import Attribution, AttributionState, PodRef, Snapshot
 from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.query.query import NodeQuorum
@@ -31,11 +31,14 @@ def parse_dict(metadata: dict[str, str]) -> GpuQuery:
 
 
 class Directory:
-    """A hand-written pod directory: pods by (namespace, name)."""
+    """A hand-written pod directory: pods by (namespace, name), which remembers no names; ``changed`` says that its
+    pods did (its version moves)."""
 
     def __init__(self, *pods: PodInfo, problem: str | None = None) -> None:
         self._pods = {(p.namespace, p.pod): p for p in pods}
         self._problem = problem
+        self._version = 0
+        self.seen_names: NameHistory | None = None
 
     def lookup(self, namespace: str, pod: str) -> PodInfo | None:
         return self._pods.get((namespace, pod))
@@ -45,6 +48,18 @@ class Directory:
 
     def problem(self) -> str | None:
         return self._problem
+
+    def version(self, namespace: str) -> int:
+        return self._version
+
+    def add(self, *pods: PodInfo) -> None:
+        """Pods that appear (or change)."""
+        self._pods.update({(p.namespace, p.pod): p for p in pods})
+        self._version += 1
+
+    def fail(self, problem: str | None) -> None:
+        """The directory cannot tell from now on (``problem``), or can again (None)."""
+        self._problem = problem
 
 
 def pod(name: str, namespace: str = "ml", container: str = "main") -> PodRef:

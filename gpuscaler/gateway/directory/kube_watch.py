@@ -19,6 +19,8 @@ import structlog
 from kubernetes_asyncio import client, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from gpuscaler.gateway.directory.by_namespace import ByNamespace
+
 log = structlog.get_logger(__name__)
 
 WATCH_TIMEOUT_SECONDS = 300  # the API server ends each watch after this; we resume from where it was
@@ -38,7 +40,8 @@ class Collection(Generic[Item]):
     event_prefix: str  # "pod_watch": of the log events (pod_watch_synced, pod_watch_failed, ...)
     lister: Callable[[client.ApiClient], tuple[Callable[..., Any], tuple[Any, ...]]]  # the list call and its args
     parse: Callable[[dict[str, Any]], Item | None]  # an object as the API sends it; None: not one we can use
-    key: Callable[[Item], Hashable]
+    key: Callable[[Item], Hashable]  # holds the namespace: an object never moves to another
+    namespace: Callable[[Item], str]
     describe: Callable[[ApiException], str] = lambda error: f"HTTP {error.status} {error.reason}"
 
 
@@ -57,7 +60,7 @@ class ListWatch(Generic[Item]):
         self.collection = collection
         self._on_item = on_item
         self.factory = api_client_factory
-        self.items: dict[Hashable, Item] = {}
+        self.items: ByNamespace[Item] = ByNamespace(collection.namespace)
         self.lists = 0
         self.events = 0
         self._event = collection.event_prefix
@@ -144,7 +147,7 @@ class ListWatch(Generic[Item]):
                 items[self.collection.key(item)] = item
                 if self._on_item is not None:
                     self._on_item(item)
-        self.items = items
+        self.items.replace(items.items())
         self._contact()
         self.lists += 1
         if not self._synced:
@@ -170,9 +173,9 @@ class ListWatch(Generic[Item]):
                 self.events += 1
                 kind = event.get("type")
                 if kind == "DELETED":
-                    self.items.pop(self.collection.key(item), None)
+                    self.items.drop(self.collection.key(item))
                 elif kind in ("ADDED", "MODIFIED"):
-                    self.items[self.collection.key(item)] = item
+                    self.items.put(self.collection.key(item), item)
                     if self._on_item is not None:
                         self._on_item(item)
         return str(stream.resource_version or resource_version)

@@ -32,6 +32,10 @@ class KubernetesDirectory:
     def pods(self, namespace: str) -> list[PodInfo]:
         return self.pod_watch.pods(namespace)
 
+    def version(self, namespace: str) -> tuple[int, int]:
+        """Moves when a pod of ``namespace`` changes, or the names both watches remember there do."""
+        return self.pod_watch.items.version(namespace), self.seen_names.version(namespace)
+
     def problem(self) -> str | None:
         return self.pod_watch.problem()
 

@@ -26,7 +26,9 @@ _NONE: frozenset[str] = frozenset()
 class SeenNames:
     """Workload names by (namespace, name) with what carried them, and namespaces; each capped at ``limit``.
 
-    The gateway's ``NameHistory`` (``model/pods.py``). Runs on the event loop thread only.
+    The gateway's ``NameHistory`` (``model/pods.py``). A namespace's ``version`` moves when a workload name there is
+    added, gains a carrier or is forgotten (the part of a directory's version that is about names). Runs on the event
+    loop thread only.
     """
 
     def __init__(self, limit: int = MAX_SEEN_NAMES) -> None:
@@ -35,6 +37,10 @@ class SeenNames:
         self._by_namespace: dict[str, dict[str, None]] = {}
         self._by_name: dict[str, dict[str, None]] = {}
         self._namespaces: OrderedDict[str, None] = OrderedDict()
+        # The number of the last change to a namespace's workload names, counted over all namespaces: it never comes
+        # back to a value it had. Kept for the namespaces that have names, so it is capped with them.
+        self._versions: dict[str, int] = {}
+        self._changes = 0
 
     def saw_pod(self, info: PodInfo) -> None:
         """A pod the directory listed or was told of: its namespace, and its owner's name."""
@@ -62,6 +68,10 @@ class SeenNames:
     def namespaces(self) -> Collection[str]:
         return self._namespaces.keys()
 
+    def version(self, namespace: str) -> int:
+        """Moves whenever ``carriers`` could answer differently for a name in ``namespace``; 0 for one without names."""
+        return self._versions.get(namespace, 0)
+
     def _namespace(self, namespace: str) -> None:
         names = self._namespaces
         if namespace in names:
@@ -79,14 +89,24 @@ class SeenNames:
             workloads.move_to_end(key)
             if carrier not in carriers:
                 workloads[key] = _CARRIED_BY[(POD_OWNER, SCALE_TARGET_REF)]
+                self._changed(namespace)
             return
         workloads[key] = _CARRIED_BY[(carrier,)]
         self._by_namespace.setdefault(namespace, {})[name] = None
         self._by_name.setdefault(name, {})[namespace] = None
+        self._changed(namespace)
         if len(workloads) > self._limit:
             (old_namespace, old_name), _ = workloads.popitem(last=False)
             _drop(self._by_namespace, old_namespace, old_name)
             _drop(self._by_name, old_name, old_namespace)
+            if old_namespace in self._by_namespace:
+                self._changed(old_namespace)
+            else:
+                del self._versions[old_namespace]
+
+    def _changed(self, namespace: str) -> None:
+        self._changes += 1
+        self._versions[namespace] = self._changes
 
 
 def _drop(index: dict[str, dict[str, None]], outer: str, inner: str) -> None:

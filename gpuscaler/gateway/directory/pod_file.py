@@ -32,6 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import structlog
 
+from gpuscaler.gateway.directory.by_namespace import ByNamespace
 from gpuscaler.gateway.directory.names import SeenNames
 from gpuscaler.model.errors import ConfigError
 from gpuscaler.model.pods import (
@@ -61,7 +62,7 @@ class StaticPodDirectory:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._pods: dict[tuple[str, str], PodInfo] = {}
+        self._pods: ByNamespace[PodInfo] = ByNamespace(lambda info: info.namespace)
         self._targets: dict[tuple[str, str], ScaleTarget] = {}
         self._mtime: float | None = None
         self._checked = 0.0
@@ -75,7 +76,12 @@ class StaticPodDirectory:
 
     def pods(self, namespace: str) -> list[PodInfo]:
         self._maybe_reload()
-        return [info for (space, _), info in self._pods.items() if space == namespace]
+        return self._pods.in_namespace(namespace)
+
+    def version(self, namespace: str) -> tuple[int, int]:
+        """Moves when the file is read again with ``namespace``'s pods in it (or out), or names seen there change."""
+        self._maybe_reload()
+        return self._pods.version(namespace), self.seen_names.version(namespace)
 
     def problem(self) -> str | None:
         self._maybe_reload()
@@ -121,7 +127,8 @@ class StaticPodDirectory:
             text = self.path.read_text(encoding="utf-8")
         except OSError as error:
             raise ConfigError(f"pod directory {str(self.path)!r}: {error.strerror}") from None
-        self._pods, self._targets = parse_static_file(text, source=str(self.path))
+        pods, self._targets = parse_static_file(text, source=str(self.path))
+        self._pods.replace(pods.items())
         for info in self._pods.values():
             self.seen_names.saw_pod(info)
         for target in self._targets.values():

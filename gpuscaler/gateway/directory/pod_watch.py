@@ -125,6 +125,7 @@ PODS: Collection[PodInfo] = Collection(
     lister=lambda api: (client.CoreV1Api(api).list_pod_for_all_namespaces, ()),
     parse=pod_info,
     key=lambda info: (info.namespace, info.pod),
+    namespace=lambda info: info.namespace,
 )
 
 
@@ -139,6 +140,7 @@ class KubernetesPodDirectory(ListWatch[PodInfo]):
         seen: SeenNames | None = None,
     ) -> None:
         """``seen`` remembers every pod's namespace and owner's name (a pod watch on its own needs none)."""
+        self.seen_names = seen
         super().__init__(
             PODS,
             api_client_factory,
@@ -177,7 +179,11 @@ class KubernetesPodDirectory(ListWatch[PodInfo]):
 
     def pods(self, namespace: str) -> list[PodInfo]:
         """Every pod of ``namespace``."""
-        return [info for info in self.items.values() if info.namespace == namespace]
+        return self.items.in_namespace(namespace)
+
+    def version(self, namespace: str) -> tuple[int, int]:
+        """Moves when a pod of ``namespace`` changes, or the names remembered there do."""
+        return self.items.version(namespace), self.seen_names.version(namespace) if self.seen_names is not None else 0
 
     def __len__(self) -> int:
         return len(self.items)

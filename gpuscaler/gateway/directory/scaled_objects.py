@@ -55,6 +55,7 @@ SCALED_OBJECTS: Collection[ScaleTarget] = Collection(
     lister=lambda api: (client.CustomObjectsApi(api).list_cluster_custom_object, (GROUP, VERSION, PLURAL)),
     parse=scale_target,
     key=lambda target: (target.namespace, target.scaled_object),
+    namespace=lambda target: target.namespace,
     describe=_describe,
 )
 

@@ -11,7 +11,7 @@ from gpuscaler.gateway.directory.names import SeenNames
 from gpuscaler.gateway.directory.pod_file import StaticPodDirectory
 from gpuscaler.gateway.directory.pod_watch import KubernetesPodDirectory
 from gpuscaler.gateway.directory.scaled_objects import KubernetesScaledObjects
-from gpuscaler.model.pods import POD_OWNER, SCALE_TARGET_REF, PodInfo, RemembersNames, ScaleTarget
+from gpuscaler.model.pods import POD_OWNER, SCALE_TARGET_REF, PodInfo, ScaleTarget
 from tests.gateway.directory.test_pod_watch import pod
 from tests.gateway.directory.test_scaled_objects import FakeKedaApi, scaled_object
 from tests.waiting import until
@@ -50,6 +50,24 @@ def test_past_the_cap_the_name_seen_longest_ago_goes_first() -> None:
     assert list(seen.namespaces()) == ["a", "c"]
 
 
+def test_a_namespace_s_version_moves_only_when_what_its_names_say_changes() -> None:
+    """A new name, a new carrier or a forgotten name moves it; the same name seen again (a pod's restart) does not."""
+    seen = SeenNames(limit=2)
+    assert seen.version("ml") == 0
+    seen.saw_pod(PodInfo("ml", "trainer-a", workload="trainer"))
+    first = seen.version("ml")
+    seen.saw_pod(PodInfo("ml", "trainer-b", workload="trainer"))
+    assert seen.version("ml") == first
+    seen.saw_scale_target(ScaleTarget("ml", "trainer-so", "Deployment", "trainer"))
+    carried = seen.version("ml")
+    assert carried != first
+    seen.saw_pod(PodInfo("batch", "job-a", workload="job"))
+    assert seen.version("ml") == carried  # another namespace's name
+    seen.saw_pod(PodInfo("batch", "job-b", workload="job-2"))  # pushes trainer out: ml has no names left
+    assert seen.carriers("ml", "trainer") == frozenset()
+    assert seen.version("ml") == 0
+
+
 def test_the_static_directory_remembers_the_names_of_earlier_versions(tmp_path: Path) -> None:
     """A workload the file no longer lists is still a name its namespace carried."""
     path = tmp_path / "pods.yaml"
@@ -61,8 +79,6 @@ def test_the_static_directory_remembers_the_names_of_earlier_versions(tmp_path: 
     path.write_text("pods:\n  - {namespace: ml, pod: web-1, workload: web}\n")
     directory.reload_now()
     assert [info.pod for info in directory.pods("ml")] == ["web-1"]
-    known: object = directory
-    assert isinstance(known, RemembersNames)
     assert sorted(directory.seen_names.workload_names("ml")) == ["sleeper", "trainer", "web"]
 
 
@@ -80,10 +96,11 @@ async def test_the_kubernetes_directory_remembers_deleted_pods_owners_and_scale_
     await directory.start()
     try:
         await until(lambda: directory.problem() is None and directory.scale_targets_problem() is None)
+        listed = directory.version("ml")
         listed_pods.events.put_nowait({"type": "DELETED", "object": pod("ml", "trainer-7c9d-a", {})})
         await until(lambda: directory.lookup("ml", "trainer-7c9d-a") is None)
-        known: object = directory
-        assert isinstance(known, RemembersNames)
+        assert directory.version("ml") != listed  # its pods changed
+        assert directory.pods("ml") == []
         names = directory.seen_names
         assert names.carriers("ml", "sleeper") == {SCALE_TARGET_REF}
         assert names.carriers("ml", "trainer") == {POD_OWNER}
