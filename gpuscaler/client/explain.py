@@ -22,6 +22,7 @@ from gpuscaler.generated import externalscaler as keda
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.model.gpu_metrics import Metric
 from gpuscaler.query.metadata import asks_in_scaled_object_namespace
+from gpuscaler.server.preview import PREVIEW_METADATA
 from gpuscaler.signals.hpa import MetricType, desired_replicas
 
 # A query on one of these reads GPUs; any other metric is an engine signal, or a combined query's name.
@@ -76,8 +77,11 @@ async def collect(
     call_timeout: float = 5.0,
     scaled_object: tuple[str, str] = DEFAULT_SCALED_OBJECT,
 ) -> Report:
-    """Ask as KEDA would for the ScaledObject ``scaled_object`` (namespace, name) with this trigger ``metadata``."""
-    scaler = keda.ExternalScalerStub(channel)
+    """Ask as KEDA would for the ScaledObject ``scaled_object`` (namespace, name) with this trigger ``metadata``.
+
+    Each call is marked as a preview: the server answers what KEDA would get now, and moves nothing KEDA's own calls
+    keep (activation states, the record of selections that match nothing, the per-ScaledObject series)."""
+    scaler = keda.ExternalScalerStub(channel, metadata=PREVIEW_METADATA)
     namespace, name = scaled_object
     ref = keda.ScaledObjectRef(name=name, namespace=namespace, scaler_metadata=dict(metadata))
     spec = await _answer(scaler.get_metric_spec(ref, timeout=call_timeout))

@@ -1,13 +1,17 @@
 """KEDA's ExternalScaler service (``protos/externalscaler.proto``), answered from the evaluator.
 
-betterproto2 names handlers in snake_case (``get_metrics`` serves ``GetMetrics``); the wire names are KEDA's.
+betterproto2 names handlers in snake_case (``get_metrics`` serves ``GetMetrics``); the wire names are KEDA's. A call
+marked as a preview (``preview.py``: ``gpuscaler query``) gets the answer KEDA would get now, and nothing is kept.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
+import grpclib.const
+import grpclib.server
 import structlog
 
 from gpuscaler.generated.externalscaler import (
@@ -22,6 +26,7 @@ from gpuscaler.generated.externalscaler import (
 )
 from gpuscaler.model.errors import InvalidMetadata, UnknownMetricName
 from gpuscaler.query.query import Query
+from gpuscaler.server.preview import PREVIEW_HEADER, PREVIEW_VALUE
 from gpuscaler.server.status import grpc_errors
 from gpuscaler.server.telemetry import ScalerAnswers
 from gpuscaler.signals.evaluator import Evaluator
@@ -42,7 +47,9 @@ def round_half_up(value: float) -> int:
 class ExternalScalerService(ExternalScalerBase):
     """KEDA's four calls. Requests are only read: calls with the same request bytes share one message.
 
-    ``answers``, when given, learns each ScaledObject's target, value and failed GetMetrics for /metrics.
+    ``answers``, when given, learns each ScaledObject's target, value and failed GetMetrics for /metrics. A call
+    whose metadata marks it as a preview (``preview=True`` below) is answered the same, from the state as it is:
+    no activation state moves, and neither ``answers`` nor the evaluator's records learn of it.
     """
 
     def __init__(self, evaluator: Evaluator, answers: ScalerAnswers | None = None) -> None:
@@ -56,16 +63,53 @@ class ExternalScalerService(ExternalScalerBase):
             raise InvalidMetadata("scaledObjectRef is missing; KEDA always sends it, so is this client KEDA?")
         return self._evaluator.parse(ref.scaler_metadata, ref.namespace, ref.name)
 
-    async def is_active(self, message: ScaledObjectRef) -> IsActiveResponse:
+    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
+        """The generated handlers' paths, each served by one that reads whether the call is a preview."""
+        mapping = super().__mapping__()
+        served: dict[str, Callable[[grpclib.server.Stream[Any, Any]], Awaitable[None]]] = {
+            "/externalscaler.ExternalScaler/IsActive": self._serve_is_active,
+            "/externalscaler.ExternalScaler/StreamIsActive": self._serve_stream_is_active,
+            "/externalscaler.ExternalScaler/GetMetricSpec": self._serve_get_metric_spec,
+            "/externalscaler.ExternalScaler/GetMetrics": self._serve_get_metrics,
+        }
+        return {path: handler._replace(func=served[path]) for path, handler in mapping.items()}
+
+    async def _serve_is_active(self, stream: grpclib.server.Stream[ScaledObjectRef, IsActiveResponse]) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        await stream.send_message(await self.is_active(request, preview=_preview(stream)))
+
+    async def _serve_stream_is_active(self, stream: grpclib.server.Stream[ScaledObjectRef, IsActiveResponse]) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        async for response in self.stream_is_active(request, preview=_preview(stream)):
+            await stream.send_message(response)
+
+    async def _serve_get_metric_spec(
+        self, stream: grpclib.server.Stream[ScaledObjectRef, GetMetricSpecResponse]
+    ) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        await stream.send_message(await self.get_metric_spec(request, preview=_preview(stream)))
+
+    async def _serve_get_metrics(self, stream: grpclib.server.Stream[GetMetricsRequest, GetMetricsResponse]) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        await stream.send_message(await self.get_metrics(request, preview=_preview(stream)))
+
+    async def is_active(self, message: ScaledObjectRef, *, preview: bool = False) -> IsActiveResponse:
         async with grpc_errors("IsActive"):
             query = self._query(message)
             await self._evaluator.prepare(query)
+            if preview:
+                value = self._evaluator.preview_value(query)
+                return IsActiveResponse(result=self._evaluator.would_be_active(query, value))
             return IsActiveResponse(result=self._evaluator.is_active(query, (message.namespace, message.name)))
 
-    async def get_metric_spec(self, message: ScaledObjectRef) -> GetMetricSpecResponse:
+    async def get_metric_spec(self, message: ScaledObjectRef, *, preview: bool = False) -> GetMetricSpecResponse:
         async with grpc_errors("GetMetricSpec"):
             query = self._query(message)
-        if self._answers is not None:
+        if self._answers is not None and not preview:
             self._answers.observe_target(message.namespace, message.name, query)
         spec = MetricSpec(
             metric_name=query.metric_name,
@@ -74,8 +118,9 @@ class ExternalScalerService(ExternalScalerBase):
         )
         return GetMetricSpecResponse(metric_specs=[spec])
 
-    async def get_metrics(self, message: GetMetricsRequest) -> GetMetricsResponse:
+    async def get_metrics(self, message: GetMetricsRequest, *, preview: bool = False) -> GetMetricsResponse:
         ref = message.scaled_object_ref
+        answers = None if preview else self._answers
         query: Query | None = None
         try:
             async with grpc_errors("GetMetrics"):
@@ -86,14 +131,17 @@ class ExternalScalerService(ExternalScalerBase):
                         f"GetMetricSpec named it {query.metric_name!r}"
                     )
                 await self._evaluator.prepare(query)
-                value = self._evaluator.value(query, (ref.namespace, ref.name) if ref is not None else None)
+                if preview:
+                    value = self._evaluator.preview_value(query)
+                else:
+                    value = self._evaluator.value(query, (ref.namespace, ref.name) if ref is not None else None)
         except Exception:  # an error answer, not a cancellation: the value KEDA had is unknown from now on
-            if self._answers is not None and ref is not None:
+            if answers is not None and ref is not None:
                 name = message.metric_name if query is None else query.metric_name
-                self._answers.observe_error(ref.namespace, ref.name, name, query)
+                answers.observe_error(ref.namespace, ref.name, name, query)
             raise
-        if self._answers is not None and ref is not None:
-            self._answers.observe_value(ref.namespace, ref.name, query, value)
+        if answers is not None and ref is not None:
+            answers.observe_value(ref.namespace, ref.name, query, value)
         return self._metrics_response(query.metric_name, value)
 
     def _metrics_response(self, metric_name: str, value: float) -> GetMetricsResponse:
@@ -109,13 +157,19 @@ class ExternalScalerService(ExternalScalerBase):
             self._responses[key] = response
         return response
 
-    async def stream_is_active(self, message: ScaledObjectRef) -> AsyncIterator[IsActiveResponse]:
+    async def stream_is_active(
+        self, message: ScaledObjectRef, *, preview: bool = False
+    ) -> AsyncIterator[IsActiveResponse]:
+        """KEDA's push stream; a preview sends the first message KEDA's would send now, and ends."""
         async with grpc_errors("StreamIsActive"):
             query = self._query(message)
             await self._evaluator.prepare(query)
             refusal = self._evaluator.evaluate(query.value).error
             if isinstance(refusal, InvalidMetadata):
                 raise refusal  # a GPU the node lacks: refuse it as IsActive does, not with a silent stream
+        if preview:
+            yield IsActiveResponse(result=await self._evaluator.first_push(query))
+            return
         scaled_object = f"{message.namespace}/{message.name}"
         if self._answers is not None:
             self._answers.stream_opened(message.namespace, message.name, query)
@@ -140,3 +194,8 @@ class ExternalScalerService(ExternalScalerBase):
             if self._answers is not None:
                 self._answers.stream_closed(message.namespace, message.name, query)
             log.info("stream_closed", scaled_object=scaled_object, metric_name=query.metric_name, reason=reason)
+
+
+def _preview(stream: grpclib.server.Stream[Any, Any]) -> bool:
+    """Whether the call's metadata marks it as a preview: one look-up, on every call."""
+    return stream.metadata is not None and stream.metadata.get(PREVIEW_HEADER) == PREVIEW_VALUE

@@ -177,6 +177,11 @@ class Evaluator:
         self._note_left_out(evaluation)
         return value
 
+    def preview_value(self, query: Query) -> float:
+        """``value``'s answer, or its error, with nothing kept: no record of an empty selection, no note (log line,
+        observers) of what the answer left out. For a preview of KEDA's calls (``server/preview.py``)."""
+        return self.evaluate(query.value).value_or_raise()
+
     def _note_left_out(self, evaluation: Evaluation) -> None:
         """Make a partial answer visible: every time to the observers, and in the log when what it lacks changes."""
         gpus = evaluation.unread
@@ -211,6 +216,16 @@ class Evaluator:
     def would_be_active(self, query: Query, value: float) -> bool:
         """What IsActive would answer for ``value`` now, from the state as it is, which this leaves as it is."""
         return self._states.peek(query.activation_key, value, query.activation)
+
+    async def first_push(self, query: Query) -> bool:
+        """What a push stream opened now would send first, without opening one or keeping a state: as that stream
+        does, it waits for a snapshot with a known value (a preview of StreamIsActive)."""
+        while True:
+            value = self.evaluate(query.value).value
+            if value is not None:
+                return self.would_be_active(query, value)
+            latest = self.source.latest
+            await self.source.wait_newer(latest.sequence if latest is not None else -1)
 
     def empty_selection(self, evaluation: Evaluation) -> EmptySelection | None:
         """Why an answer of 0 selected no pod, if its selection matches none (read only: for Explain)."""

@@ -3,6 +3,7 @@ and `gpuscaler query` say which selection and what it may have meant; reading it
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpuscaler.gateway.process import Gateway
 from gpuscaler.generated import externalscaler as keda
 from gpuscaler.generated.gpuscaler import v1 as pb
+from gpuscaler.server.preview import PREVIEW_METADATA
 from tests.fakes.fake_kubelet import Assignment
 from tests.gateway.calls import view_has
 from tests.gateway.conftest import StartGateway, StartNode
@@ -48,9 +50,10 @@ async def gateway(start_node: StartNode, start_gateway: StartGateway, tmp_path: 
     return started
 
 
-async def keda_round(channel: Channel, name: str, **metadata: str) -> tuple[float, bool]:
-    """KEDA's poll for ScaledObject ml/NAME: GetMetricSpec, GetMetrics with its name, IsActive."""
-    stub = keda.ExternalScalerStub(channel)
+async def keda_round(channel: Channel, name: str, preview: bool = False, **metadata: str) -> tuple[float, bool]:
+    """KEDA's poll for ScaledObject ml/NAME: GetMetricSpec, GetMetrics with its name, IsActive; with ``preview``,
+    marked as `gpuscaler query` marks its calls."""
+    stub = keda.ExternalScalerStub(channel, metadata=PREVIEW_METADATA if preview else None)
     ref = keda.ScaledObjectRef(name=name, namespace="ml", scaler_metadata=metadata)
     spec = await stub.get_metric_spec(ref)
     request = keda.GetMetricsRequest(scaled_object_ref=ref, metric_name=spec.metric_specs[0].metric_name)
@@ -103,6 +106,34 @@ async def test_keda_gets_zero_and_explain_says_the_selection_matched_nothing(gat
         channel.close()
 
 
+async def test_a_preview_moves_nothing_that_keda_s_own_calls_move(gateway: Gateway) -> None:
+    """The calls `gpuscaler query` makes (marked as a preview) get KEDA's answers and leave the activation states,
+    the record of empty selections and the log as found; the same calls unmarked move all three."""
+    channel = Channel("127.0.0.1", gateway.port)
+    record = gateway.evaluator.empty_selections
+    assert record is not None
+    try:
+        with structlog.testing.capture_logs() as logged:
+            assert await keda_round(channel, "typo-so", preview=True, workload="trainr") == (0.0, False)
+            value, active = await keda_round(channel, "trainer-so", preview=True, workload="trainer")
+            assert value == pytest.approx(80.0)
+            assert active is True
+            stream = keda.ExternalScalerStub(channel, metadata=PREVIEW_METADATA).stream_is_active(
+                keda.ScaledObjectRef(name="trainer-so", namespace="ml", scaler_metadata={"workload": "trainer"})
+            )
+            async with asyncio.timeout(10):
+                assert [message.result async for message in stream] == [True]
+            assert (activation_states(gateway), len(record)) == (0, 0)
+            assert [e for e in logged if e["event"] in ("selection_matches_nothing", "stream_opened")] == []
+
+            await keda_round(channel, "typo-so", workload="trainr")
+            await keda_round(channel, "trainer-so", workload="trainer")
+        assert (activation_states(gateway), len(record)) == (2, 1)
+        assert [e["scaled_object"] for e in logged if e["event"] == "selection_matches_nothing"] == ["ml/typo-so"]
+    finally:
+        channel.close()
+
+
 async def test_metrics_name_each_scaled_object_whose_selection_matches_nothing(gateway: Gateway) -> None:
     """The gauge has one series per ScaledObject's trigger, seen=no for a typo and seen=yes for a workload at zero
     that a ScaledObject's scaleTargetRef names; a selection with pods has none."""
@@ -148,3 +179,6 @@ async def test_query_says_the_namespace_it_asked_in_and_what_matched_nothing(
     table = capsys.readouterr().out
     assert "Namespace: " not in table
     assert "none matches" not in table
+    # A read: no entry for default/gpuscaler-query, which does not exist, and no activation state moved.
+    assert gateway.evaluator.empty_selections is not None
+    assert (len(gateway.evaluator.empty_selections), activation_states(gateway)) == (0, 0)

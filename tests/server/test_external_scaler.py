@@ -16,6 +16,7 @@ from gpuscaler.agent.collectors.fake import Failure, FakeCollector
 from gpuscaler.agent.process import Agent
 from gpuscaler.generated.externalscaler import ExternalScalerStub, GetMetricsRequest, ScaledObjectRef
 from gpuscaler.model.gpu_metrics import Metric
+from gpuscaler.server.preview import PREVIEW_METADATA
 from gpuscaler.server.transport.calls import MAX_RECEIVE_MESSAGE_BYTES
 from tests.conftest import StartAgent
 from tests.waiting import until, until_result
@@ -176,6 +177,34 @@ async def test_hysteresis_keeps_active_between_thresholds(agent: Agent, channel:
         collector.set_values(0, {Metric.GPU_UTILIZATION: value})
         await next_tick(agent)
         assert (await stub.is_active(scaled)).result is expected, value
+
+
+async def test_a_preview_answers_as_keda_would_and_moves_no_activation_state(agent: Agent, channel: Channel) -> None:
+    """`gpuscaler query`'s calls (marked as a preview) at 60% answer what KEDA would get, active; they leave the
+    hysteresis as found, so KEDA's own IsActive at 30% still reads inactive. KEDA's at 60% does move it."""
+    stub = ExternalScalerStub(channel)
+    preview = ExternalScalerStub(channel, metadata=PREVIEW_METADATA)
+    collector = fake(agent)
+    scaled = ref(metric="gpu_utilization", gpuIndex="0", activationThreshold="50", deactivationThreshold="20")
+    name = (await preview.get_metric_spec(scaled)).metric_specs[0].metric_name
+    collector.set_values(0, {Metric.GPU_UTILIZATION: 60.0})
+    await next_tick(agent)
+    assert (await preview.is_active(scaled)).result is True
+    [value] = (await preview.get_metrics(GetMetricsRequest(scaled_object_ref=scaled, metric_name=name))).metric_values
+    assert value.metric_value_float == 60.0
+    async with asyncio.timeout(10):  # the first message KEDA's stream would get, then the end (KEDA's stays open)
+        assert [message.result async for message in preview.stream_is_active(scaled)] == [True]
+
+    collector.set_values(0, {Metric.GPU_UTILIZATION: 30.0})
+    await next_tick(agent)
+    assert (await stub.is_active(scaled)).result is False  # first sight at 30%: nothing made it active
+    collector.set_values(0, {Metric.GPU_UTILIZATION: 60.0})
+    await next_tick(agent)
+    assert (await stub.is_active(scaled)).result is True
+    collector.set_values(0, {Metric.GPU_UTILIZATION: 30.0})
+    await next_tick(agent)
+    assert (await preview.is_active(scaled)).result is True  # KEDA's state, as it is: active holds above 20%
+    assert (await stub.is_active(scaled)).result is True
 
 
 async def test_streams_end_ok_on_stop(start_agent: StartAgent) -> None:

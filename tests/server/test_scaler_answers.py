@@ -14,6 +14,7 @@ from gpuscaler.model.errors import Unavailable
 from gpuscaler.model.gpu_metrics import Metric
 from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.query.query import Query
+from gpuscaler.server.preview import PREVIEW_METADATA
 from gpuscaler.server.telemetry import ScalerAnswers
 from gpuscaler.signals.outcome import Evaluation, ListedContributions, failed
 from tests.server.test_external_scaler import next_tick
@@ -58,6 +59,17 @@ def pushed(query: Query, value: float | None) -> Evaluation:
     if value is None:
         return failed(query.value, None, Unavailable("gpu 0 is lost"))
     return Evaluation(query.value, ListedContributions(), value, None, None)
+
+
+async def test_a_preview_adds_no_per_scaled_object_series(agent: Agent, channel: Channel) -> None:
+    """A preview's GetMetricSpec and GetMetrics leave /metrics without a series for the ScaledObject it names."""
+    preview = ExternalScalerStub(channel, metadata=PREVIEW_METADATA)
+    scaled = ScaledObjectRef(name="gpuscaler-query", namespace="default", scaler_metadata={"targetValue": "60"})
+    [spec] = (await preview.get_metric_spec(scaled)).metric_specs
+    await preview.get_metrics(GetMetricsRequest(scaled_object_ref=scaled, metric_name=spec.metric_name))
+    series = await scrape(agent)
+    assert series.get(VALUE, []) == []
+    assert series.get(TARGET, []) == []
 
 
 async def test_keda_sees_its_value_and_target_per_scaled_object(agent: Agent, channel: Channel) -> None:
