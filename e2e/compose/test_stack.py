@@ -18,6 +18,7 @@ import yaml
 from e2e.compose.conftest import BIN, EXPECTED_GPUS, gpus_per_node
 from e2e.compose.project import ROOT, Project, published_ports
 from image.build import project_version
+from tests import readme_commands
 
 T = TypeVar("T")
 SERVICES: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
@@ -42,13 +43,6 @@ def _moved(stack: Project, command: str) -> str:
         command = re.sub(r"gpuscaler (query|fake \w+)", r"\g<0> --address 127.0.0.1:6000", command)
     command = re.sub(r"127\.0\.0\.1:(\d+)", lambda m: f"127.0.0.1:{defaults[int(m[1])]}", command)
     return command.replace(".venv/bin/", f"{BIN}/")
-
-
-def _readme_block(pattern: str) -> list[str]:
-    readme = (ROOT / "README.md").read_text()
-    match = re.search(pattern, readme, re.S)
-    assert match is not None, pattern
-    return match[1].splitlines()
 
 
 def _query(stack: Project, *words: str) -> dict[str, Any]:
@@ -91,18 +85,9 @@ def test_keda_view_prints_what_keda_gets_from_the_gateway(stack: Project) -> Non
 def test_the_readme_dev_commands_answer_as_under_make_dev(stack: Project) -> None:
     """Each command README shows for the dev stack succeeds (`--watch` left out, so it runs once), and the query
     after `fake fail` gets the UNAVAILABLE KEDA would, as under `make dev`."""
-    commands = _readme_block(r"`make dev` installs only the runtime.*?in another terminal:\n\n```sh\n(.*?)```")
-    assert any("fake fail" in command for command in commands)
-    after_failure = False
-    for command in commands:
-        command = re.sub(r" --watch \d+", "", _moved(stack, command))
-        result = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=60)
-        if after_failure:
-            assert result.returncode == 1, (command, result.stdout, result.stderr)
-            assert "UNAVAILABLE" in result.stdout, command
-        else:
-            assert result.returncode == 0, (command, result.stdout, result.stderr)
-        after_failure = "fake fail" in command
+    commands = readme_commands.block(readme_commands.DEV_STACK)
+    results = [readme_commands.run(re.sub(r" --watch \d+", "", _moved(stack, command))) for command in commands]
+    readme_commands.check_dev_stack(commands, results)
 
 
 def _held_by(namespace: str, chosen: Callable[[dict[str, Any]], bool]) -> set[tuple[str, int]]:
@@ -159,17 +144,9 @@ def test_one_node_going_quiet_reads_unavailable_naming_it(stack: Project) -> Non
                 node = SERVICES[port.service]["environment"]["NODE_NAME"]
                 got = _until(partial(gpus_per_node, stack.address(port.service, "grpc")), bool)
                 assert set(got) == {node}, port.service
-        commands = _readme_block(r"\*\*One node goes quiet\.\*\*.*?```sh\n(.*?)```")
-        for command in commands:
+        for command in readme_commands.block(readme_commands.QUIET_NODE):
             command = _moved(stack, command)
-            result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
-            comment = command.partition("#")[2]
-            if named := re.search(r"UNAVAILABLE, naming (\S+)", comment):
-                assert result.returncode == 1, (command, result.stdout)
-                assert "UNAVAILABLE" in result.stdout, command
-                assert named[1] in result.stdout, command
-            else:
-                assert result.returncode == 0, (command, result.stdout, result.stderr)
+            readme_commands.check_quiet_node(command, readme_commands.run(command))
     finally:
         stack.check("start", "node-b")
     _until(lambda: gpus_per_node(stack.address("gateway", "grpc")), lambda got: got == EXPECTED_GPUS, timeout=90)

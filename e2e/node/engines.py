@@ -11,8 +11,6 @@ its queue rise.
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
 from typing import Any
 
 import aiohttp
@@ -23,6 +21,7 @@ from gpuscaler.model.aggregation import Aggregation
 from gpuscaler.model.engines import ENGINE_SIGNALS, Engine, EngineMetric
 from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.query.query import CombinedQuery, EngineQuery
+from tests import dev_scripts
 
 FAKE_ENGINE = REPOSITORY_ROOT / "dev" / "fake_engines.py"
 EXAMPLES = REPOSITORY_ROOT / "charts" / "gpuscaler" / "examples" / "engines"
@@ -31,18 +30,7 @@ MOUNT = "/fake-engine"
 REQUEST_TIMEOUT_SECONDS = 10.0
 
 
-def _fake_engines() -> Any:
-    """dev/fake_engines.py as a module, for its model's constants (dev/ is no package: programs run from it)."""
-    spec = importlib.util.spec_from_file_location("dev_fake_engines", FAKE_ENGINE)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-fake_engines = _fake_engines()
+fake_engines = dev_scripts.load("fake_engines")
 
 
 def engine_query(scaled_object: Json) -> EngineQuery | CombinedQuery | None:

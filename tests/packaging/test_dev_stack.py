@@ -27,6 +27,8 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
+from tests import dev_scripts, readme_commands
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 SERVICES: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
@@ -183,24 +185,15 @@ def test_it_serves_every_node_and_the_gateway_at_the_addresses_it_prints(dev_sta
 def test_the_readme_dev_commands_work_against_it(dev_stack: Stack) -> None:
     """Each command README shows for a running `make dev` succeeds against it (on its ports; `--watch` left out,
     so it runs once), and the query after `fake fail` gets the UNAVAILABLE KEDA would."""
-    readme = (ROOT / "README.md").read_text()
-    match = re.search(r"`make dev` installs only the runtime.*?in another terminal:\n\n```sh\n(.*?)```", readme, re.S)
-    assert match is not None
-    commands = match[1].splitlines()
-    assert any("fake fail" in command for command in commands)
-    after_failure = False
+    commands = readme_commands.block(readme_commands.DEV_STACK)
+    results = []
     for command in commands:
         if "--address" not in command:  # the CLI's default, which README relies on
             command = re.sub(r"gpuscaler (query|fake \w+)", r"\g<0> --address 127.0.0.1:6000", command)
         command = re.sub(r"127\.0\.0\.1:(\d+)", lambda m: f"127.0.0.1:{int(m[1]) + dev_stack.offset}", command)
         command = re.sub(r" --watch \d+", "", command.replace(".venv/bin/", f"{BIN}/"))
-        result = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=60)
-        if after_failure:
-            assert result.returncode == 1, (command, result.stdout, result.stderr)
-            assert "UNAVAILABLE" in result.stdout, command
-        else:
-            assert result.returncode == 0, (command, result.stdout, result.stderr)
-        after_failure = "fake fail" in command
+        results.append(readme_commands.run(command))
+    readme_commands.check_dev_stack(commands, results)
 
 
 @pytest.mark.timeout(180)
@@ -352,13 +345,6 @@ def test_the_two_pod_files_describe_the_same_pods() -> None:
         assert len(indices) == len(set(indices)), f"two pods hold one GPU of {node}"
 
 
-def _quiet_node_commands() -> list[str]:
-    readme = (ROOT / "README.md").read_text()
-    match = re.search(r"\*\*One node goes quiet\.\*\*.*?```sh\n(.*?)```", readme, re.S)
-    assert match is not None, "README shows what a quiet node looks like"
-    return match[1].splitlines()
-
-
 @pytest.mark.timeout(300)
 def test_one_agent_ending_leaves_the_rest_serving_and_ctrl_c_still_stops_all() -> None:
     """kill -9 of one agent (its PID from the banner): the stack says so and how to start it again; the other
@@ -377,17 +363,10 @@ def test_one_agent_ending_leaves_the_rest_serving_and_ctrl_c_still_stops_all() -
                 stack.answers(stack.address(_default(spec["ports"][0])), {node: NODES[node]})
         gateway = stack.address(6000)
         _until(lambda: _pod_query(gateway, "profile=batch")[0], lambda ok: not ok)  # gpu-node-b is silent now
-        for command in _quiet_node_commands():
+        for command in readme_commands.block(readme_commands.QUIET_NODE):
             command = re.sub(r"gpuscaler query", f"gpuscaler query --address {gateway}", command)
             command = command.replace(".venv/bin/", f"{BIN}/")
-            result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
-            comment = command.partition("#")[2]
-            if named := re.search(r"UNAVAILABLE, naming (\S+)", comment):
-                assert result.returncode == 1, (command, result.stdout)
-                assert "UNAVAILABLE" in result.stdout, command
-                assert named[1] in result.stdout, command
-            else:
-                assert result.returncode == 0, (command, result.stdout, result.stderr)
+            readme_commands.check_quiet_node(command, readme_commands.run(command))
         stack.type("start node-b")
         stack.said(r"^stack: started node-b again \(pid \d+\)")
         stack.answers(gateway, NODES)
@@ -399,21 +378,10 @@ def test_one_agent_ending_leaves_the_rest_serving_and_ctrl_c_still_stops_all() -
         assert stack.process.wait(timeout=60) == 0, stack.tail()
 
 
-def _load_stack_module() -> Any:
-    """dev/stack.py as a module (dev/ is no package: `make dev` runs it as a script)."""
-    spec = importlib.util.spec_from_file_location("dev_stack", ROOT / "dev" / "stack.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_make_dev_moves_each_port_with_compose_yaml_s_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The variables that move compose.yaml's published ports move `make dev`'s too, with --port-offset added on top:
     every published address, every address a service calls, and the pod directory's engine ports follow."""
-    stack = _load_stack_module()
+    stack = dev_scripts.load("stack")
     moved: dict[tuple[str, str], int] = {}
     for name, spec in SERVICES.items():
         for port in spec.get("ports", []):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import random
 import re
@@ -17,21 +16,12 @@ from typing import Any
 
 import pytest
 
+from tests import dev_scripts
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _stack_module() -> Any:
-    """dev/stack.py as a module (dev/ is no package: `make dev` runs it as a script)."""
-    spec = importlib.util.spec_from_file_location("dev_stack_ports", ROOT / "dev" / "stack.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-STACK = _stack_module()
+STACK = dev_scripts.load("stack")
 
 
 @contextlib.contextmanager
