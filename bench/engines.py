@@ -27,8 +27,9 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import print_table, write_result
+from gpuscaler.gateway.engines.limits import ScrapeLimits
 from gpuscaler.gateway.engines.page import prefilter, read_page
-from gpuscaler.gateway.engines.scraper import EngineScraper, ScrapeLimits
+from gpuscaler.gateway.engines.scraper import EngineScraper
 from gpuscaler.model.engines import Engine, engine_series
 from gpuscaler.signals.engine_pods import Endpoint
 

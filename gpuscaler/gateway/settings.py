@@ -29,7 +29,7 @@ from gpuscaler.flags import (
     server_flags,
 )
 from gpuscaler.gateway.discovery import DEFAULT_RESOLVE_INTERVAL_SECONDS, read_agents_file
-from gpuscaler.gateway.engines.scraper import DEFAULT_SCRAPE_LIMITS, ScrapeLimits
+from gpuscaler.gateway.engines.limits import DEFAULT_SCRAPE_LIMITS, ScrapeLimits
 from gpuscaler.model.errors import ConfigError
 
 DEFAULT_GATEWAY_HISTORY = "2m"

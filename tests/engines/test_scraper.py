@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpuscaler.gateway.engines import scraper as scraper_module
+from gpuscaler.gateway.engines import page_reader as page_reader_module
 from gpuscaler.gateway.engines.page import read_page
 from gpuscaler.gateway.engines.scraper import EngineScraper
 from gpuscaler.model.engines import Engine
@@ -27,14 +27,14 @@ async def test_a_bug_while_reading_leaves_the_pod_unread_and_the_reads_going(mon
         def broken(*args: object, **kwargs: object) -> object:
             raise RuntimeError("a bug")
 
-        monkeypatch.setattr(scraper_module, "read_page", broken)
+        monkeypatch.setattr(page_reader_module, "read_page", broken)
         scraper.want(POD, Engine.TGI, endpoint, 0.25)
         await scraper.settle()
         scrape = scraper.want(POD, Engine.TGI, endpoint, 0.25)
         assert scrape is not None
         assert scrape.error == "cannot read it: RuntimeError: a bug"
         assert scraper.results == {"error": 1}
-        monkeypatch.setattr(scraper_module, "read_page", real)
+        monkeypatch.setattr(page_reader_module, "read_page", real)
         await until(lambda: (s := scraper.want(POD, Engine.TGI, endpoint, 0.25)) is not None and s.error is None)
         assert scraper.pods()[POD].page is not None
     finally:

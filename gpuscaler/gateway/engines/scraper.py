@@ -1,9 +1,8 @@
 """The gateway's engine scraper: each wanted pod's metrics page, read at the interval its queries ask.
 
 Lazy: a pod is read only while a query asks for it (``want``), and is forgotten ``FORGET_AFTER_SECONDS`` after
-the last ask. One scrape per pod serves every query on it, at the shortest interval any of them asks. Every
-read is bounded: a timeout, a body size, a number in flight, no redirects, no proxy, no compression (a small
-gzip can inflate to gigabytes), and only the address the pod itself declares (``signals/engine_pods.py``).
+the last ask. One scrape per pod serves every query on it, at the shortest interval any of them asks, with a
+number in flight; each read is ``page_reader.PageReader``'s, and bounded there.
 """
 
 from __future__ import annotations
@@ -17,8 +16,10 @@ from dataclasses import dataclass
 import aiohttp
 import structlog
 
-from gpuscaler.gateway.engines.page import MalformedPage, prefilter, read_page
-from gpuscaler.model.engines import Engine, PodScrape, engine_series
+from gpuscaler.gateway.engines.limits import DEFAULT_SCRAPE_LIMITS, ScrapeLimits
+from gpuscaler.gateway.engines.page import MalformedPage
+from gpuscaler.gateway.engines.page_reader import PageReader, ScrapeFailed
+from gpuscaler.model.engines import Engine, PodScrape
 from gpuscaler.signals.engine_pods import Endpoint
 from gpuscaler.signals.engine_source import PodKey
 
@@ -30,19 +31,6 @@ FORGET_AFTER_SECONDS = 120.0
 # hear of the scrapes that landed at most this often too, so a thousand pods read a second wake push streams
 # twenty times, not a thousand.
 TICK_SECONDS = 0.05
-CHUNK_BYTES = 64 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class ScrapeLimits:
-    """What one scrape may cost (``--engine-scrape-*`` flags)."""
-
-    timeout_seconds: float = 2.0
-    max_page_bytes: int = 4 * 1024 * 1024
-    concurrency: int = 32
-
-
-DEFAULT_SCRAPE_LIMITS = ScrapeLimits()
 
 
 @dataclass(slots=True)
@@ -67,9 +55,8 @@ class EngineScraper:
         self._notify_scheduled = False
         self._someone_wants = asyncio.Event()  # the loop sleeps on it while nothing is wanted
         self._slots = asyncio.Semaphore(self.limits.concurrency)
-        self._session: aiohttp.ClientSession | None = None
+        self._reader = PageReader(self.limits)
         self._loop_task: asyncio.Task[None] | None = None
-        self._prefilters = {engine: prefilter(engine_series(engine)) for engine in Engine}
         # What /metrics counts: scrapes by outcome, and the newest of each pod (``pods``).
         self.results: dict[str, int] = {}
         self.on_scrape: list[Callable[[float, str], None]] = []  # (seconds, outcome)
@@ -79,13 +66,7 @@ class EngineScraper:
         return self.limits.timeout_seconds
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self.limits.concurrency, use_dns_cache=False),
-            timeout=aiohttp.ClientTimeout(total=self.limits.timeout_seconds),
-            auto_decompress=False,
-            trust_env=False,  # no proxy from the environment: the pod's own address, or nothing
-            headers={"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "identity"},
-        )
+        await self._reader.start()
         self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="engine-scraper")
 
     async def stop(self) -> None:
@@ -97,8 +78,7 @@ class EngineScraper:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._session is not None:
-            await self._session.close()
+        await self._reader.close()
 
     def want(self, pod: PodKey, engine: Engine, endpoint: Endpoint, interval_seconds: float) -> PodScrape | None:
         now = self._clock()
@@ -164,8 +144,8 @@ class EngineScraper:
         started = self._clock()
         try:
             async with self._slots:
-                body = await self._fetch(wanted.endpoint)
-            page = read_page(body, self._prefilters[wanted.engine], at=self._clock())
+                body = await self._reader.fetch(wanted.endpoint)
+            page = self._reader.parse(body, wanted.engine, at=self._clock())
             previous = wanted.scrape.page if wanted.scrape is not None else None
             wanted.scrape = PodScrape(wanted.endpoint.url, page, previous)
             outcome = "ok"
@@ -199,23 +179,6 @@ class EngineScraper:
             reason,
         )
 
-    async def _fetch(self, endpoint: Endpoint) -> bytes:
-        assert self._session is not None, "start() first"
-        async with self._session.get(endpoint.url, allow_redirects=False) as response:
-            if response.status != 200:
-                raise ScrapeFailed("status", f"HTTP {response.status} {response.reason or ''}".rstrip())
-            if response.headers.get("Content-Encoding", "identity") != "identity":
-                raise ScrapeFailed("malformed", f"a {response.headers['Content-Encoding']} body; it was not asked for")
-            limit = self.limits.max_page_bytes
-            if (response.content_length or 0) > limit:
-                raise ScrapeFailed("too_large", f"a page of {response.content_length} bytes, over the {limit} allowed")
-            body = bytearray()
-            async for chunk in response.content.iter_chunked(CHUNK_BYTES):
-                body += chunk
-                if len(body) > limit:
-                    raise ScrapeFailed("too_large", f"a page over the {limit} bytes allowed")
-            return bytes(body)
-
     def _notify_soon(self) -> None:
         if self._notify_scheduled:
             return
@@ -226,11 +189,3 @@ class EngineScraper:
         self._notify_scheduled = False
         for listener in self._listeners:
             listener()
-
-
-class ScrapeFailed(Exception):
-    """A page that could not be used, with the outcome /metrics counts it under."""
-
-    def __init__(self, outcome: str, message: str) -> None:
-        super().__init__(message)
-        self.outcome = outcome

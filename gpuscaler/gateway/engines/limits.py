@@ -1,0 +1,20 @@
+"""What reading engine pages may cost: the ``--engine-*`` flags' values, with no HTTP client imported.
+
+Kept apart from the reader so that the settings, and ``serve`` through them, do not import aiohttp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeLimits:
+    """What one scrape may cost (``--engine-scrape-*`` flags)."""
+
+    timeout_seconds: float = 2.0
+    max_page_bytes: int = 4 * 1024 * 1024
+    concurrency: int = 32
+
+
+DEFAULT_SCRAPE_LIMITS = ScrapeLimits()
