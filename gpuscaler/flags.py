@@ -57,6 +57,9 @@ class ConnectionLimits:
     handshake_timeout_seconds: float = 10.0
     idle_timeout_seconds: float = 300.0
     max_connections: int = 256
+    max_connections_per_peer: int = 32
+    max_pending_connections: int = 64
+    first_request_timeout_seconds: float = 5.0
     max_streams: int = 10_000
     request_timeout_seconds: float = 10.0
     max_resets_per_second: int = 100
@@ -117,6 +120,22 @@ SERVER_FLAGS: FlagTable = {
         "seconds a connection may hold no stream before it is sent GOAWAY and closed",
     ),
     "--max-connections": ("MAX_CONNECTIONS", str(DEFAULT_LIMITS.max_connections), "gRPC connections open at once"),
+    "--max-connections-per-peer": (
+        "MAX_CONNECTIONS_PER_PEER",
+        str(DEFAULT_LIMITS.max_connections_per_peer),
+        "gRPC connections open at once from one IP address",
+    ),
+    "--max-pending-connections": (
+        "MAX_PENDING_CONNECTIONS",
+        str(DEFAULT_LIMITS.max_pending_connections),
+        "connections that have not yet sent a call (TLS handshake, preface, first request) held at once; "
+        "past it the oldest is closed",
+    ),
+    "--first-request-timeout": (
+        "FIRST_REQUEST_TIMEOUT",
+        f"{DEFAULT_LIMITS.first_request_timeout_seconds:g}",
+        "seconds a connection has after its HTTP/2 preface to start its first call",
+    ),
     "--max-streams": (
         "MAX_STREAMS",
         str(DEFAULT_LIMITS.max_streams),
@@ -207,6 +226,13 @@ def connection_limits(args: argparse.Namespace, fail: Fail) -> ConnectionLimits:
         handshake_timeout_seconds=seconds_flag(args.handshake_timeout, "--handshake-timeout", fail, 0, 600, above=True),
         idle_timeout_seconds=seconds_flag(args.idle_timeout, "--idle-timeout", fail, 0, 86_400, above=True),
         max_connections=count_flag(args.max_connections, "--max-connections", fail, 1, 100_000),
+        max_connections_per_peer=count_flag(
+            args.max_connections_per_peer, "--max-connections-per-peer", fail, 1, 100_000
+        ),
+        max_pending_connections=count_flag(args.max_pending_connections, "--max-pending-connections", fail, 1, 100_000),
+        first_request_timeout_seconds=seconds_flag(
+            args.first_request_timeout, "--first-request-timeout", fail, 0, 600, above=True
+        ),
         max_streams=count_flag(args.max_streams, "--max-streams", fail, 1, 1_000_000),
         request_timeout_seconds=seconds_flag(args.request_timeout, "--request-timeout", fail, 0, 600, above=True),
         max_resets_per_second=count_flag(args.max_resets_per_second, "--max-resets-per-second", fail, 1, 1_000_000),
