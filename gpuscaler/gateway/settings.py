@@ -101,6 +101,16 @@ GATEWAY_FLAGS: FlagTable = {
         str(DEFAULT_SCRAPE_LIMITS.concurrency),
         "engine metrics pages read at once, 1 to 1024",
     ),
+    "--engine-min-scrape-interval": (
+        "ENGINE_MIN_SCRAPE_INTERVAL",
+        "1s",
+        "the shortest scrapeInterval a query may ask, 100ms to 1m; a shorter one is refused",
+    ),
+    "--engine-max-pods-per-selection": (
+        "ENGINE_MAX_PODS_PER_SELECTION",
+        str(DEFAULT_SCRAPE_LIMITS.max_pods),
+        "the most Ready pods one engine query may read, 1 to 100000; a larger selection is refused",
+    ),
     **SERVER_FLAGS,
 }
 
@@ -176,5 +186,16 @@ def gateway_settings_from_args(args: argparse.Namespace, environ: Mapping[str, s
                 args.engine_max_page_bytes, "--engine-max-page-bytes", fail, 64 * 1024, 64 * 1024 * 1024
             ),
             concurrency=count_flag(args.engine_scrape_concurrency, "--engine-scrape-concurrency", fail, 1, 1024),
+            min_interval_seconds=duration_flag(
+                args.engine_min_scrape_interval,
+                "--engine-min-scrape-interval",
+                fail,
+                0.1,
+                60,
+                "must be between 100ms and 1m",
+            ),
+            max_pods=count_flag(
+                args.engine_max_pods_per_selection, "--engine-max-pods-per-selection", fail, 1, 100_000
+            ),
         ),
     )

@@ -15,6 +15,10 @@ class ScrapeLimits:
     timeout_seconds: float = 2.0
     max_page_bytes: int = 4 * 1024 * 1024
     concurrency: int = 32
+    # What one query may ask (``--engine-min-scrape-interval``, ``--engine-max-pods-per-selection``): together they
+    # bound the reads one selection causes, at most ``max_pods / min_interval_seconds`` a second.
+    min_interval_seconds: float = 1.0
+    max_pods: int = 500
 
 
 DEFAULT_SCRAPE_LIMITS = ScrapeLimits()
