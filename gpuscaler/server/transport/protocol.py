@@ -63,6 +63,8 @@ class ManyStreamsProtocol(H2Protocol):
         self.accepted_at = now
         self.last_stream_at = now
         self.preface_done = False
+        self.preface_at = now  # when its preface completed (the first-request deadline counts from then)
+        self.called = False  # True from its first call on: the guard no longer counts it as pending
         self.admitted = False  # True once the guard counts this connection
         self.write_stalled_since: float | None = None
         self.peer = "?"
@@ -159,6 +161,8 @@ class ManyStreamsProtocol(H2Protocol):
 
     def _request_received(self, accept: Callable[[RequestReceived], None], event: RequestReceived) -> None:
         self.last_stream_at = self.guard.clock()
+        if not self.called:
+            self.guard.first_call(self)
         self._pings.give(PINGS_PER_CALL)
         accept(event)
         stream = self.processor.streams.get(event.stream_id)
@@ -204,6 +208,7 @@ class ManyStreamsProtocol(H2Protocol):
         changed(event)
         if not self.preface_done:
             self.preface_done = True  # the client's first SETTINGS completes its connection preface
+            self.preface_at = self.guard.clock()
         elif not self._pings.take(self.guard.clock()):
             self._calm("ping_flood", f"more than {self.guard.limits.max_pings_per_second} PINGs and SETTINGS a second")
 
