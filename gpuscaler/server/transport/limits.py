@@ -3,10 +3,11 @@
 grpclib and h2 put no bound on any of these (docs/security.md has the report for upstream), so a peer that
 floods, resets, never reads or never speaks could grow the process without limit or stall the event loop
 that every other caller and the poll loop share. ``ConnectionGuard`` is the server-wide half: it admits
-connections and streams against ``ConnectionLimits``, runs one sweep for the timeouts of every connection,
-and records each time a limit acts (a count per limit, and one log line per limit per interval, so an attack
-cannot flood the log either). The protocol in ``protocol`` is the per-connection half: it counts frames
-into its ``TokenBucket``s and asks the guard.
+connections and streams against ``ConnectionLimits`` (the pool, each address's share of it, and the small
+share that connections yet to make a call may hold, the oldest of them giving way to a newcomer), runs one
+sweep for the timeouts of every connection, and records each time a limit acts (a count per limit, and one
+log line per limit per interval, so an attack cannot flood the log either). The protocol in ``protocol`` is
+the per-connection half: it counts frames into its ``TokenBucket``s and asks the guard.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ LIMITS = (
     "handshake_timeout",
     "idle_timeout",
     "max_connections",
+    "max_connections_per_peer",
+    "displaced",
+    "first_request_timeout",
     "max_streams",
     "request_timeout",
     "reset_flood",
@@ -73,6 +77,8 @@ class Guarded(Protocol):
 
     accepted_at: float
     preface_done: bool
+    preface_at: float
+    called: bool
     last_stream_at: float
     write_stalled_since: float | None
     peer: str
@@ -91,6 +97,10 @@ class ConnectionGuard:
         self.limits = limits
         self.clock = clock
         self.connections: set[Guarded] = set()
+        # Admitted connections that have not made a call yet (TLS handshake, preface, first request), oldest
+        # first: strangers until then (with mTLS, unauthenticated until the handshake, which precedes any call).
+        self.pending: dict[Guarded, None] = {}
+        self.per_address: Counter[str] = Counter()
         self.leaving: set[Guarded] = set()  # told GOAWAY and given a moment to read it: no longer counted
         self.streams = 0  # streams accepted and not yet finished, over all connections
         self.push_streams = 0  # those of them that are server streams (StreamIsActive, WatchSnapshots)
@@ -100,21 +110,75 @@ class ConnectionGuard:
         self._sweep: asyncio.Task[None] | None = None
 
     def admit_connection(self, connection: Guarded) -> bool:
-        if len(self.connections) >= self.limits.max_connections:
-            self.act("max_connections", connection.peer, open=len(self.connections))
-            return False
+        """Count a new connection; False past its limit (the caller drops it).
+
+        Where a limit is reached, the oldest connection that has made no call yet (of the newcomer's own address,
+        for that address's limit) is closed to make room (``displaced``): a real client makes its first call
+        within milliseconds, so only connections that hold a place without using it give way. A newcomer is
+        refused only where every place is held by connections that have made calls.
+        """
+        limits, address = self.limits, peer_address(connection.peer)
+        if self.per_address[address] >= limits.max_connections_per_peer:
+            if not self._displace(connection, address):
+                self.act("max_connections_per_peer", connection.peer, open=self.per_address[address])
+                return False
+        elif len(self.connections) >= limits.max_connections:
+            if not self._displace(connection, None):
+                self.act("max_connections", connection.peer, open=len(self.connections))
+                return False
+        elif len(self.pending) >= limits.max_pending_connections:
+            self._displace(connection, None)
         self.connections.add(connection)
+        if not connection.called:
+            self.pending[connection] = None
+        self.per_address[address] += 1
         if self._sweep is None:
             self._sweep = asyncio.get_running_loop().create_task(self._run_sweep(), name="grpc-connection-sweep")
         return True
 
+    def first_call(self, connection: Guarded) -> None:
+        """``connection`` has made its first call: it no longer counts as pending, nor can it be displaced."""
+        connection.called = True
+        self.pending.pop(connection, None)
+
+    def _displace(self, newcomer: Guarded, address: str | None) -> bool:
+        # Close the oldest pending connection (of ``address``, if given) to make room for ``newcomer``.
+        victim = next(
+            (c for c in self.pending if address is None or peer_address(c.peer) == address),
+            None,
+        )
+        if victim is None:
+            return False
+        self.act(
+            "displaced",
+            victim.peer,
+            by=newcomer.peer,
+            held_seconds=round(self.clock() - victim.accepted_at, 3),
+            preface=victim.preface_done,
+        )
+        self._forget(victim)
+        if victim.preface_done:
+            victim.go_away_idle()  # GOAWAY NO_ERROR: a gRPC client retries on a new connection
+        else:
+            victim.abort()
+        return True
+
+    def _forget(self, connection: Guarded) -> None:
+        if connection in self.connections:
+            self.connections.discard(connection)
+            self.pending.pop(connection, None)
+            address = peer_address(connection.peer)
+            self.per_address[address] -= 1
+            if not self.per_address[address]:
+                del self.per_address[address]
+
     def release_connection(self, connection: Guarded) -> None:
-        self.connections.discard(connection)
+        self._forget(connection)
         self.leaving.discard(connection)
 
     def see_off(self, connection: Guarded) -> None:
         """Stop counting a connection told to go; ``close`` drops it if its grace has not run out by then."""
-        self.connections.discard(connection)
+        self._forget(connection)
         self.leaving.add(connection)
 
     def admit_stream(self, *, streaming: bool) -> bool:
@@ -146,11 +210,20 @@ class ConnectionGuard:
 
     def sweep_every_seconds(self) -> float:
         limits = self.limits
-        shortest = min(limits.handshake_timeout_seconds, limits.idle_timeout_seconds, limits.write_timeout_seconds)
+        shortest = min(
+            limits.handshake_timeout_seconds,
+            limits.first_request_timeout_seconds,
+            limits.idle_timeout_seconds,
+            limits.write_timeout_seconds,
+        )
         return min(SWEEP_MAX_SECONDS, max(SWEEP_MIN_SECONDS, shortest / 4))
 
     def sweep(self) -> None:
-        """Close the connections past a timeout: no preface yet, idle, or not reading what they are sent."""
+        """Close the connections past a timeout: no preface yet, no first call, idle, or not reading what they are sent.
+
+        The first call's deadline is much shorter than the idle timeout: a connection that never made a call has
+        shown nothing of being a client, while one that did is KEDA's or the gateway's between calls.
+        """
         now, limits = self.clock(), self.limits
         for connection in list(self.connections):
             if not connection.preface_done:
@@ -163,6 +236,15 @@ class ConnectionGuard:
                     self.act("write_stalled", connection.peer, seconds=limits.write_timeout_seconds)
                     self.release_connection(connection)
                     connection.abort()
+            elif (
+                not connection.called
+                and connection.open_streams() == 0
+                and now - connection.preface_at > limits.first_request_timeout_seconds
+                and now - connection.last_stream_at <= limits.idle_timeout_seconds
+            ):
+                self.act("first_request_timeout", connection.peer, seconds=limits.first_request_timeout_seconds)
+                self.release_connection(connection)
+                connection.go_away_idle()
             elif connection.open_streams() == 0 and now - connection.last_stream_at > limits.idle_timeout_seconds:
                 self.act("idle_timeout", connection.peer, seconds=limits.idle_timeout_seconds)
                 self.release_connection(connection)
@@ -181,3 +263,9 @@ class ConnectionGuard:
         for connection in list(self.leaving):  # a server stopping gives no grace: their sockets go with it
             connection.abort()
         self.leaving.clear()
+
+
+def peer_address(peer: str) -> str:
+    """The IP address of a ``host:port`` peer name (``peer_name``), which the per-address limit counts by."""
+    host, sep, _ = peer.rpartition(":")
+    return host if sep else peer

@@ -58,6 +58,8 @@ class _Connection:
 
     accepted_at: float = 0.0
     preface_done: bool = True
+    preface_at: float = 0.0
+    called: bool = True
     last_stream_at: float = 0.0
     write_stalled_since: float | None = None
     peer: str = "127.0.0.1:1"
@@ -95,6 +97,54 @@ async def test_the_sweep_closes_each_kind_of_stuck_connection_and_only_those() -
     assert [c.fate for c in connections] == ["aborted", "open", "idle", "open", "aborted", "open"]
     assert guard.connections == {young, streaming, draining}
     assert guard.limited == {"handshake_timeout": 1, "idle_timeout": 1, "write_stalled": 1}
+
+
+async def test_the_sweep_gives_a_connection_without_a_call_the_first_request_timeout() -> None:
+    """A preface and no call: GOAWAY after --first-request-timeout from the preface; one that made a call, or
+    is in its first call, waits for the idle timeout."""
+    now = 100.0
+    limits = dataclasses.replace(DEFAULT_LIMITS, first_request_timeout_seconds=2, idle_timeout_seconds=300)
+    guard = ConnectionGuard(limits, clock=lambda: now)
+    late = _Connection(preface_at=97.5, last_stream_at=97.0, called=False)
+    young = _Connection(preface_at=99.0, last_stream_at=99.0, called=False)
+    served = _Connection(preface_at=10.0, last_stream_at=90.0)
+    calling = _Connection(preface_at=90.0, last_stream_at=90.0, called=False, streams=1)
+    connections = [late, young, served, calling]
+    try:
+        for connection in connections:
+            assert guard.admit_connection(connection)
+        guard.sweep()
+    finally:
+        guard.close()
+    assert [c.fate for c in connections] == ["idle", "open", "open", "open"]
+    assert guard.limited == {"first_request_timeout": 1}
+
+
+async def test_connections_yet_to_make_a_call_hold_at_most_their_share_the_oldest_giving_way() -> None:
+    """Past --max-pending-connections, each newcomer closes the oldest pending connection (aborted before its
+    preface, GOAWAY after it); connections that made calls are never displaced, and a first call ends pending."""
+    limits = dataclasses.replace(DEFAULT_LIMITS, max_connections=5, max_pending_connections=2)
+    guard = ConnectionGuard(limits)
+    served = _Connection(peer="10.0.0.1:1")
+    first = _Connection(peer="10.0.0.2:1", called=False, preface_done=False)
+    second = _Connection(peer="10.0.0.3:1", called=False)
+    third = _Connection(peer="10.0.0.4:1", called=False)
+    fourth = _Connection(peer="10.0.0.5:1", called=False)
+    try:
+        for connection in (served, first, second, third):
+            assert guard.admit_connection(connection)
+        assert (first.fate, second.fate) == ("aborted", "open")
+        guard.first_call(third)
+        assert list(guard.pending) == [second]
+        assert guard.admit_connection(fourth)
+        assert second.fate == "open"  # one pending place was free again
+        assert guard.admit_connection(_Connection(peer="10.0.0.6:1", called=False))
+        assert second.fate == "idle"
+    finally:
+        guard.close()
+    assert served.fate == third.fate == "open"
+    assert guard.limited == {"displaced": 2}
+    assert len(guard.connections) == 4
 
 
 async def test_connections_and_streams_are_admitted_up_to_their_limits() -> None:
@@ -330,11 +380,20 @@ async def test_an_idle_connection_gets_goaway_and_a_silent_one_is_closed(
     await until(lambda: not _guard(agent).connections)
 
 
+async def _caller(port: int) -> _Peer:
+    """A raw peer that has made one call and been answered: no longer pending."""
+    peer = await _Peer.connect(port)
+    peer.call(1)
+    await peer.read_until(lambda: any(isinstance(e, h2.events.StreamEnded) for e in peer.events))
+    return peer
+
+
 async def test_connections_past_the_limit_are_closed_at_once(start_agent: StartAgent, peers: list[_Peer]) -> None:
-    """A connection past the limit is closed unanswered; once others close, calls get in again."""
+    """With every place held by connections that made calls, one past the limit is closed unanswered; once
+    others close, calls get in again."""
     agent = await start_agent("--max-connections", "2")
-    peers += [await _Peer.connect(agent.port), await _Peer.connect(agent.port)]
-    await until(lambda: len(_guard(agent).connections) == 2)
+    peers += [await _caller(agent.port), await _caller(agent.port)]
+    await until(lambda: len(_guard(agent).connections) == 2 and not _guard(agent).pending)
     for _ in range(30):
         extra = await _Peer.connect(agent.port, preface=False)
         peers.append(extra)
@@ -347,6 +406,70 @@ async def test_connections_past_the_limit_are_closed_at_once(start_agent: StartA
         peer.close()
     await until(lambda: not _guard(agent).connections)
     assert await _good_call(agent) is False
+
+
+async def test_a_newcomer_displaces_the_oldest_connection_yet_to_make_a_call(
+    start_agent: StartAgent, peers: list[_Peer]
+) -> None:
+    """With the pool full, a newcomer closes the oldest connection that has made no call (GOAWAY NO_ERROR after
+    its preface) and is served; a connection that made a call keeps its place."""
+    agent = await start_agent("--max-connections", "3", "--first-request-timeout", "60", "--idle-timeout", "60")
+    served = await _caller(agent.port)
+    oldest, younger = await _Peer.connect(agent.port), await _Peer.connect(agent.port)
+    peers += [served, oldest, younger]
+    await until(lambda: len(_guard(agent).connections) == 3)
+    newcomer = await _caller(agent.port)
+    peers.append(newcomer)
+    await oldest.read_until(lambda: oldest.goaway() is not None)
+    terminated = oldest.goaway()
+    assert terminated is not None
+    assert terminated.error_code == h2.errors.ErrorCodes.NO_ERROR
+    assert younger.goaway() is None
+    assert served.goaway() is None
+    assert _guard(agent).limited == {"displaced": 1}
+    assert len(_guard(agent).connections) == 3
+
+
+async def test_one_address_is_held_to_its_share_and_displaces_only_its_own(
+    start_agent: StartAgent, peers: list[_Peer]
+) -> None:
+    """Past --max-connections-per-peer, an address's newcomer displaces that address's own oldest pending
+    connection, or is refused when all of them have made calls; other addresses are untouched."""
+    agent = await start_agent("--max-connections-per-peer", "2", "--first-request-timeout", "60")
+    other = _Peer(*await asyncio.open_connection("127.0.0.1", agent.port, local_addr=("127.0.0.2", 0)))
+    other.h2.initiate_connection()
+    other.send()
+    mine = [await _caller(agent.port), await _Peer.connect(agent.port)]
+    peers += [other, *mine]
+    await until(lambda: len(_guard(agent).connections) == 3)
+    again = await _caller(agent.port)  # displaces this address's pending one, not 127.0.0.2's
+    peers.append(again)
+    await mine[1].read_until(lambda: mine[1].goaway() is not None)
+    assert _guard(agent).limited == {"displaced": 1}
+    refused = await _Peer.connect(agent.port, preface=False)  # both of this address's places have made calls
+    peers.append(refused)
+    await refused.read_until(lambda: False)
+    assert refused.closed
+    assert _guard(agent).limited == {"displaced": 1, "max_connections_per_peer": 1}
+    assert _guard(agent).per_address == {"127.0.0.1": 2, "127.0.0.2": 1}
+
+
+async def test_a_connection_that_makes_no_call_after_its_preface_is_sent_goaway(
+    start_agent: StartAgent, peers: list[_Peer]
+) -> None:
+    """A preface and no call within --first-request-timeout: GOAWAY NO_ERROR, long before the idle timeout; a
+    connection that made a call stays."""
+    agent = await start_agent("--first-request-timeout", "0.3", "--idle-timeout", "60")
+    served = await _caller(agent.port)
+    silent = await _Peer.connect(agent.port)
+    peers += [served, silent]
+    await silent.read_until(lambda: silent.goaway() is not None)
+    terminated = silent.goaway()
+    assert terminated is not None
+    assert terminated.error_code == h2.errors.ErrorCodes.NO_ERROR
+    assert _guard(agent).limited == {"first_request_timeout": 1}
+    assert served.goaway() is None
+    assert not served.closed
 
 
 async def test_a_protocol_error_is_answered_with_goaway_before_the_close(
