@@ -66,6 +66,9 @@ class ConnectionLimits:
     max_pings_per_second: int = 10
     write_buffer_limit_bytes: int = 1024 * 1024
     write_timeout_seconds: float = 30.0
+    turn_calls: int = 8
+    turn_bytes: int = 4 * 1024
+    max_deadline_resets_per_second: int = 1000
 
 
 DEFAULT_LIMITS = ConnectionLimits()
@@ -167,6 +170,22 @@ SERVER_FLAGS: FlagTable = {
         f"{DEFAULT_LIMITS.write_timeout_seconds:g}",
         "seconds a connection's output may stay past --write-buffer-limit before it is closed",
     ),
+    "--turn-calls": (
+        "TURN_CALLS",
+        str(DEFAULT_LIMITS.turn_calls),
+        "calls one connection may start per turn of the event loop; the rest wait for its next turn",
+    ),
+    "--turn-bytes": (
+        "TURN_BYTES",
+        str(DEFAULT_LIMITS.turn_bytes),
+        "bytes of one connection's input taken in per turn of the event loop; the rest wait for its next turn",
+    ),
+    "--max-deadline-resets-per-second": (
+        "MAX_DEADLINE_RESETS_PER_SECOND",
+        str(DEFAULT_LIMITS.max_deadline_resets_per_second),
+        "resets of calls near their deadline one peer address may send per second (bursts of 10 s worth); "
+        "more is GOAWAY ENHANCE_YOUR_CALM",
+    ),
 }
 
 
@@ -241,6 +260,11 @@ def connection_limits(args: argparse.Namespace, fail: Fail) -> ConnectionLimits:
             args.write_buffer_limit, "--write-buffer-limit", fail, 64 * 1024, 1024 * 1024 * 1024
         ),
         write_timeout_seconds=seconds_flag(args.write_timeout, "--write-timeout", fail, 0, 3600, above=True),
+        turn_calls=count_flag(args.turn_calls, "--turn-calls", fail, 1, 100_000),
+        turn_bytes=count_flag(args.turn_bytes, "--turn-bytes", fail, 1024, 16 * 1024 * 1024),
+        max_deadline_resets_per_second=count_flag(
+            args.max_deadline_resets_per_second, "--max-deadline-resets-per-second", fail, 1, 1_000_000
+        ),
     )
 
 

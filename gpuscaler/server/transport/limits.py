@@ -32,9 +32,11 @@ LIMITS = (
     "max_streams",
     "request_timeout",
     "reset_flood",
+    "deadline_reset_flood",
     "ping_flood",
     "write_stalled",
     "protocol_error",
+    "turn_budget",
 )
 # Places beyond --max-streams that only unary calls may take: KEDA holds its push streams and polls on one
 # connection, and a call refused beside them is a scaler error.
