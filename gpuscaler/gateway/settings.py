@@ -111,6 +111,12 @@ GATEWAY_FLAGS: FlagTable = {
         str(DEFAULT_SCRAPE_LIMITS.max_pods),
         "the most Ready pods one engine query may read, 1 to 100000; a larger selection is refused",
     ),
+    "--engine-max-label-sets": (
+        "ENGINE_MAX_LABEL_SETS",
+        str(DEFAULT_SCRAPE_LIMITS.max_label_sets),
+        "the most label sets an engine page may give one series the signals read, 16 to 1000000; more is an error "
+        "for that pod",
+    ),
     **SERVER_FLAGS,
 }
 
@@ -197,5 +203,6 @@ def gateway_settings_from_args(args: argparse.Namespace, environ: Mapping[str, s
             max_pods=count_flag(
                 args.engine_max_pods_per_selection, "--engine-max-pods-per-selection", fail, 1, 100_000
             ),
+            max_label_sets=count_flag(args.engine_max_label_sets, "--engine-max-label-sets", fail, 16, 1_000_000),
         ),
     )

@@ -19,6 +19,8 @@ class ScrapeLimits:
     # bound the reads one selection causes, at most ``max_pods / min_interval_seconds`` a second.
     min_interval_seconds: float = 1.0
     max_pods: int = 500
+    # Label sets one page may give each series the signals read (``--engine-max-label-sets``): bounds the parse.
+    max_label_sets: int = 8192
 
 
 DEFAULT_SCRAPE_LIMITS = ScrapeLimits()
