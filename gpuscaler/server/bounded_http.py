@@ -4,7 +4,9 @@ The liveness probe and Prometheus share this port with anyone who can reach it; 
 bound is what it is:
 
 - at most ``MAX_CONNECTIONS`` connections at once, ``MAX_CONNECTIONS_PER_PEER`` from one address, and the last
-  ``RESERVED_CONNECTIONS`` only for an address with none open (the kubelet's probe, a scrape); more are closed
+  ``RESERVED_CONNECTIONS`` only for an address with none open (the kubelet's probe, a scrape); past a limit, the
+  oldest connection whose request headers have not all arrived (of the newcomer's own address, for the per-address
+  limit) is closed to make room, and only where every connection has sent its headers is the newcomer closed
   unanswered;
 - a request line and headers must arrive within ``HEADER_DEADLINE_SECONDS`` of the accept, however they trickle
   (408 after), and be at most ``MAX_REQUEST_BYTES`` (431 beyond);
@@ -50,12 +52,14 @@ TEXT = "text/plain; charset=utf-8"
 Limited = Callable[[str, str], None]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Slot:
-    """One admitted connection: who, and when it was accepted (its header deadline counts from then)."""
+    """One admitted connection: who, when it was accepted (its header deadline counts from then), and whether
+    its request headers are still to come (only then can a newcomer displace it)."""
 
     peer: str
     accepted_at: float
+    waiting: bool = True
 
 
 class BoundedWsgiServer(ThreadingWSGIServer):
@@ -91,7 +95,14 @@ class BoundedWsgiServer(ThreadingWSGIServer):
         """
         connection, client_address = self.get_request()
         peer = str(client_address[0])
-        refused = self._admit(connection, peer)
+        refused, displaced = self._admit(connection, peer)
+        if displaced is not None:
+            victim, slot = displaced
+            # Its thread's read ends at once and the thread closes it; a client that sends its request in one
+            # segment (the kubelet, Prometheus) is past its headers within a millisecond and never displaced.
+            with contextlib.suppress(OSError):
+                victim.shutdown(socket.SHUT_RDWR)
+            self.limited("displaced", slot.peer)
         if refused is None:
             try:
                 self.process_request(connection, client_address)
@@ -102,28 +113,58 @@ class BoundedWsgiServer(ThreadingWSGIServer):
         self.shutdown_request(connection)
         self.limited(refused, peer)
 
-    def _admit(self, connection: socket.socket, peer: str) -> str | None:
-        # The limit that refuses ``connection`` from ``peer``, or None once it is admitted.
+    def _admit(self, connection: socket.socket, peer: str) -> tuple[str | None, tuple[socket.socket, _Slot] | None]:
+        # The limit that refuses ``connection`` from ``peer`` (None once it is admitted), and the connection it
+        # displaced to get in, if any (forgotten here; the caller closes it).
         with self._lock:
             total, mine = len(self._connections), self._per_peer[peer]
+            displaced = None
             if mine >= MAX_CONNECTIONS_PER_PEER:
-                return "peer_connections"
-            if total >= MAX_CONNECTIONS or (mine > 0 and total >= MAX_CONNECTIONS - RESERVED_CONNECTIONS):
-                return "connections"
+                displaced = self._oldest_waiting(peer)
+                if displaced is None:
+                    return "peer_connections", None
+            elif total >= MAX_CONNECTIONS or (mine > 0 and total >= MAX_CONNECTIONS - RESERVED_CONNECTIONS):
+                displaced = self._oldest_waiting(None)
+                if displaced is None:
+                    return "connections", None
+            if displaced is not None:
+                self._forget(displaced[0])
             self._connections[connection] = _Slot(peer, time.monotonic())
             self._per_peer[peer] += 1
             self.idle.clear()
-        return None
+        return None, displaced
+
+    def _oldest_waiting(self, peer: str | None) -> tuple[socket.socket, _Slot] | None:
+        # The earliest admitted connection (of ``peer``, if given) whose headers are still to come; under the lock.
+        return next(
+            (
+                (connection, slot)
+                for connection, slot in self._connections.items()
+                if slot.waiting and (peer is None or slot.peer == peer)
+            ),
+            None,
+        )
+
+    def headers_arrived(self, connection: socket.socket) -> None:
+        """``connection``'s request headers are in (or refused): from now on no newcomer displaces it."""
+        with self._lock:
+            slot = self._connections.get(connection)
+            if slot is not None:
+                slot.waiting = False
+
+    def _forget(self, connection: socket.socket) -> None:
+        # Under the lock.
+        slot = self._connections.pop(connection, None)
+        if slot is not None:
+            self._per_peer[slot.peer] -= 1
+            if not self._per_peer[slot.peer]:
+                del self._per_peer[slot.peer]
+        if not self._connections:
+            self.idle.set()
 
     def _release(self, connection: socket.socket) -> None:
         with self._lock:
-            slot = self._connections.pop(connection, None)
-            if slot is not None:
-                self._per_peer[slot.peer] -= 1
-                if not self._per_peer[slot.peer]:
-                    del self._per_peer[slot.peer]
-            if not self._connections:
-                self.idle.set()
+            self._forget(connection)
 
     def accepted_at(self, connection: socket.socket) -> float:
         """When ``connection`` was accepted (now, for one not admitted here)."""
@@ -208,6 +249,7 @@ class _Handler(WSGIRequestHandler):
             return super().parse_request()
         finally:
             # The headers are in (or refused): the deadline is for them only; the answer has the idle timeout.
+            self.server.headers_arrived(self.connection)
             self._reader.deadline = None
             self.connection.settimeout(self.timeout)
 

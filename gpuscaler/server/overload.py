@@ -39,6 +39,7 @@ RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.EN
 HTTP_LIMITS = (
     "connections",
     "peer_connections",
+    "displaced",
     "header_deadline",
     "idle_timeout",
     "request_bytes",

@@ -224,19 +224,18 @@ async def test_the_header_deadline_is_not_reset_by_trickled_bytes(
 
 
 async def test_one_peer_cannot_hold_healthz_down(server: MetricsServer, counts: LimitCounts) -> None:
-    """One peer's slow connections past MAX_CONNECTIONS_PER_PEER are closed unanswered and counted; /healthz from
-    another address answers while that peer holds its share."""
+    """One peer's silent connections past MAX_CONNECTIONS_PER_PEER each displace that peer's oldest, counted; it
+    holds its share only, and /healthz from another address answers meanwhile."""
     per_peer = bounded_http.MAX_CONNECTIONS_PER_PEER
     held = await asyncio.to_thread(connect_from, server.port, "127.0.0.2", 3 * per_peer)
     try:
-        await until(lambda: counts.http["peer_connections"] == 2 * per_peer)
+        await until(lambda: counts.http["displaced"] == 2 * per_peer)
         assert server.connections == per_peer
         for _ in range(3):
             assert (await fetch(server.port, "/healthz"))[0] == 200
-        [extra] = await asyncio.to_thread(connect_from, server.port, "127.0.0.2")
-        with extra:
-            assert await asyncio.to_thread(closed_unanswered, extra)
-        assert counts.http["peer_connections"] == 2 * per_peer + 1
+        for displaced in held[: 2 * per_peer]:
+            assert await asyncio.to_thread(closed_unanswered, displaced)
+        assert counts.http["peer_connections"] == 0
     finally:
         for connection in held:
             connection.close()
@@ -246,7 +245,8 @@ async def test_one_peer_cannot_hold_healthz_down(server: MetricsServer, counts: 
 async def test_connections_beyond_the_bound_are_closed(
     server: MetricsServer, counts: LimitCounts, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Past MAX_CONNECTIONS open connections, a new one is closed unanswered and counted; a freed slot answers."""
+    """Past MAX_CONNECTIONS open connections, a newcomer closes the oldest whose headers are still to come, counted,
+    and is answered."""
     monkeypatch.setattr(bounded_http, "MAX_CONNECTIONS", 6)
     monkeypatch.setattr(bounded_http, "RESERVED_CONNECTIONS", 0)
     silent = [
@@ -255,10 +255,10 @@ async def test_connections_beyond_the_bound_are_closed(
     ]
     try:
         await until(lambda: server.connections == 6)
-        [extra] = await asyncio.to_thread(connect_from, server.port, "127.0.0.4")
-        with extra:
-            assert await asyncio.to_thread(closed_unanswered, extra)
-        assert counts.http["connections"] == 1
+        assert (await fetch(server.port, "/healthz", source="127.0.0.4"))[0] == 200
+        assert await asyncio.to_thread(closed_unanswered, silent[0])
+        assert counts.http["displaced"] == 1
+        assert counts.http["connections"] == 0
     finally:
         for connection in silent:
             connection.close()
@@ -280,10 +280,9 @@ async def test_the_reserve_is_for_peers_with_no_connection_open(
     ]
     try:
         await until(lambda: server.connections == 4)
-        [third] = await asyncio.to_thread(connect_from, server.port, "127.0.0.2")  # under its own cap of 4
-        with third:
-            assert await asyncio.to_thread(closed_unanswered, third)
-        assert counts.http["connections"] == 1
+        held += await asyncio.to_thread(connect_from, server.port, "127.0.0.2")  # past the unreserved slots
+        await until(lambda: counts.http["displaced"] == 1)  # it took the place of the oldest silent one
+        assert server.connections == 4
         assert (await fetch(server.port, "/healthz"))[0] == 200  # 127.0.0.1 holds none: a reserved slot
         held += await asyncio.to_thread(connect_from, server.port, "127.0.0.4")
         await until(lambda: server.connections == 5)
@@ -292,6 +291,42 @@ async def test_the_reserve_is_for_peers_with_no_connection_open(
         for connection in held:
             connection.close()
     await until(lambda: server.connections == 0)
+
+
+def test_only_connections_still_sending_headers_give_way_and_the_oldest_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Admission displaces the oldest connection whose headers are still to come (of the newcomer's own address
+    at its cap); where every connection has sent its headers, the newcomer is refused by the limit instead."""
+    monkeypatch.setattr(bounded_http, "MAX_CONNECTIONS", 3)
+    monkeypatch.setattr(bounded_http, "MAX_CONNECTIONS_PER_PEER", 2)
+    monkeypatch.setattr(bounded_http, "RESERVED_CONNECTIONS", 0)
+    server = bounded_http.BoundedWsgiServer(Address("127.0.0.1", 0), lambda *_: [b""], lambda *_: None)
+    pairs = [socket.socketpair() for _ in range(6)]
+    a1, a2, b1, a3, c1, c2 = (ours for ours, _ in pairs)
+    try:
+        assert server._admit(a1, "a") == (None, None)
+        assert server._admit(a2, "a") == (None, None)
+        server.headers_arrived(a1)
+        assert server._admit(b1, "b") == (None, None)
+        refused, displaced = server._admit(a3, "a")  # at a's cap: a's own oldest still waiting, a2 (not a1)
+        assert refused is None
+        assert displaced is not None
+        assert displaced[0] is a2
+        server.headers_arrived(a3)
+        refused, displaced = server._admit(c1, "c")  # the pool is full: the oldest still waiting anywhere, b1
+        assert refused is None
+        assert displaced is not None
+        assert displaced[0] is b1
+        assert server.connection_count() == 3
+        server.headers_arrived(c1)
+        assert server._admit(c2, "c") == ("connections", None)  # every one has sent its headers
+        assert server._admit(c2, "a") == ("peer_connections", None)
+    finally:
+        server.server_close()
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
 
 
 async def test_accept_out_of_descriptors_backs_off_instead_of_spinning(
