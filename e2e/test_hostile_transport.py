@@ -309,7 +309,8 @@ async def test_silent_connections_are_closed_after_the_handshake_timeout(
 async def test_many_idle_tcp_connections_are_all_closed(
     start_agent: StartAgent, keda_proto: KedaProto, connections: int
 ) -> None:
-    """Issue 19's 2,000 idle TCP connections: each is closed (past 16 at once, right after accept), none is kept."""
+    """Issue 19's 2,000 idle TCP connections: each is closed (past 16 at once, the oldest silent one gives way to the
+    newcomer), none is kept."""
     agent = await start_agent("--handshake-timeout", "1", "--max-connections", "16")
     port = agent.metrics_port
     async with calling(agent, keda_proto) as good:
@@ -318,7 +319,7 @@ async def test_many_idle_tcp_connections_are_all_closed(
         assert result.still_open == 0, result.summary()
         assert result.opened + result.refused == connections, result.summary()
         await until_limited(port, "handshake_timeout", 1)
-        await until_limited(port, "max_connections", 1)
+        await until_limited(port, "displaced", 1)
         await until_metric(port, CONNECTIONS, lambda v: v <= 1)
         await good.answered(5)
         assert attacks.open_fds(agent.pid) <= fds_before + 2
@@ -353,15 +354,16 @@ async def test_a_connection_without_streams_gets_goaway_after_the_idle_timeout(
 async def test_connections_past_max_connections_are_closed_at_once(
     start_agent: StartAgent, keda_proto: KedaProto
 ) -> None:
-    """With 16 allowed and the good caller's one open, 15 more are served, the next 5 closed before any SETTINGS;
-    once some close, a new one is served again."""
+    """With 16 allowed, the good caller's one open and 15 more that have each made a call, the next 5 are closed
+    before any SETTINGS; once some close, a new one is served again."""
     agent = await start_agent("--max-connections", "16", "--handshake-timeout", "30", "--idle-timeout", "60")
     port = agent.metrics_port
     async with calling(agent, keda_proto) as good, contextlib.AsyncExitStack() as stack:
         await until_metric(port, CONNECTIONS, lambda v: v == 1)
         held = [await stack.enter_async_context(raw_peer(agent.port)) for _ in range(15)]
-        for peer in held:
-            await peer.wait_for(functools.partial(has_settings, peer), "the server's SETTINGS")
+        for peer in held:  # a connection that has made a call is no longer one a newcomer may displace
+            await peer.send(request_frames(1, header_block(IS_ACTIVE), ref_body()))
+            await peer.wait_for(functools.partial(peer.ended, 1), "the first call's answer")
         await until_metric(port, CONNECTIONS, lambda v: v == 16)
         extra = [await stack.enter_async_context(raw_peer(agent.port, ready=False)) for _ in range(5)]
         for peer in extra:
