@@ -131,11 +131,11 @@ async def scrape_cost(port: int, size_kb: int, pods: int, seconds: float) -> dic
             scraper.want(key, Engine.VLLM, endpoint, 1.0)
 
     ask()
-    await scraper.settle()
+    await scraper.first_reads(keys, within_seconds=60.0)
     before_ok = scraper.results.get("ok", 0)
     cpu_before, started = time.process_time(), time.monotonic()
     while time.monotonic() - started < seconds:
-        ask()  # as a push stream's evaluation does at each read
+        ask()  # as a push stream's interest is kept
         await asyncio.sleep(0.5)
     cpu = time.process_time() - cpu_before
     elapsed = time.monotonic() - started

@@ -30,6 +30,7 @@ from gpuscaler.flags import (
 )
 from gpuscaler.gateway.discovery import DEFAULT_RESOLVE_INTERVAL_SECONDS, read_agents_file
 from gpuscaler.gateway.engines.limits import DEFAULT_SCRAPE_LIMITS, ScrapeLimits
+from gpuscaler.model.durations import format_duration
 from gpuscaler.model.errors import ConfigError
 
 DEFAULT_GATEWAY_HISTORY = "2m"
@@ -103,7 +104,7 @@ GATEWAY_FLAGS: FlagTable = {
     ),
     "--engine-min-scrape-interval": (
         "ENGINE_MIN_SCRAPE_INTERVAL",
-        "1s",
+        format_duration(DEFAULT_SCRAPE_LIMITS.min_interval_seconds),
         "the shortest scrapeInterval a query may ask, 100ms to 1m; a shorter one is refused",
     ),
     "--engine-max-pods-per-selection": (

@@ -16,6 +16,7 @@ from gpuscaler.model.engines import ENGINE_SIGNALS, EngineMetric
 from gpuscaler.model.errors import InvalidMetadata, Unsupported
 from gpuscaler.model.gpu_metrics import METRICS, Metric
 from gpuscaler.query.engine_keys import (
+    DEFAULT_MIN_SCRAPE_SECONDS,
     ENDPOINT_KEYS,
     ENGINE_KEYS,
     AnyMetric,
@@ -111,6 +112,8 @@ class Limits:
     cluster: bool = False
     # False on a node agent: engine signals are read by the gateway, which knows the pods and reads their pages.
     reads_engines: bool = True
+    # The shortest scrapeInterval the gateway allows (--engine-min-scrape-interval).
+    min_scrape_seconds: float = DEFAULT_MIN_SCRAPE_SECONDS
 
 
 def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: str = "", name: str = "") -> Query:
@@ -140,7 +143,7 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: st
     if isinstance(any_metric, EngineMetric):
         if not limits.reads_engines:
             raise _engine_signal_on_an_agent(any_metric)
-        return _engine_query(raw, namespace, name, any_metric, signal_profile)
+        return _engine_query(raw, namespace, name, any_metric, signal_profile, limits)
     metric = any_metric
     if "scrapeInterval" in raw:
         raise InvalidMetadata(
@@ -267,7 +270,12 @@ def _engine_signal_on_an_agent(metric: EngineMetric, context: str = "") -> Unsup
 
 
 def _engine_query(
-    raw: Mapping[str, str], namespace: str, name: str, metric: EngineMetric, profile: SignalProfile | None
+    raw: Mapping[str, str],
+    namespace: str,
+    name: str,
+    metric: EngineMetric,
+    profile: SignalProfile | None,
+    limits: Limits,
 ) -> Query:
     """An engine signal's query (``query.EngineQuery``): the signal's defaults, its profile's, then the keys."""
     refuse_gpu_keys(raw, f"engine signal {metric.value}")
@@ -288,7 +296,7 @@ def _engine_query(
         metric=metric,
         pods=_engine_pods(raw, namespace, name, f"engine signal {metric.value}"),
         aggregation=aggregation,
-        interval_seconds=parse_scrape_interval(raw),
+        interval_seconds=parse_scrape_interval(raw, limits.min_scrape_seconds),
     )
     return Query(
         value=value,
@@ -324,7 +332,7 @@ def _combined_query(
         raise _engine_signal_on_an_agent(engine_read[0], f"signals {describe_targets(pairs)!r} include it")
     what = "signals " + describe_targets(pairs)
     pods = _engine_pods(raw, namespace, name, what) if engine_read else _selected_pods(raw, namespace, name)
-    interval = parse_scrape_interval(raw)
+    interval = parse_scrape_interval(raw, limits.min_scrape_seconds)
     window = _parse_window(raw["window"], limits) if "window" in raw else None
     parts: list[SignalTarget] = []
     for metric, target in pairs:

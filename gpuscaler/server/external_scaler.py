@@ -77,7 +77,7 @@ class ExternalScalerService(ExternalScalerBase):
     async def _serve_is_active(self, stream: grpclib.server.Stream[ScaledObjectRef, IsActiveResponse]) -> None:
         request = await stream.recv_message()
         assert request is not None
-        await stream.send_message(await self.is_active(request, preview=_preview(stream)))
+        await stream.send_message(await self.is_active(request, preview=_preview(stream), time_left=_time_left(stream)))
 
     async def _serve_stream_is_active(self, stream: grpclib.server.Stream[ScaledObjectRef, IsActiveResponse]) -> None:
         request = await stream.recv_message()
@@ -95,12 +95,16 @@ class ExternalScalerService(ExternalScalerBase):
     async def _serve_get_metrics(self, stream: grpclib.server.Stream[GetMetricsRequest, GetMetricsResponse]) -> None:
         request = await stream.recv_message()
         assert request is not None
-        await stream.send_message(await self.get_metrics(request, preview=_preview(stream)))
+        await stream.send_message(
+            await self.get_metrics(request, preview=_preview(stream), time_left=_time_left(stream))
+        )
 
-    async def is_active(self, message: ScaledObjectRef, *, preview: bool = False) -> IsActiveResponse:
+    async def is_active(
+        self, message: ScaledObjectRef, *, preview: bool = False, time_left: float | None = None
+    ) -> IsActiveResponse:
         async with grpc_errors("IsActive"):
             query = self._query(message)
-            await self._evaluator.prepare(query)
+            await self._evaluator.prepare(query, time_left=time_left)
             if preview:
                 value = self._evaluator.preview_value(query)
                 return IsActiveResponse(result=self._evaluator.would_be_active(query, value))
@@ -118,7 +122,9 @@ class ExternalScalerService(ExternalScalerBase):
         )
         return GetMetricSpecResponse(metric_specs=[spec])
 
-    async def get_metrics(self, message: GetMetricsRequest, *, preview: bool = False) -> GetMetricsResponse:
+    async def get_metrics(
+        self, message: GetMetricsRequest, *, preview: bool = False, time_left: float | None = None
+    ) -> GetMetricsResponse:
         ref = message.scaled_object_ref
         answers = None if preview else self._answers
         query: Query | None = None
@@ -130,7 +136,7 @@ class ExternalScalerService(ExternalScalerBase):
                         f"metricName {message.metric_name!r} is not this trigger's metric; "
                         f"GetMetricSpec named it {query.metric_name!r}"
                     )
-                await self._evaluator.prepare(query)
+                await self._evaluator.prepare(query, time_left=time_left)
                 if preview:
                     value = self._evaluator.preview_value(query)
                 else:
@@ -194,6 +200,11 @@ class ExternalScalerService(ExternalScalerBase):
             if self._answers is not None:
                 self._answers.stream_closed(message.namespace, message.name, query)
             log.info("stream_closed", scaled_object=scaled_object, metric_name=query.metric_name, reason=reason)
+
+
+def _time_left(stream: grpclib.server.Stream[Any, Any]) -> float | None:
+    """Seconds left of the caller's deadline (its grpc-timeout), or None when it set none."""
+    return stream.deadline.time_remaining() if stream.deadline is not None else None
 
 
 def _preview(stream: grpclib.server.Stream[Any, Any]) -> bool:

@@ -7,20 +7,76 @@ answer UNAVAILABLE naming it, never a 0 for its queue; pods left out are listed 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from gpuscaler.model.aggregation import aggregate
 from gpuscaler.model.engines import ENGINE_SIGNALS
-from gpuscaler.model.errors import GpuscalerError, Unavailable, Unsupported
+from gpuscaler.model.errors import GpuscalerError, InvalidMetadata, Unavailable, Unsupported
 from gpuscaler.model.pods import PodDirectory, PodInfo
 from gpuscaler.model.samples import Snapshot
 from gpuscaler.query.query import EngineQuery, PodSelection
 from gpuscaler.query.scale_targets import resolve as resolve_scale_target
-from gpuscaler.signals.engine_pods import left_out_because, metrics_endpoint
+from gpuscaler.signals.engine_pods import Endpoint, left_out_because, metrics_endpoint
 from gpuscaler.signals.engine_source import EngineSource, stale_after
 from gpuscaler.signals.engine_values import signal_value
 from gpuscaler.signals.outcome import Evaluation, ListedContributions, PodValue, failed
 
 # An error names this many unreadable pods, then counts the rest.
 NAMED_PODS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSelection:
+    """The pods an engine query selects, each with its page's address or why it is not read, and whether it
+    counts (a pod that counts and has no page it may be read at makes the answer unknown)."""
+
+    pods: PodSelection  # resolved: scaleTargetPods made a selection of the scale target's pods
+    rows: tuple[tuple[PodInfo, Endpoint | str, bool], ...]
+
+    def reads(self) -> list[tuple[PodInfo, Endpoint]]:
+        """The pods whose pages are read: those that count and declare where their page is."""
+        return [(info, endpoint) for info, endpoint, _ in self.rows if isinstance(endpoint, Endpoint)]
+
+
+def select_engine_pods(
+    query: EngineQuery, engines: EngineSource | None, directory: PodDirectory | None
+) -> EngineSelection | GpuscalerError:
+    """The pods ``query`` reads, or why it can read none: a gateway's pods from its directory, at most
+    ``engines.max_pods`` of them. Reads only; both registering interest and evaluating start here."""
+    name = query.metric.value
+    if engines is None:
+        return Unsupported(
+            f"{name} is read from the selected pods' own metrics pages by the gateway, which knows the pods; "
+            "this server is a node agent: point scalerAddress at the gateway"
+        )
+    if directory is None:
+        return Unsupported(
+            f"{name} is read from the selected pods' own metrics pages, and this gateway has no pod directory "
+            "to find them in: start it with --pod-directory (the chart's gateway.podDirectory: kubernetes)"
+        )
+    pods = query.pods
+    if pods.scale_target is not None:
+        resolved = resolve_scale_target(pods, directory)
+        if isinstance(resolved, GpuscalerError):
+            return resolved
+        pods = resolved
+    problem = directory.problem()
+    if problem is not None:
+        return Unavailable(f"{name} of {pods.describe()} needs the pod directory: {problem}")
+    engine = ENGINE_SIGNALS[query.metric].engine
+    rows: list[tuple[PodInfo, Endpoint | str, bool]] = []
+    for info in sorted(selected_pods(pods, directory), key=lambda p: p.pod):
+        left_out = left_out_because(info)
+        rows.append((info, metrics_endpoint(info, engine) if left_out is None else left_out, left_out is None))
+    selection = EngineSelection(pods, tuple(rows))
+    read = len(selection.reads())
+    if read > engines.max_pods:
+        return InvalidMetadata(
+            f"{query.pods.describe()} selects {read} Ready pods with a metrics page; one query may read at most "
+            f"{engines.max_pods} (the gateway's --engine-max-pods-per-selection): select fewer pods with workload "
+            "or podSelector, or raise the flag"
+        )
+    return selection
 
 
 def evaluate_engine(
@@ -31,52 +87,33 @@ def evaluate_engine(
     *,
     now: float,
 ) -> Evaluation:
-    """``query`` over the pods it selects, as of the monotonic time ``now`` (the module says how)."""
+    """``query`` over the pods it selects, as of the monotonic time ``now`` (the module says how).
+
+    A read: each pod's newest scrape as the source has it; a pod no one has asked to read is "not read yet".
+    """
+    selection = select_engine_pods(query, engines, directory)
+    if isinstance(selection, GpuscalerError):
+        return failed(query, snapshot, selection)
+    assert engines is not None
     name = query.metric.value
-    if engines is None:
-        return failed(
-            query,
-            snapshot,
-            Unsupported(
-                f"{name} is read from the selected pods' own metrics pages by the gateway, which knows the pods; "
-                "this server is a node agent: point scalerAddress at the gateway"
-            ),
-        )
-    if directory is None:
-        return failed(
-            query,
-            snapshot,
-            Unsupported(
-                f"{name} is read from the selected pods' own metrics pages, and this gateway has no pod directory "
-                "to find them in: start it with --pod-directory (the chart's gateway.podDirectory: kubernetes)"
-            ),
-        )
-    pods = query.pods
-    if pods.scale_target is not None:
-        resolved = resolve_scale_target(pods, directory)
-        if isinstance(resolved, GpuscalerError):
-            return failed(query, snapshot, resolved)
-        pods = resolved
-    problem = directory.problem()
-    if problem is not None:
-        return failed(query, snapshot, Unavailable(f"{name} of {pods.describe()} needs the pod directory: {problem}"))
     signal = ENGINE_SIGNALS[query.metric]
     timeout = engines.timeout_seconds
     values: list[PodValue] = []
     unread: list[PodValue] = []
-    for info in sorted(selected_pods(pods, directory), key=lambda p: p.pod):
-        left_out = left_out_because(info)
-        endpoint = metrics_endpoint(info, signal.engine) if left_out is None else left_out
+    for info, endpoint, counts in selection.rows:
         if isinstance(endpoint, str):
             row = _row(info, None, endpoint, None)
         else:
-            scrape = engines.want((info.namespace, info.pod), signal.engine, endpoint, query.interval_seconds)
+            scrape = engines.scrape((info.namespace, info.pod))
+            if scrape is not None and scrape.endpoint != endpoint.url:
+                scrape = None  # a page of the address the pod had before: not this pod's now
             read = signal_value(signal, scrape, now=now, stale_after=stale_after(query.interval_seconds, timeout))
             age = now - scrape.page.at if scrape is not None and scrape.page is not None else None
             row = _row(info, None if isinstance(read, str) else read, read if isinstance(read, str) else None, age)
         values.append(row)
-        if row.value is None and left_out is None:
+        if row.value is None and counts:
             unread.append(row)
+    pods = selection.pods
     error: GpuscalerError | None = None
     value: float | None = None
     if unread:

@@ -1,12 +1,14 @@
 """Where engine signals are read from: the gateway's scraper of the selected pods' metrics pages.
 
-Scraping is lazy: a pod is read only while some query asks for it (``want``), at the interval that query asks,
-with one scrape per pod shared by every query. A node agent has no source: engine queries need the gateway.
+Interest and reading are apart. A pod is read only while some query asks for it (``want``: a query KEDA prepares,
+a push stream while it is open), at the interval that query asks, with one scrape per pod shared by every query.
+Evaluating reads the newest scrape (``scrape``) and changes nothing. A node agent has no source: engine queries
+need the gateway.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Protocol
 
 from gpuscaler.model.engines import Engine, PodScrape
@@ -22,11 +24,25 @@ class EngineSource(Protocol):
     def timeout_seconds(self) -> float:
         """How long one scrape may take."""
 
-    def want(self, pod: PodKey, engine: Engine, endpoint: Endpoint, interval_seconds: float) -> PodScrape | None:
-        """Keep ``pod`` read at least every ``interval_seconds`` while it is asked for; its newest scrape."""
+    @property
+    def min_interval_seconds(self) -> float:
+        """The shortest ``scrapeInterval`` a query may ask (``--engine-min-scrape-interval``)."""
 
-    async def settle(self) -> None:
-        """Return once every wanted pod that has never been read has had its first try (each is time-bound)."""
+    @property
+    def max_pods(self) -> int:
+        """The most pods one selection may read (``--engine-max-pods-per-selection``)."""
+
+    def want(self, pod: PodKey, engine: Engine, endpoint: Endpoint, interval_seconds: float) -> None:
+        """Keep ``pod`` read at least every ``interval_seconds`` while it is asked for."""
+
+    def scrape(self, pod: PodKey) -> PodScrape | None:
+        """The newest scrape of ``pod``, or None when it is not read; changes nothing."""
+
+    async def first_reads(self, pods: Collection[PodKey], within_seconds: float) -> None:
+        """Return once each of ``pods`` never read has had its first try, or after ``within_seconds``."""
+
+    def note_limited(self, limit: str, **detail: object) -> None:
+        """Count (and log, at a bounded rate) that a limit on reading engine pages acted."""
 
     def add_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` after scrapes land (at most once per turn of the event loop)."""

@@ -3,6 +3,10 @@
 Handlers ask the evaluator; the evaluator never calls a collector. Streams with the same query share one
 evaluation and one activation state per tick, so a tick costs one evaluation per distinct query,
 however many streams are open. Unary calls within one tick reuse that tick's evaluations too.
+
+Evaluating reads and keeps nothing of the engine pods it reads. Interest in them is registered apart: ``prepare``
+(a call KEDA makes) wants the pods a query's engine signals select and waits for the first reads of those of them
+never read, its own pods only, within the caller's deadline; a push stream's pods stay wanted while it is open.
 """
 
 from __future__ import annotations
@@ -14,16 +18,19 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from gpuscaler.model.engines import ENGINE_SIGNALS
+from gpuscaler.model.errors import InvalidMetadata
 from gpuscaler.model.pods import PodDirectory
 from gpuscaler.model.samples import DEVICE_FIELD, Snapshot
+from gpuscaler.query.engine_keys import DEFAULT_MIN_SCRAPE_SECONDS
 from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.query.query import AnyValueQuery, CombinedQuery, EngineQuery, Query, Signal, ValueQuery, windows_of
 from gpuscaler.signals.activation import ActivationStates
 from gpuscaler.signals.combined import evaluate_combined
 from gpuscaler.signals.empty_selection import EmptySelection, find_empty, unmatched_of
 from gpuscaler.signals.empty_selection_record import EmptySelectionRecord
-from gpuscaler.signals.engine_evaluation import evaluate_engine
-from gpuscaler.signals.engine_source import EngineSource
+from gpuscaler.signals.engine_evaluation import EngineSelection, evaluate_engine, select_engine_pods
+from gpuscaler.signals.engine_source import EngineSource, PodKey
 from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.node_memo import NodeMemo
 from gpuscaler.signals.outcome import Evaluation
@@ -40,6 +47,15 @@ ACTIVATION_IDLE_SECONDS = 15 * 60.0
 PARSE_CACHE_ENTRIES = 1024
 PARSE_CACHE_MAX_KEYS = 32
 PARSE_CACHE_MAX_CHARS = 2048
+# What ``prepare`` leaves of the caller's deadline (KEDA's grpc-timeout) for the answer itself: it waits for its
+# pods' first reads until then, and answers with the pods still unread named, not DEADLINE_EXCEEDED.
+DEADLINE_MARGIN_SECONDS = 0.25
+# Without a deadline, the wait for a query's first reads is one read's timeout and this: a read may wait a moment
+# for a slot behind its own namespace's reads.
+FIRST_READ_SLACK_SECONDS = 1.0
+# A push stream's engine pods are wanted again at most this often (on a scrape or a snapshot), so a pod that joins
+# its selection is read within about a second, and the cost of keeping them wanted does not grow with scrapes.
+STREAM_INTEREST_EVERY_SECONDS = 1.0
 
 
 @dataclass(eq=False, slots=True)
@@ -80,7 +96,12 @@ class Evaluator:
         self.source = source
         self.directory = directory
         self.engines = engines
-        self.limits = Limits(history_seconds=source.history_seconds, cluster=cluster, reads_engines=engines is not None)
+        self.limits = Limits(
+            history_seconds=source.history_seconds,
+            cluster=cluster,
+            reads_engines=engines is not None,
+            min_scrape_seconds=engines.min_interval_seconds if engines is not None else DEFAULT_MIN_SCRAPE_SECONDS,
+        )
         self._parsed: dict[tuple[str, str, tuple[tuple[str, str], ...]], Query] = {}
         self.stale_after = source.stale_after
         self._clock = clock or asyncio.get_running_loop().time
@@ -96,6 +117,7 @@ class Evaluator:
         # Called with each push evaluation of a streamed query, once per distinct query per tick (unknown included).
         self.on_push: list[Callable[[Query, Evaluation], None]] = []
         self._left_out: dict[AnyValueQuery, tuple[frozenset[str], float]] = {}
+        self._streams_wanted_at: float | None = None
         # KEDA's answers of 0 whose selection matches no pod, per ScaledObject: only a pod directory can tell.
         self.empty_selections = EmptySelectionRecord(directory, clock=self._clock) if directory is not None else None
         if engines is not None:
@@ -124,15 +146,42 @@ class Evaluator:
             self._parsed[key] = query
         return query
 
-    async def prepare(self, query: Query) -> None:
-        """Make the query answerable before it is evaluated: a gateway asks its agents for its windows once,
-        and reads the pods an engine signal selects that it has never read."""
+    async def prepare(self, query: Query, *, time_left: float | None = None) -> None:
+        """Make the query answerable before it is evaluated, and register its interest: a gateway asks its agents
+        for its windows once, and keeps the pods its engine signals select read, waiting for the first read of
+        those never read (its own pods, no one else's). ``time_left``: seconds left of the caller's deadline, of
+        which the wait leaves ``DEADLINE_MARGIN_SECONDS``; a pod still unread is then named in the answer."""
         windows = windows_of(query.value)
         if windows:
             await self.source.prepare(list(windows))
-        if self.engines is not None and _reads_engines(query.value):
-            self.evaluate(query.value)  # names the pods it wants read
-            await self.engines.settle()
+        if self.engines is None:
+            return
+        pods = self.want_engine_pods(query.value)
+        if pods:
+            within = self.engines.timeout_seconds + FIRST_READ_SLACK_SECONDS
+            if time_left is not None:
+                within = min(within, time_left - DEADLINE_MARGIN_SECONDS)
+            await self.engines.first_reads(pods, within)
+
+    def want_engine_pods(self, value: AnyValueQuery) -> list[PodKey]:
+        """Keep the pods ``value``'s engine signals read wanted by the scraper, at their intervals; those pods.
+
+        A selection that cannot be read (no directory, too many pods) wants nothing: evaluating says why."""
+        if self.engines is None:
+            return []
+        wanted: list[PodKey] = []
+        for signal in _engine_signals(value):
+            selection = select_engine_pods(signal, self.engines, self.directory)
+            if isinstance(selection, InvalidMetadata):
+                self.engines.note_limited("max_pods_per_selection", selection=signal.pods.describe())
+            if not isinstance(selection, EngineSelection):
+                continue
+            engine = ENGINE_SIGNALS[signal.metric].engine
+            for info, endpoint in selection.reads():
+                key = (info.namespace, info.pod)
+                self.engines.want(key, engine, endpoint, signal.interval_seconds)
+                wanted.append(key)
+        return wanted
 
     def evaluate(self, query: AnyValueQuery) -> Evaluation:
         if isinstance(query, CombinedQuery):
@@ -141,7 +190,7 @@ class Evaluator:
 
     def _evaluate_signal(self, query: Signal) -> Evaluation:
         if isinstance(query, EngineQuery):
-            # Not cached: a scrape lands between two snapshots, and each evaluation keeps its pods wanted.
+            # Not cached: a scrape lands between two snapshots.
             return evaluate_engine(query, self.engines, self.directory, self.source.latest, now=self._clock())
         latest = self.source.latest
         fresh = latest is not None and self._clock() - latest.monotonic <= self.stale_after
@@ -278,11 +327,25 @@ class Evaluator:
         """The source's listener: one evaluation per distinct streamed query, and a wake-up on each change."""
         # A push stream's window stays requested while the stream is open (each was prepared when it opened).
         self.source.request([w for g in self._groups.values() for w in windows_of(g.query.value)])
+        self._keep_streams_wanted()
         self._push([group for group in self._groups.values() if _reads_gpus(group.query.value)])
 
     def _on_engine_pages(self) -> None:
         """The engine source's listener: streams on engine signals move within one scrape."""
+        self._keep_streams_wanted()
         self._push([group for group in self._groups.values() if _reads_engines(group.query.value)])
+
+    def _keep_streams_wanted(self) -> None:
+        """A push stream's engine pods stay wanted while it is open: the scraper forgets pods asked for by polls
+        alone after a while, and a stream polls nothing. Its selection's new pods are wanted here too."""
+        if self.engines is None or not self._groups:
+            return
+        now = self._clock()
+        if self._streams_wanted_at is not None and now - self._streams_wanted_at < STREAM_INTEREST_EVERY_SECONDS:
+            return
+        self._streams_wanted_at = now
+        for group in self._groups.values():
+            self.want_engine_pods(group.query.value)
 
     def _push(self, groups: Iterable[_Group]) -> None:
         for group in list(groups):
@@ -326,6 +389,12 @@ def _reads_gpus(value: AnyValueQuery) -> bool:
     if isinstance(value, CombinedQuery):
         return any(isinstance(part.signal, ValueQuery) for part in value.signals)
     return isinstance(value, ValueQuery)
+
+
+def _engine_signals(value: AnyValueQuery) -> list[EngineQuery]:
+    if isinstance(value, CombinedQuery):
+        return [part.signal for part in value.signals if isinstance(part.signal, EngineQuery)]
+    return [value] if isinstance(value, EngineQuery) else []
 
 
 def _reads_engines(value: AnyValueQuery) -> bool:

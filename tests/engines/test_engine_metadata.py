@@ -98,3 +98,22 @@ def test_bad_signals_are_refused_naming_the_entry(metadata: dict[str, str], says
     """A bad signals value is refused naming the entry and what is allowed."""
     with pytest.raises(InvalidMetadata, match=says):
         parse(**metadata)
+
+
+def test_a_scrape_interval_under_the_gateways_minimum_is_refused_naming_the_flag() -> None:
+    """The shortest scrapeInterval is the gateway's --engine-min-scrape-interval: under it the query is refused,
+    naming the key, the value and what is allowed; a gateway that allows 250ms takes it."""
+    strict = Limits(history_seconds=120.0, cluster=True, min_scrape_seconds=2.0)
+    with pytest.raises(InvalidMetadata) as refused:
+        parse_metadata({"metric": "vllm_queue", "workload": "llm", "scrapeInterval": "1s"}, strict, namespace="ml")
+    assert str(refused.value) == (
+        "scrapeInterval '1s' is out of range; it must be from 2s (this gateway's --engine-min-scrape-interval) to 1m"
+    )
+    with pytest.raises(InvalidMetadata, match="scrapeInterval '250ms' is out of range; it must be from 1s"):
+        parse(metric="vllm_queue", workload="llm", scrapeInterval="250ms")
+    lenient = Limits(history_seconds=120.0, cluster=True, min_scrape_seconds=0.25)
+    query = parse_metadata(
+        {"metric": "vllm_queue", "workload": "llm", "scrapeInterval": "250ms"}, lenient, namespace="ml"
+    )
+    assert isinstance(query.value, EngineQuery)
+    assert query.value.interval_seconds == 0.25

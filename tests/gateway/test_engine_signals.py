@@ -52,9 +52,10 @@ def write_pods(path: Path, *pods: tuple[str, FakeEngine | None, dict[str, object
 
 
 async def gateway_with(start_node: StartNode, start_gateway: StartGateway, pods: Path) -> Gateway:
-    """A gateway over one node, with ``pods`` as its pod directory."""
+    """A gateway over one node, with ``pods`` as its pod directory, that allows scrapeInterval 250ms (tests that
+    wait for a pod's change wait less)."""
     node = await start_node("node-a")
-    return await start_gateway(node, pod_directory=pods)
+    return await start_gateway(node, pod_directory=pods, flags=("--engine-min-scrape-interval", "250ms"))
 
 
 async def test_a_workloads_queue_is_the_sum_over_its_ready_pods(

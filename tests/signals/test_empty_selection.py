@@ -163,7 +163,8 @@ def test_an_engine_signal_over_no_pod_is_unmatched_and_so_is_a_combined_query_th
     """An engine signal whose selection matches no pod is a 0 to look into, alone or in a combined query that
     answers 0; beside a signal whose pods ask for replicas, the answer is not 0 and there is nothing to say."""
     nobody = PodSelection(namespace="ml", workload="trainr")
-    engines = cast("EngineSource", SimpleNamespace(timeout_seconds=1.0))  # no pod is selected, so none is read
+    # No pod is selected, so none is read.
+    engines = cast("EngineSource", SimpleNamespace(timeout_seconds=1.0, max_pods=10))
 
     def evaluate_signal(signal: Signal) -> Evaluation:
         if isinstance(signal, EngineQuery):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpuscaler.query.engine_keys import DEFAULT_MIN_SCRAPE_SECONDS
+
 
 @dataclass(frozen=True, slots=True)
 class ScrapeLimits:
@@ -17,7 +19,7 @@ class ScrapeLimits:
     concurrency: int = 32
     # What one query may ask (``--engine-min-scrape-interval``, ``--engine-max-pods-per-selection``): together they
     # bound the reads one selection causes, at most ``max_pods / min_interval_seconds`` a second.
-    min_interval_seconds: float = 1.0
+    min_interval_seconds: float = DEFAULT_MIN_SCRAPE_SECONDS
     max_pods: int = 500
     # Label sets one page may give each series the signals read (``--engine-max-label-sets``): bounds the parse.
     max_label_sets: int = 8192

@@ -1,8 +1,15 @@
-"""The gateway's engine scraper: each wanted pod's metrics page, read at the interval its queries ask.
+"""The gateway's engine scraper: when each wanted pod's metrics page is read, and who gets the next free slot.
 
-Lazy: a pod is read only while a query asks for it (``want``), and is forgotten ``FORGET_AFTER_SECONDS`` after
-the last ask. One scrape per pod serves every query on it, at the shortest interval any of them asks, with a
-number in flight; each read is ``page_reader.PageReader``'s, and bounded there.
+Lazy: a pod is read only while a query asks for it (``want``, from a query prepared or a stream held open), and is
+forgotten ``FORGET_AFTER_SECONDS`` after the last ask. One scrape per pod serves every query on it, at the
+shortest interval any of them asks. Reading a pod's scrape (``scrape``, ``pods``) changes nothing.
+
+Slots are shared by namespace, the unit a cluster gives a tenant (its RBAC, its quotas, its ScaledObjects): due
+reads wait in one queue per namespace, and a free slot goes to the next namespace in turn, so a namespace's many or
+slow pods make its own reads wait, not another's. One namespace holds at most ``namespace_share`` of the slots, so
+a tenant's pods that never answer cannot hold every slot for a timeout. A pod whose reads keep failing is read
+less often (``backoff_seconds``); its answer stays its failure, never an older page made to look fresh. Each read
+is ``page_reader.PageReader``'s, and bounded there.
 """
 
 from __future__ import annotations
@@ -10,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import Counter, deque
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 
 import aiohttp
 import structlog
@@ -20,17 +28,37 @@ from gpuscaler.gateway.engines.limits import DEFAULT_SCRAPE_LIMITS, ScrapeLimits
 from gpuscaler.gateway.engines.page import MalformedPage
 from gpuscaler.gateway.engines.page_reader import PageReader, ScrapeFailed
 from gpuscaler.model.engines import Engine, PodScrape
+from gpuscaler.server.overload import LogEvery
 from gpuscaler.signals.engine_pods import Endpoint
 from gpuscaler.signals.engine_source import PodKey
 
 log = structlog.get_logger(__name__)
 
 # KEDA polls every 30 s: a pod asked for by polls alone is read for a while after each, so the next finds it fresh.
+# A push stream asks again after every scrape of its pods (``Evaluator``), well within this.
 FORGET_AFTER_SECONDS = 120.0
 # How often the loop looks for pods that are due, while any is wanted: a scrape starts at most this late. Listeners
 # hear of the scrapes that landed at most this often too, so a thousand pods read a second wake push streams
 # twenty times, not a thousand.
 TICK_SECONDS = 0.05
+# A pod whose reads keep failing is next read after its interval doubled per failure in a row, up to this (or its
+# interval, when that is longer): a dead pod costs a slot for a timeout about every 10 s, not every interval, and
+# one that comes back is read again within 10 s.
+BACKOFF_MAX_SECONDS = 10.0
+# The limits the scraper counts (gpuscaler_gateway_engine_limited_total{limit}), docs/security.md says each.
+LIMITS = ("namespace_share", "backoff", "first_read_wait", "max_pods_per_selection")
+
+
+def namespace_share(concurrency: int) -> int:
+    """The slots one namespace may hold at once: three quarters, so a quarter is always there for the others."""
+    return max(1, concurrency * 3 // 4)
+
+
+def backoff_seconds(interval: float, failures: int) -> float:
+    """How long after a read the next one is due, when the reads have failed ``failures`` times in a row."""
+    if failures <= 1:
+        return interval
+    return max(interval, min(interval * 2.0 ** (failures - 1), BACKOFF_MAX_SECONDS))
 
 
 @dataclass(slots=True)
@@ -40,8 +68,18 @@ class _Wanted:
     interval: float
     asked_at: float
     due_at: float
+    first: asyncio.Future[None]  # done once the first read has landed (or the pod is no longer wanted)
     scrape: PodScrape | None = None
     task: asyncio.Task[None] | None = None
+    queued_at: float | None = None  # while it waits in its namespace's queue for a slot
+    held_back: bool = False  # it waited because its namespace held its share (counted once per read)
+    failures: int = 0  # reads failed in a row
+
+
+@dataclass(slots=True)
+class _Namespace:
+    queue: deque[tuple[PodKey, _Wanted]] = field(default_factory=deque)
+    reading: int = 0
 
 
 class EngineScraper:
@@ -54,22 +92,39 @@ class EngineScraper:
         self._listeners: list[Callable[[], None]] = []
         self._notify_scheduled = False
         self._someone_wants = asyncio.Event()  # the loop sleeps on it while nothing is wanted
-        self._slots = asyncio.Semaphore(self.limits.concurrency)
+        self._namespaces: dict[str, _Namespace] = {}
+        self._turns: deque[str] = deque()  # namespaces with reads waiting, the next to get a slot first
+        self._reading = 0
+        self._share = namespace_share(self.limits.concurrency)
         self._reader = PageReader(self.limits)
         self._loop_task: asyncio.Task[None] | None = None
-        # What /metrics counts: scrapes by outcome, and the newest of each pod (``pods``).
+        self._running = False
+        # What /metrics counts: scrapes by outcome, limits by the times each acted, and the newest of each pod.
         self.results: dict[str, int] = {}
+        self.limited: Counter[str] = Counter(dict.fromkeys(LIMITS, 0))
+        self._logs = {limit: LogEvery("engine_limited", limit=limit) for limit in LIMITS}
         self.on_scrape: list[Callable[[float, str], None]] = []  # (seconds, outcome)
 
     @property
     def timeout_seconds(self) -> float:
         return self.limits.timeout_seconds
 
+    @property
+    def max_pods(self) -> int:
+        return self.limits.max_pods
+
+    @property
+    def min_interval_seconds(self) -> float:
+        return self.limits.min_interval_seconds
+
     async def start(self) -> None:
         await self._reader.start()
+        self._running = True
         self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="engine-scraper")
+        self._dispatch()
 
     async def stop(self) -> None:
+        self._running = False
         tasks = [w.task for w in self._wanted.values() if w.task is not None]
         if self._loop_task is not None:
             tasks.append(self._loop_task)
@@ -78,34 +133,55 @@ class EngineScraper:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        for wanted in self._wanted.values():
+            _settle(wanted)
         await self._reader.close()
 
-    def want(self, pod: PodKey, engine: Engine, endpoint: Endpoint, interval_seconds: float) -> PodScrape | None:
+    def want(self, pod: PodKey, engine: Engine, endpoint: Endpoint, interval_seconds: float) -> None:
+        """Keep ``pod`` read at least every ``interval_seconds`` for a while; a pod never read is queued at once."""
         now = self._clock()
         wanted = self._wanted.get(pod)
         if wanted is None or wanted.endpoint != endpoint or wanted.engine is not engine:
             # A new pod, or one whose address changed (a restart keeps its name in a StatefulSet): start over.
-            if wanted is not None and wanted.task is not None:
-                wanted.task.cancel()
-            wanted = self._wanted[pod] = _Wanted(engine, endpoint, interval_seconds, now, now)
+            if wanted is not None:
+                self._drop(wanted)
+            first = asyncio.get_running_loop().create_future()
+            wanted = self._wanted[pod] = _Wanted(engine, endpoint, interval_seconds, now, now, first)
             self._someone_wants.set()
-            return None
+            self._enqueue(pod, wanted)
+            return
         wanted.asked_at = now
         if interval_seconds < wanted.interval:
             wanted.interval = interval_seconds
-            wanted.due_at = min(wanted.due_at, now + interval_seconds)
-        return wanted.scrape
+            if wanted.failures == 0:
+                wanted.due_at = min(wanted.due_at, now + interval_seconds)
 
-    async def settle(self) -> None:
-        """Start the first read of every pod never read, and wait for each (each is bounded by the timeout)."""
-        first = [
-            self._start(pod, wanted)
-            for pod, wanted in self._wanted.items()
-            if wanted.scrape is None and wanted.task is None
+    def scrape(self, pod: PodKey) -> PodScrape | None:
+        """The newest scrape of ``pod``, if it is read now; a read, which changes nothing."""
+        wanted = self._wanted.get(pod)
+        return wanted.scrape if wanted is not None else None
+
+    async def first_reads(self, pods: Collection[PodKey], within_seconds: float) -> None:
+        """Return once each of ``pods`` that is wanted and never read has had its first read land, or after
+        ``within_seconds``; other pods' reads are not waited for."""
+        waiting = [
+            wanted.first
+            for pod in pods
+            if (wanted := self._wanted.get(pod)) is not None and wanted.scrape is None and not wanted.first.done()
         ]
-        waiting = [w.task for w in self._wanted.values() if w.scrape is None and w.task is not None]
-        if first or waiting:
-            await asyncio.wait({*first, *waiting})
+        if not waiting:
+            return
+        if within_seconds > 0:
+            _, pending = await asyncio.wait(waiting, timeout=within_seconds)
+        else:
+            pending = set(waiting)
+        if pending:
+            self.note_limited("first_read_wait", unread=len(pending), waited_seconds=round(max(within_seconds, 0), 3))
+
+    def note_limited(self, limit: str, **detail: object) -> None:
+        """Count that ``limit`` acted, and log it unless it was logged within the last few seconds."""
+        self.limited[limit] += 1
+        self._logs[limit](**detail)
 
     def add_listener(self, listener: Callable[[], None]) -> None:
         self._listeners.append(listener)
@@ -121,30 +197,93 @@ class EngineScraper:
                 await self._someone_wants.wait()
             now = self._clock()
             for pod in [p for p, w in self._wanted.items() if now - w.asked_at > FORGET_AFTER_SECONDS]:
-                gone = self._wanted.pop(pod)
-                if gone.task is not None:
-                    gone.task.cancel()
+                self._drop(self._wanted.pop(pod))
             for pod, wanted in self._wanted.items():
-                if wanted.task is None and now >= wanted.due_at:
-                    self._start(pod, wanted)
+                if wanted.task is None and wanted.queued_at is None and now >= wanted.due_at:
+                    self._enqueue(pod, wanted)
             await asyncio.sleep(TICK_SECONDS)
 
-    def _start(self, pod: PodKey, wanted: _Wanted) -> asyncio.Task[None]:
+    def _drop(self, wanted: _Wanted) -> None:
+        # No longer wanted (forgotten, or its address changed): its queue entry is skipped, its read cancelled.
+        wanted.queued_at = None
+        if wanted.task is not None:
+            wanted.task.cancel()
+        _settle(wanted)
+
+    def _enqueue(self, pod: PodKey, wanted: _Wanted) -> None:
         now = self._clock()
         # From when it was due, so that starting up to a tick late does not stretch every interval; from now
-        # when it is a whole interval behind (a first read, a slow page).
-        wanted.due_at = (
-            wanted.due_at + wanted.interval if now - wanted.due_at < wanted.interval else now + wanted.interval
-        )
-        task = asyncio.get_running_loop().create_task(self._scrape(pod, wanted), name=f"scrape {pod[0]}/{pod[1]}")
-        wanted.task = task
-        return task
+        # when it is a whole interval behind (a first read, a slow page). A pod failing in a row backs off.
+        interval = backoff_seconds(wanted.interval, wanted.failures)
+        wanted.due_at = wanted.due_at + interval if now - wanted.due_at < interval else now + interval
+        wanted.queued_at = now
+        wanted.held_back = False
+        namespace = self._namespaces.get(pod[0])
+        if namespace is None:
+            namespace = self._namespaces[pod[0]] = _Namespace()
+        if not namespace.queue:
+            self._turns.append(pod[0])
+        namespace.queue.append((pod, wanted))
+        self._dispatch()
 
-    async def _scrape(self, pod: PodKey, wanted: _Wanted) -> None:
-        started = self._clock()
+    def _dispatch(self) -> None:
+        """Give free slots to waiting reads, one namespace after another (the module docstring says why)."""
+        if not self._running:
+            return
+        passed = 0  # namespaces in turn that could take no slot now, in a row
+        while self._reading < self.limits.concurrency and passed < len(self._turns):
+            name = self._turns.popleft()
+            namespace = self._namespaces[name]
+            entry = self._next_of(namespace)
+            if entry is None:  # only entries no longer wanted were left
+                if namespace.reading == 0:
+                    del self._namespaces[name]
+                continue
+            if namespace.reading >= self._share:
+                namespace.queue.appendleft(entry)
+                self._turns.append(name)
+                passed += 1
+                wanted = entry[1]
+                if not wanted.held_back:
+                    wanted.held_back = True
+                    self.note_limited("namespace_share", namespace=name, reading=namespace.reading, share=self._share)
+                continue
+            passed = 0
+            self._begin(entry, namespace)
+            if namespace.queue:
+                self._turns.append(name)
+
+    def _next_of(self, namespace: _Namespace) -> tuple[PodKey, _Wanted] | None:
+        while namespace.queue:
+            pod, wanted = namespace.queue.popleft()
+            if self._wanted.get(pod) is wanted and wanted.queued_at is not None:
+                return pod, wanted
+        return None
+
+    def _begin(self, entry: tuple[PodKey, _Wanted], namespace: _Namespace) -> None:
+        pod, wanted = entry
+        queued_at = wanted.queued_at if wanted.queued_at is not None else self._clock()
+        wanted.queued_at = None
+        namespace.reading += 1
+        self._reading += 1
+        task = asyncio.get_running_loop().create_task(
+            self._scrape(pod, wanted, queued_at), name=f"scrape {pod[0]}/{pod[1]}"
+        )
+        # The slot is given back when the task ends, however it ends (a task cancelled before it ran runs no
+        # finally of its own).
+        task.add_done_callback(lambda _: self._release(pod[0], namespace))
+        wanted.task = task
+
+    def _release(self, name: str, namespace: _Namespace) -> None:
+        namespace.reading -= 1
+        self._reading -= 1
+        if namespace.reading == 0 and not namespace.queue and self._namespaces.get(name) is namespace:
+            del self._namespaces[name]
+        self._dispatch()
+
+    async def _scrape(self, pod: PodKey, wanted: _Wanted, queued_at: float) -> None:
         try:
-            async with self._slots:
-                body = await self._reader.fetch(wanted.endpoint)
+            body = await self._reader.fetch(wanted.endpoint)
             page = self._reader.parse(body, wanted.engine, at=self._clock())
             previous = wanted.scrape.page if wanted.scrape is not None else None
             wanted.scrape = PodScrape(wanted.endpoint.url, page, previous)
@@ -165,9 +304,20 @@ class EngineScraper:
         finally:
             if self._wanted.get(pod) is wanted:
                 wanted.task = None
+        if outcome == "ok":
+            wanted.failures = 0
+        else:
+            wanted.failures += 1
+            if wanted.failures > 1:
+                delay = backoff_seconds(wanted.interval, wanted.failures)
+                if delay > wanted.interval:
+                    self.note_limited(
+                        "backoff", pod=f"{pod[0]}/{pod[1]}", failures=wanted.failures, next_in_seconds=round(delay, 3)
+                    )
+        _settle(wanted)
         self.results[outcome] = self.results.get(outcome, 0) + 1
         for observer in self.on_scrape:
-            observer(self._clock() - started, outcome)
+            observer(self._clock() - queued_at, outcome)
         self._notify_soon()
 
     def _failed(self, wanted: _Wanted, reason: str) -> None:
@@ -189,3 +339,9 @@ class EngineScraper:
         self._notify_scheduled = False
         for listener in self._listeners:
             listener()
+
+
+def _settle(wanted: _Wanted) -> None:
+    """Wake whoever waits for the pod's first read."""
+    if not wanted.first.done():
+        wanted.first.set_result(None)

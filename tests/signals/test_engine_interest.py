@@ -1,0 +1,156 @@
+"""Interest in engine pods apart from reading them: evaluating wants nothing, preparing wants the query's own pods
+and waits for their first reads within the caller's deadline, a push stream keeps its pods wanted while it is open,
+and a selection past --engine-max-pods-per-selection is refused, naming the key."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+import pytest
+
+from gpuscaler.model.engines import Engine, EnginePage, PodScrape
+from gpuscaler.model.errors import InvalidMetadata, Unavailable
+from gpuscaler.model.pods import PodInfo
+from gpuscaler.query.query import Query
+from gpuscaler.signals.engine_pods import Endpoint
+from gpuscaler.signals.engine_source import PodKey
+from gpuscaler.signals.evaluator import DEADLINE_MARGIN_SECONDS, FIRST_READ_SLACK_SECONDS, Evaluator
+from tests.builders import history_of
+from tests.signals.test_evaluation_workloads import Directory
+
+
+class Engines:
+    """A hand-written engine source: it records what is wanted and waited for, and answers the scrapes it is given."""
+
+    timeout_seconds = 2.0
+    min_interval_seconds = 1.0
+
+    def __init__(self, max_pods: int = 10) -> None:
+        self.max_pods = max_pods
+        self.wanted: dict[PodKey, float] = {}
+        self.scrapes: dict[PodKey, PodScrape] = {}
+        self.waited: list[tuple[list[PodKey], float]] = []
+        self.limited: list[str] = []
+        self.listeners: list[Callable[[], None]] = []
+
+    def want(self, pod: PodKey, engine: Engine, endpoint: Endpoint, interval_seconds: float) -> None:
+        self.wanted[pod] = interval_seconds
+
+    def scrape(self, pod: PodKey) -> PodScrape | None:
+        return self.scrapes.get(pod)
+
+    async def first_reads(self, pods: Collection[PodKey], within_seconds: float) -> None:
+        self.waited.append((sorted(pods), within_seconds))
+
+    def note_limited(self, limit: str, **detail: object) -> None:
+        self.limited.append(limit)
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        self.listeners.append(listener)
+
+
+def llm(name: str, *, namespace: str = "ml", ready: bool = True) -> PodInfo:
+    """A vLLM pod of workload llm that declares its metrics port."""
+    return PodInfo(
+        namespace=namespace,
+        pod=name,
+        workload="llm",
+        ip="10.0.0.1",
+        phase="Running",
+        ready=ready,
+        ports=(("metrics", 8000),),
+    )
+
+
+DIRECTORY = Directory(llm("llm-0"), llm("llm-1"), llm("llm-2", ready=False), llm("llm-0", namespace="other"))
+OWN = [("ml", "llm-0"), ("ml", "llm-1")]
+
+
+class Clock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def gateway(engines: Engines, clock: Clock | None = None) -> tuple[Evaluator, Query]:
+    """A gateway's evaluator over DIRECTORY and ``engines``, and the query on ml's workload llm."""
+    evaluator = Evaluator(history_of(), clock=clock or Clock(), directory=DIRECTORY, cluster=True, engines=engines)
+    return evaluator, evaluator.parse({"metric": "vllm_queue", "workload": "llm"}, "ml", "llm")
+
+
+async def test_evaluating_wants_nothing_and_preparing_wants_the_querys_own_ready_pods() -> None:
+    """An evaluation reads: nothing is wanted, and a pod no one asked for is unknown ("not read yet"), never 0.
+    Preparing wants the query's Ready pods at its interval, and waits for those, within the deadline less a margin."""
+    engines = Engines()
+    evaluator, query = gateway(engines)
+    evaluation = evaluator.evaluate(query.value)
+    assert engines.wanted == {}
+    assert isinstance(evaluation.error, Unavailable)
+    assert "not read yet" in str(evaluation.error)
+    await evaluator.prepare(query, time_left=1.5)
+    assert engines.wanted == dict.fromkeys(OWN, 1.0)
+    assert engines.waited == [(OWN, 1.5 - DEADLINE_MARGIN_SECONDS)]
+    await evaluator.prepare(query)  # no deadline: one read's timeout and a moment for a slot
+    assert engines.waited[-1] == (OWN, engines.timeout_seconds + FIRST_READ_SLACK_SECONDS)
+
+
+async def test_a_scrape_lands_and_the_evaluation_reads_it_without_wanting() -> None:
+    """With both pods' pages read, the answer is their sum; reading it registers nothing."""
+    engines = Engines()
+    evaluator, query = gateway(engines)
+    page = EnginePage(values={"vllm:num_requests_waiting": 3.0}, at=99.5)
+    engines.scrapes = {pod: PodScrape("http://10.0.0.1:8000/metrics", page) for pod in OWN}
+    assert evaluator.evaluate(query.value).value == 6.0
+    assert engines.wanted == {}
+
+
+async def test_a_page_of_the_pods_old_address_is_not_its_answer() -> None:
+    """A scrape of another URL than the pod declares now (it restarted elsewhere) counts as not read yet."""
+    engines = Engines()
+    evaluator, query = gateway(engines)
+    page = EnginePage(values={"vllm:num_requests_waiting": 3.0}, at=99.5)
+    engines.scrapes = {pod: PodScrape("http://10.9.9.9:8000/metrics", page) for pod in OWN}
+    evaluation = evaluator.evaluate(query.value)
+    assert evaluation.value is None
+    assert "not read yet" in str(evaluation.error)
+
+
+async def test_a_selection_past_the_pod_cap_is_refused_naming_the_key_and_wants_nothing() -> None:
+    """With --engine-max-pods-per-selection 1, two Ready pods are too many: nothing is wanted, the limit is noted,
+    and the answer is INVALID_ARGUMENT naming the selection, the count, the cap and the flag."""
+    engines = Engines(max_pods=1)
+    evaluator, query = gateway(engines)
+    await evaluator.prepare(query, time_left=5.0)
+    assert (engines.wanted, engines.waited, engines.limited) == ({}, [], ["max_pods_per_selection"])
+    with pytest.raises(InvalidMetadata) as refused:
+        evaluator.value(query)
+    assert str(refused.value) == (
+        "pods in namespace ml, workload llm selects 2 Ready pods with a metrics page; one query may read at most 1 "
+        "(the gateway's --engine-max-pods-per-selection): select fewer pods with workload or podSelector, or raise "
+        "the flag"
+    )
+
+
+async def test_a_push_stream_keeps_its_pods_wanted_while_it_is_open() -> None:
+    """While a stream is open each scrape (at most once a second) wants its pods again, so the scraper does not
+    forget pods no poll asks for; once it closes, nothing is wanted on its behalf."""
+    engines, clock = Engines(), Clock()
+    evaluator, query = gateway(engines, clock)
+    (listener,) = engines.listeners
+    with evaluator.subscribe(query):
+        listener()
+        assert engines.wanted == dict.fromkeys(OWN, 1.0)
+        engines.wanted.clear()
+        listener()
+        assert engines.wanted == {}  # within the second: not again
+        clock.now += 1.0
+        listener()
+        assert engines.wanted == dict.fromkeys(OWN, 1.0)
+    engines.wanted.clear()
+    clock.now += 1.0
+    listener()
+    assert engines.wanted == {}
