@@ -66,6 +66,9 @@ class EngineSignal:
     activation_threshold: float
     # Queues add up over replicas; a cache's fill does not, so replicas average it (the HPA's utilisation rule).
     additive: bool
+    # The most it can honestly read, in ``unit``: for a gauge, each label set of its series (a page past it is
+    # malformed); for a rate or a ratio, the pod's value. docs/engines.md gives each and why.
+    bound: float
     scale: float = 1.0  # from the series' unit to the signal's (a 0-1 fraction to %: 100)
     per: str | None = None  # RATIO: the counter it divides by
     # How an idle pod's RATIO reads when ``per`` did not move: nothing finished, so nothing waited.
@@ -85,6 +88,14 @@ class EngineSignal:
         return counted + tuple(name + "_total" for name in counted if not name.endswith("_total"))
 
 
+# Bounds (docs/engines.md, "Bounds"): a value past one is no engine's, and the pod is unread rather than believed.
+# Requests queued or running in one label set (one model): each is an open connection or a request in the
+# server's memory, and one process holds at most its descriptor limit's worth (1,048,576 in most containers).
+REQUESTS_BOUND = 1_000_000.0
+PERCENT_BOUND = 100.0  # a share of a cache: each label set's 0-1 fraction, in %
+QUEUE_WAIT_BOUND_MS = 86_400_000.0  # a request's average wait in Triton's queue: a day
+REQUEST_RATE_BOUND = 10_000_000.0  # requests finished a second by one pod, over its models
+
 ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
     EngineMetric.VLLM_QUEUE: EngineSignal(
         Engine.VLLM,
@@ -95,6 +106,7 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         target=8.0,
         activation_threshold=0.0,
         additive=True,
+        bound=REQUESTS_BOUND,
     ),
     EngineMetric.VLLM_RUNNING: EngineSignal(
         Engine.VLLM,
@@ -105,6 +117,7 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         target=32.0,
         activation_threshold=0.0,
         additive=True,
+        bound=REQUESTS_BOUND,
     ),
     EngineMetric.VLLM_KV_CACHE: EngineSignal(
         Engine.VLLM,
@@ -116,6 +129,7 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         target=80.0,
         activation_threshold=0.0,
         additive=False,
+        bound=PERCENT_BOUND,
         scale=100.0,
     ),
     EngineMetric.TRITON_PENDING: EngineSignal(
@@ -127,6 +141,7 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         target=8.0,
         activation_threshold=0.0,
         additive=True,
+        bound=REQUESTS_BOUND,
     ),
     EngineMetric.TRITON_QUEUE_WAIT: EngineSignal(
         Engine.TRITON,
@@ -137,6 +152,7 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         target=100.0,
         activation_threshold=0.0,
         additive=False,
+        bound=QUEUE_WAIT_BOUND_MS,
         scale=0.001,
         per="nv_inference_request_success",
     ),
@@ -149,6 +165,7 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         target=50.0,
         activation_threshold=0.0,
         additive=True,
+        bound=REQUEST_RATE_BOUND,
     ),
     EngineMetric.SGLANG_QUEUE: EngineSignal(
         Engine.SGLANG,
@@ -159,6 +176,7 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         target=8.0,
         activation_threshold=0.0,
         additive=True,
+        bound=REQUESTS_BOUND,
     ),
     EngineMetric.SGLANG_RUNNING: EngineSignal(
         Engine.SGLANG,
@@ -169,6 +187,7 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         target=32.0,
         activation_threshold=0.0,
         additive=True,
+        bound=REQUESTS_BOUND,
     ),
     EngineMetric.SGLANG_TOKEN_USAGE: EngineSignal(
         Engine.SGLANG,
@@ -179,6 +198,7 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         target=80.0,
         activation_threshold=0.0,
         additive=False,
+        bound=PERCENT_BOUND,
         scale=100.0,
     ),
     EngineMetric.TGI_QUEUE: EngineSignal(
@@ -190,6 +210,7 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         target=8.0,
         activation_threshold=0.0,
         additive=True,
+        bound=REQUESTS_BOUND,
     ),
     EngineMetric.TGI_BATCH: EngineSignal(
         Engine.TGI,
@@ -200,6 +221,7 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         target=32.0,
         activation_threshold=0.0,
         additive=True,
+        bound=REQUESTS_BOUND,
     ),
 }
 
@@ -216,6 +238,16 @@ DEFAULT_PORTS: Mapping[Engine, int] = {
 def engine_series(engine: Engine) -> frozenset[str]:
     """Every series name a scrape of ``engine`` keeps: the prefilter drops every other line unparsed."""
     return frozenset(name for signal in ENGINE_SIGNALS.values() if signal.engine is engine for name in signal.names)
+
+
+def series_bounds(engine: Engine) -> dict[str, float]:
+    """The most one label set of each gauge series ``engine``'s signals read may say, in the series' own unit."""
+    return {
+        name: signal.bound / signal.scale
+        for signal in ENGINE_SIGNALS.values()
+        if signal.engine is engine and signal.kind is SignalKind.GAUGE
+        for name in signal.series
+    }
 
 
 @dataclass(frozen=True, slots=True)

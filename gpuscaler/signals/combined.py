@@ -1,11 +1,12 @@
 """A combined query: each signal asks for ``value / target`` replicas, and the answer is the most any asks for.
 
 Any signal unknown makes the answer unknown: the others' largest is only a lower bound, and a lower bound
-can scale in.
+can scale in. A value over a target that is not a finite number (a huge value over a tiny target) is unknown too.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from gpuscaler.model.errors import Unavailable
@@ -32,4 +33,10 @@ def evaluate_combined(query: CombinedQuery, evaluate: Callable[[Signal], Evaluat
     ]
     if len(asked) != len(parts):  # pragma: no cover - an evaluation has a value or an error
         return Evaluation(query, ListedContributions(()), None, Unavailable("a signal has no value"), snapshot)
+    for part, ratio in zip(query.signals, asked, strict=True):
+        if not math.isfinite(ratio):
+            error = Unavailable(
+                f"signal {part.signal.metric.value}: its value over its target {part.target:g} is {ratio}, not a number"
+            )
+            return Evaluation(query, ListedContributions(()), None, error, snapshot, parts=parts)
     return Evaluation(query, ListedContributions(()), max(asked), None, snapshot, parts=parts)

@@ -2,10 +2,14 @@
 
 A counter that went down was reset (the engine restarted): its increase is its new value, as Prometheus'
 ``rate()`` takes it, so a restart never gives a negative or a spike. A page older than ``stale_after`` is
-not an answer; a value no engine gives (NaN, infinite, negative) never gets this far (``gateway/engines/page.py``).
+not an answer; a value no engine gives (NaN, infinite, negative, past its bound) never gets this far
+(``gateway/engines/page.py``), and a rate or a ratio that is not a number, or past its signal's bound, is no
+answer either: the pod is unread, named with why.
 """
 
 from __future__ import annotations
+
+import math
 
 from gpuscaler.model.engines import EnginePage, EngineSignal, PodScrape, SignalKind
 
@@ -25,7 +29,7 @@ def signal_value(signal: EngineSignal, scrape: PodScrape | None, *, now: float, 
     if isinstance(current, str):
         return f"{scrape.endpoint}: {current}"
     if signal.kind is SignalKind.GAUGE:
-        return current * signal.scale
+        return _checked(signal, current * signal.scale, scrape.endpoint)
     if scrape.previous is None:
         return f"{scrape.endpoint}: {signal.kind.value} of counters needs two scrapes, and there has been one"
     before = _series(signal, scrape.previous)
@@ -34,13 +38,26 @@ def signal_value(signal: EngineSignal, scrape: PodScrape | None, *, now: float, 
     increase = _increase(before, current)
     seconds = page.at - scrape.previous.at
     if signal.kind is SignalKind.RATE:
-        return increase / seconds * signal.scale if seconds > 0 else 0.0
+        return _checked(signal, increase / seconds * signal.scale if seconds > 0 else 0.0, scrape.endpoint)
     assert signal.per is not None
     per_now, per_before = page.values.get(signal.per), scrape.previous.values.get(signal.per)
     if per_now is None or per_before is None:
         return f"{scrape.endpoint}: its page has no {signal.per}"
     finished = _increase(per_before, per_now)
-    return increase / finished * signal.scale if finished > 0 else signal.idle
+    return _checked(signal, increase / finished * signal.scale if finished > 0 else signal.idle, scrape.endpoint)
+
+
+def _checked(signal: EngineSignal, value: float, endpoint: str) -> float | str:
+    """``value``, or why it is no answer: not a number (an increase of 1e308 over a millisecond), or past the
+    signal's bound. A gauge's bound is per label set and was checked on the page; its sum is only finite."""
+    if not math.isfinite(value):
+        return f"{endpoint}: its {signal.kind.value} of {signal.series[0]} is {value}, which no engine reports"
+    if signal.kind is not SignalKind.GAUGE and value > signal.bound:
+        return (
+            f"{endpoint}: its {signal.kind.value} of {signal.series[0]} is {value:g} {signal.unit}, past the "
+            f"{signal.bound:g} {signal.unit} a pod can honestly read (docs/engines.md)"
+        )
+    return value
 
 
 def _series(signal: EngineSignal, page: EnginePage) -> float | str:

@@ -60,12 +60,19 @@ def evaluate(
         return failed(query, None, Unavailable("no sample yet: the agent has not finished its first poll"))
     age = now - snapshot.monotonic
     if age > stale_after:
+        # A gateway composes its cluster snapshot on a timer of its own event loop, whatever its agents do (a
+        # silent agent is an absence in it): an old one means that loop was kept busy. An agent's is its poll's.
+        why = (
+            "the gateway's event loop was too busy to compose a newer one"
+            if snapshot.cluster
+            else ("the poll loop is stalled")
+        )
         return failed(
             query,
             snapshot,
             Unavailable(
                 f"no fresh sample: the newest is {age:.1f}s old (taken {utc_clock(snapshot.taken_at)}), "
-                f"older than {stale_after:g}s; the poll loop is stalled"
+                f"older than {stale_after:g}s; {why}"
             ),
         )
     if query.pods is not None:

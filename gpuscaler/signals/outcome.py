@@ -3,11 +3,15 @@
 A cluster's all-GPU answer keeps its contributions node by node (``NodeContributions``), made only when read;
 any other answer lists them (``ListedContributions``). Both answer the same questions without making records:
 which GPUs went unread, how many nodes went in, and which GPUs were read.
+
+An evaluation's value is always a finite number: one that is not (a sum, a rate or a combination that ran past
+the largest float) becomes an UNAVAILABLE error as it is made, so no answer carries infinity to KEDA.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -15,7 +19,7 @@ from operator import attrgetter
 from typing import NamedTuple, Protocol
 
 from gpuscaler.model.columns import Chained, uuids
-from gpuscaler.model.errors import GpuscalerError
+from gpuscaler.model.errors import GpuscalerError, Unavailable
 from gpuscaler.model.samples import Absence, GpuKey, GpuSample, ReadError, Snapshot, gpu_keys
 from gpuscaler.query.query import AnyValueQuery, PodSelection
 
@@ -118,6 +122,14 @@ class Evaluation:
     # An answer of 0 because no pod of this selection (resolved: scaleTargetPods as its workload) holds a GPU, or for
     # an engine signal because none is selected: a workload at zero, or a selection of nothing (empty_selection.py).
     unmatched: PodSelection | None = None
+
+    def __post_init__(self) -> None:
+        if self.value is not None and not math.isfinite(self.value):
+            # Where a source can give a value past the float range, its own check names it (engine_values.py);
+            # this is the last line, for any that has none.
+            error = Unavailable(f"the value is {self.value}, not a number: a sum or a rate of the inputs overflowed")
+            object.__setattr__(self, "value", None)
+            object.__setattr__(self, "error", error)
 
     def value_or_raise(self) -> float:
         if self.error is not None:

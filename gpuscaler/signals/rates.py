@@ -10,6 +10,7 @@ absence with its reason, never a 0.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,4 +58,12 @@ def counter_rate(metric: Metric, points: Sequence[tuple[float, float | None]]) -
             len(segment),
             f"{metric.value}: the agent's clock did not advance between its readings of {reading} (a clock step)",
         )
-    return Rate((last - first) / (last_seconds - first_seconds), len(segment), first_seconds=first_seconds)
+    rate = (last - first) / (last_seconds - first_seconds)
+    if not math.isfinite(rate):
+        return Rate(
+            None,
+            len(segment),
+            f"{metric.value}: {reading} rose by {last - first:g} in {last_seconds - first_seconds:g}s, "
+            "a rate past any number",
+        )
+    return Rate(rate, len(segment), first_seconds=first_seconds)

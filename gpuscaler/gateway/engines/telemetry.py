@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector
 from gpuscaler.gateway.engines.scraper import EngineScraper
 
 SCRAPE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-OUTCOMES = ("ok", "timeout", "error", "status", "too_large", "malformed")
+OUTCOMES = ("ok", "timeout", "error", "status", "too_large", "too_many_label_sets", "malformed")
 
 
 class _EngineCollector(Collector):
@@ -49,7 +49,7 @@ class _EngineCollector(Collector):
         scrapes = CounterMetricFamily(
             "gpuscaler_gateway_engine_scrapes",
             "Reads of engine metrics pages by outcome: ok, timeout, error (connection), status (not 200), "
-            "too_large, malformed.",
+            "too_large, too_many_label_sets, malformed.",
             labels=["outcome"],
         )
         for outcome in OUTCOMES:
