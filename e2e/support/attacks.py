@@ -265,8 +265,10 @@ class RawPeer:
         server_hostname: str | None = None,
         timeout: float = 5.0,
         ready: bool = True,
+        source: str | None = None,
     ) -> RawPeer:
-        """Connect and send ``start`` (default: ``client_start()``; ``b""`` sends nothing).
+        """Connect (from the loopback address ``source``, if given) and send ``start`` (default: ``client_start()``;
+        ``b""`` sends nothing).
 
         With ``ready`` (and a ``start``), return once the server's SETTINGS came and were acknowledged: h2
         applies the limits the server announces (MAX_CONCURRENT_STREAMS) only from the ACK on, and holds a
@@ -274,7 +276,12 @@ class RawPeer:
         """
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(
-                "127.0.0.1", port, ssl=tls, server_hostname=server_hostname if tls else None, limit=2**20
+                "127.0.0.1",
+                port,
+                ssl=tls,
+                server_hostname=server_hostname if tls else None,
+                limit=2**20,
+                local_addr=(source, 0) if source else None,
             )
         peer = cls(reader, writer)
         peer._task = asyncio.create_task(peer._read())
