@@ -3,18 +3,34 @@
 Every read is bounded: a timeout, a body size, no redirects, no proxy, no compression (a small gzip can
 inflate to gigabytes), and only the address the pod itself declares (``signals/engine_pods.py``). When and
 how often a pod is read is the scraper's (``scraper.py``).
+
+Memory: a read holds its body as the chunks that arrived, never joined or copied, and stops at the first
+byte past ``--engine-max-page-bytes`` (at once where Content-Length says more); ``parse`` lets each chunk go
+as the prefilter has read it. The most all reads hold at once is ``--engine-scrape-concurrency`` x
+``--engine-max-page-bytes``: 32 x 4 MiB = 128 MiB with the defaults.
+
+CPU: parsing runs on the event loop, in turns. The prefilter takes one chunk a turn and refuses the page past
+``--engine-max-label-sets`` before the parser sees a line (``page.py``); the parser then takes
+``page.PARSE_BATCH_LINES`` lines a turn, and one page is parsed at a time, so one turn of the loop spends at
+most a few milliseconds on pages however many are read. Not a worker thread: the parser is Python and holds
+the GIL, so the loop would wait up to a switch interval (5 ms) for it after every system call it makes, a
+send, a receive, an epoll, and a call takes several; nor a process: each page would be copied to it, and the
+gateway's memory doubled for a second interpreter. Bounded turns on the loop cost the same CPU and keep the
+waits to one batch.
 """
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 
 from gpuscaler.gateway.engines.limits import ScrapeLimits
-from gpuscaler.gateway.engines.page import prefilter, read_page
-from gpuscaler.model.engines import Engine, EnginePage, engine_series
+from gpuscaler.gateway.engines.page import Prefilter, TooManyLabelSets, add_values, batches, page_of, prefilter
+from gpuscaler.model.engines import Engine, EnginePage, engine_series, series_bounds
 from gpuscaler.signals.engine_pods import Endpoint
 
-CHUNK_BYTES = 64 * 1024
+PageBody = list[bytes]  # the chunks of a page as they arrived
 
 
 class ScrapeFailed(Exception):
@@ -32,7 +48,8 @@ class PageReader:
     def __init__(self, limits: ScrapeLimits) -> None:
         self.limits = limits
         self._session: aiohttp.ClientSession | None = None
-        self._prefilters = {engine: prefilter(engine_series(engine)) for engine in Engine}
+        self._prefilters = {engine: prefilter(engine_series(engine), series_bounds(engine)) for engine in Engine}
+        self._parsing = asyncio.Lock()  # one page parsed at a time: a loop turn runs one batch of one page
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
@@ -47,8 +64,9 @@ class PageReader:
         if self._session is not None:
             await self._session.close()
 
-    async def fetch(self, endpoint: Endpoint) -> bytes:
-        """The page's body, or ``ScrapeFailed`` for a status, an encoding or a size that cannot be used."""
+    async def fetch(self, endpoint: Endpoint) -> PageBody:
+        """The page's body as its chunks, or ``ScrapeFailed`` for a status, an encoding or a size that cannot be
+        used; an oversized page is refused at its Content-Length, or at its first byte past the limit."""
         assert self._session is not None, "start() first"
         async with self._session.get(endpoint.url, allow_redirects=False) as response:
             if response.status != 200:
@@ -58,13 +76,35 @@ class PageReader:
             limit = self.limits.max_page_bytes
             if (response.content_length or 0) > limit:
                 raise ScrapeFailed("too_large", f"a page of {response.content_length} bytes, over the {limit} allowed")
-            body = bytearray()
-            async for chunk in response.content.iter_chunked(CHUNK_BYTES):
-                body += chunk
-                if len(body) > limit:
+            body: PageBody = []
+            size = 0
+            async for chunk in response.content.iter_any():
+                size += len(chunk)
+                if size > limit:
                     raise ScrapeFailed("too_large", f"a page over the {limit} bytes allowed")
-            return bytes(body)
+                body.append(chunk)
+            return body
 
-    def parse(self, body: bytes, engine: Engine, *, at: float) -> EnginePage:
-        """The values ``engine``'s signals read from ``body``; ``MalformedPage`` when it cannot be read."""
-        return read_page(body, self._prefilters[engine], at=at)
+    async def parse(self, body: PageBody, engine: Engine, *, at: float) -> EnginePage:
+        """The values ``engine``'s signals read from ``body``, which it empties; ``MalformedPage`` when it cannot
+        be read, ``ScrapeFailed`` (too_many_label_sets) past ``--engine-max-label-sets``."""
+        async with self._parsing:
+            return await read_page(body, self._prefilters[engine], at=at, max_label_sets=self.limits.max_label_sets)
+
+
+async def read_page(body: PageBody, wanted: Prefilter, *, at: float, max_label_sets: int) -> EnginePage:
+    """``page.read_page`` in turns of the event loop: one chunk, then one batch of lines, a turn."""
+    page = wanted.filter(max_label_sets)
+    try:
+        while body:
+            page.feed(body.pop(0))  # and let it go
+            await asyncio.sleep(0)
+    except TooManyLabelSets as error:
+        raise ScrapeFailed("too_many_label_sets", str(error)) from None
+    finally:
+        body.clear()
+    values: dict[str, float] = {}
+    for text in batches(page.finish()):
+        add_values(text, values, wanted)
+        await asyncio.sleep(0)
+    return page_of(values, at=at)

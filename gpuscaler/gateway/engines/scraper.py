@@ -284,7 +284,7 @@ class EngineScraper:
     async def _scrape(self, pod: PodKey, wanted: _Wanted, queued_at: float) -> None:
         try:
             body = await self._reader.fetch(wanted.endpoint)
-            page = self._reader.parse(body, wanted.engine, at=self._clock())
+            page = await self._reader.parse(body, wanted.engine, at=self._clock())
             previous = wanted.scrape.page if wanted.scrape is not None else None
             wanted.scrape = PodScrape(wanted.endpoint.url, page, previous)
             outcome = "ok"
