@@ -3,7 +3,8 @@
 With thousands of streams open on KEDA's one connection, h2 walks every stream for each new one, grpclib wakes
 every stream per connection-level WINDOW_UPDATE, and every frame is its own socket write. These classes keep the
 same behaviour at a cost per call that does not grow with open streams, and send one write per turn of the event
-loop (bench/results/compare*.json have the figures). They also bound what h2 would hold of a header block.
+loop (bench/results/compare*.json have the figures). They also bound what h2 would hold of a header block, and
+take in a peer's frames a turn's budget at a time.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from typing import Any, Literal, cast
 from grpclib.protocol import Connection, Stream
 from h2.connection import H2Connection, _decode_headers
 from h2.errors import ErrorCodes
+from h2.events import Event
 from h2.exceptions import ProtocolError, TooManyStreamsError
 from h2.frame_buffer import FrameBuffer
 from h2.stream import StreamClosedBy
+from hyperframe.exceptions import InvalidPaddingError
 from hyperframe.frame import HeadersFrame, RstStreamFrame
 
 from gpuscaler.server.transport.lean_streams import LeanEvent, LeanStream
@@ -29,6 +32,10 @@ MAX_HEADER_LIST_BYTES = 8 * 1024
 MAX_HEADER_BLOCK_BYTES = 2 * MAX_HEADER_LIST_BYTES
 # How many streams may close between two of h2's walks over every stream (see BoundedH2Connection).
 SWEEP_EVERY_STREAMS = 512
+# At most this many frames of one connection are taken in per turn of the event loop, whatever their size:
+# the smallest (a WINDOW_UPDATE, 13 bytes) still cost h2 and grpclib a few microseconds each.
+TURN_FRAMES = 64
+HEADERS_TYPE = HeadersFrame.type
 
 
 def peer_name(transport: asyncio.BaseTransport) -> str:
@@ -58,7 +65,7 @@ class BoundedH2Connection(H2Connection):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.incoming_buffer = BoundedFrameBuffer(server=not self.config.client_side)
+        self.incoming_buffer: BoundedFrameBuffer = BoundedFrameBuffer(server=not self.config.client_side)
 
     @property
     def open_inbound_streams(self) -> int:
@@ -68,6 +75,42 @@ class BoundedH2Connection(H2Connection):
         count = super().open_inbound_streams
         self._sweep_at = len(self.streams) + SWEEP_EVERY_STREAMS
         return count
+
+    def receive_turn(self, data: bytes, calls: int, size: int) -> tuple[list[Event], bool]:
+        """h2's ``receive_data``, stopping before a HEADERS past ``calls`` of them, or after TURN_FRAMES frames or
+        ``size`` bytes of frames.
+
+        The events of the frames taken in, and whether whole frames are left in the buffer for another turn
+        (``receive_turn(b"", ...)`` takes them). A frame is never split: one larger than ``size`` is taken
+        whole. A call's frames after its HEADERS (its message, a RST_STREAM) come in the same turn when they
+        can, so a call and its reset are judged together.
+        """
+        events: list[Event] = []
+        buffer = self.incoming_buffer
+        buffer.add_data(data)
+        buffer.max_frame_size = self.max_inbound_frame_size
+        held = buffer.held()
+        headers = frames = 0
+        try:
+            while True:  # h2's own loop over the buffer, counting as it goes
+                if (
+                    (headers >= calls and buffer.headers_next())
+                    or frames >= TURN_FRAMES
+                    or held - buffer.held() >= size
+                ):
+                    return events, buffer.has_frame()
+                frame = next(buffer, None)
+                if frame is None:
+                    return events, False
+                events.extend(self._receive_frame(frame))
+                frames += 1
+                headers += isinstance(frame, HeadersFrame)
+        except InvalidPaddingError as error:
+            self._terminate_connection(ErrorCodes.PROTOCOL_ERROR)
+            raise ProtocolError("Received frame with invalid padding.") from error
+        except ProtocolError as error:
+            self._terminate_connection(error.error_code)  # h2 queues its GOAWAY, as receive_data does
+            raise
 
     def _receive_headers_frame(self, frame: HeadersFrame) -> tuple[list[Any], list[Any]]:
         try:
@@ -94,6 +137,18 @@ class BoundedFrameBuffer(FrameBuffer):
     about 1 MiB a connection held for a block MAX_HEADER_LIST_BYTES would refuse anyway (200 connections took
     the agent past its memory limit). A block past the bound is the peer's protocol error.
     """
+
+    def held(self) -> int:
+        """Bytes received and not yet taken in as frames."""
+        return len(self._data)
+
+    def has_frame(self) -> bool:
+        """Whether a whole frame waits in the buffer."""
+        return len(self._data) >= 9 and len(self._data) >= 9 + int.from_bytes(self._data[:3], "big")
+
+    def headers_next(self) -> bool:
+        """Whether the next frame is a HEADERS (a call's start, on a server) that has come whole."""
+        return self.has_frame() and self._data[3] == HEADERS_TYPE
 
     def _update_header_buffer(self, f: Any) -> Any:
         frame = super()._update_header_buffer(f)

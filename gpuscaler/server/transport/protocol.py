@@ -32,18 +32,17 @@ from gpuscaler.server.transport.h2 import (
 )
 from gpuscaler.server.transport.lean_streams import LeanStream
 from gpuscaler.server.transport.limits import CALL_RESERVE, PINGS_PER_CALL, ConnectionGuard, TokenBucket
+from gpuscaler.server.transport.peer_budgets import PeerBudgets
 
-# At most this much of what a peer sent is taken in per turn of the event loop (ManyStreamsProtocol._feed).
-FEED_BYTES = 4 * 1024
 # After a GOAWAY toward a peer cut off for a flood, how long it has to read it before the socket is dropped.
 GOAWAY_GRACE_SECONDS = 1.0
-# A reset this soon after its stream opened counts against --max-resets-per-second (see _stream_reset).
+# A reset this soon after its stream opened counts against the peer's reset budgets (see _stream_reset).
 RAPID_RESET_SECONDS = 1.0
-# A reset this close to its call's deadline, or past it, is the client's deadline, not an attack. The server dates
-# a call from when it read the HEADERS; a busy server reads them late, often in one turn with the RST_STREAM the
-# client sent at its deadline, so the deadline it computes is late by that lag. A peer that sets deadlines this
-# short to reset uncounted abandons work bounded by them, and each call's task ends with its reset.
-DEADLINE_SLACK_SECONDS = 0.1
+# A reset once the call has lived this share of its own deadline (grpc-timeout), by the server's clock, is taken
+# for the client giving up at that deadline (grpcio and grpc-go reset a call they stop waiting for): it counts
+# against the looser --max-deadline-resets-per-second. Earlier, it is a rapid reset like any other, whatever
+# deadline the call claims: a peer that claims 100 ms and resets at once abandons work it asked for.
+DEADLINE_EXCUSE_SHARE = 0.8
 
 
 class ManyStreamsProtocol(H2Protocol):
@@ -56,9 +55,12 @@ class ManyStreamsProtocol(H2Protocol):
     stream and whether its preface came.
     """
 
-    def __init__(self, handler: ConnectionHandler, config: Any, h2_config: Any, guard: ConnectionGuard) -> None:
+    def __init__(
+        self, handler: ConnectionHandler, config: Any, h2_config: Any, guard: ConnectionGuard, peers: PeerBudgets
+    ) -> None:
         super().__init__(handler, config, h2_config)
         self.guard = guard
+        self.peers = peers
         now = guard.clock()
         self.accepted_at = now
         self.last_stream_at = now
@@ -68,17 +70,20 @@ class ManyStreamsProtocol(H2Protocol):
         self.admitted = False  # True once the guard counts this connection
         self.write_stalled_since: float | None = None
         self.peer = "?"
+        self.address = "?"  # the peer's IP: what its reset budgets are kept under
         self._discarding = False
-        self._backlog: list[memoryview] | None = None  # what a read brought beyond FEED_BYTES, still to take in
-        self._paused: set[str] = set()  # why reading is paused: "write" (peer not reading), "backlog"
+        self._next_turn: asyncio.Handle | None = None  # set while frames wait for this connection's next turn
+        self._unread: list[bytes] = []  # what TLS delivered after reading paused for the next turn
+        self._paused: set[str] = set()  # why reading is paused: "write" (peer not reading), "turn"
         self._raw: asyncio.Transport | None = None
-        self._resets = TokenBucket(guard.limits.max_resets_per_second, now)
         self._pings = TokenBucket(guard.limits.max_pings_per_second, now)
 
     def admit(self, transport: asyncio.BaseTransport) -> bool:
         """Count this connection against max_connections; False (and the socket dropped) when it is past it."""
         self._raw = cast(asyncio.Transport, transport)
         self.peer = peer_name(transport)
+        peer = transport.get_extra_info("peername")
+        self.address = str(peer[0]) if isinstance(peer, tuple) and peer else self.peer
         if not self.guard.admit_connection(self):
             self.discard()
             return False
@@ -117,47 +122,52 @@ class ManyStreamsProtocol(H2Protocol):
     def data_received(self, data: bytes) -> None:
         if self._discarding:
             return  # cut off: only waiting for the peer to read our GOAWAY
-        if self._backlog is not None:
-            self._backlog.append(memoryview(data))  # TLS had more decrypted before reading paused: after the rest
+        if self._next_turn is not None:
+            self._unread.append(data)  # TLS had more decrypted before reading paused: after what waits
             return
-        self._feed(memoryview(data))
+        if self._take_turn(data):
+            limits = self.guard.limits
+            self.guard.act("turn_budget", self.peer, calls=limits.turn_calls, bytes=limits.turn_bytes)
 
-    def _feed(self, data: memoryview) -> None:
-        """Take in at most FEED_BYTES now, and the rest in later turns of the loop, not reading meanwhile.
+    def _take_turn(self, data: bytes) -> bool:
+        """This connection's turn of the event loop: at most ``--turn-calls`` calls started and ``--turn-bytes``
+        taken in; True when frames are left, which wait for its next turn with reading paused.
 
-        One read can hold 256 KiB of frames: thousands of calls or resets handled in one callback, while
-        every other caller and the poll loop wait. In slices, other connections take their turns between.
+        One read can hold 256 KiB of frames: thousands of calls or resets handled in one callback, and then
+        as many handler tasks run in the next, while every other caller and the poll loop wait. A connection
+        that sends more than its turn's budget is served over several turns, after every other connection
+        has had its own in each: its flood costs its own calls latency, not everyone's. Nothing is refused,
+        only reordered: KEDA's thousands of calls on one connection take as many turns as they need.
         """
-        if len(data) > FEED_BYTES:
-            self._backlog = [data[FEED_BYTES:]]
-            data = data[:FEED_BYTES]
-            self._pause_reading("backlog")
-            asyncio.get_running_loop().call_soon(self._feed_backlog)
-        self._take_in(bytes(data))
-
-    def _feed_backlog(self) -> None:
-        backlog, self._backlog = self._backlog, None
-        if backlog is None or self._discarding:
-            return
-        rest = memoryview(b"".join(backlog))
-        if len(rest) <= FEED_BYTES:
-            self._resume_reading("backlog")
-        self._feed(rest)
-
-    def _take_in(self, data: bytes) -> None:
+        h2_connection = cast(BoundedH2Connection, self.connection._connection)
+        limits = self.guard.limits
         try:
-            events = self.connection.feed(data)
+            events, more = h2_connection.receive_turn(data, limits.turn_calls, limits.turn_bytes)
         except ProtocolError as error:
             # h2 has queued a GOAWAY with the error's code; grpclib would close without sending it.
             self.guard.act("protocol_error", self.peer, error=str(error)[:200])
             self.connection.flush()
             self._close_soon()
-            return
+            return False
         self.connection.flush()
         for event in events:
             self.processor.process(event)
         if not self.connection.is_closing():  # an event may have cut the peer off
             self.connection.flush()
+        if not more or self._discarding:
+            return False
+        self._pause_reading("turn")
+        self._next_turn = asyncio.get_running_loop().call_soon(self._next_turn_due)
+        return True
+
+    def _next_turn_due(self) -> None:
+        self._next_turn = None
+        if self._discarding:
+            return
+        unread = b"".join(self._unread)
+        self._unread.clear()
+        if not self._take_turn(unread) and not self._discarding:
+            self._resume_reading("turn")
 
     def _request_received(self, accept: Callable[[RequestReceived], None], event: RequestReceived) -> None:
         self.last_stream_at = self.guard.clock()
@@ -178,25 +188,32 @@ class ManyStreamsProtocol(H2Protocol):
         # rapid-reset attack, a stream the server starts work for and the peer drops at once, bypassing the stream
         # limit. KEDA cancelling push streams it held for minutes (a ScaledObject deleted, the operator stopping),
         # or a client closing streams it was answered on, abandons no work: no flood, however many at once.
+        # The budgets are the peer address's, not the connection's: reconnecting does not refill them.
         stream = self.processor.streams.get(event.stream_id)
         now = self.guard.clock()
         reset(event)
         if (
-            event.remote_reset
-            and stream is not None
-            and stream.created is not None
-            and now - stream.created < RAPID_RESET_SECONDS
-            # A client cancelling a call whose deadline has passed (grpc-go and grpcio do, on a slow server) is
-            # no attack: the server would end that call now anyway.
-            and not (
-                isinstance(stream, LeanStream)
-                and stream.deadline_at is not None
-                and now >= stream.deadline_at - DEADLINE_SLACK_SECONDS
-            )
-            and not (isinstance(stream, LeanStream) and stream.answered)
-            and not self._resets.take(now)
+            not event.remote_reset
+            or stream is None
+            or stream.created is None
+            or now - stream.created >= RAPID_RESET_SECONDS
+            or (isinstance(stream, LeanStream) and stream.answered)
         ):
-            self._calm("reset_flood", f"more than {self.guard.limits.max_resets_per_second} rapid resets a second")
+            return
+        limits = self.guard.limits
+        if isinstance(stream, LeanStream) and stream.deadline_at is not None:
+            lived, timeout = now - stream.created, stream.deadline_at - stream.created
+            if lived >= DEADLINE_EXCUSE_SHARE * timeout:
+                # The client's own deadline (grpc-go and grpcio cancel a call they stop waiting for): the
+                # server would end that call about now anyway. Still counted, in a looser budget.
+                if not self.peers.take_deadline(self.address, now):
+                    self._calm(
+                        "deadline_reset_flood",
+                        f"more than {limits.max_deadline_resets_per_second} resets at their deadline a second",
+                    )
+                return
+        if not self.peers.take_rapid(self.address, now):
+            self._calm("reset_flood", f"more than {limits.max_resets_per_second} rapid resets a second")
 
     def _ping_received(self, event: PingReceived) -> None:
         if not self._pings.take(self.guard.clock()):
@@ -286,7 +303,8 @@ class ManyStreamsProtocol(H2Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.guard.release_connection(self)
-        self._discarding, self._backlog = True, None  # a backlog still scheduled must not feed a closed connection
+        self._discarding = True  # a turn still scheduled must not feed a closed connection
+        self._unread.clear()
         if hasattr(self, "processor"):
             super().connection_lost(exc)
 

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import struct
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import cast
 
@@ -261,6 +262,11 @@ async def _good_call(agent: Agent) -> bool:
 
 def _guard(agent: Agent) -> ConnectionGuard:
     return agent.frontend.server.guard
+
+
+def _cut_off(agent: Agent) -> dict[str, int]:
+    """The limits that acted, less the turn budget (which only reorders a connection's calls)."""
+    return {limit: times for limit, times in _guard(agent).limited.items() if limit != "turn_budget"}
 
 
 async def test_a_stream_past_max_streams_is_refused_on_any_connection_and_the_rest_go_on(
@@ -557,19 +563,20 @@ def slow_to_notice_deadlines(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("slow_to_notice_deadlines")
-async def test_cancelling_calls_past_their_deadline_is_no_flood(
-    start_agent: StartAgent, peers: list[_Peer], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("deadline_resets", "cut_off"), [("1000", False), ("10", True)])
+async def test_cancelling_calls_past_their_deadline_counts_in_the_looser_budget(
+    start_agent: StartAgent, peers: list[_Peer], monkeypatch: pytest.MonkeyPatch, deadline_resets: str, cut_off: bool
 ) -> None:
     """A client cancels a call whose deadline passed before a slow server answered (grpcio and grpc-go do): three
-    times the reset burst of such calls keeps the connection; the server would have ended each call anyway."""
+    times the rapid-reset burst of such calls keeps the connection, as the server would have ended each call
+    anyway; they still count, in --max-deadline-resets-per-second, and three times that burst is cut off."""
     monkeypatch.setattr(calls, "EXPIRED_WITHIN_SECONDS", -1.0)  # nor answered them as they arrived
-    agent = await start_agent("--max-resets-per-second", "10")
+    agent = await start_agent("--max-resets-per-second", "10", "--max-deadline-resets-per-second", deadline_resets)
     peer = await _Peer.connect(agent.port)
     peers.append(peer)
     ids = THREE_BURSTS_AT_10
-    for stream_id in ids:
+    for stream_id in ids:  # the request message never comes: no call is answered before its reset
         peer.h2.send_headers(stream_id, [*request_headers(STREAM_IS_ACTIVE), ("grpc-timeout", "1m")])
-        peer.h2.send_data(stream_id, EMPTY_REF, end_stream=True)
     peer.send()
     opened = time.monotonic()
     await until(lambda: _guard(agent).streams == len(ids))
@@ -577,19 +584,23 @@ async def test_cancelling_calls_past_their_deadline_is_no_flood(
     for stream_id in ids:
         peer.h2.reset_stream(stream_id)
     peer.send()
+    if cut_off:
+        await peer.read_until(lambda: peer.goaway() is not None)
+        assert _cut_off(agent) == {"deadline_reset_flood": 1}
+        return
     await until(lambda: _guard(agent).streams == 0)
     assert peer.goaway() is None
-    assert _guard(agent).limited == {}
+    assert _cut_off(agent) == {}
 
 
 @pytest.mark.usefixtures("slow_to_notice_deadlines")
-@pytest.mark.parametrize(("timeout", "cut_off"), [("20m", False), ("10S", True)])
-async def test_resets_read_beside_their_headers_count_unless_the_deadline_was_near(
-    start_agent: StartAgent, peers: list[_Peer], timeout: str, cut_off: bool
+@pytest.mark.parametrize("timeout", ["100m", "10S"])
+async def test_a_reset_read_beside_its_headers_is_rapid_whatever_deadline_the_call_claims(
+    start_agent: StartAgent, peers: list[_Peer], timeout: str
 ) -> None:
-    """A server that reads late takes a call's HEADERS and its client's deadline RST_STREAM in one turn, so by
-    its own clock the deadline has not passed. A reset within DEADLINE_SLACK_SECONDS of it is the client's deadline
-    (20 ms calls: grpcio with tight deadlines on a busy machine); the same burst of 10 s calls is the attack."""
+    """A call reset before it has lived most of its deadline abandons work it asked for: each call and its
+    RST_STREAM in one write count as rapid resets whether the call claims 100 ms or 10 s, and three bursts are
+    cut off (a fixed 100 ms slack once excused every 100 ms call)."""
     agent = await start_agent("--max-resets-per-second", "10")
     peer = await _Peer.connect(agent.port)
     peers.append(peer)
@@ -599,22 +610,86 @@ async def test_resets_read_beside_their_headers_count_unless_the_deadline_was_ne
         peer.h2.send_data(stream_id, EMPTY_REF, end_stream=True)
         peer.h2.reset_stream(stream_id)
     peer.send()
-    if cut_off:
-        await peer.read_until(lambda: peer.goaway() is not None)
-        assert _guard(agent).limited == {"reset_flood": 1}
-    else:
-        await until(lambda: _guard(agent).streams == 0 and agent.frontend.server.handler_tasks == 0)
-        peer.call(ids[-1] + 2)
-        await peer.read_until(functools.partial(_ended_more_than, peer, 0))
-        assert peer.goaway() is None
-        assert _guard(agent).limited == {}
+    await peer.read_until(lambda: peer.goaway() is not None)
+    assert _cut_off(agent) == {"reset_flood": 1}
+
+
+async def test_reconnecting_does_not_refill_a_peers_reset_budget(start_agent: StartAgent, peers: list[_Peer]) -> None:
+    """The reset budget is the peer address's: 80 rapid resets on one connection, then a new connection from
+    the same address is cut off well before a fresh burst (100) would have run out."""
+    agent = await start_agent("--max-resets-per-second", "10")
+    first = await _Peer.connect(agent.port)
+    peers.append(first)
+    for stream_id in range(1, 161, 2):
+        first.h2.send_headers(stream_id, request_headers(STREAM_IS_ACTIVE))
+        first.h2.send_data(stream_id, EMPTY_REF, end_stream=True)
+        first.h2.reset_stream(stream_id)
+    first.send()
+    await until(lambda: _guard(agent).streams == 0 and agent.frontend.server.handler_tasks == 0)
+    first.call(161)
+    await first.read_until(functools.partial(_ended_more_than, first, 0))  # every reset before it was read
+    assert first.goaway() is None
+    first.close()
+    second = await _Peer.connect(agent.port)
+    peers.append(second)
+    for stream_id in range(1, 301, 2):
+        second.h2.send_headers(stream_id, request_headers(STREAM_IS_ACTIVE))
+        second.h2.send_data(stream_id, EMPTY_REF, end_stream=True)
+        second.h2.reset_stream(stream_id)
+    second.send()
+    await second.read_until(lambda: second.goaway() is not None)
+    terminated = second.goaway()
+    assert terminated is not None
+    assert terminated.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    assert (terminated.last_stream_id or 0) < 2 * 10 * BURST_SECONDS, terminated  # not a fresh burst of 100
+    assert _cut_off(agent) == {"reset_flood": 1}
+
+
+async def test_a_connection_starts_at_most_its_turn_budget_of_calls_per_turn(
+    start_agent: StartAgent, peers: list[_Peer]
+) -> None:
+    """200 calls in one write are started --turn-calls (4) a turn of the event loop at most, the budget acting
+    and counted; every call is answered: the budget reorders, it refuses nothing."""
+    agent = await start_agent("--turn-calls", "4")
+    loop, guard = asyncio.get_running_loop(), _guard(agent)
+    turns = [0]
+
+    def tick() -> None:  # runs once per turn of the loop
+        turns[0] += 1
+        ticking[0] = loop.call_soon(tick)
+
+    ticking = [loop.call_soon(tick)]
+    started_in: Counter[int] = Counter()
+    admit = guard.admit_stream
+
+    def counting(*, streaming: bool) -> bool:
+        started_in[turns[0]] += 1
+        return admit(streaming=streaming)
+
+    guard.admit_stream = counting  # type: ignore[method-assign]
+    peer = await _Peer.connect(agent.port)
+    peers.append(peer)
+    ids = range(1, 401, 2)
+    try:
+        for stream_id in ids:
+            peer.h2.send_headers(stream_id, request_headers(IS_ACTIVE))
+            peer.h2.send_data(stream_id, EMPTY_REF, end_stream=True)
+        peer.send()
+        await peer.read_until(functools.partial(_ended_more_than, peer, len(ids) - 1))
+    finally:
+        ticking[0].cancel()
+    assert sum(started_in.values()) == len(ids)
+    assert max(started_in.values()) <= 4, started_in
+    assert guard.limited["turn_budget"] >= 1
+    assert peer.resets() == {}
+    assert _cut_off(agent) == {}
 
 
 async def test_a_connection_that_goes_while_its_backlog_waits_takes_nothing_more_in(
     start_agent: StartAgent, peers: list[_Peer]
 ) -> None:
-    """Thousands of calls in one write are taken in FEED_BYTES a turn; a peer that goes meanwhile leaves the rest
-    unread, with no error from feeding a closed connection."""
+    """Thousands of calls in one write are taken in a turn's budget at a time; a peer that goes meanwhile leaves
+    the rest unread, with no error from feeding a closed connection."""
     errors: list[dict[str, object]] = []
     asyncio.get_running_loop().set_exception_handler(lambda _, context: errors.append(context))
     agent = await start_agent()
@@ -657,4 +732,4 @@ async def test_resetting_streams_that_abandon_no_work_is_no_flood(
     peer.call(ids[-1] + 2)
     await peer.read_until(functools.partial(_ended_more_than, peer, 0))
     assert peer.goaway() is None
-    assert _guard(agent).limited == {}
+    assert _cut_off(agent) == {}
