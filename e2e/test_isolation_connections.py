@@ -7,7 +7,7 @@ no ClientHello, from 8 loopback addresses, each reopened as soon as the server c
 KEDA's GetMetrics, the kubelet's probe (gRPC health, or /healthz beside a TLS port) and a gateway started during
 the attack. Row 9: slow /healthz clients from many addresses, each reopened when closed, against the metrics
 port's 64 places; every probe from the kubelet's address is answered. Loopback addresses 127.0.0.2 and up
-stand for other hosts. bench/attacks.py runs row 4 at full size (256 connections).
+stand for other hosts (``e2e/support/hogs.py``). bench/attacks.py runs row 4 at full size (256 connections).
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ import contextlib
 import functools
 import http.client
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -26,7 +25,7 @@ import pytest
 from grpclib.health.v1.health_pb2 import HealthCheckRequest
 
 from e2e.conftest import StartAgent
-from e2e.support import attacks
+from e2e.support import attacks, hogs
 from e2e.support.agent import HEALTH_CHECK_METHOD, AgentProcess
 from e2e.support.attacks import GOOD_QUERY, RawPeer, good_caller, limited, raw_peer, settings_frame
 from e2e.support.certs import TlsFiles
@@ -35,66 +34,15 @@ from e2e.support.keda_grpcio import KedaProto
 from e2e.support.raw_h2 import PREFACE
 
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
-HOG_SOURCES = tuple(f"127.0.0.{host}" for host in range(10, 18))  # 8 addresses
+HOG_SOURCES = hogs.sources(8)
 HOGS = 24  # 3 per address: more than the pool of 16, fewer than any per-address cap
 POOL = ("--max-connections", "16", "--handshake-timeout", "60")  # strangers are not closed by a timeout here
-REOPEN_PAUSE_SECONDS = 0.05  # the attack's own pace between a close and the next open
 FRESH_CALLERS = 8
 PROBES = 5
 CALL_TIMEOUT_SECONDS = 5.0
 KUBELET = "127.0.0.1"  # the kubelet probes from the node's address; no stranger uses it here
-SLOW_SOURCES = tuple(f"127.0.1.{host}" for host in range(1, 25))  # 24 addresses
-SLOW_PER_SOURCE = 4  # 96 slow clients against 64 places
-TRICKLE_SECONDS = 0.5
-RETRY_SECONDS = 0.1  # a slow client closed at once tries again after this
-HELD_SECONDS = 1.0  # a slow client closed later than this was held (until the header deadline)
-
-
-@dataclass
-class Hogs:
-    """``count`` connections from ``sources`` that send ``first_bytes`` and then nothing, each reopened after the
-    server closes it (at most ``max_opens`` in all), until ``stop``."""
-
-    port: int
-    count: int
-    first_bytes: bytes
-    sources: Sequence[str] = HOG_SOURCES
-    max_opens: int = 5_000
-    opens: int = 0
-    open_now: int = 0
-    _stopping: asyncio.Event = field(default_factory=asyncio.Event)
-    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
-
-    async def _hold(self, source: str) -> None:
-        while not self._stopping.is_set() and self.opens < self.max_opens:
-            self.opens += 1
-            try:
-                reader, writer = await asyncio.open_connection("127.0.0.1", self.port, local_addr=(source, 0))
-            except OSError:
-                await asyncio.sleep(REOPEN_PAUSE_SECONDS)
-                continue
-            self.open_now += 1
-            try:
-                if self.first_bytes:
-                    writer.write(self.first_bytes)
-                with contextlib.suppress(OSError):
-                    while await reader.read(65_536):  # the server's SETTINGS (and GOAWAY), until it closes
-                        pass
-            finally:
-                self.open_now -= 1
-                writer.close()
-            await asyncio.sleep(REOPEN_PAUSE_SECONDS)
-
-    async def __aenter__(self) -> Hogs:
-        for index in range(self.count):
-            self._tasks.append(asyncio.create_task(self._hold(self.sources[index % len(self.sources)])))
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._stopping.set()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+SLOW_SOURCES = hogs.sources(24)
+SLOW_CLIENTS = 96  # 4 per address, against 64 places
 
 
 async def until_full(metrics_port: int, connections: int = 16) -> None:
@@ -194,12 +142,15 @@ async def test_strangers_holding_every_connection_do_not_lock_out_keda_the_probe
     port = agent.metrics_port
     client = await GrpcioScaler.connect(agent, keda_proto, options=OWN_CONNECTION)
     try:
-        async with good_caller(client) as good, Hogs(agent.port, HOGS, first_bytes) as hogs:
+        async with (
+            good_caller(client) as good,
+            hogs.Hogs(agent.port, HOGS, HOG_SOURCES, first_bytes=first_bytes) as strangers,
+        ):
             await until_full(port)
             keda = await keda_admitted(agent, keda_proto)
             probes = await admitted(lambda: asyncio.to_thread(grpc_probe, agent))
             subscribed = await gateway_subscribes(agent, keda_proto, tmp_path)
-            assert (keda, probes, subscribed) == (FRESH_CALLERS, PROBES, True), f"{hogs.opens} strangers opened"
+            assert (keda, probes, subscribed) == (FRESH_CALLERS, PROBES, True), f"{strangers.opens} strangers opened"
             await good.answered(3)
         good.check()
     finally:
@@ -216,7 +167,7 @@ async def test_sockets_that_never_send_a_client_hello_do_not_lock_out_mtls_calle
     caller and every /healthz probe answered."""
     agent = await start_agent(*POOL, tls=certificates, mtls=True)
     port = agent.metrics_port
-    async with Hogs(agent.port, HOGS, b""):
+    async with hogs.Hogs(agent.port, HOGS, HOG_SOURCES):
         await until_full(port)
         keda = await keda_admitted(agent, keda_proto)
         probes = await admitted(lambda: asyncio.to_thread(http_probe, port))
@@ -265,61 +216,12 @@ async def test_one_address_cannot_take_the_whole_pool_even_with_calls(
 # Row 9: slow /healthz clients from many addresses
 
 
-@dataclass
-class SlowLoris:
-    """Slow header senders from ``sources`` (``per_source`` each), trickling a byte every TRICKLE_SECONDS; one the
-    server held until its deadline is reopened at once, one it closed at once after RETRY_SECONDS (at most
-    ``max_opens`` in all), until the block ends: a freed place is taken again within milliseconds."""
-
-    port: int
-    sources: Sequence[str]
-    per_source: int
-    max_opens: int = 50_000
-    opens: int = 0
-    turned_away: int = 0  # closed by the server at once: the port was full
-    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
-
-    async def _hold(self, source: str) -> None:
-        while self.opens < self.max_opens:
-            self.opens += 1
-            opened = time.monotonic()
-            try:
-                reader, writer = await asyncio.open_connection("127.0.0.1", self.port, local_addr=(source, 0))
-            except OSError:
-                await asyncio.sleep(RETRY_SECONDS)
-                continue
-            try:
-                writer.write(b"GET /healthz HTTP/1.1\r\nX-Slow: ")
-                with contextlib.suppress(OSError):
-                    while not reader.at_eof():
-                        with contextlib.suppress(TimeoutError):
-                            async with asyncio.timeout(TRICKLE_SECONDS):
-                                await reader.read(65_536)
-                        writer.write(b"a")
-            finally:
-                writer.close()
-            if time.monotonic() - opened < HELD_SECONDS:
-                self.turned_away += 1
-                await asyncio.sleep(RETRY_SECONDS)
-
-    async def __aenter__(self) -> SlowLoris:
-        for source in self.sources:
-            for _ in range(self.per_source):
-                self._tasks.append(asyncio.create_task(self._hold(source)))
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
 @contextlib.asynccontextmanager
-async def slowloris(port: int) -> AsyncIterator[SlowLoris]:
+async def slowloris(port: int) -> AsyncIterator[hogs.SlowLoris]:
     """Row 9's attack, at a quick size: 96 slow clients from 24 addresses, once the metrics port is full (each
     has been turned away once on average)."""
-    async with SlowLoris(port, SLOW_SOURCES, SLOW_PER_SOURCE) as attack:
-        while attack.turned_away < len(SLOW_SOURCES) * SLOW_PER_SOURCE:  # the port has been full a while
+    async with hogs.SlowLoris(port, SLOW_CLIENTS, SLOW_SOURCES) as attack:
+        while attack.turned_away < SLOW_CLIENTS:  # the port has been full a while
             await asyncio.sleep(0.05)
         yield attack
 
