@@ -26,7 +26,9 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -40,8 +42,9 @@ import grpc
 import yaml
 
 from bench.common import RESULTS, print_table, summary_ms, write_result
+from bench.common import cpu_seconds as bench_cpu_seconds
 from bench.target import python_bytecode
-from e2e.support import attacks
+from e2e.support import attacks, engine_pods
 from e2e.support.agent import AgentProcess
 from e2e.support.certs import TlsFiles, grpcio_credentials, make_certificates
 from e2e.support.clients import GrpcioScaler
@@ -136,6 +139,21 @@ ATTACKS = (
         "deadlines_1ms",
         "50k GetMetrics with a 1 ms deadline, 50 in flight, one grpcio channel",
         ("deadlines", "--count", "50000", "--concurrency", "50", "--seconds", "120"),
+    ),
+    Attack(
+        "deadline_resets",
+        "100k HEADERS+DATA+RST_STREAM on one connection, each call claiming grpc-timeout 100m",
+        ("rapid-reset", "--count", "100000", "--timeout", "100m", "--seconds", "120"),
+    ),
+    Attack(
+        "rapid_reset_reconnect_per_1000",
+        "100k HEADERS+DATA+RST_STREAM, a new connection after every 1,000 resets",
+        ("rapid-reset", "--count", "100000", "--per-connection", "1000", "--seconds", "120"),
+    ),
+    Attack(
+        "call_flood",
+        "100k GetMetrics on one connection as fast as they are answered, 1,000 in flight, none reset",
+        ("call-flood", "--count", "100000", "--seconds", "120"),
     ),
     Attack(
         "continuation_flood",
@@ -340,10 +358,282 @@ async def measure(
     }
 
 
+# Engine pages (issue 31 rows 1 and 3): hostile engine pods of one tenant beside another tenant's good one, read by
+# a gateway whose own GPU callers and the other tenant's KEDA are measured. Row 2 (pods that never answer) runs on
+# the same harness: an EnginePageAttack of kind "silent".
+
+ENGINE_QUERY = {"metric": "vllm_queue", "workload": "llm", "targetValue": "8"}  # the good tenant's, in namespace ml
+HOSTILE_QUERY = {"metric": "vllm_queue", "workload": "evil", "targetValue": "8"}  # the attacker's, in namespace evil
+GOOD_QUEUE = 3.0  # what the good tenant's one pod says: any other answer is made up
+HOSTILE_ASK_EVERY_SECONDS = 5.0  # the attacker's KEDA asks again well within FORGET_AFTER_SECONDS
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePageAttack:
+    """One row against the gateway's engine reads: ``pods`` pods of ``kind`` (``e2e.support.engine_pods``) in the
+    attacker's namespace, read for ``seconds`` because the attacker's ScaledObject asks for them."""
+
+    name: str
+    what: str
+    kind: str
+    pods: int
+    pod_flags: tuple[str, ...] = ()
+    gateway_flags: tuple[str, ...] = ()
+    seconds: float = 30.0
+
+
+ENGINE_ATTACKS = (
+    EnginePageAttack(
+        "engine_label_sets",
+        "one Ready pod whose page is 109,230 label sets of vllm:num_requests_waiting, just under 4 MiB",
+        "label-sets",
+        1,
+        ("--label-sets", "109230"),
+    ),
+    EnginePageAttack(
+        "engine_oversized", "80 Ready pods, each a page of 8 MiB that its Content-Length announces", "oversized", 80
+    ),
+    EnginePageAttack("engine_endless", "80 Ready pods, each a page without end or Content-Length", "endless", 80),
+)
+
+
+@dataclass
+class Asker:
+    """KEDA's GetMetrics on one query, one after another: each latency, each answer, each error."""
+
+    stub: Any
+    request: Any
+    pause_seconds: float = 0.02
+    timeout: float = 5.0
+    latencies: list[tuple[float, float]] = field(default_factory=list)
+    values: list[tuple[float, float]] = field(default_factory=list)
+    errors: list[tuple[float, str, str]] = field(default_factory=list)
+
+    async def run(self) -> None:
+        """Ask until cancelled."""
+        while True:
+            started = time.monotonic()
+            try:
+                answer = await self.stub.GetMetrics(self.request, timeout=self.timeout)
+            except grpc.aio.AioRpcError as error:
+                self.errors.append((started, error.code().name, (error.details() or "")[:300]))
+            else:
+                self.latencies.append((started, time.monotonic() - started))
+                self.values.extend((started, v.metricValueFloat) for v in answer.metricValues)
+            await asyncio.sleep(self.pause_seconds)
+
+    def summary(self, start: float, end: float, expected: float | None = None) -> dict[str, Any]:
+        """Latencies, errors by code, and answers other than ``expected``, of calls started in [start, end)."""
+        latencies = [s for at, s in self.latencies if start <= at < end]
+        errors = Counter(code for at, code, _ in self.errors if start <= at < end)
+        wrong = [v for at, v in self.values if start <= at < end and expected is not None and v != expected]
+        return {
+            **(summary_ms(latencies) if latencies else {"n": 0}),
+            "errors": dict(errors),
+            "error_example": next((d for at, _, d in self.errors if start <= at < end), None),
+            "made_up_answers": len(wrong),
+        }
+
+
+async def asker(
+    channel: Any, proto: KedaProto, metadata: dict[str, str], namespace: str, pause_seconds: float = 0.02
+) -> Asker:
+    """An Asker on ``metadata`` in ``namespace``, with the metric name GetMetricSpec gives (retried until the
+    gateway answers, as KEDA does)."""
+    stub = proto.stub(channel)
+    ref = proto.ref(metadata, name=metadata.get("workload", "app"), namespace=namespace)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            spec = await stub.GetMetricSpec(ref, timeout=5)
+            break
+        except grpc.aio.AioRpcError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+    request = proto.pb2.GetMetricsRequest(scaledObjectRef=ref, metricName=spec.metricSpecs[0].metricName)
+    return Asker(stub, request, pause_seconds=pause_seconds)
+
+
+def engine_scrapes(metrics_port: int) -> dict[str, float]:
+    """The gateway's engine reads so far by outcome."""
+    return {
+        labels["outcome"]: value
+        for name, labels, value in attacks.scrape(metrics_port)
+        if name == "gpuscaler_gateway_engine_scrapes_total"
+    }
+
+
+async def measure_engine_pages(
+    attack: EnginePageAttack, folder: Path, proto: KedaProto, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One engine-page row: baseline, the attacker's pods read, then those pods gone; both good callers' figures,
+    the gateway's memory and CPU, and its reads by outcome."""
+    agent = await asyncio.to_thread(AgentProcess.start, log_dir=folder / "logs", gpus=8, poll_interval=0.5)
+    gateway: Process | None = None
+    seconds = attack.seconds / QUICK_DIVISOR * 4 if args.quick else attack.seconds
+    pods = max(1, attack.pods // QUICK_DIVISOR * 4) if args.quick else attack.pods
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            good_ports, _ = await stack.enter_async_context(engine_pods.engine_pods("good", 1))
+            hostile = await stack.enter_async_context(engine_pods.engine_pods(attack.kind, pods, *attack.pod_flags))
+            hostile_ports, hostile_pid = hostile
+            directory = folder / f"pods-{attack.name}.yaml"
+            entries = engine_pods.pod_entries("ml", "llm", good_ports)
+            entries += engine_pods.pod_entries("evil", "evil", hostile_ports)
+            directory.write_text(yaml.safe_dump({"pods": entries}), encoding="utf-8")
+            flags = ("--pod-directory", str(directory), *attack.gateway_flags)
+            gateway = await asyncio.to_thread(attacks.gateway_process([agent.address], folder / "logs", *flags).start)
+            assert gateway.process is not None
+            pid, metrics_port = gateway.process.pid, attacks.metrics_port_of(gateway)
+            address = f"127.0.0.1:{gateway.port}"
+            channels = [grpc.aio.insecure_channel(address, options=OWN_CONNECTION) for _ in range(3)]
+            for channel in channels:
+                stack.push_async_callback(channel.close)
+            gpu = await asker(channels[0], proto, {}, "ml")
+            engine = await asker(channels[1], proto, ENGINE_QUERY, "ml")
+            attacker = await asker(channels[2], proto, HOSTILE_QUERY, "evil", HOSTILE_ASK_EVERY_SECONDS)
+            samples = Samples({"gateway": pid})
+            cpu: list[tuple[float, float]] = []
+
+            async def sample_cpu() -> None:
+                while True:
+                    cpu.append((time.monotonic(), bench_cpu_seconds(pid)))
+                    await asyncio.sleep(SAMPLE_EVERY_SECONDS)
+
+            tasks = [asyncio.create_task(t) for t in (samples.run(), sample_cpu(), gpu.run(), engine.run())]
+            try:
+                await asyncio.sleep(3.0)  # both callers warm: the good pod has been read twice
+                baseline_start = time.monotonic()
+                await asyncio.sleep(args.baseline)
+                scrapes_before = await asyncio.to_thread(engine_scrapes, metrics_port)
+                attack_start = time.monotonic()
+                attacking = asyncio.create_task(attacker.run())
+                await asyncio.sleep(seconds)
+                attacking.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await attacking
+                scrapes_during = await asyncio.to_thread(engine_scrapes, metrics_port)
+                os.kill(hostile_pid, signal.SIGKILL)  # the attack ends: its pods are gone (reads of them fail fast)
+                attack_end = time.monotonic()
+                await asyncio.sleep(args.after)
+                end = time.monotonic()
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        if gateway is not None:
+            await gateway.terminate()
+        agent.expect_errors = True
+        await agent.terminate(timeout=60)
+
+    def cpu_share(start: float, stop: float) -> float | None:
+        inside = [(at, used) for at, used in cpu if start <= at <= stop]
+        if len(inside) < 2:
+            return None
+        return round((inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0]), 3)
+
+    before = samples.between("gateway", baseline_start, attack_start)
+    peak = samples.between("gateway", attack_start, end)
+    last = samples.between("gateway", end - 1.0, end)
+    rss = {
+        "rss_mib_before": round(before[-1][0], 1) if before else None,
+        "rss_mib_peak": round(max(r for r, _ in peak), 1) if peak else None,
+        "rss_mib_after": round(last[-1][0], 1) if last else None,
+    }
+    callers = {
+        "gpu": {
+            "baseline": gpu.summary(baseline_start, attack_start),
+            "during": gpu.summary(attack_start, attack_end),
+            "after": gpu.summary(attack_end, end),
+        },
+        "engine": {
+            "baseline": engine.summary(baseline_start, attack_start, GOOD_QUEUE),
+            "during": engine.summary(attack_start, attack_end, GOOD_QUEUE),
+            "after": engine.summary(attack_end, end, GOOD_QUEUE),
+        },
+    }
+    attacker_summary = attacker.summary(attack_start, attack_end)
+    attacker_summary["answers"] = [v for at, v in attacker.values if attack_start <= at < attack_end][:5]
+    goals = {
+        "rss_back_within_50_mib": rss["rss_mib_after"] is not None
+        and rss["rss_mib_before"] is not None
+        and rss["rss_mib_after"] - rss["rss_mib_before"] <= RSS_BACK_WITHIN_MIB,
+        "made_up_answers": sum(c["during"]["made_up_answers"] + c["after"]["made_up_answers"] for c in callers.values())
+        + len(attacker_summary["answers"]),
+    }
+    for name, caller in callers.items():
+        base, during = caller["baseline"], caller["during"]
+        goals[f"{name}_p99_at_most_3x_baseline"] = (
+            base.get("n", 0) > 0
+            and during.get("n", 0) > 0
+            and during["p99_ms"] <= P99_AT_MOST_TIMES_BASELINE * base["p99_ms"]
+        )
+        goals[f"{name}_no_error"] = not during["errors"] and not caller["after"]["errors"]
+    return {
+        "attack": attack.name,
+        "what": attack.what,
+        "pods": pods,
+        "attack_seconds": round(attack_end - attack_start, 2),
+        "good_callers": callers,
+        "attacker": attacker_summary,
+        "gateway": {
+            **rss,
+            "cpu_cores_baseline": cpu_share(baseline_start, attack_start),
+            "cpu_cores_during": cpu_share(attack_start, attack_end),
+            "cpu_cores_after": cpu_share(attack_end, end),
+            "engine_scrapes_during": {
+                k: v - scrapes_before.get(k, 0.0) for k, v in scrapes_during.items() if v - scrapes_before.get(k, 0.0)
+            },
+        },
+        "goals": goals,
+    }
+
+
+def show_engine_pages(rows: list[dict[str, Any]], quick: str) -> None:
+    """The engine-page rows: both good callers before and during, and the gateway's memory and CPU."""
+    callers, gateway = [], []
+    for row in rows:
+        for name, caller in row["good_callers"].items():
+            callers.append(
+                (
+                    f"{row['attack']} ({name})",
+                    caller["baseline"].get("p99_ms", "-"),
+                    caller["during"].get("p50_ms", caller["during"].get("median_ms", "-")),
+                    caller["during"].get("p99_ms", "-"),
+                    ",".join(f"{k}={v}" for k, v in caller["during"]["errors"].items()) or "0",
+                    caller["during"]["made_up_answers"],
+                )
+            )
+        g = row["gateway"]
+        gateway.append(
+            (
+                row["attack"],
+                f"{g['rss_mib_before']}/{g['rss_mib_peak']}/{g['rss_mib_after']}",
+                f"{g['cpu_cores_baseline']}/{g['cpu_cores_during']}/{g['cpu_cores_after']}",
+                ",".join(f"{k}={v:g}" for k, v in g["engine_scrapes_during"].items()) or "-",
+                ",".join(f"{k}={v}" for k, v in row["attacker"]["errors"].items()) or "-",
+            )
+        )
+    print_table(
+        "Good callers beside each engine-page attack" + quick,
+        ["attack (caller)", "p99 ms before", "p50 during", "p99 during", "errors", "made up"],
+        callers,
+    )
+    print_table(
+        "Gateway under each engine-page attack" + quick,
+        ["attack", "RSS MiB before/peak/after", "CPU cores before/during/after", "reads during", "attacker got"],
+        gateway,
+    )
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every chosen attack, one after another, each on fresh servers."""
     chosen = [a for a in ATTACKS if not args.names or a.name in args.names]
+    engine_chosen = [a for a in ENGINE_ATTACKS if not args.names or a.name in args.names]
     rows = []
+    engine_rows = []
     with tempfile.TemporaryDirectory(prefix="gpuscaler-bench-attacks-") as scratch:
         folder = Path(scratch)
         proto = generate(folder / "stubs")
@@ -352,6 +642,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             argv = quick_argv(attack) if args.quick else list(attack.argv)
             print(f"{attack.name}: {attack.what}" + (" (quick)" if args.quick else ""), flush=True)
             rows.append(await measure(attack, argv, folder, proto, tls, args))
+        for engine_attack in engine_chosen:
+            print(f"{engine_attack.name}: {engine_attack.what}" + (" (quick)" if args.quick else ""), flush=True)
+            engine_rows.append(await measure_engine_pages(engine_attack, folder, proto, args))
     limit = agent_memory_limit_mib()
     result: dict[str, Any] = {
         "benchmark": "issue 19's attacks on the gRPC port, a good caller beside each",
@@ -359,6 +652,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "baseline_seconds": args.baseline,
         "after_seconds": args.after,
         "rows": rows,
+        "engine_rows": engine_rows,
+        "load_average": os.getloadavg(),
     }
     streams = next((r for r in rows if r["attack"] == "streams_10000"), None)
     if streams is not None:
@@ -409,6 +704,8 @@ def show(result: dict[str, Any]) -> None:
     print_table(
         "Attacked process" + quick, ["attack", "RSS MiB before/peak/after", "fds", "limits acted", "goal"], memory
     )
+    if result.get("engine_rows"):
+        show_engine_pages(result["engine_rows"], quick)
     if "streams_10000_fit" in result:
         fit = result["streams_10000_fit"]
         print(
@@ -421,14 +718,17 @@ def show(result: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the chosen attacks (all by default), write results/attacks.json, print the table."""
     parser = argparse.ArgumentParser(prog="python -m bench.attacks", description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="*", metavar="ATTACK", help=", ".join(a.name for a in ATTACKS))
+    parser.add_argument(
+        "names", nargs="*", metavar="ATTACK", help=", ".join(a.name for a in (*ATTACKS, *ENGINE_ATTACKS))
+    )
     parser.add_argument("--quick", action="store_true", help=f"each attack at 1/{QUICK_DIVISOR} of its size")
     parser.add_argument("--baseline", type=float, default=None, help="seconds of good caller before (5; quick 2)")
     parser.add_argument("--after", type=float, default=None, help="seconds after the attack (10; quick 3)")
     args = parser.parse_args(argv)
-    unknown = [name for name in args.names if name not in {a.name for a in ATTACKS}]
+    known = [a.name for a in (*ATTACKS, *ENGINE_ATTACKS)]
+    unknown = [name for name in args.names if name not in known]
     if unknown:
-        parser.error(f"unknown attack {unknown[0]!r}; use: {', '.join(a.name for a in ATTACKS)}")
+        parser.error(f"unknown attack {unknown[0]!r}; use: {', '.join(known)}")
     args.baseline = args.baseline if args.baseline is not None else (2.0 if args.quick else 5.0)
     args.after = args.after if args.after is not None else (3.0 if args.quick else 10.0)
     python_bytecode()

