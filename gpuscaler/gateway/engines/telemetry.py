@@ -1,4 +1,5 @@
-"""The engine scraper's Prometheus series: each pod read now, its signals and age, and every scrape by outcome.
+"""The engine scraper's Prometheus series: each pod read now, its signals and age, every scrape by outcome, and
+each time a limit on reading acted.
 
 Per-pod series exist while some query wants the pod read, so a workload scaled away takes its series with it.
 """
@@ -12,7 +13,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gpuscaler.gateway.engines.scraper import EngineScraper
+from gpuscaler.gateway.engines.scraper import LIMITS, EngineScraper
 
 SCRAPE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 OUTCOMES = ("ok", "timeout", "error", "status", "too_large", "too_many_label_sets", "malformed")
@@ -54,7 +55,16 @@ class _EngineCollector(Collector):
         )
         for outcome in OUTCOMES:
             scrapes.add_metric([outcome], self._scraper.results.get(outcome, 0))
-        yield from (series, age, up, scrapes)
+        limited = CounterMetricFamily(
+            "gpuscaler_gateway_engine_limited",
+            "Times a limit on reading engine pages acted (docs/security.md), by limit: namespace_share (a read "
+            "waited because its namespace held its share of the slots), backoff (a failing pod's next read put off), "
+            "first_read_wait (a query answered before its pods' first reads landed), max_pods_per_selection.",
+            labels=["limit"],
+        )
+        for limit in LIMITS:
+            limited.add_metric([limit], self._scraper.limited[limit])
+        yield from (series, age, up, scrapes, limited)
 
 
 def register(scraper: EngineScraper, registry: CollectorRegistry) -> None:
