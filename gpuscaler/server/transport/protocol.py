@@ -138,6 +138,8 @@ class ManyStreamsProtocol(H2Protocol):
         that sends more than its turn's budget is served over several turns, after every other connection
         has had its own in each: its flood costs its own calls latency, not everyone's. Nothing is refused,
         only reordered: KEDA's thousands of calls on one connection take as many turns as they need.
+        This is the one place a peer's bytes are taken in and the budget kept: a faster path for some
+        calls must take its frames from ``receive_turn`` too, not around it.
         """
         h2_connection = cast(BoundedH2Connection, self.connection._connection)
         limits = self.guard.limits
