@@ -27,6 +27,7 @@ from gpuscaler.generated.externalscaler import (
 from gpuscaler.model.errors import InvalidMetadata, UnknownMetricName
 from gpuscaler.query.query import Query
 from gpuscaler.server.preview import PREVIEW_HEADER, PREVIEW_VALUE
+from gpuscaler.server.push_streams import QueuedEvent, StreamLines
 from gpuscaler.server.status import grpc_errors
 from gpuscaler.server.telemetry import ScalerAnswers
 from gpuscaler.signals.evaluator import Evaluator
@@ -37,6 +38,8 @@ log = structlog.get_logger(__name__)
 INT64_MAX = 2**63 - 1
 # GetMetrics answers kept for reuse (one per distinct metric and value), the oldest dropped first.
 KEPT_RESPONSES = 1024
+# IsActive's and a push stream's two possible answers, the same message objects every time: encoded once (codec.py).
+ANSWERS = {True: IsActiveResponse(result=True), False: IsActiveResponse(result=False)}
 
 
 def round_half_up(value: float) -> int:
@@ -57,6 +60,8 @@ class ExternalScalerService(ExternalScalerBase):
         self._answers = answers
         self.open_streams = 0
         self._responses: dict[tuple[str, str], GetMetricsResponse] = {}
+        self._opened_lines = StreamLines("stream_opened")
+        self._closed_lines = StreamLines("stream_closed")
 
     def _query(self, ref: ScaledObjectRef | None) -> Query:
         if ref is None:
@@ -107,8 +112,8 @@ class ExternalScalerService(ExternalScalerBase):
             await self._evaluator.prepare(query, time_left=time_left)
             if preview:
                 value = self._evaluator.preview_value(query)
-                return IsActiveResponse(result=self._evaluator.would_be_active(query, value))
-            return IsActiveResponse(result=self._evaluator.is_active(query, (message.namespace, message.name)))
+                return ANSWERS[self._evaluator.would_be_active(query, value)]
+            return ANSWERS[self._evaluator.is_active(query, (message.namespace, message.name))]
 
     async def get_metric_spec(self, message: ScaledObjectRef, *, preview: bool = False) -> GetMetricSpecResponse:
         async with grpc_errors("GetMetricSpec"):
@@ -174,16 +179,17 @@ class ExternalScalerService(ExternalScalerBase):
             if isinstance(refusal, InvalidMetadata):
                 raise refusal  # a GPU the node lacks: refuse it as IsActive does, not with a silent stream
         if preview:
-            yield IsActiveResponse(result=await self._evaluator.first_push(query))
+            yield ANSWERS[await self._evaluator.first_push(query)]
             return
         scaled_object = f"{message.namespace}/{message.name}"
         if self._answers is not None:
             self._answers.stream_opened(message.namespace, message.name, query)
         self.open_streams += 1
-        log.info("stream_opened", scaled_object=scaled_object, metric_name=query.metric_name)
+        self._opened_lines(scaled_object=scaled_object, metric_name=query.metric_name)
         reason = "client_gone"
         try:
             with self._evaluator.subscribe(query) as subscription:
+                subscription.changed = QueuedEvent()  # a change wakes the streams a slice a turn, not all in one
                 sent: bool | None = None
                 while True:
                     if self._evaluator.closing:
@@ -191,7 +197,7 @@ class ExternalScalerService(ExternalScalerBase):
                         return
                     active = subscription.active
                     if active is not None and active != sent:
-                        yield IsActiveResponse(result=active)
+                        yield ANSWERS[active]
                         sent = active
                     await subscription.changed.wait()
                     subscription.changed.clear()
@@ -199,7 +205,7 @@ class ExternalScalerService(ExternalScalerBase):
             self.open_streams -= 1
             if self._answers is not None:
                 self._answers.stream_closed(message.namespace, message.name, query)
-            log.info("stream_closed", scaled_object=scaled_object, metric_name=query.metric_name, reason=reason)
+            self._closed_lines(scaled_object=scaled_object, metric_name=query.metric_name, reason=reason)
 
 
 def _time_left(stream: grpclib.server.Stream[Any, Any]) -> float | None:

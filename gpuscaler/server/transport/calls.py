@@ -33,6 +33,7 @@ from h2.errors import ErrorCodes
 
 from gpuscaler.server.transport.h2 import peer_name
 from gpuscaler.server.transport.limits import ConnectionGuard
+from gpuscaler.server.transport.per_turn import turn_queue
 
 # Every request we serve is a ScaledObjectRef or smaller: a name (at most 253 bytes), a namespace (63) and
 # the trigger's metadata, about twenty short keys; a large real one (a long podSelector) is under 1 KiB.
@@ -134,6 +135,21 @@ class RefusingHandler(ConnectionHandler):
             del self._tasks[stream]
         self._cancelled.discard(task)
 
+    def close(self) -> None:
+        # grpclib cancels every call's task here, and its connection then cancels each again through its stream's
+        # wrapper, all in one callback, and every cancelled task runs its cleanup in the next turn: a connection
+        # closing with 10,000 push streams held the event loop 0.3 s, then 0.4 s. Here the cancels take their turns
+        # (per_turn.py), and each task counts as cancelled (``tasks``, ``wait_closed``) from now. Only the task is
+        # cancelled: the wrapper raises its StreamTerminatedError from a frame that holds the wrapper, a cycle that
+        # kept each closed stream's frames (73 objects) for the next full collection (0.8 s for 10,000 streams).
+        self.closing = True
+        queue = turn_queue()
+        tasks, self._tasks = self._tasks, {}
+        for stream, task in tasks.items():
+            self._cancelled.add(task)
+            stream.wrapper = None  # grpclib's close would cancel it through this, at once
+            queue.add(task.cancel)
+
     def cancel(self, stream: Stream) -> None:
         task = self._tasks.pop(stream, None)
         if task is not None:
@@ -209,7 +225,12 @@ def guard_framing(guard: ConnectionGuard) -> Callable[[RecvRequest], Any]:
                 return message
 
             stream.recv_message = recv_message  # type: ignore[method-assign]
-            await handler(stream)
+            try:
+                await handler(stream)
+            finally:
+                # Each closure holds its stream, which holds it: a cycle per call, left for the cycle collector.
+                del stream.recv_message
+                del stream._stream.recv_data
 
         event.method_func = guarded
 

@@ -6,16 +6,16 @@ from typing import Any
 
 from grpclib.encoding.proto import ProtoCodec
 
-from gpuscaler.generated.externalscaler import GetMetricsRequest, GetMetricsResponse, ScaledObjectRef
+from gpuscaler.generated.externalscaler import GetMetricsRequest, GetMetricsResponse, IsActiveResponse, ScaledObjectRef
 from gpuscaler.generated.gpuscaler.v1 import Snapshot as AgentSnapshot
 
 # KEDA's requests, decoded once per distinct bytes (see ReusingCodec): at most this many, each at most this long.
 REUSED_REQUESTS: frozenset[type[Any]] = frozenset({ScaledObjectRef, GetMetricsRequest})
 REUSE_ENTRIES = 1024
 REUSE_MAX_BYTES = 4096
-# Answers a handler gives out again as the same, never-changed message object (ExternalScalerService,
-# AgentService's snapshot without windows): encoded once.
-REUSED_ANSWERS: frozenset[type[Any]] = frozenset({GetMetricsResponse, AgentSnapshot})
+# Answers a handler gives out again as the same, never-changed message object (ExternalScalerService's GetMetrics
+# answers and its push streams' two, AgentService's snapshot without windows): encoded once.
+REUSED_ANSWERS: frozenset[type[Any]] = frozenset({GetMetricsResponse, IsActiveResponse, AgentSnapshot})
 
 
 class ReusingCodec(ProtoCodec):
