@@ -394,6 +394,7 @@ ENGINE_ATTACKS = (
         "engine_oversized", "80 Ready pods, each a page of 8 MiB that its Content-Length announces", "oversized", 80
     ),
     EnginePageAttack("engine_endless", "80 Ready pods, each a page without end or Content-Length", "endless", 80),
+    EnginePageAttack("engine_silent", "160 Ready pods whose pages never answer (row 2)", "silent", 160),
 )
 
 
