@@ -200,7 +200,8 @@ class EngineScraper:
                 self._drop(self._wanted.pop(pod))
             for pod, wanted in self._wanted.items():
                 if wanted.task is None and wanted.queued_at is None and now >= wanted.due_at:
-                    self._enqueue(pod, wanted)
+                    self._enqueue(pod, wanted, dispatch=False)
+            self._dispatch()  # once for all the reads that fell due, not once each
             await asyncio.sleep(TICK_SECONDS)
 
     def _drop(self, wanted: _Wanted) -> None:
@@ -210,7 +211,7 @@ class EngineScraper:
             wanted.task.cancel()
         _settle(wanted)
 
-    def _enqueue(self, pod: PodKey, wanted: _Wanted) -> None:
+    def _enqueue(self, pod: PodKey, wanted: _Wanted, *, dispatch: bool = True) -> None:
         now = self._clock()
         # From when it was due, so that starting up to a tick late does not stretch every interval; from now
         # when it is a whole interval behind (a first read, a slow page). A pod failing in a row backs off.
@@ -224,7 +225,8 @@ class EngineScraper:
         if not namespace.queue:
             self._turns.append(pod[0])
         namespace.queue.append((pod, wanted))
-        self._dispatch()
+        if dispatch:
+            self._dispatch()
 
     def _dispatch(self) -> None:
         """Give free slots to waiting reads, one namespace after another (the module docstring says why)."""
