@@ -154,6 +154,12 @@ app.kubernetes.io/part-of: gpuscaler
   value: {{ .idleTimeout | quote }}
 - name: GPUSCALER_MAX_CONNECTIONS
   value: {{ .maxConnections | quote }}
+- name: GPUSCALER_MAX_CONNECTIONS_PER_PEER
+  value: {{ .maxConnectionsPerPeer | quote }}
+- name: GPUSCALER_MAX_PENDING_CONNECTIONS
+  value: {{ .maxPendingConnections | quote }}
+- name: GPUSCALER_FIRST_REQUEST_TIMEOUT
+  value: {{ .firstRequestTimeout | quote }}
 - name: GPUSCALER_MAX_STREAMS
   value: {{ .maxStreams | quote }}
 - name: GPUSCALER_REQUEST_TIMEOUT
