@@ -102,6 +102,7 @@ class ConnectionGuard:
         # Admitted connections that have not made a call yet (TLS handshake, preface, first request), oldest
         # first: strangers until then (with mTLS, unauthenticated until the handshake, which precedes any call).
         self.pending: dict[Guarded, None] = {}
+        self.pending_per_address: Counter[str] = Counter()
         self.per_address: Counter[str] = Counter()
         self.leaving: set[Guarded] = set()  # told GOAWAY and given a moment to read it: no longer counted
         self.streams = 0  # streams accepted and not yet finished, over all connections
@@ -114,10 +115,12 @@ class ConnectionGuard:
     def admit_connection(self, connection: Guarded) -> bool:
         """Count a new connection; False past its limit (the caller drops it).
 
-        Where a limit is reached, the oldest connection that has made no call yet (of the newcomer's own address,
-        for that address's limit) is closed to make room (``displaced``): a real client makes its first call
-        within milliseconds, so only connections that hold a place without using it give way. A newcomer is
-        refused only where every place is held by connections that have made calls.
+        Where a limit is reached, a connection that has made no call yet is closed to make room (``displaced``):
+        for an address's own limit, that address's oldest; otherwise the oldest of the address holding the most
+        such connections, so that strangers reconnecting from many places displace each other before a newcomer
+        from an address with one. A real client makes its first call within milliseconds, so only connections
+        that hold a place without using it give way. A newcomer is refused only where every place is held by
+        connections that have made calls.
         """
         limits, address = self.limits, peer_address(connection.peer)
         if self.per_address[address] >= limits.max_connections_per_peer:
@@ -133,6 +136,7 @@ class ConnectionGuard:
         self.connections.add(connection)
         if not connection.called:
             self.pending[connection] = None
+            self.pending_per_address[address] += 1
         self.per_address[address] += 1
         if self._sweep is None:
             self._sweep = asyncio.get_running_loop().create_task(self._run_sweep(), name="grpc-connection-sweep")
@@ -141,14 +145,24 @@ class ConnectionGuard:
     def first_call(self, connection: Guarded) -> None:
         """``connection`` has made its first call: it no longer counts as pending, nor can it be displaced."""
         connection.called = True
-        self.pending.pop(connection, None)
+        self._unpend(connection)
+
+    def _unpend(self, connection: Guarded) -> None:
+        if connection in self.pending:
+            del self.pending[connection]
+            address = peer_address(connection.peer)
+            self.pending_per_address[address] -= 1
+            if not self.pending_per_address[address]:
+                del self.pending_per_address[address]
 
     def _displace(self, newcomer: Guarded, address: str | None) -> bool:
-        # Close the oldest pending connection (of ``address``, if given) to make room for ``newcomer``.
-        victim = next(
-            (c for c in self.pending if address is None or peer_address(c.peer) == address),
-            None,
-        )
+        # Close a pending connection to make room for ``newcomer``: the oldest of ``address``, if given, else the
+        # oldest of the address with the most pending.
+        if address is None and self.pending_per_address:
+            most = max(self.pending_per_address.values())
+            victim = next((c for c in self.pending if self.pending_per_address[peer_address(c.peer)] == most), None)
+        else:
+            victim = next((c for c in self.pending if peer_address(c.peer) == address), None)
         if victim is None:
             return False
         self.act(
@@ -168,7 +182,7 @@ class ConnectionGuard:
     def _forget(self, connection: Guarded) -> None:
         if connection in self.connections:
             self.connections.discard(connection)
-            self.pending.pop(connection, None)
+            self._unpend(connection)
             address = peer_address(connection.peer)
             self.per_address[address] -= 1
             if not self.per_address[address]:

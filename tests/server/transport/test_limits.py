@@ -148,6 +148,23 @@ async def test_connections_yet_to_make_a_call_hold_at_most_their_share_the_oldes
     assert len(guard.connections) == 4
 
 
+async def test_the_address_holding_most_pending_connections_gives_way_first() -> None:
+    """A newcomer displaces the oldest pending connection of the address with the most of them, not the oldest of
+    all: strangers reconnecting from one place displace each other before a lone caller from another."""
+    limits = dataclasses.replace(DEFAULT_LIMITS, max_pending_connections=3)
+    guard = ConnectionGuard(limits)
+    lone = _Connection(peer="10.0.0.1:1", called=False)
+    first, second = _Connection(peer="10.0.0.9:1", called=False), _Connection(peer="10.0.0.9:2", called=False)
+    try:
+        for connection in (lone, first, second):
+            assert guard.admit_connection(connection)
+        assert guard.admit_connection(_Connection(peer="10.0.0.2:1", called=False))
+    finally:
+        guard.close()
+    assert (lone.fate, first.fate, second.fate) == ("open", "idle", "open")
+    assert guard.pending_per_address == {"10.0.0.1": 1, "10.0.0.9": 1, "10.0.0.2": 1}
+
+
 async def test_connections_and_streams_are_admitted_up_to_their_limits() -> None:
     """Admission counts up to each limit, and a release makes room again."""
     guard = ConnectionGuard(dataclasses.replace(DEFAULT_LIMITS, max_connections=2, max_streams=3))
