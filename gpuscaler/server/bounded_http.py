@@ -135,15 +135,15 @@ class BoundedWsgiServer(ThreadingWSGIServer):
         return None, displaced
 
     def _oldest_waiting(self, peer: str | None) -> tuple[socket.socket, _Slot] | None:
-        # The earliest admitted connection (of ``peer``, if given) whose headers are still to come; under the lock.
-        return next(
-            (
-                (connection, slot)
-                for connection, slot in self._connections.items()
-                if slot.waiting and (peer is None or slot.peer == peer)
-            ),
-            None,
-        )
+        # The earliest admitted connection whose headers are still to come: of ``peer`` if given, else of the peer
+        # with the most such connections (slow clients from many addresses displace each other before the
+        # kubelet's one probe). Under the lock.
+        waiting = [(connection, slot) for connection, slot in self._connections.items() if slot.waiting]
+        if peer is None and waiting:
+            counts = Counter(slot.peer for _, slot in waiting)
+            most = max(counts.values())
+            return next((c, slot) for c, slot in waiting if counts[slot.peer] == most)
+        return next(((c, slot) for c, slot in waiting if slot.peer == peer), None)
 
     def headers_arrived(self, connection: socket.socket) -> None:
         """``connection``'s request headers are in (or refused): from now on no newcomer displaces it."""

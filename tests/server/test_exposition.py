@@ -329,6 +329,31 @@ def test_only_connections_still_sending_headers_give_way_and_the_oldest_first(
             theirs.close()
 
 
+def test_the_peer_with_the_most_connections_still_sending_headers_gives_way_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the pool full, a newcomer displaces the oldest waiting connection of the peer with the most of them,
+    not the oldest of all: a lone probe that is slow to be read outlasts many slow clients of one address."""
+    monkeypatch.setattr(bounded_http, "MAX_CONNECTIONS", 3)
+    monkeypatch.setattr(bounded_http, "RESERVED_CONNECTIONS", 0)
+    server = bounded_http.BoundedWsgiServer(Address("127.0.0.1", 0), lambda *_: [b""], lambda *_: None)
+    pairs = [socket.socketpair() for _ in range(4)]
+    probe, slow1, slow2, newcomer = (ours for ours, _ in pairs)
+    try:
+        assert server._admit(probe, "kubelet") == (None, None)
+        assert server._admit(slow1, "slow") == (None, None)
+        assert server._admit(slow2, "slow") == (None, None)
+        refused, displaced = server._admit(newcomer, "other")
+        assert refused is None
+        assert displaced is not None
+        assert displaced[0] is slow1
+    finally:
+        server.server_close()
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
+
+
 async def test_accept_out_of_descriptors_backs_off_instead_of_spinning(
     server: MetricsServer, counts: LimitCounts, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
