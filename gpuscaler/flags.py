@@ -66,7 +66,7 @@ class ConnectionLimits:
     max_pings_per_second: int = 10
     write_buffer_limit_bytes: int = 1024 * 1024
     write_timeout_seconds: float = 30.0
-    turn_calls: int = 8
+    turn_calls: int = 2
     turn_bytes: int = 4 * 1024
     max_deadline_resets_per_second: int = 1000
 
