@@ -114,6 +114,11 @@ class RefusingHandler(ConnectionHandler):
         return False
 
     async def _handle(self, stream: Stream, headers: Any, release_stream: Callable[[], Any]) -> None:
+        if self.closing:
+            # The connection closed before this call's first step (it came in the turn before the close): its
+            # cancel waits in the turn queue, and grpclib would now build a stream on a connection already gone.
+            release_stream()
+            return
         deadline = Deadline.from_headers(headers)
         if deadline is not None and deadline.time_remaining() < EXPIRED_WITHIN_SECONDS:
             try:
