@@ -13,6 +13,15 @@ in its own process (``python -m e2e.support.attacks``), so the attacker's CPU is
 attacked process (and the agent behind a gateway) are read every 0.1 s: before, at the peak, and at the end
 of the ``--after`` seconds.
 
+The ``engine_*`` rows (issue 31, rows 1 and 3; ``EnginePageAttack``) attack a gateway's engine reads instead: a
+gateway over a fake agent with a static pod directory, the hostile pods of namespace evil served by a process of
+their own (``python -m e2e.support.engine_pods``), another tenant's good vLLM pod (queue 3) in namespace ml, and
+two good callers on their own connections, KEDA's GetMetrics of all GPUs and of the good tenant's queue. The
+attacker's ScaledObject asks for its pods every 5 s for the attack's 30 s; then its pods are killed and ``--after``
+seconds are measured. Reported: both callers' latencies and errors, any answer to the good tenant that is not 3
+and any value the attacker got (its pods are past a limit or a bound: a value is made up), the gateway's RSS and
+CPU, and its reads by outcome.
+
 Goals (issue 19), each reported with ``met``: resident memory back within 50 MiB of before, ``--after``
 seconds after the attack; the good caller's p99 during the attack at most 3 times its baseline, and no error;
 and 10,000 StreamIsActive open on one connection fit the chart's agent memory limit
