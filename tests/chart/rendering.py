@@ -208,6 +208,9 @@ def connection_limit_settings(component: str) -> list[tuple[str, str, str]]:
         "requestTimeout": ("GPUSCALER_REQUEST_TIMEOUT", "5"),
         "maxResetsPerSecond": ("GPUSCALER_MAX_RESETS_PER_SECOND", "50"),
         "maxPingsPerSecond": ("GPUSCALER_MAX_PINGS_PER_SECOND", "20"),
+        "maxDeadlineResetsPerSecond": ("GPUSCALER_MAX_DEADLINE_RESETS_PER_SECOND", "500"),
+        "turnCalls": ("GPUSCALER_TURN_CALLS", "8"),
+        "turnBytes": ("GPUSCALER_TURN_BYTES", "65536"),
         "writeBufferLimit": ("GPUSCALER_WRITE_BUFFER_LIMIT", "4194304"),
         "writeTimeout": ("GPUSCALER_WRITE_TIMEOUT", "15"),
     }

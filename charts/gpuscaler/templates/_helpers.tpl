@@ -168,6 +168,12 @@ app.kubernetes.io/part-of: gpuscaler
   value: {{ .maxResetsPerSecond | quote }}
 - name: GPUSCALER_MAX_PINGS_PER_SECOND
   value: {{ .maxPingsPerSecond | quote }}
+- name: GPUSCALER_MAX_DEADLINE_RESETS_PER_SECOND
+  value: {{ .maxDeadlineResetsPerSecond | quote }}
+- name: GPUSCALER_TURN_CALLS
+  value: {{ .turnCalls | quote }}
+- name: GPUSCALER_TURN_BYTES
+  value: {{ .turnBytes | int64 | quote }}
 - name: GPUSCALER_WRITE_BUFFER_LIMIT
   value: {{ .writeBufferLimit | int64 | quote }}
 - name: GPUSCALER_WRITE_TIMEOUT
