@@ -199,6 +199,26 @@ class Samples:
         return [row[name] for at, row in self.rows if start <= at <= end and name in row]
 
 
+def poll_loop_record(folder: Path) -> dict[str, int]:
+    """The newest agent's (this row's: each row starts its own) ``poll_behind`` lines, ticks missed, and turns of its
+    health to NOT_SERVING, from its log in ``folder``/logs."""
+    logs = sorted((folder / "logs").glob("agent-*.log"), key=lambda path: int(path.stem.split("-")[-1]))
+    if not logs:
+        return {}
+    events = []
+    for line in logs[-1].read_text(encoding="utf-8", errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            events.append(json.loads(line))
+    behind = [e for e in events if isinstance(e, dict) and e.get("event") == "poll_behind"]
+    return {
+        "poll_behind": len(behind),
+        "missed_ticks": sum(int(e.get("missed_ticks", 0)) for e in behind),
+        "health_not_serving": sum(
+            1 for e in events if isinstance(e, dict) and e.get("event") == "health_changed" and not e.get("serving")
+        ),
+    }
+
+
 def agent_memory_limit_mib() -> float:
     """The chart's agent memory limit (agent.resources.limits.memory), MiB."""
     values = yaml.safe_load(VALUES.read_text(encoding="utf-8"))
@@ -359,6 +379,7 @@ async def measure(
         "limited": {
             k: v - limited_before.get(k, 0.0) for k, v in limited_after.items() if v - limited_before.get(k, 0)
         },
+        "poll_loop": poll_loop_record(folder),
         "goals": {
             "rss_back_within_50_mib": rss_back,
             "good_caller_p99_at_most_3x_baseline": p99_ok,
