@@ -27,6 +27,7 @@ LIMITS = (
     "idle_timeout",
     "max_connections",
     "max_connections_per_peer",
+    "max_pending_connections",
     "displaced",
     "first_request_timeout",
     "max_streams",
@@ -38,6 +39,10 @@ LIMITS = (
     "protocol_error",
     "turn_budget",
 )
+# A pending connection's own address may replace it with a newer one only after this long: until then a newcomer
+# from that address, with the pool or the pending share full, is refused, so that a stranger reconnecting as fast
+# as it can neither churns the share nor keeps its own connections young (a fresh caller is never the oldest).
+PENDING_GRACE_SECONDS = 1.0
 # Places beyond --max-streams that only unary calls may take: KEDA holds its push streams and polls on one
 # connection, and a call refused beside them is a scaler error.
 CALL_RESERVE = 256
@@ -115,24 +120,33 @@ class ConnectionGuard:
     def admit_connection(self, connection: Guarded) -> bool:
         """Count a new connection; False past its limit (the caller drops it).
 
-        Where a limit is reached, a connection that has made no call yet is closed to make room (``displaced``):
-        for an address's own limit, that address's oldest; otherwise the oldest of the address holding the most
-        such connections, so that strangers reconnecting from many places displace each other before a newcomer
-        from an address with one. A real client makes its first call within milliseconds, so only connections
-        that hold a place without using it give way. A newcomer is refused only where every place is held by
-        connections that have made calls.
+        Where a limit is reached, a connection that has made no call yet gives way to the newcomer
+        (``displaced``): for an address's own limit, that address's oldest. Otherwise (the pool, or the pending
+        share, full) the newcomer's own address's oldest once it has had PENDING_GRACE_SECONDS, and if that
+        address has a younger one, the newcomer is refused (``max_pending_connections``): one place on its way to
+        a first call per address at a time, so strangers reconnecting as fast as they can are turned away cheaply
+        instead of churning the share. A newcomer from an address with none displaces the oldest of the address
+        holding the most. A real client makes its first call within milliseconds, so it is never the oldest.
+        Where every place is held by connections that have made calls, the newcomer is refused
+        (``max_connections``, ``max_connections_per_peer``).
         """
         limits, address = self.limits, peer_address(connection.peer)
         if self.per_address[address] >= limits.max_connections_per_peer:
-            if not self._displace(connection, address):
+            victim = self._oldest_pending(address)
+            if victim is None:
                 self.act("max_connections_per_peer", connection.peer, open=self.per_address[address])
                 return False
-        elif len(self.connections) >= limits.max_connections:
-            if not self._displace(connection, None):
+            self._displace(victim, connection)
+        elif len(self.connections) >= limits.max_connections or len(self.pending) >= limits.max_pending_connections:
+            mine = self._oldest_pending(address)
+            if mine is not None and self.clock() - mine.accepted_at < PENDING_GRACE_SECONDS:
+                self.act("max_pending_connections", connection.peer, pending=len(self.pending))
+                return False
+            victim = mine if mine is not None else self._oldest_pending(self._most_pending())
+            if victim is None:
                 self.act("max_connections", connection.peer, open=len(self.connections))
                 return False
-        elif len(self.pending) >= limits.max_pending_connections:
-            self._displace(connection, None)
+            self._displace(victim, connection)
         self.connections.add(connection)
         if not connection.called:
             self.pending[connection] = None
@@ -155,16 +169,18 @@ class ConnectionGuard:
             if not self.pending_per_address[address]:
                 del self.pending_per_address[address]
 
-    def _displace(self, newcomer: Guarded, address: str | None) -> bool:
-        # Close a pending connection to make room for ``newcomer``: the oldest of ``address``, if given, else the
-        # oldest of the address with the most pending.
-        if address is None and self.pending_per_address:
-            most = max(self.pending_per_address.values())
-            victim = next((c for c in self.pending if self.pending_per_address[peer_address(c.peer)] == most), None)
-        else:
-            victim = next((c for c in self.pending if peer_address(c.peer) == address), None)
-        if victim is None:
-            return False
+    def _oldest_pending(self, address: str | None) -> Guarded | None:
+        return next((c for c in self.pending if peer_address(c.peer) == address), None)
+
+    def _most_pending(self) -> str | None:
+        # The address holding the most pending connections (of those tied, the one holding the oldest).
+        if not self.pending_per_address:
+            return None
+        most = max(self.pending_per_address.values())
+        return next(a for a in map(peer_address, (c.peer for c in self.pending)) if self.pending_per_address[a] == most)
+
+    def _displace(self, victim: Guarded, newcomer: Guarded) -> None:
+        # Close ``victim``, a pending connection, to make room for ``newcomer``.
         self.act(
             "displaced",
             victim.peer,
@@ -177,7 +193,6 @@ class ConnectionGuard:
             victim.go_away_idle()  # GOAWAY NO_ERROR: a gRPC client retries on a new connection
         else:
             victim.abort()
-        return True
 
     def _forget(self, connection: Guarded) -> None:
         if connection in self.connections:

@@ -30,7 +30,13 @@ from gpuscaler.flags import DEFAULT_LIMITS, ConnectionLimits
 from gpuscaler.generated.externalscaler import ExternalScalerStub, ScaledObjectRef
 from gpuscaler.server.overload import LOG_EVERY_SECONDS
 from gpuscaler.server.transport import calls, protocol
-from gpuscaler.server.transport.limits import BURST_SECONDS, CALL_RESERVE, ConnectionGuard, TokenBucket
+from gpuscaler.server.transport.limits import (
+    BURST_SECONDS,
+    CALL_RESERVE,
+    PENDING_GRACE_SECONDS,
+    ConnectionGuard,
+    TokenBucket,
+)
 from tests.conftest import StartAgent
 from tests.server.transport.test_many_streams import request_headers
 from tests.waiting import until
@@ -165,6 +171,26 @@ async def test_the_address_holding_most_pending_connections_gives_way_first() ->
     assert guard.pending_per_address == {"10.0.0.1": 1, "10.0.0.9": 1, "10.0.0.2": 1}
 
 
+async def test_an_address_with_a_pending_connection_waits_for_it_before_another() -> None:
+    """With the pending share full, a newcomer from an address that holds a pending connection younger than
+    PENDING_GRACE_SECONDS is refused (max_pending_connections); once that one is older, it gives way to the
+    newcomer: the address's own, not a lone caller's older one."""
+    now = 100.0
+    guard = ConnectionGuard(dataclasses.replace(DEFAULT_LIMITS, max_pending_connections=2), clock=lambda: now)
+    lone = _Connection(accepted_at=99.0, peer="10.0.0.1:1", called=False)
+    stranger = _Connection(accepted_at=99.5, peer="10.0.0.9:1", called=False)
+    try:
+        assert guard.admit_connection(lone)
+        assert guard.admit_connection(stranger)
+        assert not guard.admit_connection(_Connection(accepted_at=now, peer="10.0.0.9:2", called=False))
+        now = 99.5 + PENDING_GRACE_SECONDS
+        assert guard.admit_connection(_Connection(accepted_at=now, peer="10.0.0.9:3", called=False))
+    finally:
+        guard.close()
+    assert (lone.fate, stranger.fate) == ("open", "idle")
+    assert guard.limited == {"max_pending_connections": 1, "displaced": 1}
+
+
 async def test_connections_and_streams_are_admitted_up_to_their_limits() -> None:
     """Admission counts up to each limit, and a release makes room again."""
     guard = ConnectionGuard(dataclasses.replace(DEFAULT_LIMITS, max_connections=2, max_streams=3))
@@ -219,8 +245,8 @@ class _Peer:
         self.closed = False
 
     @classmethod
-    async def connect(cls, port: int, *, preface: bool = True) -> _Peer:
-        peer = cls(*await asyncio.open_connection("127.0.0.1", port))
+    async def connect(cls, port: int, *, preface: bool = True, source: str = "127.0.0.1") -> _Peer:
+        peer = cls(*await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0)))
         if preface:
             peer.h2.initiate_connection()
             peer.send()
@@ -438,7 +464,8 @@ async def test_a_newcomer_displaces_the_oldest_connection_yet_to_make_a_call(
     its preface) and is served; a connection that made a call keeps its place."""
     agent = await start_agent("--max-connections", "3", "--first-request-timeout", "60", "--idle-timeout", "60")
     served = await _caller(agent.port)
-    oldest, younger = await _Peer.connect(agent.port), await _Peer.connect(agent.port)
+    oldest = await _Peer.connect(agent.port, source="127.0.0.2")
+    younger = await _Peer.connect(agent.port, source="127.0.0.2")
     peers += [served, oldest, younger]
     await until(lambda: len(_guard(agent).connections) == 3)
     newcomer = await _caller(agent.port)
