@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import http.client
 import json
 import os
 import re
@@ -49,14 +50,15 @@ from typing import Any
 
 import grpc
 import yaml
+from grpclib.health.v1.health_pb2 import HealthCheckRequest
 
 from bench.common import RESULTS, print_table, summary_ms, write_result
 from bench.common import cpu_seconds as bench_cpu_seconds
 from bench.target import python_bytecode
 from e2e.support import attacks, engine_pods
-from e2e.support.agent import AgentProcess
+from e2e.support.agent import HEALTH_CHECK_METHOD, AgentProcess
 from e2e.support.certs import TlsFiles, grpcio_credentials, make_certificates
-from e2e.support.clients import GrpcioScaler
+from e2e.support.clients import GrpcioScaler, RpcFailure
 from e2e.support.keda_grpcio import KedaProto, generate
 from e2e.support.process import Process
 from gpuscaler.server.transport.limits import LIMITS
@@ -82,11 +84,23 @@ class Attack:
     gateway: bool = False
     tls: bool = False
     agent_flags: tuple[str, ...] = ()
+    mtls: bool = False  # with ``tls``: callers present a client certificate, as under --tls-client-ca
+    module: str = "e2e.support.attacks"  # the attacker's module (``python -m``)
+    on_metrics_port: bool = False  # aimed at --metrics-listen instead of the gRPC port
+    fresh: tuple[str, ...] = ()  # fresh callers tried while it runs (FRESH_CALLERS), each counted as admitted/tried
 
 
 QUICK_DIVISOR = 20
 QUICK_HOLD_SECONDS = 12.0
-HOLDING = ("idle-tcp", "idle-tls", "streams", "headers-only", "continuation-flood")  # attacks that hold, then end
+HOLDING = (
+    "idle-tcp",
+    "idle-tls",
+    "streams",
+    "headers-only",
+    "continuation-flood",
+    "hold",
+    "slowloris",
+)  # attacks that hold, then end
 ATTACKS = (
     Attack("rapid_reset", "100k HEADERS+DATA+RST_STREAM on one connection", ("rapid-reset", "--count", "100000")),
     Attack(
@@ -170,7 +184,58 @@ ATTACKS = (
         ("continuation-flood", "--connections", "200", "--seconds", "20"),
         scaled=("--connections",),
     ),
+    # Issue 31, row 4: strangers holding every connection without using it, from 64 addresses, reopening as they are
+    # closed; fresh callers (a restarted KEDA, the kubelet's probe, a gateway dialling the agent) must get in.
+    Attack(
+        "connections_nothing_64_addresses",
+        "300 connections that send nothing, from 64 addresses, each reopened as it closes, 30 s",
+        ("hold", "--count", "300", "--sources", "64", "--first", "nothing", "--seconds", "30"),
+        module="e2e.support.hogs",
+        fresh=("keda", "grpc_probe", "gateway"),
+    ),
+    Attack(
+        "connections_partial_64_addresses",
+        "300 connections that send 10 bytes of the preface, from 64 addresses, each reopened as it closes, 30 s",
+        ("hold", "--count", "300", "--sources", "64", "--first", "partial", "--seconds", "30"),
+        module="e2e.support.hogs",
+        fresh=("keda", "grpc_probe", "gateway"),
+    ),
+    Attack(
+        "connections_preface_64_addresses",
+        "300 connections that send a preface only, from 64 addresses, each reopened as it closes, 30 s",
+        ("hold", "--count", "300", "--sources", "64", "--first", "preface", "--seconds", "30"),
+        module="e2e.support.hogs",
+        fresh=("keda", "grpc_probe", "gateway"),
+    ),
+    Attack(
+        "connections_no_client_hello_mtls",
+        "300 connections to an mTLS port that never send a ClientHello, from 64 addresses, reopening, 30 s",
+        ("hold", "--count", "300", "--sources", "64", "--first", "nothing", "--seconds", "30"),
+        tls=True,
+        mtls=True,
+        module="e2e.support.hogs",
+        fresh=("keda", "healthz"),
+    ),
+    # Issue 31, row 9: slow /healthz clients from 64 addresses, reopening as they are closed.
+    Attack(
+        "healthz_slowloris_64_addresses",
+        "256 slow /healthz clients (a header byte every 0.5 s) from 64 addresses, each reopened as it closes, 30 s",
+        ("slowloris", "--count", "256", "--sources", "64", "--seconds", "30"),
+        module="e2e.support.hogs",
+        on_metrics_port=True,
+        fresh=("healthz",),
+    ),
 )
+
+
+# Fresh callers beside an attack: the first FRESH_AFTER_SECONDS in (the strangers fill the pool), then one of each kind
+# every FRESH_EVERY_SECONDS, each on a new connection; a gateway (a process) at most FRESH_GATEWAYS times.
+FRESH_CALLERS = ("keda", "grpc_probe", "healthz", "gateway")
+FRESH_AFTER_SECONDS = 5.0
+FRESH_EVERY_SECONDS = 0.5
+FRESH_GATEWAYS = 3
+FRESH_TIMEOUT_SECONDS = 5.0
+PROBE_TIMEOUT_SECONDS = 2.0  # the chart's probes' timeoutSeconds
 
 
 @dataclass
@@ -252,6 +317,7 @@ async def servers(attack: Attack, folder: Path, tls: TlsFiles | None) -> AsyncIt
         gpus=8,
         poll_interval=0.5,
         tls=tls if attack.tls else None,
+        mtls=attack.mtls,
     )
     gateway: Process | None = None
     try:
@@ -269,11 +335,11 @@ async def servers(attack: Attack, folder: Path, tls: TlsFiles | None) -> AsyncIt
         await agent.terminate(timeout=60)
 
 
-def good_client(address: str, proto: KedaProto, tls: TlsFiles | None) -> GrpcioScaler:
+def good_client(address: str, proto: KedaProto, tls: TlsFiles | None, *, client_cert: bool = False) -> GrpcioScaler:
     """The good caller's grpcio channel, on a connection of its own (TLS when the server serves it)."""
     if tls is None:
         return GrpcioScaler(grpc.aio.insecure_channel(address, options=OWN_CONNECTION), proto)
-    credentials = grpcio_credentials(tls, client_cert=False)
+    credentials = grpcio_credentials(tls, client_cert=client_cert)
     channel = grpc.aio.secure_channel(address, credentials, options=tls.grpcio_options + OWN_CONNECTION)
     return GrpcioScaler(channel, proto)
 
@@ -286,9 +352,11 @@ def limited_counts(metrics_port: int) -> dict[str, float]:
         return {}
 
 
-async def run_attacker(argv: Sequence[str], port: int, tls: TlsFiles | None) -> dict[str, Any]:
-    """``python -m e2e.support.attacks`` in its own process; its last JSON line (or what went wrong)."""
-    command = [sys.executable, "-m", "e2e.support.attacks", *argv, "--port", str(port)]
+async def run_attacker(
+    argv: Sequence[str], port: int, tls: TlsFiles | None, module: str = "e2e.support.attacks"
+) -> dict[str, Any]:
+    """``python -m <module>`` in its own process; its last JSON line (or what went wrong)."""
+    command = [sys.executable, "-m", module, *argv, "--port", str(port)]
     if tls is not None and argv[0] == "idle-tls":
         command += ["--tls-ca", str(tls.ca)]
     child = await asyncio.create_subprocess_exec(
@@ -308,13 +376,96 @@ async def run_attacker(argv: Sequence[str], port: int, tls: TlsFiles | None) -> 
     return report
 
 
+def grpc_probe(address: str) -> bool:
+    """The kubelet's gRPC probe (plaintext grpc.health.v1 Check) on a new connection: whether it was answered."""
+    channel = grpc.insecure_channel(address, options=OWN_CONNECTION)
+    try:
+        check = channel.unary_unary(HEALTH_CHECK_METHOD, request_serializer=HealthCheckRequest.SerializeToString)
+        check(HealthCheckRequest(), timeout=PROBE_TIMEOUT_SECONDS)
+        return True
+    except grpc.RpcError:
+        return False
+    finally:
+        channel.close()
+
+
+def healthz_probe(metrics_port: int) -> bool:
+    """The kubelet's HTTP probe (GET /healthz from 127.0.0.1, the node's address here): whether it got 200."""
+    connection = http.client.HTTPConnection("127.0.0.1", metrics_port, timeout=PROBE_TIMEOUT_SECONDS)
+    try:
+        connection.request("GET", "/healthz")
+        response = connection.getresponse()
+        response.read()
+        return response.status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        connection.close()
+
+
+async def fresh_keda(address: str, proto: KedaProto, tls: TlsFiles | None, client_cert: bool) -> bool:
+    """A restarted KEDA: a new channel and connection, one GetMetrics; whether it was answered."""
+    client = good_client(address, proto, tls, client_cert=client_cert)
+    try:
+        await client.get_metrics(dict(attacks.GOOD_QUERY), attacks.METRIC_NAME, timeout=FRESH_TIMEOUT_SECONDS)
+        return True
+    except RpcFailure:
+        return False
+    finally:
+        await client.close()
+
+
+async def fresh_gateway(address: str, proto: KedaProto, folder: Path) -> bool:
+    """A gateway started now, dialling ``address``: whether it subscribes and answers KEDA within 15 s."""
+    gateway = await asyncio.to_thread(attacks.gateway_process([address], folder / "logs").start)
+    client = GrpcioScaler(grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}", options=OWN_CONNECTION), proto)
+    try:
+        async with attacks.good_caller(client, {}, warm_seconds=15.0):
+            return True
+    except RpcFailure:
+        return False
+    finally:
+        await client.close()
+        await gateway.terminate()
+
+
+async def fresh_callers(
+    attack: Attack,
+    address: str,
+    metrics_port: int,
+    proto: KedaProto,
+    tls: TlsFiles | None,
+    folder: Path,
+    counts: dict[str, list[int]],
+) -> None:
+    """Try ``attack.fresh`` callers until cancelled; ``counts[kind]`` is [admitted, tried]."""
+    await asyncio.sleep(FRESH_AFTER_SECONDS)
+    while True:
+        for kind in attack.fresh:
+            if kind == "keda":
+                admitted = await fresh_keda(address, proto, tls if attack.tls else None, attack.mtls)
+            elif kind == "grpc_probe":
+                admitted = await asyncio.to_thread(grpc_probe, address)
+            elif kind == "healthz":
+                admitted = await asyncio.to_thread(healthz_probe, metrics_port)
+            elif counts.get(kind, [0, 0])[1] < FRESH_GATEWAYS:
+                admitted = await fresh_gateway(address, proto, folder)
+            else:
+                continue
+            tally = counts.setdefault(kind, [0, 0])
+            tally[0] += admitted
+            tally[1] += 1
+        await asyncio.sleep(FRESH_EVERY_SECONDS)
+
+
 async def measure(
     attack: Attack, argv: Sequence[str], folder: Path, proto: KedaProto, tls: TlsFiles | None, args: argparse.Namespace
 ) -> dict[str, Any]:
     """One attack: baseline, attack, after; the good caller's figures, the samples, the limits that acted."""
     async with servers(attack, folder, tls) as (address, pids, metrics_port):
-        client = good_client(address, proto, tls if attack.tls else None)
+        client = good_client(address, proto, tls if attack.tls else None, client_cert=attack.mtls)
         samples = Samples(pids)
+        fresh: dict[str, list[int]] = {}
         sampler = asyncio.create_task(samples.run())
         try:
             async with attacks.good_caller(client, {} if attack.gateway else None) as good:
@@ -322,7 +473,14 @@ async def measure(
                 baseline_start = time.monotonic()
                 await asyncio.sleep(args.baseline)
                 attack_start = time.monotonic()
-                report = await run_attacker(argv, int(address.rsplit(":", 1)[1]), tls if attack.tls else None)
+                trying = asyncio.create_task(fresh_callers(attack, address, metrics_port, proto, tls, folder, fresh))
+                port = metrics_port if attack.on_metrics_port else int(address.rsplit(":", 1)[1])
+                try:
+                    report = await run_attacker(argv, port, tls if attack.tls else None, attack.module)
+                finally:
+                    trying.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await trying
                 attack_end = time.monotonic()
                 await asyncio.sleep(args.after)
                 end = time.monotonic()
@@ -369,6 +527,8 @@ async def measure(
         "attacker_argv": list(argv),
         "attacker": report,
         "attack_seconds": round(attack_end - attack_start, 2),
+        "fresh_callers_admitted_tried": fresh,
+        "load_average_1m": round(os.getloadavg()[0], 2),
         "good_caller": {
             "baseline": summary_ms(baseline) if baseline else {"n": 0},
             "during": during_summary,
@@ -735,6 +895,19 @@ def show(result: dict[str, Any]) -> None:
     print_table(
         "Attacked process" + quick, ["attack", "RSS MiB before/peak/after", "fds", "limits acted", "goal"], memory
     )
+    fresh = [
+        (
+            row["attack"],
+            ", ".join(
+                f"{kind} {admitted}/{tried}" for kind, (admitted, tried) in row["fresh_callers_admitted_tried"].items()
+            ),
+            row["load_average_1m"],
+        )
+        for row in result["rows"]
+        if row.get("fresh_callers_admitted_tried")
+    ]
+    if fresh:
+        print_table("Fresh callers during the attack, admitted/tried" + quick, ["attack", "callers", "load 1m"], fresh)
     if result.get("engine_rows"):
         show_engine_pages(result["engine_rows"], quick)
     if "streams_10000_fit" in result:
