@@ -17,6 +17,8 @@ utilization set to 90, then 0), so that each stream is sent two more messages. M
   to NOT_SERVING (no fresh snapshot for 2 s) in the agent's log, from the attack's start to ``--after`` seconds
   after it.
 * The good caller's latency and errors before and during the attack (its paused window left out), and after.
+* The agent's full collections from the attack's start to ``--after`` seconds after it (``gpuscaler_gc_pause_seconds``
+  with generation 2): how many, their pauses' sum and the longest's bucket; each stops the whole event loop.
 * ``gpuscaler_grpc_streams`` and ``gpuscaler_grpc_handler_tasks`` after the attack, and how soon they were 0;
   resident memory before, at the peak and at the end (it stays near its peak: docs/security.md).
 
@@ -45,6 +47,7 @@ from e2e.support import attacks
 from e2e.support.agent import CONSOLE_SCRIPT, AgentProcess
 from e2e.support.clients import GrpcioScaler
 from e2e.support.keda_grpcio import KedaProto, generate
+from gpuscaler.server.telemetry import GC_PAUSE_BUCKETS
 
 ROOT = Path(__file__).resolve().parents[1]
 POLL_INTERVAL_SECONDS = 0.5
@@ -116,6 +119,31 @@ async def set_utilization(address: str, value: float) -> None:
     await child.wait()
 
 
+def full_collections(metrics_port: int) -> dict[str, float]:
+    """The agent's full collections so far, from ``gpuscaler_gc_pause_seconds``: how many, their pauses' sum, and
+    how many paused it under each bound ("le")."""
+    got = {
+        "count": attacks.metric(metrics_port, "gpuscaler_gc_pause_seconds_count", generation="2"),
+        "pause_seconds": attacks.metric(metrics_port, "gpuscaler_gc_pause_seconds_sum", generation="2"),
+    }
+    for bound in GC_PAUSE_BUCKETS:
+        got[str(bound)] = attacks.metric(
+            metrics_port, "gpuscaler_gc_pause_seconds_bucket", generation="2", le=str(bound)
+        )
+    return got
+
+
+def collections_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """How many full collections came between two readings, their pauses' sum, and the bound the longest was under."""
+    count = after["count"] - before["count"]
+    longest = next((bound for bound in GC_PAUSE_BUCKETS if after[str(bound)] - before[str(bound)] >= count), None)
+    return {
+        "count": int(count),
+        "pause_seconds": round(after["pause_seconds"] - before["pause_seconds"], 3),
+        "longest_under_seconds": longest if count else 0.0,
+    }
+
+
 def transport_gauges(metrics_port: int) -> tuple[float, float]:
     """(gpuscaler_grpc_streams, gpuscaler_grpc_handler_tasks) now."""
     return (
@@ -144,6 +172,7 @@ async def measure(count: int, folder: Path, proto: KedaProto, args: argparse.Nam
             await asyncio.sleep(args.baseline)
             idle_per_tick, *window = await paused_window(good, agent.pid, args.window)
             paused.append((window[0], window[1]))
+            collections_before = await asyncio.to_thread(full_collections, agent.metrics_port)
             attack_start = time.monotonic()
             opened = asyncio.Event()
             attacking = asyncio.create_task(attacker(count, args.hold, agent.port, agent.pid, opened, report))
@@ -169,6 +198,7 @@ async def measure(count: int, folder: Path, proto: KedaProto, args: argparse.Nam
             with good.paused():  # its own call in flight is a handler task too
                 await asyncio.sleep(0.2)
                 gauges = await asyncio.to_thread(transport_gauges, agent.metrics_port)
+                collections_after = await asyncio.to_thread(full_collections, agent.metrics_port)
     finally:
         sampler.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -217,6 +247,8 @@ async def measure(count: int, folder: Path, proto: KedaProto, args: argparse.Nam
             ],
         },
         "attack_seconds": round(attack_end - attack_start, 2),
+        # From the attack's start to 10 s after its end: each a pause of the whole event loop (docs/security.md).
+        "full_collections": collections_between(collections_before, collections_after),
         "gauges_after": {"grpc_streams": gauges[0], "grpc_handler_tasks": gauges[1], "zero_after_seconds": to_zero},
         "rss_mib": {
             "before": round(max(r for at, r in rss if at < attack_start), 1),
@@ -250,6 +282,8 @@ def show(rows: list[dict[str, Any]]) -> None:
                 f"{row['gauges_after']['grpc_streams']:g}/{row['gauges_after']['grpc_handler_tasks']:g}"
                 f" ({row['gauges_after']['zero_after_seconds']} s)",
                 f"{row['rss_mib']['before']}/{row['rss_mib']['peak']}/{row['rss_mib']['after']}",
+                f"{row['full_collections']['count']} ({row['full_collections']['pause_seconds']} s,"
+                f" < {row['full_collections']['longest_under_seconds']})",
             )
         )
     print_table(
@@ -264,6 +298,7 @@ def show(rows: list[dict[str, Any]]) -> None:
             "errors",
             "streams/tasks after (0 after)",
             "RSS MiB before/peak/after",
+            "full collections (pauses, longest)",
         ],
         table,
     )
