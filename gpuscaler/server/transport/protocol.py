@@ -177,7 +177,23 @@ class ManyStreamsProtocol(H2Protocol):
         unread = b"".join(self._unread)
         self._unread.clear()
         self._unread_bytes = 0
-        if not self._take_turn(unread) and not self._discarding:
+        try:
+            more = self._take_turn(unread)
+        except Exception as error:  # noqa: BLE001 - what asyncio does when data_received raises
+            # A deferred turn runs from call_soon, not from the transport: an error here would reach the loop's
+            # handler alone, leaving the connection open with the rest of its events dropped and, if reading was
+            # paused for read-ahead, never resumed. So, as the transport does for data_received: log it, drop it.
+            asyncio.get_running_loop().call_exception_handler(
+                {
+                    "message": "Fatal error: protocol.data_received() call failed.",
+                    "exception": error,
+                    "transport": self._raw,
+                    "protocol": self,
+                }
+            )
+            self.abort()
+            return
+        if not more and not self._discarding:
             self._resume_reading("turn")
 
     def _request_received(self, accept: Callable[[RequestReceived], None], event: RequestReceived) -> None:

@@ -24,16 +24,17 @@ import h2.settings
 import pytest
 import structlog
 from grpclib.client import Channel
+from h2.events import Event
 
 from gpuscaler.agent.process import Agent
 from gpuscaler.flags import DEFAULT_LIMITS, ConnectionLimits
 from gpuscaler.generated.externalscaler import ExternalScalerStub, ScaledObjectRef
 from gpuscaler.server.overload import LOG_EVERY_SECONDS
 from gpuscaler.server.transport import calls, protocol
+from gpuscaler.server.transport.h2 import BoundedH2Connection
 from gpuscaler.server.transport.limits import (
     BURST_SECONDS,
     CALL_RESERVE,
-    PENDING_GRACE_SECONDS,
     ConnectionGuard,
     TokenBucket,
 )
@@ -171,24 +172,24 @@ async def test_the_address_holding_most_pending_connections_gives_way_first() ->
     assert guard.pending_per_address == {"10.0.0.1": 1, "10.0.0.9": 1, "10.0.0.2": 1}
 
 
-async def test_an_address_with_a_pending_connection_waits_for_it_before_another() -> None:
-    """With the pending share full, a newcomer from an address that holds a pending connection younger than
-    PENDING_GRACE_SECONDS is refused (max_pending_connections); once that one is older, it gives way to the
-    newcomer: the address's own, not a lone caller's older one."""
+async def test_a_newcomer_displaces_its_own_addresses_pending_connection_however_young() -> None:
+    """With the pending share full, a newcomer from an address holding a pending connection takes that one's
+    place even a millisecond after it came (the kubelet probes from the node's address, which a host-network pod
+    shares: that pod's pending connection cannot keep the probe out), not a lone caller's older one."""
     now = 100.0
     guard = ConnectionGuard(dataclasses.replace(DEFAULT_LIMITS, max_pending_connections=2), clock=lambda: now)
     lone = _Connection(accepted_at=99.0, peer="10.0.0.1:1", called=False)
-    stranger = _Connection(accepted_at=99.5, peer="10.0.0.9:1", called=False)
+    neighbour = _Connection(accepted_at=now, peer="10.0.0.9:1", called=False)
+    probe = _Connection(accepted_at=now, peer="10.0.0.9:2", called=False)
     try:
         assert guard.admit_connection(lone)
-        assert guard.admit_connection(stranger)
-        assert not guard.admit_connection(_Connection(accepted_at=now, peer="10.0.0.9:2", called=False))
-        now = 99.5 + PENDING_GRACE_SECONDS
-        assert guard.admit_connection(_Connection(accepted_at=now, peer="10.0.0.9:3", called=False))
+        assert guard.admit_connection(neighbour)
+        assert guard.admit_connection(probe)
+        guard.first_call(probe)
     finally:
         guard.close()
-    assert (lone.fate, stranger.fate) == ("open", "idle")
-    assert guard.limited == {"max_pending_connections": 1, "displaced": 1}
+    assert (lone.fate, neighbour.fate, probe.fate) == ("open", "idle", "open")
+    assert guard.limited == {"displaced": 1}
 
 
 async def test_connections_and_streams_are_admitted_up_to_their_limits() -> None:
@@ -748,6 +749,35 @@ async def test_a_connection_that_goes_while_its_backlog_waits_takes_nothing_more
     await until(lambda: not _guard(agent).connections and server.handler_tasks == 0)
     assert await _good_call(agent) is False
     assert errors == []
+
+
+async def test_an_error_in_a_deferred_turn_is_logged_and_drops_the_connection(
+    start_agent: StartAgent, peers: list[_Peer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error while a connection's later turn takes in its frames goes to the loop's exception handler as a
+    failed data_received would, and the connection is dropped, not left open with its reading paused."""
+    errors: list[dict[str, object]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _, context: errors.append(context))
+    receive_turn = BoundedH2Connection.receive_turn
+
+    def failing_later(self: BoundedH2Connection, data: bytes, calls: int, size: int) -> tuple[list[Event], bool]:
+        if not data:  # a deferred turn: what it takes in was read before
+            raise RuntimeError("a bug in a deferred turn")
+        return receive_turn(self, data, calls, size)
+
+    monkeypatch.setattr(BoundedH2Connection, "receive_turn", failing_later)
+    agent = await start_agent("--turn-calls", "1")
+    peer = await _Peer.connect(agent.port)
+    peers.append(peer)
+    for stream_id in range(1, 21, 2):
+        peer.h2.send_headers(stream_id, request_headers(IS_ACTIVE))
+        peer.h2.send_data(stream_id, EMPTY_REF, end_stream=True)
+    peer.send()
+    await peer.read_until(lambda: False)
+    assert peer.closed
+    await until(lambda: not _guard(agent).connections and agent.frontend.server.handler_tasks == 0)
+    assert [str(e.get("exception")) for e in errors] == ["a bug in a deferred turn"]
+    assert await _good_call(agent) is False
 
 
 @pytest.mark.parametrize("why", ["held a while", "answered"])
