@@ -66,6 +66,14 @@ class BoundedH2Connection(H2Connection):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.incoming_buffer: BoundedFrameBuffer = BoundedFrameBuffer(server=not self.config.client_side)
+        self.received = 0  # bytes given to receive_turn, in all
+        # Where each call taken in and not yet claimed began, in those bytes: its HEADERS may be taken in turns
+        # after it was read, and the protocol stamps the call's start from when that byte was read.
+        self.call_offsets: dict[int, int] = {}
+
+    def taken(self) -> int:
+        """Bytes given to receive_turn that it has taken in as frames (the preface among them)."""
+        return self.received - self.incoming_buffer.held()
 
     @property
     def open_inbound_streams(self) -> int:
@@ -87,6 +95,7 @@ class BoundedH2Connection(H2Connection):
         """
         events: list[Event] = []
         buffer = self.incoming_buffer
+        self.received += len(data)
         buffer.add_data(data)
         buffer.max_frame_size = self.max_inbound_frame_size
         held = buffer.held()
@@ -99,12 +108,15 @@ class BoundedH2Connection(H2Connection):
                     or held - buffer.held() >= size
                 ):
                     return events, buffer.has_frame()
+                start = self.received - buffer.held()
                 frame = next(buffer, None)
                 if frame is None:
                     return events, False
+                if isinstance(frame, HeadersFrame):
+                    headers += 1
+                    self.call_offsets[frame.stream_id] = start
                 events.extend(self._receive_frame(frame))
                 frames += 1
-                headers += isinstance(frame, HeadersFrame)
         except InvalidPaddingError as error:
             self._terminate_connection(ErrorCodes.PROTOCOL_ERROR)
             raise ProtocolError("Received frame with invalid padding.") from error

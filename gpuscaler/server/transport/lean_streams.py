@@ -115,7 +115,8 @@ class LeanStream(Stream):
         self.trailers_received = LeanEvent()
 
     def init_stream(self, stream_id: int, connection: Connection) -> None:
-        # grpclib 0.4.9's (pinned), with the lean buffer; ``created`` is also when a reset counts as rapid.
+        # grpclib 0.4.9's (pinned), with the lean buffer; ``created`` is what a reset's age counts from: the
+        # protocol sets it back to when the call's HEADERS were read, where a later turn took them in.
         self.id = stream_id
         self.buffer = _LeanBuffer(functools.partial(connection.ack, stream_id))
         self.connection.streams_started += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 from collections.abc import Callable
@@ -79,6 +80,12 @@ class ManyStreamsProtocol(H2Protocol):
         self._unread: list[bytes] = []  # what was read while frames waited for the next turn
         self._unread_bytes = 0
         self._paused: set[str] = set()  # why reading is paused: "write" (peer not reading), "turn"
+        # When each read came: (the offset its last byte ends at, over all bytes read, and the time), oldest
+        # first, until its bytes are taken in. A call's start is when its HEADERS were read, not when a later
+        # turn takes them in: the client's deadline runs from then, and a call that waited for its turn and
+        # is reset at that deadline has lived it, however soon after its turn the reset is taken in.
+        self._reads: collections.deque[tuple[int, float]] = collections.deque()
+        self._read_bytes = 0
         self._raw: asyncio.Transport | None = None
         self._pings = TokenBucket(guard.limits.max_pings_per_second, now)
 
@@ -126,6 +133,8 @@ class ManyStreamsProtocol(H2Protocol):
     def data_received(self, data: bytes) -> None:
         if self._discarding:
             return  # cut off: only waiting for the peer to read our GOAWAY
+        self._read_bytes += len(data)
+        self._reads.append((self._read_bytes, self.guard.clock()))
         if self._next_turn is not None:
             self._unread.append(data)  # after what already waits, in the next turn
             self._unread_bytes += len(data)
@@ -161,6 +170,10 @@ class ManyStreamsProtocol(H2Protocol):
         self.connection.flush()
         for event in events:
             self.processor.process(event)
+        h2_connection.call_offsets.clear()  # each call's was claimed as its RequestReceived was processed
+        taken, reads = h2_connection.taken(), self._reads
+        while reads and reads[0][0] <= taken:
+            reads.popleft()
         if not self.connection.is_closing():  # an event may have cut the peer off
             self.connection.flush()
         if not more or self._discarding:
@@ -203,12 +216,19 @@ class ManyStreamsProtocol(H2Protocol):
         self._pings.give(PINGS_PER_CALL)
         accept(event)
         stream = self.processor.streams.get(event.stream_id)
+        offset = cast(BoundedH2Connection, self.connection._connection).call_offsets.get(event.stream_id)
+        if isinstance(stream, LeanStream) and offset is not None:
+            stream.created = self._read_at(offset)
         if isinstance(stream, LeanStream) and stream.created is not None:
             for name, value in cast(list[tuple[str, str]], event.headers):
                 if name == "grpc-timeout":
                     with contextlib.suppress(ValueError):  # grpclib answers a bad one itself
                         stream.deadline_at = stream.created + decode_timeout(value)
                     break
+
+    def _read_at(self, offset: int) -> float:
+        """When the byte at ``offset`` (over all bytes read) was read; now if its read is no longer known."""
+        return next((at for end, at in self._reads if end > offset), self.guard.clock())
 
     def _stream_reset(self, reset: Callable[[StreamReset], None], event: StreamReset) -> None:
         # Only a reset soon after its stream opened, before the server began to answer it, counts: that is the
@@ -332,6 +352,7 @@ class ManyStreamsProtocol(H2Protocol):
         self.guard.release_connection(self)
         self._discarding = True  # a turn still scheduled must not feed a closed connection
         self._unread.clear()
+        self._reads.clear()
         if hasattr(self, "processor"):
             super().connection_lost(exc)
 

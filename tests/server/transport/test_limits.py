@@ -659,6 +659,55 @@ async def test_a_reset_read_beside_its_headers_is_rapid_whatever_deadline_the_ca
     assert _cut_off(agent) == {"reset_flood": 1}
 
 
+@pytest.mark.usefixtures("slow_to_notice_deadlines")
+@pytest.mark.parametrize(("deadline_resets", "cut_off"), [("1000", False), ("10", True)])
+async def test_a_call_waiting_for_its_turn_lives_from_when_it_was_read(
+    start_agent: StartAgent,
+    peers: list[_Peer],
+    monkeypatch: pytest.MonkeyPatch,
+    deadline_resets: str,
+    cut_off: bool,
+) -> None:
+    """300 calls of 100 ms read at once, taken in a call a turn (--turn-calls 1) by a loop that is then busy for
+    longer than their deadline, and each reset by its client at that deadline: each call has lived its deadline
+    from when it was read, though its turn came just before its reset, so the resets count in the deadline
+    budget (cut off only past it), not as rapid resets."""
+    monkeypatch.setattr(calls, "EXPIRED_WITHIN_SECONDS", -1.0)  # nor answered them as they arrived
+    busy = asyncio.Event()
+    take_turn = protocol.ManyStreamsProtocol._take_turn
+
+    def then_busy(self: protocol.ManyStreamsProtocol, data: bytes) -> bool:
+        more = take_turn(self, data)
+        if more and not busy.is_set():
+            busy.set()
+            time.sleep(0.15)  # the loop busy elsewhere (a full collection, another peer) for 1.5 deadlines
+        return more
+
+    monkeypatch.setattr(protocol.ManyStreamsProtocol, "_take_turn", then_busy)
+    agent = await start_agent(
+        "--turn-calls", "1", "--max-resets-per-second", "10", "--max-deadline-resets-per-second", deadline_resets
+    )
+    peer = await _Peer.connect(agent.port)
+    peers.append(peer)
+    ids = THREE_BURSTS_AT_10
+    for stream_id in ids:  # the request message never comes: no call is answered before its reset
+        peer.h2.send_headers(stream_id, [*request_headers(STREAM_IS_ACTIVE), ("grpc-timeout", "100m")])
+    peer.send()
+    sent = time.monotonic()
+    await busy.wait()
+    assert time.monotonic() - sent > 0.1  # every deadline has passed, most calls still unread by their turns
+    for stream_id in ids:
+        peer.h2.reset_stream(stream_id)
+    peer.send()
+    if cut_off:
+        await peer.read_until(lambda: peer.goaway() is not None)
+        assert _cut_off(agent) == {"deadline_reset_flood": 1}
+        return
+    await until(lambda: _guard(agent).streams == 0 and agent.frontend.server.handler_tasks == 0)
+    assert peer.goaway() is None
+    assert _cut_off(agent) == {}
+
+
 async def test_reconnecting_does_not_refill_a_peers_reset_budget(start_agent: StartAgent, peers: list[_Peer]) -> None:
     """The reset budget is the peer address's: 80 rapid resets on one connection, then a new connection from
     the same address is cut off well before a fresh burst (100) would have run out."""
