@@ -1,7 +1,7 @@
 """Engine signals: the gateway's CPU per scrape of a pod's metrics page, by page size, and the pods one core reads.
 
 Two measurements, both of the gateway's own code:
-- parse: ``gateway/engines/page.read_page`` on vLLM-like pages of 10 kB to 1 MB (the signals' series among
+- parse: ``gateway/engines/page.read_whole_page`` on vLLM-like pages of 10 kB to 1 MB (the signals' series among
   histograms with vLLM's labels), beside prometheus-client's parser on the whole page, in this process;
 - scrape: ``EngineScraper`` reading N pods (one page server in a child process, one pod key per "pod") at
   ``scrapeInterval`` 1 s for some seconds: this process's CPU per completed scrape, and the pods one core could
@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import print_table, write_result
 from gpuscaler.gateway.engines.limits import ScrapeLimits
-from gpuscaler.gateway.engines.page import prefilter, read_page
+from gpuscaler.gateway.engines.page import prefilter, read_whole_page
 from gpuscaler.gateway.engines.scraper import EngineScraper
 from gpuscaler.model.engines import Engine, engine_series
 from gpuscaler.signals.engine_pods import Endpoint
@@ -67,7 +67,7 @@ def parse_costs(repeats: int) -> list[dict[str, Any]]:
         body = text.encode()
         started = time.process_time()
         for _ in range(repeats):
-            page = read_page(body, wanted, at=0.0)
+            page = read_whole_page(body, wanted, at=0.0)
         ours = (time.process_time() - started) / repeats
         assert page.values["vllm:num_requests_waiting"] == 3.0
         full_repeats = max(1, repeats // 10)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from bench.engines import page_server, scrape_cost, vllm_page
-from gpuscaler.gateway.engines.page import prefilter, read_page
+from gpuscaler.gateway.engines.page import prefilter, read_whole_page
 from gpuscaler.model.engines import Engine, engine_series
 
 
@@ -17,7 +17,7 @@ def test_a_bench_page_has_the_size_asked_and_reads_as_the_signals(size_kb: int) 
     gauges in it."""
     body = vllm_page(size_kb).encode()
     assert size_kb * 1024 <= len(body) < (size_kb + 3) * 1024
-    values = read_page(body, prefilter(engine_series(Engine.VLLM)), at=0.0).values
+    values = read_whole_page(body, prefilter(engine_series(Engine.VLLM)), at=0.0).values
     assert values == {
         "vllm:num_requests_waiting": 3.0,
         "vllm:num_requests_running": 12.0,

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from gpuscaler.gateway.engines.page import MalformedPage, prefilter, read_page
+from gpuscaler.gateway.engines.page import MalformedPage, prefilter, read_whole_page
 from gpuscaler.model.engines import ENGINE_SIGNALS, Engine, EngineMetric, EnginePage, PodScrape, engine_series
 from gpuscaler.model.pods import PodInfo
 from gpuscaler.signals.engine_pods import Endpoint, left_out_because, metrics_endpoint
@@ -16,7 +16,7 @@ from tests.fakes.fake_engine import FakeEngine
 
 def parsed(engine: Engine, text: str) -> dict[str, float]:
     """The series a page of ``engine`` gives, as the scraper keeps them."""
-    return dict(read_page(text.encode(), prefilter(engine_series(engine)), at=0.0).values)
+    return dict(read_whole_page(text.encode(), prefilter(engine_series(engine)), at=0.0).values)
 
 
 @pytest.mark.parametrize("engine", list(Engine))
@@ -38,7 +38,7 @@ def test_vllm_v0_and_v1_cache_names_are_both_read() -> None:
     """The KV-cache signal reads V1's kv_cache_usage_perc or V0's gpu_cache_usage_perc, as a percentage."""
     signal = ENGINE_SIGNALS[EngineMetric.VLLM_KV_CACHE]
     for v0 in (False, True):
-        page = read_page(
+        page = read_whole_page(
             FakeEngine(Engine.VLLM, {"kv": 0.4}, v0=v0).page().encode(), prefilter(engine_series(Engine.VLLM)), at=0.0
         )
         value = signal_value(signal, PodScrape("u", page), now=0.0, stale_after=3.0)

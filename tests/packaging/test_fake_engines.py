@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuscaler.gateway.engines.page import prefilter, read_page
+from gpuscaler.gateway.engines.page import prefilter, read_whole_page
 from gpuscaler.model.engines import ENGINE_SIGNALS, Engine, EngineMetric, PodScrape, engine_series
 from gpuscaler.signals.engine_values import signal_value
 
@@ -97,12 +97,12 @@ def test_each_signal_reads_what_the_pods_requests_make(pod: tuple[Engine, list[i
     wanted = prefilter(engine_series(engine))
     signals = {metric: signal for metric, signal in ENGINE_SIGNALS.items() if signal.engine is engine}
     at, body = _read(ports[1])
-    first = read_page(body, wanted, at=at)
+    first = read_whole_page(body, wanted, at=at)
     finished = "nv_inference_request_success"
     second = first
     while second.values.get(finished, 0.0) - first.values.get(finished, 0.0) < FINISHED_BETWEEN_READS:
         at, body = _read(ports[1])
-        second = read_page(body, wanted, at=at)
+        second = read_whole_page(body, wanted, at=at)
         if finished not in second.values:
             break  # not Triton: no counter to wait for
     scrape = PodScrape(endpoint="fake", page=second, previous=first)

@@ -6,9 +6,10 @@ each wanted name with ``bytes.find`` (memchr-fast, where a regular expression wa
 
 What a page may cost is bounded before any per-line work: the prefilter takes the page a chunk at a time
 (``PageFilter.feed``), never joins it, and refuses it (``TooManyLabelSets``) once a wanted series has more label
-sets than ``max_label_sets``, or is named on more lines that are not its samples; the parser then reads at most
-that many lines per series, ``PARSE_BATCH_LINES`` at a time (``batches``), so that its caller can let the event
-loop run between two (``page_reader.py`` says why there, and not in a thread or a process).
+sets than ``max_label_sets``, or is named on more lines that are not its samples, and refuses as malformed a kept
+line over ``MAX_LINE_BYTES`` or a second TYPE line of a name; the parser then reads at most that many lines per
+series, ``PARSE_BATCH_BYTES`` of them at a time (``batches``), so that its caller can let the event loop run
+between two (``page_reader.py`` says why there, and not in a thread or a process).
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from gpuscaler.model.engines import EnginePage
 
 COUNTER_SUFFIX = "_total"
 DEFAULT_MAX_LABEL_SETS = DEFAULT_SCRAPE_LIMITS.max_label_sets
-# Lines handed to the parser at once: about 2 ms of its time (7-8 us a line), the most one turn of the event
-# loop spends parsing.
-PARSE_BATCH_LINES = 256
-# A kept line longer than this is no engine's (a label set of a Triton model is under 1 kB); refusing it bounds
-# what is carried from one chunk to the next.
-MAX_LINE_BYTES = 64 * 1024
+# Text handed to the parser at once (its TYPE line and whole samples, so up to this plus two lines): the parser's
+# time goes with bytes, not lines (a line of 15 kB costs what 400 short ones do), about 1 ms for 16 KiB of short
+# label sets; the most one turn of the event loop spends parsing.
+PARSE_BATCH_BYTES = 16 * 1024
+# A kept line longer than this is no engine's: a label set of a Triton model (its name and version) or of a vLLM
+# model (its name, a path or a repository id, at most a few hundred bytes) is under 1 kB. Checked on every kept line
+# as it is found, and on the partial line carried from one chunk to the next, it bounds what one batch parses.
+MAX_LINE_BYTES = 4 * 1024
 
 
 class MalformedPage(ValueError):
@@ -70,14 +73,14 @@ class Prefilter:
         """The kept lines of a whole page, each name's in the page's order (TYPE lines first)."""
         page = self.filter(max_label_sets)
         page.feed(body)
-        return [line for kept in page.finish().values() for line in (*kept.types, *kept.samples)]
+        return [line for kept in page.finish().values() for line in (kept.type_line, *kept.samples) if line]
 
 
 @dataclass(slots=True)
 class Kept:
-    """One wanted name's lines on a page: its TYPE lines and its samples, and how often it was named otherwise."""
+    """One wanted name's lines on a page: its TYPE line and its samples, and how often it was named otherwise."""
 
-    types: list[bytes] = field(default_factory=list)
+    type_line: bytes = b""  # its one TYPE line, or none
     samples: list[bytes] = field(default_factory=list)
     mentions: int = 0  # lines that name it and are not its samples (HELP, TYPE, longer names, label values)
 
@@ -121,7 +124,7 @@ class PageFilter:
     def _carry(self, rest: bytes) -> None:
         if len(rest) < self._wanted.head_bytes or rest.startswith(self._wanted.starts):
             if len(rest) > MAX_LINE_BYTES:
-                raise MalformedPage(f"a line of {rest[: self._wanted.head_bytes]!r}... is over {MAX_LINE_BYTES} bytes")
+                raise _long_line(rest[: self._wanted.head_bytes])
             self._tail = rest
         else:
             self._tail, self._skipping = b"", True
@@ -135,6 +138,8 @@ class PageFilter:
                 after = found + len(name)
                 line_end = data.find(b"\n", after, end)
                 if data[after : after + 1] in NAME_ENDS and (found == 0 or data[found - 1] == NEWLINE):
+                    if line_end - found > MAX_LINE_BYTES:
+                        raise _long_line(data[found:after])
                     kept.samples.append(data[found:line_end])
                     if len(kept.samples) > limit:
                         raise TooManyLabelSets(
@@ -153,9 +158,17 @@ class PageFilter:
                         and data[line_start:found] == TYPE_PREFIX
                         and (line_start == 0 or data[line_start - 1] == NEWLINE)
                     ):
-                        kept.types.append(data[line_start:line_end])
+                        if line_end - line_start > MAX_LINE_BYTES:
+                            raise _long_line(data[line_start:after])
+                        if kept.type_line:
+                            raise MalformedPage(f"a second TYPE line of {name.decode()}; a name has one")
+                        kept.type_line = data[line_start:line_end]
                 # The rest of the line cannot start a kept line: on to the next.
                 start = line_end + 1
+
+
+def _long_line(head: bytes) -> MalformedPage:
+    return MalformedPage(f"a line of {head!r}... is over {MAX_LINE_BYTES} bytes")
 
 
 def prefilter(names: Iterable[str], bounds: Mapping[str, float] | None = None) -> Prefilter:
@@ -164,11 +177,20 @@ def prefilter(names: Iterable[str], bounds: Mapping[str, float] | None = None) -
 
 
 def batches(kept: Mapping[bytes, Kept]) -> Iterator[bytes]:
-    """The kept lines as text for the parser, at most ``PARSE_BATCH_LINES`` samples at a time, each batch with its
-    name's TYPE lines (a counter's samples are read as a counter in every batch)."""
+    """The kept lines as text for the parser, whole samples until a batch holds ``PARSE_BATCH_BYTES``, each batch
+    with its name's TYPE line (a counter's samples are read as a counter in every batch)."""
     for lines in kept.values():
-        for first in range(0, len(lines.samples), PARSE_BATCH_LINES):
-            yield b"\n".join((*lines.types, *lines.samples[first : first + PARSE_BATCH_LINES], b""))
+        head = (lines.type_line,) if lines.type_line else ()
+        batch: list[bytes] = []
+        size = 0
+        for sample in lines.samples:
+            batch.append(sample)
+            size += len(sample) + 1
+            if size >= PARSE_BATCH_BYTES:
+                yield b"\n".join((*head, *batch, b""))
+                batch, size = [], 0
+        if batch:
+            yield b"\n".join((*head, *batch, b""))
 
 
 def add_values(text: bytes, values: dict[str, float], wanted: Prefilter) -> None:
@@ -204,7 +226,9 @@ def page_of(values: dict[str, float], *, at: float) -> EnginePage:
     return EnginePage(at=at, values=values)
 
 
-def read_page(body: bytes, wanted: Prefilter, *, at: float, max_label_sets: int = DEFAULT_MAX_LABEL_SETS) -> EnginePage:
+def read_whole_page(
+    body: bytes, wanted: Prefilter, *, at: float, max_label_sets: int = DEFAULT_MAX_LABEL_SETS
+) -> EnginePage:
     """The summed value of each wanted series on ``body``, all at once (tests and benchmarks; the gateway reads a
     page in turns, ``page_reader.read_page``)."""
     page = wanted.filter(max_label_sets)
