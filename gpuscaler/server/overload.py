@@ -110,14 +110,18 @@ class LimitCounts(Collector):
 
 
 class LogEvery:
-    """A warning ``event`` at most once per ``LOG_EVERY_SECONDS``, with how often it happened since the last line.
+    """A warning (or ``level``) ``event`` at most once per ``LOG_EVERY_SECONDS``, with how often it happened since
+    the last line.
 
     The first time logs at once; later times within the interval are only counted, into the next line. Thread-safe:
     the metrics endpoint's connection threads call it as well as the loop.
     """
 
-    def __init__(self, event: str, *, clock: Callable[[], float] = time.monotonic, **fixed: object) -> None:
+    def __init__(
+        self, event: str, *, clock: Callable[[], float] = time.monotonic, level: str = "warning", **fixed: object
+    ) -> None:
         self._event = event
+        self._level = level
         self._fixed = fixed
         self._clock = clock
         self._lock = threading.Lock()
@@ -132,7 +136,7 @@ class LogEvery:
             if self._last is not None and now - self._last < LOG_EVERY_SECONDS:
                 return False
             since, self._since, self._last = self._since, 0, now
-        log.warning(self._event, **self._fixed, **fields, times_since_last_line=since)
+        getattr(log, self._level)(self._event, **self._fixed, **fields, times_since_last_line=since)
         return True
 
 

@@ -114,6 +114,12 @@ class TransportCollector(Collector):
         for limit in LIMITS:
             limited.add_metric([limit], guard.limited[limit])
         yield limited
+        yield CounterMetricFamily(
+            "gpuscaler_grpc_turns_deferred",
+            "Reads of a connection that held more than one turn's budget of calls or bytes (--turn-calls, "
+            "--turn-bytes), the rest served in its later turns: reordered, nothing refused.",
+            guard.turns_deferred,
+        )
 
 
 class TlsCollector(Collector):

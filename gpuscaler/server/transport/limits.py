@@ -36,7 +36,6 @@ LIMITS = (
     "ping_flood",
     "write_stalled",
     "protocol_error",
-    "turn_budget",
 )
 # Places beyond --max-streams that only unary calls may take: KEDA holds its push streams and polls on one
 # connection, and a call refused beside them is a scaler error.
@@ -110,6 +109,11 @@ class ConnectionGuard:
         self.limited: Counter[str] = Counter()
         self.on_limited: list[Callable[[str], None]] = []
         self._logs = {limit: LogEvery("grpc_limited", clock=clock, limit=limit) for limit in LIMITS}
+        # Reads whose frames were more than one turn's budget (--turn-calls, --turn-bytes), the rest left for the
+        # connection's later turns. Not a limit acting: nothing is refused, only reordered, and KEDA's own calls
+        # on its one connection do it whenever they come together; so it is counted apart and logged at info.
+        self.turns_deferred = 0
+        self._deferred_log = LogEvery("grpc_turn_deferred", clock=clock, level="info")
         self._sweep: asyncio.Task[None] | None = None
 
     def admit_connection(self, connection: Guarded) -> bool:
@@ -224,6 +228,11 @@ class ConnectionGuard:
         self.streams -= 1
         if streaming:
             self.push_streams -= 1
+
+    def defer_turn(self, peer: str, **detail: object) -> None:
+        """Count that ``peer``'s read held more than a turn's budget; log it at info once per interval."""
+        self.turns_deferred += 1
+        self._deferred_log(peer=peer, **detail)
 
     def act(self, limit: str, peer: str, **detail: object) -> None:
         """Count that ``limit`` acted on ``peer``; log it unless it was logged within LOG_EVERY_SECONDS."""

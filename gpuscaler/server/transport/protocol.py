@@ -143,7 +143,7 @@ class ManyStreamsProtocol(H2Protocol):
             return
         if self._take_turn(data):
             limits = self.guard.limits
-            self.guard.act("turn_budget", self.peer, calls=limits.turn_calls, bytes=limits.turn_bytes)
+            self.guard.defer_turn(self.peer, calls=limits.turn_calls, bytes=limits.turn_bytes)
 
     def _take_turn(self, data: bytes) -> bool:
         """This connection's turn of the event loop: at most ``--turn-calls`` calls started and ``--turn-bytes``
