@@ -65,7 +65,7 @@ def evaluate(
         why = (
             "the gateway's event loop was too busy to compose a newer one"
             if snapshot.cluster
-            else ("the poll loop is stalled")
+            else "the poll loop is stalled"
         )
         return failed(
             query,
