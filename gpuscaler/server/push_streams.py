@@ -4,7 +4,7 @@ The poll loop shares the event loop with every stream (docs/security.md, ``--max
 queries share one evaluation per snapshot, but when their state moves each stream still sends its own message, and
 each opened and closed with a line in the log: at 10,000 streams, 10,000 handler steps in one turn of the loop, and
 about 40 us of logging per stream opened and 20 us per stream closed (0.4 s and 0.2 s of one connection's opening
-and closing, and 20,000 lines). Here a wake-up takes its turn in the loop's ``TurnQueue``, and the open and close
+and closing, and 20,000 lines). Here a wake-up takes its turn in the loop's ``SlicedQueue``, and the open and close
 lines stop at a budget per interval, past which one line says how many were left out.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from gpuscaler.server.transport.per_turn import turn_queue
+from gpuscaler.server.transport.sliced_work import sliced_queue
 
 log = structlog.get_logger(__name__)
 
@@ -29,7 +29,7 @@ STREAM_LINES_EVERY_SECONDS = 10.0
 
 
 class QueuedEvent(asyncio.Event):
-    """An ``asyncio.Event`` whose ``set`` takes its turn in the loop's ``TurnQueue``; ``wait`` and ``clear`` are
+    """An ``asyncio.Event`` whose ``set`` takes its turn in the loop's ``SlicedQueue``; ``wait`` and ``clear`` are
     Event's. A push stream's ``changed``: a change of state wakes the streams a slice a turn, not all in one."""
 
     def __init__(self) -> None:
@@ -39,7 +39,7 @@ class QueuedEvent(asyncio.Event):
     def set(self) -> None:
         if not self._queued and not self.is_set():
             self._queued = True
-            turn_queue().add(self._set_now)
+            sliced_queue().add(self._set_now)
 
     def _set_now(self) -> None:
         self._queued = False

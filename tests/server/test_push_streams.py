@@ -7,13 +7,13 @@ import asyncio
 import structlog
 
 from gpuscaler.server.push_streams import QueuedEvent, StreamLines
-from gpuscaler.server.transport import per_turn
+from gpuscaler.server.transport import sliced_work
 from tests.waiting import until
 
 
 async def test_a_change_wakes_push_streams_a_slice_a_turn() -> None:
-    """Setting many streams' events sets none in that turn, then PER_TURN of them in each turn after, oldest first."""
-    events = [QueuedEvent() for _ in range(2 * per_turn.PER_TURN + 5)]
+    """Setting many streams' events sets none in that turn, then PER_SLICE of them in each turn after, oldest first."""
+    events = [QueuedEvent() for _ in range(2 * sliced_work.PER_SLICE + 5)]
     for event in events:
         event.set()
         event.set()  # twice: still one wake-up
@@ -22,7 +22,7 @@ async def test_a_change_wakes_push_streams_a_slice_a_turn() -> None:
     while not all(event.is_set() for event in events):
         await asyncio.sleep(0)  # one turn
         seen.append(sum(event.is_set() for event in events))
-    assert seen == [per_turn.PER_TURN, 2 * per_turn.PER_TURN, len(events)]
+    assert seen == [sliced_work.PER_SLICE, 2 * sliced_work.PER_SLICE, len(events)]
     assert [event.is_set() for event in events] == [True] * len(events)
 
 

@@ -33,7 +33,7 @@ from h2.errors import ErrorCodes
 
 from gpuscaler.server.transport.h2 import peer_name
 from gpuscaler.server.transport.limits import ConnectionGuard
-from gpuscaler.server.transport.per_turn import turn_queue
+from gpuscaler.server.transport.sliced_work import sliced_queue
 
 # Every request we serve is a ScaledObjectRef or smaller: a name (at most 253 bytes), a namespace (63) and
 # the trigger's metadata, about twenty short keys; a large real one (a long podSelector) is under 1 KiB.
@@ -144,11 +144,11 @@ class RefusingHandler(ConnectionHandler):
         # grpclib cancels every call's task here, and its connection then cancels each again through its stream's
         # wrapper, all in one callback, and every cancelled task runs its cleanup in the next turn: a connection
         # closing with 10,000 push streams held the event loop 0.3 s, then 0.4 s. Here the cancels take their turns
-        # (per_turn.py), and each task counts as cancelled (``tasks``, ``wait_closed``) from now. Only the task is
+        # (sliced_work.py), and each task counts as cancelled (``tasks``, ``wait_closed``) from now. Only the task is
         # cancelled: the wrapper raises its StreamTerminatedError from a frame that holds the wrapper, a cycle that
         # kept each closed stream's frames (73 objects) for the next full collection (0.8 s for 10,000 streams).
         self.closing = True
-        queue = turn_queue()
+        queue = sliced_queue()
         tasks, self._tasks = self._tasks, {}
         for stream, task in tasks.items():
             self._cancelled.add(task)

@@ -12,8 +12,8 @@ import h2.events
 import h2.settings
 
 from gpuscaler.agent.process import Agent
-from gpuscaler.server.transport import per_turn
-from gpuscaler.server.transport.per_turn import TurnQueue, turn_queue
+from gpuscaler.server.transport import sliced_work
+from gpuscaler.server.transport.sliced_work import SlicedQueue, sliced_queue
 from tests.conftest import StartAgent
 from tests.waiting import until
 
@@ -23,7 +23,7 @@ EMPTY_REF = struct.pack(">?I", False, 0)  # a ScaledObjectRef with nothing set, 
 
 async def test_a_queue_does_at_most_its_slice_a_turn_oldest_first() -> None:
     """Ten items with a slice of three take four turns of the loop, in the order they came."""
-    queue = TurnQueue(asyncio.get_running_loop(), per_turn=3)
+    queue = SlicedQueue(asyncio.get_running_loop(), per_slice=3)
     done: list[int] = []
     for item in range(10):
         queue.add(lambda item=item: done.append(item))  # type: ignore[misc]
@@ -39,11 +39,11 @@ async def test_a_queue_does_at_most_its_slice_a_turn_oldest_first() -> None:
 
 async def test_each_event_loop_has_its_own_queue() -> None:
     """The running loop's queue is the same one every time, and another loop's is not it."""
-    mine = turn_queue()
-    assert turn_queue() is mine
+    mine = sliced_queue()
+    assert sliced_queue() is mine
 
-    async def other() -> TurnQueue:
-        return turn_queue()
+    async def other() -> SlicedQueue:
+        return sliced_queue()
 
     assert await asyncio.to_thread(asyncio.run, other()) is not mine
 
@@ -66,7 +66,7 @@ async def test_a_closing_connection_cancels_its_streams_in_slices_and_leaves_no_
     is freed at once: nothing but h2's own stream objects is left for the cycle collector."""
     agent: Agent = await start_agent("--poll-interval", "0.1")
     server = agent.frontend.server
-    count = 3 * per_turn.PER_TURN
+    count = 3 * sliced_work.PER_SLICE
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
     client.initiate_connection()
     client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
