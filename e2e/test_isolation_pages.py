@@ -4,7 +4,8 @@ engine pages from ``e2e.support.engine_pods`` in a process of their own, and ano
 Row 1: a page with more label sets of a wanted series than ``--engine-max-label-sets`` (default 8192) is refused,
 named and counted, never parsed or believed. Row 3: pages without end are refused at ``--engine-max-page-bytes``,
 and the gateway's memory comes back when they are gone. Row 7: two label sets of 1.7e308 are past the signal's
-bound and their sum infinite: the pod is named, and GetMetrics answers UNAVAILABLE, never UNKNOWN.
+bound in each label set, and two of a counter (which has no such bound) sum to infinity: either way the pod is
+named, and GetMetrics answers UNAVAILABLE, never UNKNOWN.
 """
 
 from __future__ import annotations
@@ -124,9 +125,11 @@ async def test_a_page_of_more_label_sets_than_the_limit_is_refused_naming_the_po
         assert await good_answer(gateway.port) == 3.0
 
 
-async def test_a_sum_past_any_number_is_unavailable_naming_the_pod_never_unknown(start_gateway: StartGateway) -> None:
-    """Two label sets of 1.7e308 (whose sum is infinite) make GetMetrics UNAVAILABLE naming the pod and the bound,
-    on every call; never UNKNOWN, never a value."""
+async def test_label_sets_past_their_bound_are_unavailable_naming_the_pod_never_unknown(
+    start_gateway: StartGateway,
+) -> None:
+    """Two label sets of 1.7e308 (whose sum is infinite), each past the queue's bound for one label set, make
+    GetMetrics UNAVAILABLE naming the pod and the bound, on every call; never UNKNOWN, never a value."""
     async with engine_pods("infinite", 1) as (hostile, _):
         gateway = start_gateway(pod_entries("evil", "evil", hostile), ())
         expected = (
@@ -138,6 +141,25 @@ async def test_a_sum_past_any_number_is_unavailable_naming_the_pod_never_unknown
         assert await first_read(gateway.port, "evil", HOSTILE) == expected
         for _ in range(3):
             assert await ask(gateway.port, "evil", HOSTILE) == expected
+        assert scrapes(gateway)["malformed"] >= 1
+
+
+async def test_a_counter_summing_past_any_number_is_unavailable_naming_the_pod_never_unknown(
+    start_gateway: StartGateway,
+) -> None:
+    """A Triton counter of 1.7e308 in each of two models, with no bound per label set, sums to infinity: GetMetrics
+    is UNAVAILABLE naming the pod and the sum, on every call; never UNKNOWN, never a value."""
+    async with engine_pods("infinite-sum", 1) as (hostile, _):
+        gateway = start_gateway(pod_entries("evil", "evil", hostile), ())
+        metadata = {"metric": "triton_request_rate", "workload": "evil"}
+        expected = (
+            "UNAVAILABLE: triton_request_rate of pods in namespace evil, workload evil is unknown: 1 of the Ready pods "
+            f"cannot be read (pod evil/evil-0000: http://127.0.0.1:{hostile[0]}/metrics: nv_inference_request_success "
+            "sums to inf over its label sets, which no engine reports); an unread pod never counts as 0"
+        )
+        assert await first_read(gateway.port, "evil", metadata) == expected
+        for _ in range(3):
+            assert await ask(gateway.port, "evil", metadata) == expected
         assert scrapes(gateway)["malformed"] >= 1
 
 

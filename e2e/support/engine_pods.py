@@ -9,6 +9,8 @@ Kinds (``KINDS``):
 - ``good``: a vLLM page as vLLM writes it, ``vllm:num_requests_waiting`` at ``--value`` (3).
 - ``label-sets``: ``--label-sets`` label sets of ``vllm:num_requests_waiting``, each 1 (109,230 are 4 MiB).
 - ``infinite``: two label sets of ``vllm:num_requests_waiting`` at 1.7e308, whose sum is infinite.
+- ``infinite-sum``: a Triton page whose counter ``nv_inference_request_success`` is 1.7e308 in each of two models: a
+  counter has no bound per label set (it counts since the engine started), so only their sum, infinite, is refused.
 - ``oversized``: a Content-Length of ``--bytes``, and that many bytes of a real page's other lines.
 - ``endless``: no Content-Length, and those lines until the reader hangs up.
 - ``silent``: the request is read and never answered.
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-KINDS = ("good", "label-sets", "infinite", "oversized", "endless", "silent")
+KINDS = ("good", "label-sets", "infinite", "infinite-sum", "oversized", "endless", "silent")
 WAITING = "vllm:num_requests_waiting"
 # A real vLLM page's lines that no signal reads: what oversized and endless pages are made of.
 FILLER = (
@@ -74,6 +76,10 @@ class Pages:
             self._body = label_sets_page(self.label_sets)
         elif self.kind == "infinite":
             self._body = label_sets_page(2, 1.7e308)
+        elif self.kind == "infinite-sum":
+            self._body = b"# TYPE nv_inference_request_success counter\n" + b"".join(
+                b'nv_inference_request_success{model="%s",version="1"} 1.7e308\n' % model for model in (b"a", b"b")
+            )
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One connection: a request, its answer (keep-alive where the page has a length)."""
