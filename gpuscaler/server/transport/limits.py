@@ -6,8 +6,11 @@ that every other caller and the poll loop share. ``ConnectionGuard`` is the serv
 connections and streams against ``ConnectionLimits`` (the pool, each address's share of it, and the small
 share that connections yet to make a call may hold, the oldest of them giving way to a newcomer), runs one
 sweep for the timeouts of every connection, and records each time a limit acts (a count per limit, and one
-log line per limit per interval, so an attack cannot flood the log either). The protocol in ``protocol`` is
-the per-connection half: it counts frames into its ``TokenBucket``s and asks the guard.
+log line per limit per interval, so an attack cannot flood the log either) and each read left in part for a
+connection's later turns (counted apart: that reorders, it refuses nothing). Its ``PeerTable`` keeps each
+address's connections and reset budgets. The protocol in ``protocol`` is the per-connection half: it takes in
+frames a turn's budget at a time, counts resets into its address's budgets and PINGs into its own, and asks the
+guard.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Protocol
 
 from gpuscaler.flags import ConnectionLimits
 from gpuscaler.server.overload import LogEvery
+from gpuscaler.server.transport.peer_table import PeerTable
 
 # The label values of gpuscaler_grpc_limited_total, one per limit that can act.
 LIMITS = (
@@ -40,37 +44,11 @@ LIMITS = (
 # Places beyond --max-streams that only unary calls may take: KEDA holds its push streams and polls on one
 # connection, and a call refused beside them is a scaler error.
 CALL_RESERVE = 256
-# A bucket holds this many seconds of its rate: a peer may burst, but not keep it up.
-BURST_SECONDS = 10.0
 # Each call the server accepts lets its peer send this many more PINGs: gRPC clients measure the connection's
 # bandwidth-delay product with one PING per burst of data they receive (grpc-go allows it the same way).
 PINGS_PER_CALL = 2
 SWEEP_MIN_SECONDS = 0.05
 SWEEP_MAX_SECONDS = 1.0
-
-
-class TokenBucket:
-    """``rate`` tokens a second, at most ``rate * BURST_SECONDS`` kept; ``take`` is False once they run out."""
-
-    __slots__ = ("_burst", "_rate", "_stamp", "_tokens")
-
-    def __init__(self, rate: float, now: float) -> None:
-        self._rate = rate
-        self._burst = rate * BURST_SECONDS
-        self._tokens = self._burst
-        self._stamp = now
-
-    def take(self, now: float) -> bool:
-        if self._tokens < 1.0:
-            self._tokens = min(self._burst, self._tokens + (now - self._stamp) * self._rate)
-            self._stamp = now
-            if self._tokens < 1.0:
-                return False
-        self._tokens -= 1.0
-        return True
-
-    def give(self, tokens: float) -> None:
-        self._tokens = min(self._burst, self._tokens + tokens)
 
 
 class Guarded(Protocol):
@@ -84,9 +62,13 @@ class Guarded(Protocol):
     write_stalled_since: float | None
     peer: str
 
+    @property
+    def address(self) -> str:  # the peer's IP: the key of its PeerTable entry
+        ...
+
     def open_streams(self) -> int: ...
 
-    def go_away_idle(self) -> None: ...
+    def go_away_idle(self, reason: str = ...) -> None: ...
 
     def abort(self) -> None: ...
 
@@ -101,8 +83,7 @@ class ConnectionGuard:
         # Admitted connections that have not made a call yet (TLS handshake, preface, first request), oldest
         # first: strangers until then (with mTLS, unauthenticated until the handshake, which precedes any call).
         self.pending: dict[Guarded, None] = {}
-        self.pending_per_address: Counter[str] = Counter()
-        self.per_address: Counter[str] = Counter()
+        self.peers = PeerTable(limits)  # each address's connections, pending ones and reset budgets
         self.leaving: set[Guarded] = set()  # told GOAWAY and given a moment to read it: no longer counted
         self.streams = 0  # streams accepted and not yet finished, over all connections
         self.push_streams = 0  # those of them that are server streams (StreamIsActive, WatchSnapshots)
@@ -129,11 +110,12 @@ class ConnectionGuard:
         place is held by connections that have made calls, the newcomer is refused (``max_connections``,
         ``max_connections_per_peer``).
         """
-        limits, address = self.limits, peer_address(connection.peer)
-        if self.per_address[address] >= limits.max_connections_per_peer:
+        limits, address = self.limits, connection.address
+        peer = self.peers.of(address, self.clock())
+        if peer.connections >= limits.max_connections_per_peer:
             victim = self._oldest_pending(address)
             if victim is None:
-                self.act("max_connections_per_peer", connection.peer, open=self.per_address[address])
+                self.act("max_connections_per_peer", connection.peer, open=peer.connections)
                 return False
             self._displace(victim, connection)
         elif len(self.connections) >= limits.max_connections or len(self.pending) >= limits.max_pending_connections:
@@ -147,8 +129,8 @@ class ConnectionGuard:
         self.connections.add(connection)
         if not connection.called:
             self.pending[connection] = None
-            self.pending_per_address[address] += 1
-        self.per_address[address] += 1
+            peer.pending += 1
+        peer.connections += 1
         if self._sweep is None:
             self._sweep = asyncio.get_running_loop().create_task(self._run_sweep(), name="grpc-connection-sweep")
         return True
@@ -161,20 +143,16 @@ class ConnectionGuard:
     def _unpend(self, connection: Guarded) -> None:
         if connection in self.pending:
             del self.pending[connection]
-            address = peer_address(connection.peer)
-            self.pending_per_address[address] -= 1
-            if not self.pending_per_address[address]:
-                del self.pending_per_address[address]
+            self.peers.of(connection.address, self.clock()).pending -= 1
 
     def _oldest_pending(self, address: str | None) -> Guarded | None:
-        return next((c for c in self.pending if peer_address(c.peer) == address), None)
+        return next((c for c in self.pending if c.address == address), None)
 
     def _most_pending(self) -> str | None:
         # The address holding the most pending connections (of those tied, the one holding the oldest).
-        if not self.pending_per_address:
-            return None
-        most = max(self.pending_per_address.values())
-        return next(a for a in map(peer_address, (c.peer for c in self.pending)) if self.pending_per_address[a] == most)
+        counts = Counter(c.address for c in self.pending)  # in the order of each address's oldest
+        most = max(counts.values(), default=0)
+        return next((address for address, count in counts.items() if count == most), None)
 
     def _displace(self, victim: Guarded, newcomer: Guarded) -> None:
         # Close ``victim``, a pending connection, to make room for ``newcomer``.
@@ -187,7 +165,7 @@ class ConnectionGuard:
         )
         self._forget(victim)
         if victim.preface_done:
-            victim.go_away_idle()  # GOAWAY NO_ERROR: a gRPC client retries on a new connection
+            victim.go_away_idle("displaced: no call yet, and its place was wanted")  # a gRPC client retries
         else:
             victim.abort()
 
@@ -195,10 +173,7 @@ class ConnectionGuard:
         if connection in self.connections:
             self.connections.discard(connection)
             self._unpend(connection)
-            address = peer_address(connection.peer)
-            self.per_address[address] -= 1
-            if not self.per_address[address]:
-                del self.per_address[address]
+            self.peers.of(connection.address, self.clock()).connections -= 1
 
     def release_connection(self, connection: Guarded) -> None:
         self._forget(connection)
@@ -277,7 +252,7 @@ class ConnectionGuard:
             ):
                 self.act("first_request_timeout", connection.peer, seconds=limits.first_request_timeout_seconds)
                 self.release_connection(connection)
-                connection.go_away_idle()
+                connection.go_away_idle("no call within the first-request timeout")
             elif connection.open_streams() == 0 and now - connection.last_stream_at > limits.idle_timeout_seconds:
                 self.act("idle_timeout", connection.peer, seconds=limits.idle_timeout_seconds)
                 self.release_connection(connection)
@@ -296,9 +271,3 @@ class ConnectionGuard:
         for connection in list(self.leaving):  # a server stopping gives no grace: their sockets go with it
             connection.abort()
         self.leaving.clear()
-
-
-def peer_address(peer: str) -> str:
-    """The IP address of a ``host:port`` peer name (``peer_name``), which the per-address limit counts by."""
-    host, sep, _ = peer.rpartition(":")
-    return host if sep else peer

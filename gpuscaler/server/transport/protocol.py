@@ -32,8 +32,8 @@ from gpuscaler.server.transport.h2 import (
     peer_name,
 )
 from gpuscaler.server.transport.lean_streams import LeanStream
-from gpuscaler.server.transport.limits import CALL_RESERVE, PINGS_PER_CALL, ConnectionGuard, TokenBucket
-from gpuscaler.server.transport.peer_budgets import PeerBudgets
+from gpuscaler.server.transport.limits import CALL_RESERVE, PINGS_PER_CALL, ConnectionGuard
+from gpuscaler.server.transport.peer_table import TokenBucket
 
 # While frames wait for a connection's next turn, reading it goes on until this much waits unread; past it,
 # reading pauses until its turns catch up. Pausing and resuming at every turn cost a tenth of a call's time.
@@ -52,19 +52,19 @@ DEADLINE_EXCUSE_SHARE = 0.8
 class ManyStreamsProtocol(H2Protocol):
     """grpclib's protocol with our connection classes, and the per-connection half of ConnectionLimits.
 
-    It counts the peer's resets and PINGs/SETTINGS into token buckets (past them: GOAWAY
-    ENHANCE_YOUR_CALM), sends GOAWAY before closing on a protocol error (grpclib closes without it), stops
-    reading from a peer while our output to it is past ``write_buffer_limit_bytes`` (so a peer that never
-    reads cannot make us buffer ACKs without bound), and tells the guard's sweep when it last had a
-    stream and whether its preface came.
+    It counts the peer's resets into its address's token buckets in the guard's PeerTable (shared by all that
+    address's connections, so reconnecting does not refill them) and its PINGs/SETTINGS into the connection's
+    own (past them: GOAWAY ENHANCE_YOUR_CALM), takes in the peer's frames a turn's budget at a time
+    (``--turn-calls``, ``--turn-bytes``: the rest waits for its next turn, reordered, not refused), sends GOAWAY
+    before closing on a protocol error (grpclib closes without it), stops reading from a peer while our output to
+    it is past ``write_buffer_limit_bytes`` (so a peer that never reads cannot make us buffer ACKs without bound),
+    and tells the guard's sweep when it last had a stream and whether its preface came.
     """
 
-    def __init__(
-        self, handler: ConnectionHandler, config: Any, h2_config: Any, guard: ConnectionGuard, peers: PeerBudgets
-    ) -> None:
+    def __init__(self, handler: ConnectionHandler, config: Any, h2_config: Any, guard: ConnectionGuard) -> None:
         super().__init__(handler, config, h2_config)
         self.guard = guard
-        self.peers = peers
+        self.peers = guard.peers  # every address's, the guard's table
         now = guard.clock()
         self.accepted_at = now
         self.last_stream_at = now
@@ -74,7 +74,7 @@ class ManyStreamsProtocol(H2Protocol):
         self.admitted = False  # True once the guard counts this connection
         self.write_stalled_since: float | None = None
         self.peer = "?"
-        self.address = "?"  # the peer's IP: what its reset budgets are kept under
+        self.address = "?"  # the peer's IP: its PeerTable entry (connections, reset budgets) is kept under it
         self._discarding = False
         self._next_turn: asyncio.Handle | None = None  # set while frames wait for this connection's next turn
         self._unread: list[bytes] = []  # what was read while frames waited for the next turn
@@ -287,9 +287,10 @@ class ManyStreamsProtocol(H2Protocol):
         self._go_away(ErrorCodes.ENHANCE_YOUR_CALM, reason)
         self._close_soon()
 
-    def go_away_idle(self) -> None:
-        """GOAWAY NO_ERROR and close: gRPC clients open a new connection when they next need one."""
-        self._go_away(ErrorCodes.NO_ERROR, "idle")
+    def go_away_idle(self, reason: str = "idle") -> None:
+        """GOAWAY NO_ERROR (``reason`` as its debug data) and close: gRPC clients open a new connection when they
+        next need one."""
+        self._go_away(ErrorCodes.NO_ERROR, reason)
         self._close_soon()
 
     def _go_away(self, code: ErrorCodes, reason: str) -> None:

@@ -11,7 +11,7 @@ each limit and the upstream report). The package's modules, from the socket up:
 - ``tls_accept``: TLS per connection, with the context of the moment (a rotated context revokes sessions);
 - ``protocol``: one connection; floods and protocol errors get a GOAWAY before the close, a peer that does not
   read is not read either, and no connection takes more than its turn's budget of the loop at a time;
-- ``peer_budgets``: each peer address's reset budgets, across its connections;
+- ``peer_table``: each peer address's connections and reset budgets, in one table across its connections;
 - ``h2``: h2's and grpclib's connection classes at a cost per call that does not grow with open streams;
 - ``limits``: the server-wide half of the limits, and the sweep for their timeouts;
 - ``calls``: one call, admitted or refused, its request read under bounds; ``codec``: decode and encode once;
@@ -33,7 +33,6 @@ from gpuscaler.flags import ConnectionLimits
 from gpuscaler.server.transport.calls import AnswerUnknownMethods, RefusingHandler, guard_framing
 from gpuscaler.server.transport.codec import ReusingCodec
 from gpuscaler.server.transport.limits import ConnectionGuard
-from gpuscaler.server.transport.peer_budgets import PeerBudgets
 from gpuscaler.server.transport.protocol import ManyStreamsProtocol
 from gpuscaler.server.transport.tls_accept import TlsAccepting
 
@@ -56,7 +55,6 @@ class ManyStreamsServer(Server):
         )
         self._mapping = AnswerUnknownMethods(self._mapping)
         self.guard = ConnectionGuard(limits)
-        self.peer_budgets = PeerBudgets(limits)
         self._tls = tls
         # Who to tell about a call answered DEADLINE_EXCEEDED before it started (its :path).
         self.on_expired: list[Callable[[str], None]] = []
@@ -92,5 +90,5 @@ class ManyStreamsServer(Server):
             expired=self._expired,
         )
         self._handlers.add(handler)
-        protocol = ManyStreamsProtocol(handler, self._config, self._h2_config, self.guard, self.peer_budgets)
+        protocol = ManyStreamsProtocol(handler, self._config, self._h2_config, self.guard)
         return protocol if self._tls is None else TlsAccepting(protocol, self._tls)

@@ -32,12 +32,8 @@ from gpuscaler.generated.externalscaler import ExternalScalerStub, ScaledObjectR
 from gpuscaler.server.overload import LOG_EVERY_SECONDS
 from gpuscaler.server.transport import calls, protocol
 from gpuscaler.server.transport.h2 import BoundedH2Connection
-from gpuscaler.server.transport.limits import (
-    BURST_SECONDS,
-    CALL_RESERVE,
-    ConnectionGuard,
-    TokenBucket,
-)
+from gpuscaler.server.transport.limits import CALL_RESERVE, ConnectionGuard
+from gpuscaler.server.transport.peer_table import BURST_SECONDS, TokenBucket
 from tests.conftest import StartAgent
 from tests.server.transport.test_many_streams import request_headers
 from tests.waiting import until
@@ -74,10 +70,14 @@ class _Connection:
     streams: int = 0
     fate: str = "open"
 
+    @property
+    def address(self) -> str:
+        return self.peer.rpartition(":")[0]
+
     def open_streams(self) -> int:
         return self.streams
 
-    def go_away_idle(self) -> None:
+    def go_away_idle(self, reason: str = "idle") -> None:
         self.fate = "idle"
 
     def abort(self) -> None:
@@ -169,7 +169,7 @@ async def test_the_address_holding_most_pending_connections_gives_way_first() ->
     finally:
         guard.close()
     assert (lone.fate, first.fate, second.fate) == ("open", "idle", "open")
-    assert guard.pending_per_address == {"10.0.0.1": 1, "10.0.0.9": 1, "10.0.0.2": 1}
+    assert guard.peers.pending() == {"10.0.0.1": 1, "10.0.0.9": 1, "10.0.0.2": 1}
 
 
 async def test_a_newcomer_displaces_its_own_addresses_pending_connection_however_young() -> None:
@@ -496,13 +496,20 @@ async def test_one_address_is_held_to_its_share_and_displaces_only_its_own(
     again = await _caller(agent.port)  # displaces this address's pending one, not 127.0.0.2's
     peers.append(again)
     await mine[1].read_until(lambda: mine[1].goaway() is not None)
+    told = mine[1].goaway()
+    assert told is not None
+    assert (told.additional_data or b"").startswith(b"displaced"), told  # not "idle": it was not idle
     assert _guard(agent).limited == {"displaced": 1}
     refused = await _Peer.connect(agent.port, preface=False)  # both of this address's places have made calls
     peers.append(refused)
     await refused.read_until(lambda: False)
     assert refused.closed
     assert _guard(agent).limited == {"displaced": 1, "max_connections_per_peer": 1}
-    assert _guard(agent).per_address == {"127.0.0.1": 2, "127.0.0.2": 1}
+    table = _guard(agent).peers
+    assert {address: table.connections(address) for address in ("127.0.0.1", "127.0.0.2")} == {
+        "127.0.0.1": 2,
+        "127.0.0.2": 1,
+    }
 
 
 async def test_a_connection_that_makes_no_call_after_its_preface_is_sent_goaway(
