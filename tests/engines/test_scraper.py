@@ -4,18 +4,73 @@ failing pod without making it look fresh, and survives its bugs."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
+import structlog
 
 from gpuscaler.gateway.engines import page_reader as page_reader_module
 from gpuscaler.gateway.engines.limits import ScrapeLimits
-from gpuscaler.gateway.engines.scraper import BACKOFF_MAX_SECONDS, EngineScraper, backoff_seconds, namespace_share
-from gpuscaler.model.engines import Engine
+from gpuscaler.gateway.engines.page_reader import PageBody, PageReader, ScrapeFailed
+from gpuscaler.gateway.engines.scraper import (
+    BACKOFF_MAX_SECONDS,
+    FORGET_AFTER_SECONDS,
+    EngineScraper,
+    backoff_seconds,
+    namespace_share,
+)
+from gpuscaler.model.engines import Engine, EnginePage
 from gpuscaler.signals.engine_pods import Endpoint
 from tests.fakes.fake_engine import FakeEngine
 from tests.waiting import until
 
 POD = ("ml", "llm-0")
+ENDPOINT = Endpoint("127.0.0.1", 9, "/metrics")  # never dialled: the fake reader answers
+# Fake time moves in steps that binary floats hold exactly, so that the gaps compare exactly.
+STEP_SECONDS = 1 / 64
+
+
+class FakeClock:
+    """Time that moves only when the test moves it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeReader(PageReader):
+    """Answers each read at once, with a page or a 503 as ``failing`` says, and notes when each read began."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(ScrapeLimits())
+        self.clock = clock
+        self.failing = False
+        self.began: list[float] = []
+
+    async def fetch(self, endpoint: Endpoint) -> PageBody:
+        self.began.append(self.clock())
+        if self.failing:
+            raise ScrapeFailed("status", "HTTP 503 Service Unavailable")
+        return []
+
+    async def parse(self, body: PageBody, engine: Engine, *, at: float) -> EnginePage:
+        return EnginePage(at=at, values={})
+
+
+async def run_until(scraper: EngineScraper, clock: FakeClock, reader: FakeReader, end: float) -> None:
+    """Move fake time to ``end`` a step at a time, letting each read that falls due start and land."""
+    await until(lambda: scraper.reading == 0)  # a first read, queued when the pod was wanted
+    while clock.now < end:
+        clock.now += STEP_SECONDS
+        scraper.tick()
+        await until(lambda: scraper.reading == 0)
+
+
+def gaps(times: list[float]) -> list[float]:
+    """The time between each read and the next."""
+    return [later - earlier for earlier, later in itertools.pairwise(times)]
 
 
 async def test_a_bug_while_reading_leaves_the_pod_unread_and_the_reads_going(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -59,6 +114,50 @@ async def test_a_pod_is_read_at_the_shortest_interval_any_query_asks() -> None:
     finally:
         await scraper.stop()
         await engine.stop()
+
+
+async def test_an_interval_no_longer_asked_for_stops_setting_the_pace() -> None:
+    """A pod asked at 1 s once and at 10 s ever since is read every second until the 1 s ask is
+    FORGET_AFTER_SECONDS old, then every 10 s: the shortest interval asked lately, not the shortest ever."""
+    clock = FakeClock()
+    reader = FakeReader(clock)
+    scraper = EngineScraper(clock=clock, reader=reader)
+    await scraper.start()
+    try:
+        scraper.want(POD, Engine.TGI, ENDPOINT, 1.0)
+        end = FORGET_AFTER_SECONDS + 60.0
+        while clock.now < end:
+            scraper.want(POD, Engine.TGI, ENDPOINT, 10.0)  # a poll every 30 s, as KEDA's
+            await run_until(scraper, clock, reader, clock.now + 30.0)
+        read = list(zip(reader.began, gaps(reader.began), strict=False))
+        early = [gap for at, gap in read if at < FORGET_AFTER_SECONDS]
+        late = [gap for at, gap in read if at > FORGET_AFTER_SECONDS + 1]
+        assert set(early) == {1.0}
+        assert len(late) >= 3
+        assert set(late) == {10.0}
+    finally:
+        await scraper.stop()
+
+
+async def test_a_failing_pod_is_next_read_after_the_back_off_its_last_read_earned() -> None:
+    """Read every 0.25 s and failing from its first read, a pod's reads are as far apart as backoff_seconds says
+    for the failures so far, each gap decided by the read before it, as its backoff line says."""
+    clock = FakeClock()
+    reader = FakeReader(clock)
+    reader.failing = True
+    scraper = EngineScraper(clock=clock, reader=reader)
+    await scraper.start()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            scraper.want(POD, Engine.TGI, ENDPOINT, 0.25)
+            await run_until(scraper, clock, reader, 8.0)
+        expected = [backoff_seconds(0.25, failures) for failures in range(1, len(reader.began))]
+        assert len(reader.began) >= 5
+        assert gaps(reader.began) == expected
+        said = [line["next_in_seconds"] for line in logs if line["event"] == "engine_limited"]
+        assert said[0] == expected[1]  # after the second failure, the gap that came next
+    finally:
+        await scraper.stop()
 
 
 async def test_reading_a_scrape_wants_nothing() -> None:

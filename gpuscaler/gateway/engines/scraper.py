@@ -2,14 +2,15 @@
 
 Lazy: a pod is read only while a query asks for it (``want``, from a query prepared or a stream held open), and is
 forgotten ``FORGET_AFTER_SECONDS`` after the last ask. One scrape per pod serves every query on it, at the
-shortest interval any of them asks. Reading a pod's scrape (``scrape``, ``pods``) changes nothing.
+shortest interval any of them asked within ``FORGET_AFTER_SECONDS``: a query that stopped asking stops setting
+the pace, as it stops keeping the pod read. Reading a pod's scrape (``scrape``, ``pods``) changes nothing.
 
 Slots are shared by namespace, the unit a cluster gives a tenant (its RBAC, its quotas, its ScaledObjects): due
 reads wait in one queue per namespace, and a free slot goes to the next namespace in turn, so a namespace's many or
 slow pods make its own reads wait, not another's. One namespace holds at most ``namespace_share`` of the slots, so
 a tenant's pods that never answer cannot hold every slot for a timeout. A pod whose reads keep failing is read
-less often (``backoff_seconds``); its answer stays its failure, never an older page made to look fresh. Each read
-is ``page_reader.PageReader``'s, and bounded there.
+less often (``backoff_seconds``, due from when each read ends, by that read's result); its answer stays its
+failure, never an older page made to look fresh. Each read is ``page_reader.PageReader``'s, and bounded there.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ TICK_SECONDS = 0.05
 # interval, when that is longer): a dead pod costs a slot for a timeout about every 10 s, not every interval, and
 # one that comes back is read again within 10 s.
 BACKOFF_MAX_SECONDS = 10.0
+# The distinct intervals a pod remembers being asked at; past it the longest is forgotten first, which can only
+# keep the pod read more often than asked, never less. Queries on one pod rarely ask more than two or three.
+MAX_ASKED_INTERVALS = 16
 # The limits the scraper counts (gpuscaler_gateway_engine_limited_total{limit}), docs/security.md says each.
 LIMITS = ("namespace_share", "backoff", "first_read_wait", "max_pods_per_selection")
 
@@ -65,15 +69,16 @@ def backoff_seconds(interval: float, failures: int) -> float:
 class _Wanted:
     engine: Engine
     endpoint: Endpoint
-    interval: float
+    interval: float  # the shortest in ``asks``
     asked_at: float
-    due_at: float
+    due_at: float  # when the next read is due; set when a read ends, from its result
     first: asyncio.Future[None]  # done once the first read has landed (or the pod is no longer wanted)
     scrape: PodScrape | None = None
     task: asyncio.Task[None] | None = None
     queued_at: float | None = None  # while it waits in its namespace's queue for a slot
     held_back: bool = False  # it waited because its namespace held its share (counted once per read)
     failures: int = 0  # reads failed in a row
+    asks: dict[float, float] = field(default_factory=dict)  # interval -> when it was last asked
 
 
 @dataclass(slots=True)
@@ -85,7 +90,14 @@ class _Namespace:
 class EngineScraper:
     """Reads the pods queries want; ``signals.engine_source.EngineSource`` for the evaluator."""
 
-    def __init__(self, limits: ScrapeLimits | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        limits: ScrapeLimits | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        reader: PageReader | None = None,
+    ) -> None:
+        """``clock`` and ``reader``: a test's fake time and pages; by default the monotonic clock and HTTP."""
         self.limits = limits or DEFAULT_SCRAPE_LIMITS
         self._clock = clock
         self._wanted: dict[PodKey, _Wanted] = {}
@@ -96,7 +108,7 @@ class EngineScraper:
         self._turns: deque[str] = deque()  # namespaces with reads waiting, the next to get a slot first
         self._reading = 0
         self._share = namespace_share(self.limits.concurrency)
-        self._reader = PageReader(self.limits)
+        self._reader = reader or PageReader(self.limits)
         self._loop_task: asyncio.Task[None] | None = None
         self._running = False
         # What /metrics counts: scrapes by outcome, limits by the times each acted, and the newest of each pod.
@@ -116,6 +128,11 @@ class EngineScraper:
     @property
     def min_interval_seconds(self) -> float:
         return self.limits.min_interval_seconds
+
+    @property
+    def reading(self) -> int:
+        """Reads holding a slot now."""
+        return self._reading
 
     async def start(self) -> None:
         await self._reader.start()
@@ -147,10 +164,15 @@ class EngineScraper:
                 self._drop(wanted)
             first = asyncio.get_running_loop().create_future()
             wanted = self._wanted[pod] = _Wanted(engine, endpoint, interval_seconds, now, now, first)
+            wanted.asks[interval_seconds] = now
             self._someone_wants.set()
             self._enqueue(pod, wanted)
             return
         wanted.asked_at = now
+        wanted.asks.pop(interval_seconds, None)  # re-inserted: the dict stays in order of last ask
+        wanted.asks[interval_seconds] = now
+        if len(wanted.asks) > MAX_ASKED_INTERVALS:
+            del wanted.asks[max(i for i in wanted.asks if i != interval_seconds)]
         if interval_seconds < wanted.interval:
             wanted.interval = interval_seconds
             if wanted.failures == 0:
@@ -190,18 +212,25 @@ class EngineScraper:
         """The newest scrape of each pod read now."""
         return {pod: w.scrape for pod, w in self._wanted.items() if w.scrape is not None}
 
+    def tick(self) -> None:
+        """One look at the clock, which the scraper makes every ``TICK_SECONDS`` while a pod is wanted: forget the
+        pods and intervals no longer asked for, and queue the reads that are due."""
+        now = self._clock()
+        for pod in [p for p, w in self._wanted.items() if now - w.asked_at > FORGET_AFTER_SECONDS]:
+            self._drop(self._wanted.pop(pod))
+        for pod, wanted in self._wanted.items():
+            if wanted.asks and now - next(iter(wanted.asks.values())) > FORGET_AFTER_SECONDS:  # the oldest ask
+                _forget_old_asks(wanted, now)
+            if wanted.task is None and wanted.queued_at is None and now >= wanted.due_at:
+                self._enqueue(pod, wanted, dispatch=False)
+        self._dispatch()  # once for all the reads that fell due, not once each
+
     async def _run(self) -> None:
         while True:
             if not self._wanted:
                 self._someone_wants.clear()
                 await self._someone_wants.wait()
-            now = self._clock()
-            for pod in [p for p, w in self._wanted.items() if now - w.asked_at > FORGET_AFTER_SECONDS]:
-                self._drop(self._wanted.pop(pod))
-            for pod, wanted in self._wanted.items():
-                if wanted.task is None and wanted.queued_at is None and now >= wanted.due_at:
-                    self._enqueue(pod, wanted, dispatch=False)
-            self._dispatch()  # once for all the reads that fell due, not once each
+            self.tick()
             await asyncio.sleep(TICK_SECONDS)
 
     def _drop(self, wanted: _Wanted) -> None:
@@ -212,12 +241,7 @@ class EngineScraper:
         _settle(wanted)
 
     def _enqueue(self, pod: PodKey, wanted: _Wanted, *, dispatch: bool = True) -> None:
-        now = self._clock()
-        # From when it was due, so that starting up to a tick late does not stretch every interval; from now
-        # when it is a whole interval behind (a first read, a slow page). A pod failing in a row backs off.
-        interval = backoff_seconds(wanted.interval, wanted.failures)
-        wanted.due_at = wanted.due_at + interval if now - wanted.due_at < interval else now + interval
-        wanted.queued_at = now
+        wanted.queued_at = self._clock()
         wanted.held_back = False
         namespace = self._namespaces.get(pod[0])
         if namespace is None:
@@ -306,16 +330,17 @@ class EngineScraper:
         finally:
             if self._wanted.get(pod) is wanted:
                 wanted.task = None
-        if outcome == "ok":
-            wanted.failures = 0
-        else:
-            wanted.failures += 1
-            if wanted.failures > 1:
-                delay = backoff_seconds(wanted.interval, wanted.failures)
-                if delay > wanted.interval:
-                    self.note_limited(
-                        "backoff", pod=f"{pod[0]}/{pod[1]}", failures=wanted.failures, next_in_seconds=round(delay, 3)
-                    )
+        wanted.failures = 0 if outcome == "ok" else wanted.failures + 1
+        # The next read is due by this one's result. From when this one was due, so that starting up to a tick
+        # late does not stretch every interval; from now when it is a whole interval behind (a first read, a slow
+        # page, a timeout).
+        delay = backoff_seconds(wanted.interval, wanted.failures)
+        now = self._clock()
+        wanted.due_at = wanted.due_at + delay if now - wanted.due_at < delay else now + delay
+        if delay > wanted.interval:
+            self.note_limited(
+                "backoff", pod=f"{pod[0]}/{pod[1]}", failures=wanted.failures, next_in_seconds=round(delay, 3)
+            )
         _settle(wanted)
         self.results[outcome] = self.results.get(outcome, 0) + 1
         for observer in self.on_scrape:
@@ -341,6 +366,14 @@ class EngineScraper:
         self._notify_scheduled = False
         for listener in self._listeners:
             listener()
+
+
+def _forget_old_asks(wanted: _Wanted, now: float) -> None:
+    """Drop the intervals not asked for within FORGET_AFTER_SECONDS; the pod is then read at the shortest left."""
+    for interval in [i for i, at in wanted.asks.items() if now - at > FORGET_AFTER_SECONDS]:
+        del wanted.asks[interval]
+    if wanted.asks:
+        wanted.interval = min(wanted.asks)
 
 
 def _settle(wanted: _Wanted) -> None:
