@@ -19,6 +19,11 @@ class InvalidMetadata(GpuscalerError):
     """Trigger metadata is wrong: a key we do not know, or a value out of range (INVALID_ARGUMENT)."""
 
 
+class TooManyPods(InvalidMetadata):
+    """A pod selection reads more pods than one query may (``--engine-max-pods-per-selection``): the metadata
+    that selects them is what to change (INVALID_ARGUMENT); the gateway counts each as its limit acting."""
+
+
 class InvalidRequest(GpuscalerError):
     """A request field outside the trigger metadata is wrong, e.g. a fake GPU index (INVALID_ARGUMENT)."""
 

@@ -188,8 +188,8 @@ class ExternalScalerService(ExternalScalerBase):
         self._opened_lines(scaled_object=scaled_object, metric_name=query.metric_name)
         reason = "client_gone"
         try:
-            with self._evaluator.subscribe(query) as subscription:
-                subscription.changed = QueuedEvent()  # a change wakes the streams a slice a turn, not all in one
+            # A change wakes the streams a slice a turn, not all in one.
+            with self._evaluator.subscribe(query, event=QueuedEvent) as subscription:
                 sent: bool | None = None
                 while True:
                     if self._evaluator.closing:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from gpuscaler.model.aggregation import aggregate
 from gpuscaler.model.engines import ENGINE_SIGNALS
-from gpuscaler.model.errors import GpuscalerError, InvalidMetadata, Unavailable, Unsupported
+from gpuscaler.model.errors import GpuscalerError, TooManyPods, Unavailable, Unsupported
 from gpuscaler.model.pods import PodDirectory, PodInfo
 from gpuscaler.model.samples import Snapshot
 from gpuscaler.query.query import EngineQuery, PodSelection
@@ -71,7 +71,7 @@ def select_engine_pods(
     selection = EngineSelection(pods, tuple(rows))
     read = len(selection.reads())
     if read > engines.max_pods:
-        return InvalidMetadata(
+        return TooManyPods(
             f"{query.pods.describe()} selects {read} Ready pods with a metrics page; one query may read at most "
             f"{engines.max_pods} (the gateway's --engine-max-pods-per-selection): select fewer pods with workload "
             "or podSelector, or raise the flag"

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from gpuscaler.model.engines import ENGINE_SIGNALS
-from gpuscaler.model.errors import InvalidMetadata
-from gpuscaler.model.pods import PodDirectory
+from gpuscaler.model.engines import ENGINE_SIGNALS, Engine
+from gpuscaler.model.errors import TooManyPods
+from gpuscaler.model.pods import PodDirectory, ScaleTargets
 from gpuscaler.model.samples import DEVICE_FIELD, Snapshot
 from gpuscaler.query.engine_keys import DEFAULT_MIN_SCRAPE_SECONDS
 from gpuscaler.query.metadata import Limits, parse_metadata
@@ -30,6 +30,7 @@ from gpuscaler.signals.combined import evaluate_combined
 from gpuscaler.signals.empty_selection import EmptySelection, find_empty, unmatched_of
 from gpuscaler.signals.empty_selection_record import EmptySelectionRecord
 from gpuscaler.signals.engine_evaluation import EngineSelection, evaluate_engine, select_engine_pods
+from gpuscaler.signals.engine_pods import Endpoint
 from gpuscaler.signals.engine_source import EngineSource, PodKey
 from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.node_memo import NodeMemo
@@ -53,9 +54,12 @@ DEADLINE_MARGIN_SECONDS = 0.25
 # Without a deadline, the wait for a query's first reads is one read's timeout and this: a read may wait a moment
 # for a slot behind its own namespace's reads.
 FIRST_READ_SLACK_SECONDS = 1.0
-# A push stream's engine pods are wanted again at most this often (on a scrape or a snapshot), so a pod that joins
-# its selection is read within about a second, and the cost of keeping them wanted does not grow with scrapes.
+# A push stream's engine pods are looked at again at most this often (on a scrape or a snapshot), so a pod that
+# joins its selection is read within about a second, and the cost of keeping them wanted does not grow with scrapes.
 STREAM_INTEREST_EVERY_SECONDS = 1.0
+# A stream's selection is resolved again only when what the directory says of it changed; its pods are wanted again
+# this often even when nothing changed, well within the 120 s after which the gateway's scraper forgets a pod.
+STREAM_REWANT_SECONDS = 30.0
 
 
 @dataclass(eq=False, slots=True)
@@ -63,8 +67,12 @@ class Subscription:
     """One open push stream: the evaluator sets ``active`` and ``changed`` when its query's state moves."""
 
     query: Query
+    changed: asyncio.Event
     active: bool | None = None
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+# One engine pod a query reads: the pod, its engine, its page's address, and the interval it is read at.
+_Read = tuple[PodKey, Engine, Endpoint, float]
 
 
 @dataclass(eq=False, slots=True)
@@ -75,6 +83,9 @@ class _Group:
     # Streams that opened while the value was unknown: they learn the state at the next known value,
     # even when it is the one already broadcast (a transition-only wake-up would leave them silent).
     waiting: set[Subscription] = field(default_factory=set)
+    # The engine pods its streams keep wanted (``Evaluator._keep_streams_wanted``): the directory's state they were
+    # resolved in, the reads, and when they were last wanted.
+    engine_reads: tuple[Hashable, list[_Read], float] | None = None
 
 
 class Evaluator:
@@ -167,21 +178,48 @@ class Evaluator:
         """Keep the pods ``value``'s engine signals read wanted by the scraper, at their intervals; those pods.
 
         A selection that cannot be read (no directory, too many pods) wants nothing: evaluating says why."""
+        reads = self._engine_reads(value)
+        self._want(reads)
+        return [read[0] for read in reads]
+
+    def _engine_reads(self, value: AnyValueQuery) -> list[_Read]:
+        """The engine pods ``value`` reads now, from the directory; a selection past the cap is counted."""
         if self.engines is None:
             return []
-        wanted: list[PodKey] = []
+        reads: list[_Read] = []
         for signal in _engine_signals(value):
             selection = select_engine_pods(signal, self.engines, self.directory)
-            if isinstance(selection, InvalidMetadata):
+            if isinstance(selection, TooManyPods):
                 self.engines.note_limited("max_pods_per_selection", selection=signal.pods.describe())
             if not isinstance(selection, EngineSelection):
                 continue
             engine = ENGINE_SIGNALS[signal.metric].engine
-            for info, endpoint in selection.reads():
-                key = (info.namespace, info.pod)
-                self.engines.want(key, engine, endpoint, signal.interval_seconds)
-                wanted.append(key)
-        return wanted
+            reads.extend(
+                ((info.namespace, info.pod), engine, endpoint, signal.interval_seconds)
+                for info, endpoint in selection.reads()
+            )
+        return reads
+
+    def _want(self, reads: Iterable[_Read]) -> None:
+        if self.engines is not None:
+            for pod, engine, endpoint, interval in reads:
+                self.engines.want(pod, engine, endpoint, interval)
+
+    def _directory_state(self, value: AnyValueQuery) -> Hashable:
+        """What the directory says of ``value``'s engine selections, compared for equality only: equal means they
+        select the same pods at the same addresses (a few look-ups, not a pass over the pods)."""
+        directory = self.directory
+        if directory is None:
+            return None
+        targets: object = directory  # a directory may know ScaledObjects too: the protocol is checked at run time
+        state: list[Hashable] = [directory.problem()]
+        for signal in _engine_signals(value):
+            pods = signal.pods
+            state.append(directory.version(pods.namespace))
+            if pods.scale_target is not None and isinstance(targets, ScaleTargets):
+                state.append(targets.scale_targets_problem())
+                state.append(targets.scale_target(pods.namespace, pods.scale_target))
+        return tuple(state)
 
     def evaluate(self, query: AnyValueQuery) -> Evaluation:
         if isinstance(query, CombinedQuery):
@@ -300,13 +338,17 @@ class Evaluator:
         return len(self._groups)
 
     @contextmanager
-    def subscribe(self, query: Query) -> Iterator[Subscription]:
-        """A push subscription for the lifetime of the ``with`` block; ``active`` is set at once if known."""
+    def subscribe(
+        self, query: Query, *, event: Callable[[], asyncio.Event] = asyncio.Event
+    ) -> Iterator[Subscription]:
+        """A push subscription for the lifetime of the ``with`` block; ``active`` is set at once if known.
+
+        ``event`` makes its ``changed``: a server whose many streams should wake a slice a turn gives its own."""
         key = query.activation_key
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = _Group(query)
-        subscription = Subscription(query)
+        subscription = Subscription(query, event())
         group.subscriptions.add(subscription)
         try:
             evaluation = self.evaluate(query.value)
@@ -337,7 +379,10 @@ class Evaluator:
 
     def _keep_streams_wanted(self) -> None:
         """A push stream's engine pods stay wanted while it is open: the scraper forgets pods asked for by polls
-        alone after a while, and a stream polls nothing. Its selection's new pods are wanted here too."""
+        alone after a while, and a stream polls nothing. Its selection's new pods are wanted here too.
+
+        A selection is resolved again only when the directory's state for it moved: thousands of streams of
+        distinct queries on a quiet directory cost a few look-ups each, not a pass over their namespaces' pods."""
         if self.engines is None or not self._groups:
             return
         now = self._clock()
@@ -345,7 +390,18 @@ class Evaluator:
             return
         self._streams_wanted_at = now
         for group in self._groups.values():
-            self.want_engine_pods(group.query.value)
+            if not _reads_engines(group.query.value):
+                continue
+            state = self._directory_state(group.query.value)
+            kept = group.engine_reads
+            if kept is not None and kept[0] == state:
+                if now - kept[2] < STREAM_REWANT_SECONDS:
+                    continue
+                reads = kept[1]
+            else:
+                reads = self._engine_reads(group.query.value)
+            group.engine_reads = (state, reads, now)
+            self._want(reads)
 
     def _push(self, groups: Iterable[_Group]) -> None:
         for group in list(groups):

@@ -9,12 +9,17 @@ from collections.abc import Callable, Collection
 import pytest
 
 from gpuscaler.model.engines import Engine, EnginePage, PodScrape
-from gpuscaler.model.errors import InvalidMetadata, Unavailable
+from gpuscaler.model.errors import TooManyPods, Unavailable
 from gpuscaler.model.pods import PodInfo
 from gpuscaler.query.query import Query
 from gpuscaler.signals.engine_pods import Endpoint
 from gpuscaler.signals.engine_source import PodKey
-from gpuscaler.signals.evaluator import DEADLINE_MARGIN_SECONDS, FIRST_READ_SLACK_SECONDS, Evaluator
+from gpuscaler.signals.evaluator import (
+    DEADLINE_MARGIN_SECONDS,
+    FIRST_READ_SLACK_SECONDS,
+    STREAM_REWANT_SECONDS,
+    Evaluator,
+)
 from tests.builders import history_of
 from tests.signals.test_evaluation_workloads import Directory
 
@@ -76,9 +81,9 @@ class Clock:
         return self.now
 
 
-def gateway(engines: Engines, clock: Clock | None = None) -> tuple[Evaluator, Query]:
-    """A gateway's evaluator over DIRECTORY and ``engines``, and the query on ml's workload llm."""
-    evaluator = Evaluator(history_of(), clock=clock or Clock(), directory=DIRECTORY, cluster=True, engines=engines)
+def gateway(engines: Engines, clock: Clock | None = None, directory: Directory = DIRECTORY) -> tuple[Evaluator, Query]:
+    """A gateway's evaluator over ``directory`` and ``engines``, and the query on ml's workload llm."""
+    evaluator = Evaluator(history_of(), clock=clock or Clock(), directory=directory, cluster=True, engines=engines)
     return evaluator, evaluator.parse({"metric": "vllm_queue", "workload": "llm"}, "ml", "llm")
 
 
@@ -126,7 +131,7 @@ async def test_a_selection_past_the_pod_cap_is_refused_naming_the_key_and_wants_
     evaluator, query = gateway(engines)
     await evaluator.prepare(query, time_left=5.0)
     assert (engines.wanted, engines.waited, engines.limited) == ({}, [], ["max_pods_per_selection"])
-    with pytest.raises(InvalidMetadata) as refused:
+    with pytest.raises(TooManyPods) as refused:
         evaluator.value(query)
     assert str(refused.value) == (
         "pods in namespace ml, workload llm selects 2 Ready pods with a metrics page; one query may read at most 1 "
@@ -136,10 +141,11 @@ async def test_a_selection_past_the_pod_cap_is_refused_naming_the_key_and_wants_
 
 
 async def test_a_push_stream_keeps_its_pods_wanted_while_it_is_open() -> None:
-    """While a stream is open each scrape (at most once a second) wants its pods again, so the scraper does not
-    forget pods no poll asks for; once it closes, nothing is wanted on its behalf."""
-    engines, clock = Engines(), Clock()
-    evaluator, query = gateway(engines, clock)
+    """While a stream is open its pods are wanted again every STREAM_REWANT_SECONDS, so the scraper does not forget
+    pods no poll asks for; a pod that joins its selection is wanted within a second; once it closes, nothing is
+    wanted on its behalf."""
+    engines, clock, directory = Engines(), Clock(), Directory(llm("llm-0"), llm("llm-1"))
+    evaluator, query = gateway(engines, clock, directory)
     (listener,) = engines.listeners
     with evaluator.subscribe(query):
         listener()
@@ -147,10 +153,33 @@ async def test_a_push_stream_keeps_its_pods_wanted_while_it_is_open() -> None:
         engines.wanted.clear()
         listener()
         assert engines.wanted == {}  # within the second: not again
-        clock.now += 1.0
+        clock.now += STREAM_REWANT_SECONDS
         listener()
         assert engines.wanted == dict.fromkeys(OWN, 1.0)
+        engines.wanted.clear()
+        clock.now += 1.0
+        directory.add(llm("llm-3"))
+        listener()
+        assert engines.wanted == dict.fromkeys([*OWN, ("ml", "llm-3")], 1.0)
     engines.wanted.clear()
-    clock.now += 1.0
+    clock.now += STREAM_REWANT_SECONDS
     listener()
     assert engines.wanted == {}
+
+
+async def test_a_push_streams_selection_is_resolved_again_only_when_the_directory_moves() -> None:
+    """Scrapes every second on a quiet directory resolve no stream's selection again for its interest (its cap,
+    counted at each resolution, is counted once); once the directory moves, it is resolved, and counted, again."""
+    engines, clock = Engines(max_pods=2), Clock()
+    directory = Directory(llm("llm-0"), llm("llm-1"), llm("llm-2"))  # three pods: past the cap of two
+    evaluator, query = gateway(engines, clock, directory)
+    (listener,) = engines.listeners
+    with evaluator.subscribe(query):
+        for _ in range(10):
+            listener()
+            clock.now += 1.0
+        assert engines.limited == ["max_pods_per_selection"]
+        directory.add(llm("llm-3"))
+        listener()
+        assert engines.limited == ["max_pods_per_selection"] * 2
+        assert engines.wanted == {}
