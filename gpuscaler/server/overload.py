@@ -23,7 +23,7 @@ import errno
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
 import structlog
@@ -138,6 +138,22 @@ class LogEvery:
             since, self._since, self._last = self._since, 0, now
         getattr(log, self._level)(self._event, **self._fixed, **fields, times_since_last_line=since)
         return True
+
+
+class LimitsActed:
+    """Each time one of ``limits`` acted: counted by limit (``counts``, which /metrics reads), told to
+    ``observers``, and logged as ``event`` with ``limit=`` at most once per LOG_EVERY_SECONDS per limit."""
+
+    def __init__(self, event: str, limits: Iterable[str], *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.counts: Counter[str] = Counter()  # a limit that never acted reads 0
+        self.observers: list[Callable[[str], None]] = []
+        self._logs = {limit: LogEvery(event, clock=clock, limit=limit) for limit in limits}
+
+    def __call__(self, limit: str, **detail: object) -> None:
+        self.counts[limit] += 1
+        for observer in self.observers:
+            observer(limit)
+        self._logs[limit](**detail)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from gpuscaler.server import overload
-from gpuscaler.server.overload import LimitCounts, LogEvery, quiet_accept_errors
+from gpuscaler.server.overload import LimitCounts, LimitsActed, LogEvery, quiet_accept_errors
 from tests.waiting import until
 
 
@@ -34,6 +34,21 @@ def test_log_every_logs_once_per_interval_with_the_count(capfd: pytest.CaptureFi
     assert "times_since_last_line=1001" in second
     assert "limit=x" in second
     assert "peer=c" in second
+
+
+def test_limits_acted_counts_each_act_tells_observers_and_logs_each_limit_once_per_interval(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Every act is counted under its limit and told to the observers; each limit has its own line per interval."""
+    acted = LimitsActed("test_acted", ("a", "b"), clock=lambda: 100.0)
+    heard: list[str] = []
+    acted.observers.append(heard.append)
+    for _ in range(3):
+        acted("a", peer="p")
+    acted("b", peer="q")
+    assert (acted.counts["a"], acted.counts["b"], heard) == (3, 1, ["a", "a", "a", "b"])
+    lines = logged(capfd, "test_acted")
+    assert [("limit=a" in line, "limit=b" in line) for line in lines] == [(True, False), (False, True)]
 
 
 def test_limit_counts_export_every_limit_from_zero() -> None:

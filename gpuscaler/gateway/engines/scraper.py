@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
@@ -29,7 +29,7 @@ from gpuscaler.gateway.engines.limits import DEFAULT_SCRAPE_LIMITS, ScrapeLimits
 from gpuscaler.gateway.engines.page import MalformedPage
 from gpuscaler.gateway.engines.page_reader import PageReader, ScrapeFailed
 from gpuscaler.model.engines import Engine, PodScrape
-from gpuscaler.server.overload import LogEvery
+from gpuscaler.server.overload import LimitsActed
 from gpuscaler.signals.engine_pods import Endpoint
 from gpuscaler.signals.engine_source import PodKey
 
@@ -113,8 +113,8 @@ class EngineScraper:
         self._running = False
         # What /metrics counts: scrapes by outcome, limits by the times each acted, and the newest of each pod.
         self.results: dict[str, int] = {}
-        self.limited: Counter[str] = Counter(dict.fromkeys(LIMITS, 0))
-        self._logs = {limit: LogEvery("engine_limited", limit=limit) for limit in LIMITS}
+        self._acted = LimitsActed("engine_limited", LIMITS)
+        self.limited = self._acted.counts
         self.on_scrape: list[Callable[[float, str], None]] = []  # (seconds, outcome)
 
     @property
@@ -202,8 +202,7 @@ class EngineScraper:
 
     def note_limited(self, limit: str, **detail: object) -> None:
         """Count that ``limit`` acted, and log it unless it was logged within the last few seconds."""
-        self.limited[limit] += 1
-        self._logs[limit](**detail)
+        self._acted(limit, **detail)
 
     def add_listener(self, listener: Callable[[], None]) -> None:
         self._listeners.append(listener)

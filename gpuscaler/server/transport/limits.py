@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from gpuscaler.flags import ConnectionLimits
-from gpuscaler.server.overload import LogEvery
+from gpuscaler.server.overload import LimitsActed, LogEvery
 from gpuscaler.server.transport.peer_table import PeerTable
 
 # The label values of gpuscaler_grpc_limited_total, one per limit that can act.
@@ -87,9 +87,9 @@ class ConnectionGuard:
         self.leaving: set[Guarded] = set()  # told GOAWAY and given a moment to read it: no longer counted
         self.streams = 0  # streams accepted and not yet finished, over all connections
         self.push_streams = 0  # those of them that are server streams (StreamIsActive, WatchSnapshots)
-        self.limited: Counter[str] = Counter()
-        self.on_limited: list[Callable[[str], None]] = []
-        self._logs = {limit: LogEvery("grpc_limited", clock=clock, limit=limit) for limit in LIMITS}
+        self._acted = LimitsActed("grpc_limited", LIMITS, clock=clock)
+        self.limited = self._acted.counts
+        self.on_limited = self._acted.observers
         # Reads whose frames were more than one turn's budget (--turn-calls, --turn-bytes), the rest left for the
         # connection's later turns. Not a limit acting: nothing is refused, only reordered, and KEDA's own calls
         # on its one connection do it whenever they come together; so it is counted apart and logged at info.
@@ -211,10 +211,7 @@ class ConnectionGuard:
 
     def act(self, limit: str, peer: str, **detail: object) -> None:
         """Count that ``limit`` acted on ``peer``; log it unless it was logged within LOG_EVERY_SECONDS."""
-        self.limited[limit] += 1
-        for observer in self.on_limited:
-            observer(limit)
-        self._logs[limit](peer=peer, **detail)
+        self._acted(limit, peer=peer, **detail)
 
     def sweep_every_seconds(self) -> float:
         limits = self.limits
