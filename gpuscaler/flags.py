@@ -132,8 +132,8 @@ SERVER_FLAGS: FlagTable = {
         "MAX_PENDING_CONNECTIONS",
         str(DEFAULT_LIMITS.max_pending_connections),
         "connections that have not yet sent a call (TLS handshake, preface, first request) held at once; "
-        "past it a newcomer displaces its own address's oldest such connection, or else the oldest of the "
-        "address holding the most",
+        "past it a newcomer displaces the oldest such connection of its own address (refused while that one is "
+        "under 1 s old) or, from an address holding none, of the address holding the most",
     ),
     "--first-request-timeout": (
         "FIRST_REQUEST_TIMEOUT",

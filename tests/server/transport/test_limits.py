@@ -32,7 +32,7 @@ from gpuscaler.generated.externalscaler import ExternalScalerStub, ScaledObjectR
 from gpuscaler.server.overload import LOG_EVERY_SECONDS
 from gpuscaler.server.transport import calls, protocol
 from gpuscaler.server.transport.h2 import BoundedH2Connection
-from gpuscaler.server.transport.limits import CALL_RESERVE, ConnectionGuard
+from gpuscaler.server.transport.limits import CALL_RESERVE, PENDING_GRACE_SECONDS, ConnectionGuard
 from gpuscaler.server.transport.peer_table import BURST_SECONDS, TokenBucket
 from tests.conftest import StartAgent
 from tests.server.transport.test_many_streams import request_headers
@@ -172,24 +172,24 @@ async def test_the_address_holding_most_pending_connections_gives_way_first() ->
     assert guard.peers.pending() == {"10.0.0.1": 1, "10.0.0.9": 1, "10.0.0.2": 1}
 
 
-async def test_a_newcomer_displaces_its_own_addresses_pending_connection_however_young() -> None:
-    """With the pending share full, a newcomer from an address holding a pending connection takes that one's
-    place even a millisecond after it came (the kubelet probes from the node's address, which a host-network pod
-    shares: that pod's pending connection cannot keep the probe out), not a lone caller's older one."""
+async def test_an_address_with_a_pending_connection_waits_for_it_before_another() -> None:
+    """With the pending share full, a newcomer from an address that holds a pending connection younger than
+    PENDING_GRACE_SECONDS is refused (max_pending_connections); once that one is older, it gives way to the
+    newcomer: the address's own, not a lone caller's older one."""
     now = 100.0
     guard = ConnectionGuard(dataclasses.replace(DEFAULT_LIMITS, max_pending_connections=2), clock=lambda: now)
     lone = _Connection(accepted_at=99.0, peer="10.0.0.1:1", called=False)
-    neighbour = _Connection(accepted_at=now, peer="10.0.0.9:1", called=False)
-    probe = _Connection(accepted_at=now, peer="10.0.0.9:2", called=False)
+    stranger = _Connection(accepted_at=99.5, peer="10.0.0.9:1", called=False)
     try:
         assert guard.admit_connection(lone)
-        assert guard.admit_connection(neighbour)
-        assert guard.admit_connection(probe)
-        guard.first_call(probe)
+        assert guard.admit_connection(stranger)
+        assert not guard.admit_connection(_Connection(accepted_at=now, peer="10.0.0.9:2", called=False))
+        now = 99.5 + PENDING_GRACE_SECONDS
+        assert guard.admit_connection(_Connection(accepted_at=now, peer="10.0.0.9:3", called=False))
     finally:
         guard.close()
-    assert (lone.fate, neighbour.fate, probe.fate) == ("open", "idle", "open")
-    assert guard.limited == {"displaced": 1}
+    assert (lone.fate, stranger.fate) == ("open", "idle")
+    assert guard.limited == {"max_pending_connections": 1, "displaced": 1}
 
 
 async def test_connections_and_streams_are_admitted_up_to_their_limits() -> None:
