@@ -338,9 +338,7 @@ class Evaluator:
         return len(self._groups)
 
     @contextmanager
-    def subscribe(
-        self, query: Query, *, event: Callable[[], asyncio.Event] = asyncio.Event
-    ) -> Iterator[Subscription]:
+    def subscribe(self, query: Query, *, event: Callable[[], asyncio.Event] = asyncio.Event) -> Iterator[Subscription]:
         """A push subscription for the lifetime of the ``with`` block; ``active`` is set at once if known.
 
         ``event`` makes its ``changed``: a server whose many streams should wake a slice a turn gives its own."""
