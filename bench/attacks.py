@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import http.client
 import json
 import os
 import re
@@ -59,7 +58,7 @@ from bench.target import python_bytecode
 from e2e.support import attacks, engine_pods
 from e2e.support.agent import HEALTH_CHECK_METHOD, AgentProcess
 from e2e.support.certs import TlsFiles, grpcio_credentials, make_certificates
-from e2e.support.clients import GrpcioScaler, RpcFailure
+from e2e.support.clients import GrpcioScaler, RpcFailure, http_probe
 from e2e.support.keda_grpcio import KedaProto, generate
 from e2e.support.process import Process
 from gpuscaler.server.transport.limits import LIMITS
@@ -398,20 +397,6 @@ def grpc_probe(address: str) -> bool:
         channel.close()
 
 
-def healthz_probe(metrics_port: int) -> bool:
-    """The kubelet's HTTP probe (GET /healthz from 127.0.0.1, the node's address here): whether it got 200."""
-    connection = http.client.HTTPConnection("127.0.0.1", metrics_port, timeout=PROBE_TIMEOUT_SECONDS)
-    try:
-        connection.request("GET", "/healthz")
-        response = connection.getresponse()
-        response.read()
-        return response.status == 200
-    except (OSError, http.client.HTTPException):
-        return False
-    finally:
-        connection.close()
-
-
 async def fresh_keda(address: str, proto: KedaProto, tls: TlsFiles | None, client_cert: bool) -> bool:
     """A restarted KEDA: a new channel and connection, one GetMetrics; whether it was answered."""
     client = good_client(address, proto, tls, client_cert=client_cert)
@@ -456,7 +441,7 @@ async def fresh_callers(
             elif kind == "grpc_probe":
                 admitted = await asyncio.to_thread(grpc_probe, address)
             elif kind == "healthz":
-                admitted = await asyncio.to_thread(healthz_probe, metrics_port)
+                admitted = await asyncio.to_thread(http_probe, metrics_port, timeout=PROBE_TIMEOUT_SECONDS)
             elif counts.get(kind, [0, 0])[1] < FRESH_GATEWAYS:
                 admitted = await fresh_gateway(address, proto, folder)
             else:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import http.client
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -29,7 +28,7 @@ from e2e.support import attacks, hogs
 from e2e.support.agent import HEALTH_CHECK_METHOD, AgentProcess
 from e2e.support.attacks import GOOD_QUERY, RawPeer, good_caller, limited, raw_peer, settings_frame
 from e2e.support.certs import TlsFiles
-from e2e.support.clients import GrpcioScaler, RpcFailure
+from e2e.support.clients import GrpcioScaler, RpcFailure, http_probe
 from e2e.support.keda_grpcio import KedaProto
 from e2e.support.raw_h2 import PREFACE
 
@@ -40,7 +39,6 @@ POOL = ("--max-connections", "16", "--handshake-timeout", "60")  # strangers are
 FRESH_CALLERS = 8
 PROBES = 5
 CALL_TIMEOUT_SECONDS = 5.0
-KUBELET = "127.0.0.1"  # the kubelet probes from the node's address; no stranger uses it here
 SLOW_SOURCES = hogs.sources(64)
 SLOW_CLIENTS = 256  # 4 per address, against 64 places: addresses enough to take the 8 kept for new ones too
 
@@ -77,20 +75,6 @@ def grpc_probe(agent: AgentProcess) -> bool:
         return False
     finally:
         channel.close()
-
-
-def http_probe(port: int, *, source: str = KUBELET, timeout: float = 3.0) -> bool:
-    """The kubelet's HTTP probe (GET /healthz, the chart's liveness probe beside a TLS port): whether it got 200."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout, source_address=(source, 0))
-    try:
-        connection.request("GET", "/healthz")
-        response = connection.getresponse()
-        response.read()
-        return response.status == 200
-    except (OSError, http.client.HTTPException):
-        return False
-    finally:
-        connection.close()
 
 
 async def admitted(check: Callable[[], Awaitable[bool]], attempts: int = PROBES) -> int:

@@ -10,77 +10,41 @@ named, and GetMetrics answers UNAVAILABLE, never UNKNOWN.
 
 from __future__ import annotations
 
-import sys
-import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import yaml
 from grpclib import GRPCError
-from grpclib.client import Channel
-from prometheus_client.parser import text_string_to_metric_families
 
+from e2e.support.engine_gateway import EngineGateways, StartGateway, counts_by, get_metrics
 from e2e.support.engine_pods import engine_pods, pod_entries
-from e2e.support.process import Process, environment
-from gpuscaler.generated import externalscaler as keda
+from e2e.support.process import Process
 from tests.waiting import until, until_result
 
-CONSOLE_SCRIPT = Path(sys.executable).with_name("gpuscaler")
 GOOD = {"metric": "vllm_queue", "workload": "llm"}
 HOSTILE = {"metric": "vllm_queue", "workload": "evil"}
 PODS = 80  # row 3's count: with fewer, the memory the old reader kept came back too
-StartGateway = Callable[[list[dict[str, object]], tuple[str, ...]], Process]
 
 
 @pytest.fixture
 async def start_gateway(tmp_path: Path) -> AsyncIterator[StartGateway]:
     """Starts ``gpuscaler gateway`` processes over a pod directory and no agent, and stops them."""
-    started: list[Process] = []
-
-    def start(pods: list[dict[str, object]], flags: tuple[str, ...]) -> Process:
-        directory = tmp_path / f"pods-{len(started)}.yaml"
-        directory.write_text(yaml.safe_dump({"pods": pods}))
-        agents = tmp_path / "agents.txt"
-        agents.write_text("")  # engine signals need no agent
-        argv = [str(CONSOLE_SCRIPT), "gateway", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"]
-        argv += ["--agents-file", str(agents), "--pod-directory", str(directory), "--log-format", "json"]
-        argv += ["--drain-timeout", "1", *flags]
-        gateway = Process(argv, tmp_path / f"gateway-{len(started)}.log", environment(), "gateway_started").start()
-        started.append(gateway)
-        return gateway
-
-    yield start
-    for gateway in started:
-        await gateway.terminate()
+    gateways = EngineGateways(tmp_path)
+    yield gateways.start
+    await gateways.stop()
 
 
 async def ask(port: int, namespace: str, metadata: dict[str, str]) -> float | str:
     """GetMetricSpec then GetMetrics for ScaledObject ``namespace``/so: the value, or the status and message."""
-    channel = Channel("127.0.0.1", port)
     try:
-        stub = keda.ExternalScalerStub(channel)
-        ref = keda.ScaledObjectRef(name="so", namespace=namespace, scaler_metadata=metadata)
-        spec = await stub.get_metric_spec(ref, timeout=5)
-        request = keda.GetMetricsRequest(scaled_object_ref=ref, metric_name=spec.metric_specs[0].metric_name)
-        return (await stub.get_metrics(request, timeout=5)).metric_values[0].metric_value_float
+        return await get_metrics(port, namespace, metadata)
     except GRPCError as error:
         return f"{error.status.name}: {error.message}"
-    finally:
-        channel.close()
 
 
 def scrapes(gateway: Process) -> dict[str, float]:
     """gpuscaler_gateway_engine_scrapes_total by outcome, from the gateway's /metrics."""
-    (event,) = gateway.events("gateway_started")
-    with urllib.request.urlopen(f"http://127.0.0.1:{event['metrics_port']}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {
-        sample.labels["outcome"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "gpuscaler_gateway_engine_scrapes_total"
-    }
+    return counts_by(gateway, "gpuscaler_gateway_engine_scrapes_total", "outcome")
 
 
 def rss_mib(gateway: Process) -> float:

@@ -11,24 +11,18 @@ key, and nothing is read for them. Limits are small so that each test takes seco
 from __future__ import annotations
 
 import asyncio
-import sys
-import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 
 import pytest
-import yaml
 from grpclib import GRPCError
-from grpclib.client import Channel
-from prometheus_client.parser import text_string_to_metric_families
 
-from e2e.support.process import Process, environment
-from gpuscaler.generated import externalscaler as keda
+from e2e.support.engine_gateway import EngineGateways, StartGateway, counts_by, get_metrics
+from e2e.support.process import Process
 from gpuscaler.model.engines import Engine
 from tests.fakes.fake_engine import FakeEngine
 from tests.waiting import until, until_result
 
-CONSOLE_SCRIPT = Path(sys.executable).with_name("gpuscaler")
 SILENT_PODS = 24
 SCRAPE_TIMEOUT = "3"  # a silent pod holds a read slot this long
 CONCURRENCY = "4"
@@ -63,56 +57,16 @@ async def serve(engines: list[FakeEngine], mode: str = "ok", **values: float) ->
 
 
 @pytest.fixture
-async def start_gateway(tmp_path: Path) -> AsyncIterator[Callable[[list[dict[str, object]], tuple[str, ...]], Process]]:
+async def start_gateway(tmp_path: Path) -> AsyncIterator[StartGateway]:
     """Starts ``gpuscaler gateway`` processes over a pod directory and no agent, and stops them."""
-    started: list[Process] = []
-
-    def start(pods: list[dict[str, object]], flags: tuple[str, ...]) -> Process:
-        directory = tmp_path / f"pods-{len(started)}.yaml"
-        directory.write_text(yaml.safe_dump({"pods": pods}))
-        agents = tmp_path / "agents.txt"
-        agents.write_text("")  # engine signals need no agent
-        gateway = Process(
-            [
-                str(CONSOLE_SCRIPT),
-                "gateway",
-                "--listen",
-                "127.0.0.1:0",
-                "--metrics-listen",
-                "127.0.0.1:0",
-                "--agents-file",
-                str(agents),
-                "--pod-directory",
-                str(directory),
-                "--log-format",
-                "json",
-                "--drain-timeout",
-                "1",
-                *flags,
-            ],
-            tmp_path / f"gateway-{len(started)}.log",
-            environment(),
-            "gateway_started",
-        ).start()
-        started.append(gateway)
-        return gateway
-
-    yield start
-    for gateway in started:
-        await gateway.terminate()
+    gateways = EngineGateways(tmp_path)
+    yield gateways.start
+    await gateways.stop()
 
 
-async def get_metrics(port: int, namespace: str, timeout: float = KEDA_DEADLINE_SECONDS, **metadata: str) -> float:
-    """GetMetricSpec, then GetMetrics with ``timeout`` as its deadline, for ScaledObject ``namespace``/so."""
-    channel = Channel("127.0.0.1", port)
-    try:
-        stub = keda.ExternalScalerStub(channel)
-        ref = keda.ScaledObjectRef(name="so", namespace=namespace, scaler_metadata=metadata)
-        spec = await stub.get_metric_spec(ref, timeout=5)
-        request = keda.GetMetricsRequest(scaled_object_ref=ref, metric_name=spec.metric_specs[0].metric_name)
-        return (await stub.get_metrics(request, timeout=timeout)).metric_values[0].metric_value_float
-    finally:
-        channel.close()
+async def keda_asks(port: int, namespace: str, timeout: float = KEDA_DEADLINE_SECONDS, **metadata: str) -> float:
+    """GetMetricSpec, then GetMetrics with ``timeout`` as its deadline (KEDA's calls carry one)."""
+    return await get_metrics(port, namespace, metadata, timeout=timeout)
 
 
 async def outcome(call: Awaitable[float]) -> float | str:
@@ -127,19 +81,11 @@ async def outcome(call: Awaitable[float]) -> float | str:
 
 def limited(gateway: Process) -> dict[str, float]:
     """gpuscaler_gateway_engine_limited_total by limit, from the gateway's /metrics."""
-    (event,) = gateway.events("gateway_started")
-    with urllib.request.urlopen(f"http://127.0.0.1:{event['metrics_port']}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {
-        sample.labels["limit"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "gpuscaler_gateway_engine_limited_total"
-    }
+    return counts_by(gateway, "gpuscaler_gateway_engine_limited_total", "limit")
 
 
 async def test_one_tenants_silent_pods_do_not_stall_another_tenants_answers(
-    engines: list[FakeEngine], start_gateway: Callable[[list[dict[str, object]], tuple[str, ...]], Process]
+    engines: list[FakeEngine], start_gateway: StartGateway
 ) -> None:
     """Tenant noisy's 24 Ready pods never answer and fill the read slots; tenant ml's healthy pod is answered
     within KEDA's 2 s deadline on the first call and on every call after, and its change is seen."""
@@ -151,13 +97,13 @@ async def test_one_tenants_silent_pods_do_not_stall_another_tenants_answers(
         ("--engine-scrape-timeout", SCRAPE_TIMEOUT, "--engine-scrape-concurrency", CONCURRENCY),
     )
     # The noisy tenant asks first: its first reads take the slots, and its own call waits for them.
-    noisy = asyncio.ensure_future(outcome(get_metrics(gateway.port, "noisy", metric="vllm_queue", workload="batch")))
+    noisy = asyncio.ensure_future(outcome(keda_asks(gateway.port, "noisy", metric="vllm_queue", workload="batch")))
     await until(lambda: silent.requests >= 3, timeout=10)
     answers: list[float | str] = []
 
     async def ask() -> float | str:
         """Tenant ml's GetMetrics, as KEDA polls it; every answer is kept."""
-        answers.append(await outcome(get_metrics(gateway.port, "ml", metric="vllm_queue", workload="llm")))
+        answers.append(await outcome(keda_asks(gateway.port, "ml", metric="vllm_queue", workload="llm")))
         return answers[-1]
 
     assert await ask() == 3.0
@@ -171,7 +117,7 @@ async def test_one_tenants_silent_pods_do_not_stall_another_tenants_answers(
 
 
 async def test_one_query_cannot_make_the_gateway_read_a_large_selection_often(
-    engines: list[FakeEngine], start_gateway: Callable[[list[dict[str, object]], tuple[str, ...]], Process]
+    engines: list[FakeEngine], start_gateway: StartGateway
 ) -> None:
     """scrapeInterval 250ms under the gateway's 1 s minimum, and a workload of 8 Ready pods past its cap of 5,
     are refused naming the key, the value and the flag; no page is read for either, and the refusal counts."""
@@ -180,12 +126,12 @@ async def test_one_query_cannot_make_the_gateway_read_a_large_selection_often(
         [pod("ml", f"llm-{index}", engine, "llm") for index in range(8)] + [pod("ml", "small-0", engine, "small")],
         ("--engine-max-pods-per-selection", "5"),
     )
-    fast = await outcome(get_metrics(gateway.port, "ml", metric="vllm_queue", workload="small", scrapeInterval="250ms"))
+    fast = await outcome(keda_asks(gateway.port, "ml", metric="vllm_queue", workload="small", scrapeInterval="250ms"))
     assert fast == (
         "INVALID_ARGUMENT: scrapeInterval '250ms' is out of range; it must be from 1s (this gateway's "
         "--engine-min-scrape-interval) to 1m"
     )
-    large = await outcome(get_metrics(gateway.port, "ml", metric="vllm_queue", workload="llm"))
+    large = await outcome(keda_asks(gateway.port, "ml", metric="vllm_queue", workload="llm"))
     assert large == (
         "INVALID_ARGUMENT: pods in namespace ml, workload llm selects 8 Ready pods with a metrics page; one query "
         "may read at most 5 (the gateway's --engine-max-pods-per-selection): select fewer pods with workload or "
@@ -193,4 +139,4 @@ async def test_one_query_cannot_make_the_gateway_read_a_large_selection_often(
     )
     assert engine.requests == 0
     assert limited(gateway)["max_pods_per_selection"] >= 1
-    assert await get_metrics(gateway.port, "ml", metric="vllm_queue", workload="small") == 1.0
+    assert await keda_asks(gateway.port, "ml", metric="vllm_queue", workload="small") == 1.0

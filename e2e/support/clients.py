@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import subprocess
 import time
@@ -341,3 +342,17 @@ async def query_json(
     except ValueError:
         raise AssertionError(f"gpuscaler query printed no JSON:\n{result.stdout}\n{result.stderr}") from None
     return answer
+
+
+def http_probe(port: int, *, source: str = "127.0.0.1", timeout: float = 3.0) -> bool:
+    """The kubelet's HTTP probe (GET /healthz on 127.0.0.1 from ``source``, the node's address): whether it got 200."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout, source_address=(source, 0))
+    try:
+        connection.request("GET", "/healthz")
+        response = connection.getresponse()
+        response.read()
+        return response.status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        connection.close()
