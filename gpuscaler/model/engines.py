@@ -1,9 +1,10 @@
 """Every engine signal, once: what an inference server's own /metrics page says about its queue and its cache.
 
 An *engine* is the inference server a workload's pods run (vLLM, Triton, SGLang, TGI). A *signal* is one value
-per pod computed from the series that engine exposes: a gauge summed over its label sets (one per model), or the
-ratio of two counters' increases between two scrapes of the same pod. The table below is the one place that
-names the series; the scraper, the evaluation, the profiles and docs/engines.md all read it.
+per pod computed from the series that engine exposes: a gauge combined over its label sets (one per model or per
+data-parallel engine: a count summed, a usage share averaged), or the ratio of two counters' increases between two
+scrapes of the same pod. The table below is the one place that names the series; the scraper, the evaluation, the
+profiles and docs/engines.md all read it.
 
 Series names were taken from each engine's own source (docs/engines.md lists the versions).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpuscaler.model.aggregation import Aggregation
 
@@ -45,11 +46,22 @@ class EngineMetric(enum.StrEnum):
 class SignalKind(enum.Enum):
     """How a signal is computed from a pod's page."""
 
-    GAUGE = "gauge"  # the series' value now, summed over the page's label sets (one per model)
+    GAUGE = "gauge"  # the series' value now, combined over the page's label sets by the signal's ``label_sets``
     # The increase of ``series`` per second between this pod's last two scrapes (a counter).
     RATE = "rate"
     # The increase of ``series`` over the increase of ``per`` between the last two scrapes (two counters).
     RATIO = "ratio"
+
+
+class LabelSets(enum.Enum):
+    """How a gauge's label sets on one pod's page combine into the pod's value."""
+
+    # Requests queued or running: each label set (a model, a data-parallel engine) holds its own, and the pod holds
+    # them all.
+    SUM = "sum"
+    # A share of a cache: each data-parallel engine of the pod (vLLM labels it ``engine``) has a pool of its own, of
+    # one size, and two at 50% and 70% make a pod 60% full, not 120%.
+    MEAN = "mean"
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,10 +81,18 @@ class EngineSignal:
     # The most it can honestly read, in ``unit``: for a gauge, each label set of its series (a page past it is
     # malformed); for a rate or a ratio, the pod's value. docs/engines.md gives each and why.
     bound: float
+    # How its label sets on one page combine (a GAUGE's; a counter's increase is always summed over them).
+    label_sets: LabelSets
     scale: float = 1.0  # from the series' unit to the signal's (a 0-1 fraction to %: 100)
     per: str | None = None  # RATIO: the counter it divides by
     # How an idle pod's RATIO reads when ``per`` did not move: nothing finished, so nothing waited.
     idle: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind is not SignalKind.GAUGE and self.label_sets is not LabelSets.SUM:
+            raise ValueError(
+                f"{self.series[0]}: a {self.kind.value} sums its counters' label sets; only a gauge averages"
+            )
 
     @property
     def aggregation(self) -> Aggregation:
@@ -107,6 +127,7 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         activation_threshold=0.0,
         additive=True,
         bound=REQUESTS_BOUND,
+        label_sets=LabelSets.SUM,
     ),
     EngineMetric.VLLM_RUNNING: EngineSignal(
         Engine.VLLM,
@@ -118,6 +139,7 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         activation_threshold=0.0,
         additive=True,
         bound=REQUESTS_BOUND,
+        label_sets=LabelSets.SUM,
     ),
     EngineMetric.VLLM_KV_CACHE: EngineSignal(
         Engine.VLLM,
@@ -130,6 +152,7 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         activation_threshold=0.0,
         additive=False,
         bound=PERCENT_BOUND,
+        label_sets=LabelSets.MEAN,
         scale=100.0,
     ),
     EngineMetric.TRITON_PENDING: EngineSignal(
@@ -142,6 +165,7 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         activation_threshold=0.0,
         additive=True,
         bound=REQUESTS_BOUND,
+        label_sets=LabelSets.SUM,
     ),
     EngineMetric.TRITON_QUEUE_WAIT: EngineSignal(
         Engine.TRITON,
@@ -153,6 +177,7 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         activation_threshold=0.0,
         additive=False,
         bound=QUEUE_WAIT_BOUND_MS,
+        label_sets=LabelSets.SUM,
         scale=0.001,
         per="nv_inference_request_success",
     ),
@@ -166,6 +191,7 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         activation_threshold=0.0,
         additive=True,
         bound=REQUEST_RATE_BOUND,
+        label_sets=LabelSets.SUM,
     ),
     EngineMetric.SGLANG_QUEUE: EngineSignal(
         Engine.SGLANG,
@@ -177,6 +203,7 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         activation_threshold=0.0,
         additive=True,
         bound=REQUESTS_BOUND,
+        label_sets=LabelSets.SUM,
     ),
     EngineMetric.SGLANG_RUNNING: EngineSignal(
         Engine.SGLANG,
@@ -188,6 +215,7 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         activation_threshold=0.0,
         additive=True,
         bound=REQUESTS_BOUND,
+        label_sets=LabelSets.SUM,
     ),
     EngineMetric.SGLANG_TOKEN_USAGE: EngineSignal(
         Engine.SGLANG,
@@ -199,6 +227,7 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         activation_threshold=0.0,
         additive=False,
         bound=PERCENT_BOUND,
+        label_sets=LabelSets.MEAN,
         scale=100.0,
     ),
     EngineMetric.TGI_QUEUE: EngineSignal(
@@ -211,6 +240,7 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         activation_threshold=0.0,
         additive=True,
         bound=REQUESTS_BOUND,
+        label_sets=LabelSets.SUM,
     ),
     EngineMetric.TGI_BATCH: EngineSignal(
         Engine.TGI,
@@ -222,6 +252,7 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         activation_threshold=0.0,
         additive=True,
         bound=REQUESTS_BOUND,
+        label_sets=LabelSets.SUM,
     ),
 }
 
@@ -252,13 +283,17 @@ def series_bounds(engine: Engine) -> dict[str, float]:
 
 @dataclass(frozen=True, slots=True)
 class EnginePage:
-    """What one scrape of one pod read: each series ``engine_series`` keeps, summed over its label sets.
+    """What one scrape of one pod read: each series ``engine_series`` keeps, summed over its label sets, and how
+    many label sets gave it (a signal that averages them divides the one by the other).
 
     A counter is kept under its family name (``_total`` dropped), whichever way the page spelled it.
     """
 
     at: float  # monotonic, when the answer was read
     values: Mapping[str, float]
+    # Label sets read of each series in ``values``; a page made without them has none, and a signal that averages
+    # its label sets is then unread, never divided by a guess.
+    counts: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

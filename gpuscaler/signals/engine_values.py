@@ -1,5 +1,8 @@
 """One pod's engine signal from its newest scrapes: a gauge as read, or a counter's increase between two pages.
 
+A gauge's label sets combine as its signal says (``label_sets``): a queue is the sum of its label sets', a usage
+share their mean (a pod's two data-parallel engines at 50% and 70% make 60%).
+
 A counter that went down was reset (the engine restarted): its increase is its new value, as Prometheus'
 ``rate()`` takes it, so a restart never gives a negative or a spike. A page older than ``stale_after`` is
 not an answer; a value no engine gives (NaN, infinite, negative, past its bound) never gets this far
@@ -11,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from gpuscaler.model.engines import EnginePage, EngineSignal, PodScrape, SignalKind
+from gpuscaler.model.engines import EnginePage, EngineSignal, LabelSets, PodScrape, SignalKind
 
 
 def signal_value(signal: EngineSignal, scrape: PodScrape | None, *, now: float, stale_after: float) -> float | str:
@@ -49,7 +52,8 @@ def signal_value(signal: EngineSignal, scrape: PodScrape | None, *, now: float, 
 
 def _checked(signal: EngineSignal, value: float, endpoint: str) -> float | str:
     """``value``, or why it is no answer: not a number (an increase of 1e308 over a millisecond), or past the
-    signal's bound. A gauge's bound is per label set and was checked on the page; its sum is only finite."""
+    signal's bound. A gauge's bound is per label set and was checked on the page; its sum is only finite, and its
+    mean within the bound."""
     if not math.isfinite(value):
         return f"{endpoint}: its {signal.kind.value} of {signal.series[0]} is {value}, which no engine reports"
     if signal.kind is not SignalKind.GAUGE and value > signal.bound:
@@ -63,8 +67,14 @@ def _checked(signal: EngineSignal, value: float, endpoint: str) -> float | str:
 def _series(signal: EngineSignal, page: EnginePage) -> float | str:
     for name in signal.series:
         value = page.values.get(name)
-        if value is not None:
+        if value is None:
+            continue
+        if signal.label_sets is LabelSets.SUM:
             return value
+        count = page.counts.get(name, 0)
+        if count < 1:
+            return f"its page does not say how many label sets {name} has, and its value is their mean"
+        return value / count
     return f"its page has no {' or '.join(signal.series)}: is it a {signal.engine.value} pod?"
 
 

@@ -32,17 +32,18 @@ def label_sets(count: int, value: float = 1.0, name: str = "vllm:num_requests_wa
 
 @pytest.mark.parametrize("size", [1, 7, 64, 4096])
 def test_a_page_read_in_chunks_gives_what_the_whole_page_gives(size: int) -> None:
-    """Cut anywhere, even one byte at a time, a real page gives the same values as read whole."""
+    """Cut anywhere, even one byte at a time, a real page gives the same values and label-set counts as read whole."""
     body = FakeEngine(Engine.VLLM, {"waiting": 3, "running": 5, "kv": 0.25}).page().encode()
-    whole = read_whole_page(body, WANTED, at=0.0).values
+    whole = read_whole_page(body, WANTED, at=0.0)
     page = WANTED.filter()
     for chunk in chunked(body, size):
         page.feed(chunk)
     values: dict[str, float] = {}
+    counts: dict[str, int] = {}
     for text in page_module.batches(page.finish()):
-        page_module.add_values(text, values, WANTED)
-    assert values == whole
-    assert whole["vllm:num_requests_waiting"] == 3.0
+        page_module.add_values(text, values, counts, WANTED)
+    assert (values, counts) == (whole.values, whole.counts)
+    assert whole.values["vllm:num_requests_waiting"] == 3.0
 
 
 def test_a_last_line_without_a_newline_counts() -> None:
@@ -189,9 +190,11 @@ async def test_no_page_gives_one_turn_more_than_a_batch_of_work(name: str, monke
         fed.append(len(chunk))
         feed(self, chunk)
 
-    def counted_add_values(text: bytes, values: dict[str, float], wanted: page_module.Prefilter) -> None:
+    def counted_add_values(
+        text: bytes, values: dict[str, float], counts: dict[str, int], wanted: page_module.Prefilter
+    ) -> None:
         parsed.append(len(text))
-        add_values(text, values, wanted)
+        add_values(text, values, counts, wanted)
 
     monkeypatch.setattr(page_module.PageFilter, "feed", counted_feed)
     monkeypatch.setattr(page_reader_module, "add_values", counted_add_values)

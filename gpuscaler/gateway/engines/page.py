@@ -193,8 +193,9 @@ def batches(kept: Mapping[bytes, Kept]) -> Iterator[bytes]:
             yield b"\n".join((*head, *batch, b""))
 
 
-def add_values(text: bytes, values: dict[str, float], wanted: Prefilter) -> None:
-    """Add the samples of ``text`` (one batch) to ``values``, counters under their family's name."""
+def add_values(text: bytes, values: dict[str, float], counts: dict[str, int], wanted: Prefilter) -> None:
+    """Add the samples of ``text`` (one batch) to ``values``, counters under their family's name, and count each
+    series' label sets in ``counts`` (what a signal that averages them divides by)."""
     try:
         families = list(text_string_to_metric_families(text.decode("utf-8")))
     except (UnicodeDecodeError, ValueError, IndexError) as error:
@@ -215,25 +216,27 @@ def add_values(text: bytes, values: dict[str, float], wanted: Prefilter) -> None
                     f"{sample.name} is {value:g}, past the {bound:g} one label set can honestly read (docs/engines.md)"
                 )
             values[name] = values.get(name, 0.0) + value
+            counts[name] = counts.get(name, 0) + 1
 
 
-def page_of(values: dict[str, float], *, at: float) -> EnginePage:
-    """The page of summed ``values``; ``MalformedPage`` where a sum is no longer a number (two label sets of
-    1.7e308 add up to infinity)."""
+def page_of(values: dict[str, float], counts: dict[str, int], *, at: float) -> EnginePage:
+    """The page of summed ``values`` over ``counts`` label sets; ``MalformedPage`` where a sum is no longer a number
+    (two label sets of 1.7e308 add up to infinity)."""
     for name, value in values.items():
         if not math.isfinite(value):
             raise MalformedPage(f"{name} sums to {value} over its label sets, which no engine reports")
-    return EnginePage(at=at, values=values)
+    return EnginePage(at=at, values=values, counts=counts)
 
 
 def read_whole_page(
     body: bytes, wanted: Prefilter, *, at: float, max_label_sets: int = DEFAULT_MAX_LABEL_SETS
 ) -> EnginePage:
-    """The summed value of each wanted series on ``body``, all at once (tests and benchmarks; the gateway reads a
-    page in turns, ``page_reader.read_page``)."""
+    """The summed value of each wanted series on ``body`` and its label sets, all at once (tests and benchmarks; the
+    gateway reads a page in turns, ``page_reader.read_page``)."""
     page = wanted.filter(max_label_sets)
     page.feed(body)
     values: dict[str, float] = {}
+    counts: dict[str, int] = {}
     for text in batches(page.finish()):
-        add_values(text, values, wanted)
-    return page_of(values, at=at)
+        add_values(text, values, counts, wanted)
+    return page_of(values, counts, at=at)

@@ -165,7 +165,8 @@ async def read_page(body: PageBody, wanted: Prefilter, *, at: float, max_label_s
     finally:
         chunks.clear()
     values: dict[str, float] = {}
+    counts: dict[str, int] = {}
     for text in batches(page.finish()):
-        add_values(text, values, wanted)
+        add_values(text, values, counts, wanted)
         await asyncio.sleep(0)
-    return page_of(values, at=at)
+    return page_of(values, counts, at=at)
