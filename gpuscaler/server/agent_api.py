@@ -92,8 +92,8 @@ class AgentService(pb.AgentBase):
     async def explain(self, message: pb.ExplainRequest) -> pb.Explanation:
         async with grpc_errors("Explain"):
             query = self._evaluator.parse(message.scaler_metadata, message.namespace, message.name)
-            await self._evaluator.prepare(query)
-        evaluation = self._evaluator.evaluate(query.value)
+        # A read: no window asked for, no engine pod wanted; a pod no one wants is read once for this answer.
+        evaluation = await self._evaluator.read(query)
         # A read: what IsActive would answer now, without moving the state KEDA's calls keep.
         active = evaluation.value is not None and self._evaluator.would_be_active(query, evaluation.value)
         code = status_for(evaluation.error).name if evaluation.error is not None else ""

@@ -1,7 +1,8 @@
 """KEDA's ExternalScaler service (``protos/externalscaler.proto``), answered from the evaluator.
 
 betterproto2 names handlers in snake_case (``get_metrics`` serves ``GetMetrics``); the wire names are KEDA's. A call
-marked as a preview (``preview.py``: ``gpuscaler query``) gets the answer KEDA would get now, and nothing is kept.
+marked as a preview (``preview.py``: ``gpuscaler query``) gets the answer KEDA would get now, and nothing is kept:
+it is evaluated by ``Evaluator.read``, not prepared, so it asks for no window and wants no engine pod.
 """
 
 from __future__ import annotations
@@ -109,10 +110,10 @@ class ExternalScalerService(ExternalScalerBase):
     ) -> IsActiveResponse:
         async with grpc_errors("IsActive"):
             query = self._query(message)
-            await self._evaluator.prepare(query, time_left=time_left)
             if preview:
-                value = self._evaluator.preview_value(query)
+                value = await self._evaluator.preview_value(query, time_left=time_left)
                 return ANSWERS[self._evaluator.would_be_active(query, value)]
+            await self._evaluator.prepare(query, time_left=time_left)
             return ANSWERS[self._evaluator.is_active(query, (message.namespace, message.name))]
 
     async def get_metric_spec(self, message: ScaledObjectRef, *, preview: bool = False) -> GetMetricSpecResponse:
@@ -141,10 +142,10 @@ class ExternalScalerService(ExternalScalerBase):
                         f"metricName {message.metric_name!r} is not this trigger's metric; "
                         f"GetMetricSpec named it {query.metric_name!r}"
                     )
-                await self._evaluator.prepare(query, time_left=time_left)
                 if preview:
-                    value = self._evaluator.preview_value(query)
+                    value = await self._evaluator.preview_value(query, time_left=time_left)
                 else:
+                    await self._evaluator.prepare(query, time_left=time_left)
                     value = self._evaluator.value(query, (ref.namespace, ref.name) if ref is not None else None)
         except Exception:  # an error answer, not a cancellation: the value KEDA had is unknown from now on
             if answers is not None and ref is not None:
@@ -174,7 +175,8 @@ class ExternalScalerService(ExternalScalerBase):
         """KEDA's push stream; a preview sends the first message KEDA's would send now, and ends."""
         async with grpc_errors("StreamIsActive"):
             query = self._query(message)
-            await self._evaluator.prepare(query)
+            if not preview:
+                await self._evaluator.prepare(query)
             refusal = self._evaluator.evaluate(query.value).error
             if isinstance(refusal, InvalidMetadata):
                 raise refusal  # a GPU the node lacks: refuse it as IsActive does, not with a silent stream

@@ -2,7 +2,8 @@
 with nothing kept.
 
 ``gpuscaler query`` sends it; KEDA never does. A preview moves no activation state (the hysteresis KEDA's own calls
-share), feeds neither the record of selections that match nothing nor the per-ScaledObject answer series, and logs
+share), registers no interest (it asks a gateway's agents for no window and keeps no engine pod read), feeds
+neither the record of selections that match nothing nor the per-ScaledObject answer series, and logs
 nothing as the ScaledObject it names, which need not exist.
 """
 

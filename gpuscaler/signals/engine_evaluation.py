@@ -7,17 +7,18 @@ answer UNAVAILABLE naming it, never a 0 for its queue; pods left out are listed 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpuscaler.model.aggregation import aggregate
-from gpuscaler.model.engines import ENGINE_SIGNALS
+from gpuscaler.model.engines import ENGINE_SIGNALS, PodScrape
 from gpuscaler.model.errors import GpuscalerError, TooManyPods, Unavailable, Unsupported
 from gpuscaler.model.pods import PodDirectory, PodInfo
 from gpuscaler.model.samples import Snapshot
 from gpuscaler.query.query import EngineQuery, PodSelection
 from gpuscaler.query.scale_targets import resolve as resolve_scale_target
 from gpuscaler.signals.engine_pods import Endpoint, left_out_because, metrics_endpoint
-from gpuscaler.signals.engine_source import EngineSource, stale_after
+from gpuscaler.signals.engine_source import EngineSource, PodKey, stale_after
 from gpuscaler.signals.engine_values import signal_value
 from gpuscaler.signals.outcome import Evaluation, ListedContributions, PodValue, failed
 
@@ -86,10 +87,12 @@ def evaluate_engine(
     snapshot: Snapshot | None,
     *,
     now: float,
+    scrapes: Mapping[PodKey, PodScrape] | None = None,
 ) -> Evaluation:
     """``query`` over the pods it selects, as of the monotonic time ``now`` (the module says how).
 
-    A read: each pod's newest scrape as the source has it; a pod no one has asked to read is "not read yet".
+    A read: each pod's newest scrape as the source has it, or as ``scrapes`` has it (a read path's one-shot reads
+    of pods no one wants); a pod no one has asked to read is "not read yet".
     """
     selection = select_engine_pods(query, engines, directory)
     if isinstance(selection, GpuscalerError):
@@ -104,7 +107,10 @@ def evaluate_engine(
         if isinstance(endpoint, str):
             row = _row(info, None, endpoint, None)
         else:
-            scrape = engines.scrape((info.namespace, info.pod))
+            key = (info.namespace, info.pod)
+            scrape = engines.scrape(key)
+            if scrape is None and scrapes is not None:
+                scrape = scrapes.get(key)
             if scrape is not None and scrape.endpoint != endpoint.url:
                 scrape = None  # a page of the address the pod had before: not this pod's now
             read = signal_value(signal, scrape, now=now, stale_after=stale_after(query.interval_seconds, timeout))

@@ -2,13 +2,14 @@
 
 Interest and reading are apart. A pod is read only while some query asks for it (``want``: a query KEDA prepares,
 a push stream while it is open), at the interval that query asks, with one scrape per pod shared by every query.
-Evaluating reads the newest scrape (``scrape``) and changes nothing. A node agent has no source: engine queries
+Evaluating reads the newest scrape (``scrape``) and changes nothing; a read path (Explain, a preview) reads a pod
+no query wants once for its own answer (``read_once``) and keeps nothing. A node agent has no source: engine queries
 need the gateway.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol
 
 from gpuscaler.model.engines import Engine, PodScrape
@@ -40,6 +41,12 @@ class EngineSource(Protocol):
 
     async def first_reads(self, pods: Collection[PodKey], within_seconds: float) -> None:
         """Return once each of ``pods`` never read has had its first try, or after ``within_seconds``."""
+
+    async def read_once(
+        self, reads: Sequence[tuple[PodKey, Engine, Endpoint]], within_seconds: float
+    ) -> Mapping[PodKey, PodScrape]:
+        """For one read path's answer (Explain, a preview), each of ``reads`` that no query wants read once, within
+        ``within_seconds``; nothing is kept or wanted. Pods already wanted are left out: their scrape is the answer."""
 
     def note_limited(self, limit: str, **detail: object) -> None:
         """Count (and log, at a bounded rate) that a limit on reading engine pages acted."""

@@ -7,6 +7,8 @@ however many streams are open. Unary calls within one tick reuse that tick's eva
 Evaluating reads and keeps nothing of the engine pods it reads. Interest in them is registered apart: ``prepare``
 (a call KEDA makes) wants the pods a query's engine signals select and waits for the first reads of those of them
 never read, its own pods only, within the caller's deadline; a push stream's pods stay wanted while it is open.
+A read path (Explain, a preview of KEDA's calls) registers nothing (``read``): it asks for no window, wants no pod,
+reads each pod no one wants once for its own answer, and moves no activation state.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import asyncio
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import structlog
 
-from gpuscaler.model.engines import ENGINE_SIGNALS, Engine
+from gpuscaler.model.engines import ENGINE_SIGNALS, Engine, PodScrape
 from gpuscaler.model.errors import TooManyPods
 from gpuscaler.model.pods import PodDirectory, ScaleTargets
 from gpuscaler.model.samples import DEVICE_FIELD, Snapshot
@@ -169,10 +172,30 @@ class Evaluator:
             return
         pods = self.want_engine_pods(query.value)
         if pods:
-            within = self.engines.timeout_seconds + FIRST_READ_SLACK_SECONDS
-            if time_left is not None:
-                within = min(within, time_left - DEADLINE_MARGIN_SECONDS)
-            await self.engines.first_reads(pods, within)
+            await self.engines.first_reads(pods, self._first_read_within(self.engines, time_left))
+
+    async def read(self, query: Query, *, time_left: float | None = None) -> Evaluation:
+        """The query's evaluation for a read path (Explain, a preview of KEDA's calls), registering no interest.
+
+        No window is asked for: one no KEDA call has asked for is unknown, and says so. No pod is wanted: a pod
+        some query wants is waited for as ``prepare`` would, and a pod no one wants is read once for this answer
+        (``EngineSource.read_once``), both within the caller's deadline; nothing read is kept."""
+        scrapes: Mapping[PodKey, PodScrape] | None = None
+        if self.engines is not None:
+            reads = self._engine_reads(query.value)
+            if reads:
+                within = self._first_read_within(self.engines, time_left)
+                _, scrapes = await asyncio.gather(
+                    self.engines.first_reads([read[0] for read in reads], within),
+                    self.engines.read_once([(pod, engine, endpoint) for pod, engine, endpoint, _ in reads], within),
+                )
+        return self.evaluate(query.value, scrapes=scrapes)
+
+    @staticmethod
+    def _first_read_within(engines: EngineSource, time_left: float | None) -> float:
+        """How long a call waits for its pods' first reads: one read's timeout and a slack, within its deadline."""
+        within = engines.timeout_seconds + FIRST_READ_SLACK_SECONDS
+        return within if time_left is None else min(within, time_left - DEADLINE_MARGIN_SECONDS)
 
     def want_engine_pods(self, value: AnyValueQuery) -> list[PodKey]:
         """Keep the pods ``value``'s engine signals read wanted by the scraper, at their intervals; those pods.
@@ -221,15 +244,19 @@ class Evaluator:
                 state.append(targets.scale_target(pods.namespace, pods.scale_target))
         return tuple(state)
 
-    def evaluate(self, query: AnyValueQuery) -> Evaluation:
+    def evaluate(self, query: AnyValueQuery, *, scrapes: Mapping[PodKey, PodScrape] | None = None) -> Evaluation:
+        """``query`` now; ``scrapes``: a read path's one-shot reads of pods no one wants (``read``)."""
+        signal = self._evaluate_signal if scrapes is None else partial(self._evaluate_signal, scrapes=scrapes)
         if isinstance(query, CombinedQuery):
-            return evaluate_combined(query, self._evaluate_signal)
-        return self._evaluate_signal(query)
+            return evaluate_combined(query, signal)
+        return signal(query)
 
-    def _evaluate_signal(self, query: Signal) -> Evaluation:
+    def _evaluate_signal(self, query: Signal, *, scrapes: Mapping[PodKey, PodScrape] | None = None) -> Evaluation:
         if isinstance(query, EngineQuery):
             # Not cached: a scrape lands between two snapshots.
-            return evaluate_engine(query, self.engines, self.directory, self.source.latest, now=self._clock())
+            return evaluate_engine(
+                query, self.engines, self.directory, self.source.latest, now=self._clock(), scrapes=scrapes
+            )
         latest = self.source.latest
         fresh = latest is not None and self._clock() - latest.monotonic <= self.stale_after
         if not fresh or latest is None:
@@ -264,10 +291,11 @@ class Evaluator:
         self._note_left_out(evaluation)
         return value
 
-    def preview_value(self, query: Query) -> float:
-        """``value``'s answer, or its error, with nothing kept: no record of an empty selection, no note (log line,
-        observers) of what the answer left out. For a preview of KEDA's calls (``server/preview.py``)."""
-        return self.evaluate(query.value).value_or_raise()
+    async def preview_value(self, query: Query, *, time_left: float | None = None) -> float:
+        """``value``'s answer, or its error, with nothing kept: no interest registered (``read``), no record of an
+        empty selection, no note (log line, observers) of what the answer left out. For a preview of KEDA's calls
+        (``server/preview.py``)."""
+        return (await self.read(query, time_left=time_left)).value_or_raise()
 
     def _note_left_out(self, evaluation: Evaluation) -> None:
         """Make a partial answer visible: every time to the observers, and in the log when what it lacks changes."""
@@ -308,7 +336,7 @@ class Evaluator:
         """What a push stream opened now would send first, without opening one or keeping a state: as that stream
         does, it waits for a snapshot with a known value (a preview of StreamIsActive)."""
         while True:
-            value = self.evaluate(query.value).value
+            value = (await self.read(query)).value
             if value is not None:
                 return self.would_be_active(query, value)
             latest = self.source.latest

@@ -18,6 +18,7 @@ from gpuscaler.gateway.engines.scraper import (
     EngineScraper,
     backoff_seconds,
     namespace_share,
+    once_slots,
 )
 from gpuscaler.model.engines import Engine, EnginePage
 from gpuscaler.signals.engine_pods import Endpoint
@@ -214,6 +215,61 @@ async def test_a_wait_for_first_reads_ends_at_its_deadline_and_is_counted() -> N
     finally:
         await scraper.stop()
         await silent.stop()
+
+
+async def test_a_one_shot_read_reads_a_pod_no_one_wants_once_and_keeps_nothing() -> None:
+    """A read path's read of a pod no query wants reads it once and returns its page; the pod is not wanted after,
+    and a pod that is wanted is left out (its own scrape is the answer), with no read of its own."""
+    engine = await FakeEngine(Engine.TGI, {"waiting": 2}).start()
+    kept = await FakeEngine(Engine.TGI, {"waiting": 5}).start()
+    scraper = EngineScraper()
+    await scraper.start()
+    try:
+        endpoint = Endpoint("127.0.0.1", engine.port, "/metrics")
+        kept_endpoint = Endpoint("127.0.0.1", kept.port, "/metrics")
+        scraper.want(("ml", "kept"), Engine.TGI, kept_endpoint, 10.0)
+        await scraper.first_reads([("ml", "kept")], within_seconds=10)
+        read = await scraper.read_once(
+            [(POD, Engine.TGI, endpoint), (("ml", "kept"), Engine.TGI, kept_endpoint)], within_seconds=10
+        )
+        assert list(read) == [POD]
+        assert (read[POD].error, read[POD].page is not None) == (None, True)
+        assert (engine.requests, kept.requests) == (1, 1)
+        assert set(scraper.pods()) == {("ml", "kept")}
+        assert scraper.scrape(POD) is None
+    finally:
+        await scraper.stop()
+        await engine.stop()
+        await kept.stop()
+
+
+async def test_one_shot_reads_take_their_own_slots_and_end_at_the_deadline() -> None:
+    """Three one-shot reads of a silent engine hold one slot of their own (a quarter of four) and end at the
+    caller's deadline, each saying so, counted; meanwhile a wanted pod is read at once on the scraper's slots."""
+    silent = await FakeEngine(Engine.TGI, mode="hang").start()
+    healthy = await FakeEngine(Engine.TGI, {"waiting": 3}).start()
+    scraper = EngineScraper(ScrapeLimits(timeout_seconds=20.0, concurrency=4))
+    await scraper.start()
+    try:
+        endpoint = Endpoint("127.0.0.1", silent.port, "/metrics")
+        reads = [(("bad", f"silent-{index}"), Engine.TGI, endpoint) for index in range(3)]
+        once = asyncio.get_running_loop().create_task(scraper.read_once(reads, within_seconds=1.0))
+        await until(lambda: silent.requests == once_slots(4))
+        scraper.want(("good", "llm-0"), Engine.TGI, Endpoint("127.0.0.1", healthy.port, "/metrics"), 1.0)
+        await scraper.first_reads([("good", "llm-0")], within_seconds=15)
+        scrape = scraper.scrape(("good", "llm-0"))
+        assert scrape is not None
+        assert scrape.page is not None
+        read = await once
+        assert all("not read within the call's deadline" in str(r.error) for r in read.values())
+        assert len(read) == 3
+        assert silent.requests == once_slots(4)
+        assert scraper.limited["first_read_wait"] == 1
+        assert set(scraper.pods()) == {("good", "llm-0")}
+    finally:
+        await scraper.stop()
+        await silent.stop()
+        await healthy.stop()
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ and a selection past --engine-max-pods-per-selection is refused, naming the key.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 import pytest
 
@@ -35,6 +35,8 @@ class Engines:
         self.wanted: dict[PodKey, float] = {}
         self.scrapes: dict[PodKey, PodScrape] = {}
         self.waited: list[tuple[list[PodKey], float]] = []
+        self.once: dict[PodKey, PodScrape] = {}  # what a one-shot read of each pod gives
+        self.read_once_asked: list[tuple[list[PodKey], float]] = []
         self.limited: list[str] = []
         self.listeners: list[Callable[[], None]] = []
 
@@ -46,6 +48,13 @@ class Engines:
 
     async def first_reads(self, pods: Collection[PodKey], within_seconds: float) -> None:
         self.waited.append((sorted(pods), within_seconds))
+
+    async def read_once(
+        self, reads: Sequence[tuple[PodKey, Engine, Endpoint]], within_seconds: float
+    ) -> dict[PodKey, PodScrape]:
+        pods = [pod for pod, _, _ in reads if pod not in self.wanted]
+        self.read_once_asked.append((sorted(pods), within_seconds))
+        return {pod: self.once[pod] for pod in pods if pod in self.once}
 
     def note_limited(self, limit: str, **detail: object) -> None:
         self.limited.append(limit)
@@ -101,6 +110,23 @@ async def test_evaluating_wants_nothing_and_preparing_wants_the_querys_own_ready
     assert engines.waited == [(OWN, 1.5 - DEADLINE_MARGIN_SECONDS)]
     await evaluator.prepare(query)  # no deadline: one read's timeout and a moment for a slot
     assert engines.waited[-1] == (OWN, engines.timeout_seconds + FIRST_READ_SLACK_SECONDS)
+
+
+async def test_a_read_wants_nothing_and_reads_a_pod_no_one_wants_once() -> None:
+    """A read path's evaluation (Explain, a preview) wants no pod: it reads the pods no one wants once, within the
+    deadline as ``prepare`` waits, and answers from those reads; a second read reads them again (nothing was kept)."""
+    engines = Engines()
+    evaluator, query = gateway(engines)
+    page = EnginePage(values={"vllm:num_requests_waiting": 3.0}, at=99.5)
+    engines.once = {pod: PodScrape("http://10.0.0.1:8000/metrics", page) for pod in OWN}
+    evaluation = await evaluator.read(query, time_left=1.5)
+    assert evaluation.value == 6.0
+    assert engines.wanted == {}
+    assert engines.read_once_asked == [(OWN, 1.5 - DEADLINE_MARGIN_SECONDS)]
+    assert engines.waited == [(OWN, 1.5 - DEADLINE_MARGIN_SECONDS)]  # pods wanted by others: their first reads
+    assert evaluator.evaluate(query.value).value is None  # the one-shot reads were for that answer only
+    await evaluator.read(query)
+    assert engines.read_once_asked[-1] == (OWN, engines.timeout_seconds + FIRST_READ_SLACK_SECONDS)
 
 
 async def test_a_scrape_lands_and_the_evaluation_reads_it_without_wanting() -> None:

@@ -11,6 +11,9 @@ slow pods make its own reads wait, not another's. One namespace holds at most ``
 a tenant's pods that never answer cannot hold every slot for a timeout. A pod whose reads keep failing is read
 less often (``backoff_seconds``, due from when each read ends, by that read's result); its answer stays its
 failure, never an older page made to look fresh. Each read is ``page_reader.PageReader``'s, and bounded there.
+
+A read path (Explain, a preview of KEDA's calls) wants nothing: ``read_once`` reads the pods no query wants once for
+its one answer, on at most ``once_slots`` slots of its own, within the caller's deadline, and keeps nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -56,6 +59,12 @@ LIMITS = ("namespace_share", "backoff", "first_read_wait", "max_pods_per_selecti
 def namespace_share(concurrency: int) -> int:
     """The slots one namespace may hold at once: three quarters, so a quarter is always there for the others."""
     return max(1, concurrency * 3 // 4)
+
+
+def once_slots(concurrency: int) -> int:
+    """The one-shot reads of read paths at once: a quarter of the scrape concurrency, apart from the scraper's slots,
+    so that a flood of Explains waits on itself and KEDA's pods are read on time."""
+    return max(1, concurrency // 4)
 
 
 def backoff_seconds(interval: float, failures: int) -> float:
@@ -109,6 +118,7 @@ class EngineScraper:
         self._reading = 0
         self._share = namespace_share(self.limits.concurrency)
         self._reader = reader or PageReader(self.limits)
+        self._once = asyncio.Semaphore(once_slots(self.limits.concurrency))
         self._loop_task: asyncio.Task[None] | None = None
         self._running = False
         # What /metrics counts: scrapes by outcome, limits by the times each acted, and the newest of each pod.
@@ -199,6 +209,53 @@ class EngineScraper:
             pending = set(waiting)
         if pending:
             self.note_limited("first_read_wait", unread=len(pending), waited_seconds=round(max(within_seconds, 0), 3))
+
+    async def read_once(
+        self, reads: Sequence[tuple[PodKey, Engine, Endpoint]], within_seconds: float
+    ) -> dict[PodKey, PodScrape]:
+        """Each of ``reads`` no query wants, read once for one answer within ``within_seconds``: its scrape, or why
+        it is unread (a read still waiting at the deadline is cancelled). Wants nothing and keeps nothing; a pod
+        wanted at the same address is left out (its own scrape is the answer)."""
+        once = {
+            pod: (engine, endpoint)
+            for pod, engine, endpoint in reads
+            if (w := self._wanted.get(pod)) is None or w.endpoint != endpoint or w.engine is not engine
+        }
+        if not once:
+            return {}
+        if within_seconds <= 0:
+            self.note_limited("first_read_wait", unread=len(once), waited_seconds=0)
+            return {pod: PodScrape(endpoint.url, error=_NO_TIME) for pod, (_, endpoint) in once.items()}
+        loop = asyncio.get_running_loop()
+        tasks = {
+            pod: loop.create_task(self._read_once(*read), name=f"read once {pod[0]}/{pod[1]}")
+            for pod, read in once.items()
+        }
+        _, pending = await asyncio.wait(tasks.values(), timeout=within_seconds)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        if pending:
+            self.note_limited("first_read_wait", unread=len(pending), waited_seconds=round(within_seconds, 3))
+        return {
+            pod: task.result() if task not in pending else PodScrape(once[pod][1].url, error=_NO_TIME)
+            for pod, task in tasks.items()
+        }
+
+    async def _read_once(self, engine: Engine, endpoint: Endpoint) -> PodScrape:
+        async with self._once:
+            try:
+                body = await self._reader.fetch(endpoint)
+                return PodScrape(endpoint.url, await self._reader.parse(body, engine, at=self._clock()))
+            except (ScrapeFailed, MalformedPage) as error:
+                return PodScrape(endpoint.url, error=str(error))
+            except TimeoutError:
+                return PodScrape(endpoint.url, error=f"no answer within {self.limits.timeout_seconds:g}s")
+            except aiohttp.ClientError as error:
+                return PodScrape(endpoint.url, error=_cannot_read(error))
+            except Exception as error:  # a bug of ours or aiohttp's: the pod is unread, as a kept read's would be
+                log.exception("engine_scrape_failed", url=endpoint.url, once=True)
+                return PodScrape(endpoint.url, error=_cannot_read(error))
 
     def note_limited(self, limit: str, **detail: object) -> None:
         """Count that ``limit`` acted, and log it unless it was logged within the last few seconds."""
@@ -321,11 +378,11 @@ class EngineScraper:
             self._failed(wanted, f"no answer within {self.limits.timeout_seconds:g}s")
         except aiohttp.ClientError as error:
             outcome = "error"
-            self._failed(wanted, f"cannot read it: {type(error).__name__}: {str(error)[:160]}")
+            self._failed(wanted, _cannot_read(error))
         except Exception as error:  # a bug of ours or aiohttp's: the pod is unread, reads go on
             outcome = "error"
             log.exception("engine_scrape_failed", pod=f"{pod[0]}/{pod[1]}", url=wanted.endpoint.url)
-            self._failed(wanted, f"cannot read it: {type(error).__name__}: {str(error)[:160]}")
+            self._failed(wanted, _cannot_read(error))
         finally:
             if self._wanted.get(pod) is wanted:
                 wanted.task = None
@@ -365,6 +422,14 @@ class EngineScraper:
         self._notify_scheduled = False
         for listener in self._listeners:
             listener()
+
+
+# A one-shot read that had not landed when the caller's deadline came.
+_NO_TIME = "not read within the call's deadline (a read path reads a pod no query wants once, on its own slots)"
+
+
+def _cannot_read(error: Exception) -> str:
+    return f"cannot read it: {type(error).__name__}: {str(error)[:160]}"
 
 
 def _forget_old_asks(wanted: _Wanted, now: float) -> None:
