@@ -268,6 +268,10 @@ class EngineScraper:
         """The newest scrape of each pod read now."""
         return {pod: w.scrape for pod, w in self._wanted.items() if w.scrape is not None}
 
+    def wanted(self) -> dict[PodKey, float]:
+        """The pods wanted now, each with the interval it is read at: what the read paths must leave as it is."""
+        return {pod: w.interval for pod, w in self._wanted.items()}
+
     def tick(self) -> None:
         """One look at the clock, which the scraper makes every ``TICK_SECONDS`` while a pod is wanted: forget the
         pods and intervals no longer asked for, and queue the reads that are due."""
