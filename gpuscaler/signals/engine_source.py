@@ -30,6 +30,11 @@ class EngineSource(Protocol):
         """The shortest ``scrapeInterval`` a query may ask (``--engine-min-scrape-interval``)."""
 
     @property
+    def generation(self) -> int:
+        """Moves whenever what ``scrape`` answers for any pod may have changed (a read landed, a pod was forgotten):
+        an evaluation made at one generation holds until the next, as a GPU one does until the next snapshot."""
+
+    @property
     def max_pods(self) -> int:
         """The most pods one selection may read (``--engine-max-pods-per-selection``)."""
 

@@ -2,7 +2,8 @@
 
 Handlers ask the evaluator; the evaluator never calls a collector. Streams with the same query share one
 evaluation and one activation state per tick, so a tick costs one evaluation per distinct query,
-however many streams are open. Unary calls within one tick reuse that tick's evaluations too.
+however many streams are open. Unary calls within one tick reuse that tick's evaluations too: a GPU query's
+per snapshot, an engine query's per scrape (the engine source's generation).
 
 Evaluating reads and keeps nothing of the engine pods it reads. Interest in them is registered apart: ``prepare``
 (a call KEDA makes) wants the pods a query's engine signals select and waits for the first reads of those of them
@@ -34,7 +35,7 @@ from gpuscaler.signals.empty_selection import EmptySelection, find_empty, unmatc
 from gpuscaler.signals.empty_selection_record import EmptySelectionRecord
 from gpuscaler.signals.engine_evaluation import EngineSelection, evaluate_engine, select_engine_pods
 from gpuscaler.signals.engine_pods import Endpoint
-from gpuscaler.signals.engine_source import EngineSource, PodKey
+from gpuscaler.signals.engine_source import EngineSource, PodKey, stale_after
 from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.node_memo import NodeMemo
 from gpuscaler.signals.outcome import Evaluation
@@ -123,6 +124,10 @@ class Evaluator:
         self._groups: dict[Hashable, _Group] = {}
         self._cache_sequence = -1
         self._cache: dict[ValueQuery, Evaluation] = {}
+        # Engine evaluations of the scraper's current generation, each with the directory's state for its selection
+        # and when its first page goes stale (a page ages without a scrape landing).
+        self._engine_generation = -1
+        self._engine_cache: dict[EngineQuery, tuple[Hashable, float, Evaluation]] = {}
         self._memo = memo
         self.closing = False
         self.on_transition: list[Callable[[bool], None]] = []
@@ -253,10 +258,7 @@ class Evaluator:
 
     def _evaluate_signal(self, query: Signal, *, scrapes: Mapping[PodKey, PodScrape] | None = None) -> Evaluation:
         if isinstance(query, EngineQuery):
-            # Not cached: a scrape lands between two snapshots.
-            return evaluate_engine(
-                query, self.engines, self.directory, self.source.latest, now=self._clock(), scrapes=scrapes
-            )
+            return self._evaluate_engine(query, scrapes)
         latest = self.source.latest
         fresh = latest is not None and self._clock() - latest.monotonic <= self.stale_after
         if not fresh or latest is None:
@@ -278,6 +280,25 @@ class Evaluator:
                 memo=self._memo,
             )
         return cached
+
+    def _evaluate_engine(self, query: EngineQuery, scrapes: Mapping[PodKey, PodScrape] | None) -> Evaluation:
+        """Once per scrape (the scraper's generation) and state of the directory, as a GPU query is once per
+        snapshot; a read path's one-shot reads are its own answer, never kept."""
+        now = self._clock()
+        engines = self.engines
+        if scrapes or engines is None:
+            return evaluate_engine(query, engines, self.directory, self.source.latest, now=now, scrapes=scrapes)
+        if engines.generation != self._engine_generation:
+            self._engine_generation, self._engine_cache = engines.generation, {}
+        state = self._directory_state(query)
+        kept = self._engine_cache.get(query)
+        if kept is not None and kept[0] == state and now < kept[1]:
+            return kept[2]
+        evaluation = evaluate_engine(query, engines, self.directory, self.source.latest, now=now)
+        fresh_for = stale_after(query.interval_seconds, engines.timeout_seconds)
+        ages = [pod.age_seconds for pod in evaluation.pods if pod.age_seconds is not None]
+        self._engine_cache[query] = (state, now + fresh_for - max(ages, default=0.0), evaluation)
+        return evaluation
 
     def value(self, query: Query, scaled_object: tuple[str, str] | None = None) -> float:
         """The query's value now; raises the GpuscalerError KEDA must see instead of a made-up 0.

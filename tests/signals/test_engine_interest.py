@@ -32,6 +32,7 @@ class Engines:
 
     def __init__(self, max_pods: int = 10) -> None:
         self.max_pods = max_pods
+        self.generation = 0  # a test that changes ``scrapes`` after an evaluation moves it, as a landed read does
         self.wanted: dict[PodKey, float] = {}
         self.scrapes: dict[PodKey, PodScrape] = {}
         self.waited: list[tuple[list[PodKey], float]] = []
@@ -137,6 +138,35 @@ async def test_a_scrape_lands_and_the_evaluation_reads_it_without_wanting() -> N
     engines.scrapes = {pod: PodScrape("http://10.0.0.1:8000/metrics", page) for pod in OWN}
     assert evaluator.evaluate(query.value).value == 6.0
     assert engines.wanted == {}
+
+
+async def test_an_engine_evaluation_is_kept_until_a_scrape_lands_a_pod_joins_or_a_page_goes_stale() -> None:
+    """Two evaluations between scrapes are one result; a new scrape (the source's generation), a pod joining the
+    selection and the oldest page going stale each give a new one, as a GPU evaluation is kept per snapshot."""
+    engines = Engines()
+    clock = Clock()
+    directory = Directory(llm("llm-0"), llm("llm-1"))
+    evaluator, query = gateway(engines, clock, directory)
+    page = EnginePage(values={"vllm:num_requests_waiting": 3.0}, at=99.5)
+    engines.scrapes = {pod: PodScrape("http://10.0.0.1:8000/metrics", page) for pod in OWN}
+    first = evaluator.evaluate(query.value)
+    clock.now += 0.5
+    assert evaluator.evaluate(query.value) is first
+    later = EnginePage(values={"vllm:num_requests_waiting": 4.0}, at=100.5)
+    engines.scrapes[OWN[0]] = PodScrape("http://10.0.0.1:8000/metrics", later, page)
+    engines.generation += 1
+    landed = evaluator.evaluate(query.value)
+    assert (first.value, landed.value) == (6.0, 7.0)
+    directory.add(llm("llm-3"))
+    joined = evaluator.evaluate(query.value)
+    assert joined is not landed
+    assert joined.value is None  # llm-3 is not read yet: unknown, never the others' sum
+    engines.scrapes[("ml", "llm-3")] = PodScrape("http://10.0.0.1:8000/metrics", later)
+    engines.generation += 1
+    assert evaluator.evaluate(query.value).value == 11.0
+    # The oldest page (llm-1's, read at 99.5) goes stale 2 intervals and a timeout after it was read.
+    clock.now = 99.5 + 2 * 1.0 + engines.timeout_seconds + 0.01
+    assert evaluator.evaluate(query.value).value is None
 
 
 async def test_a_page_of_the_pods_old_address_is_not_its_answer() -> None:

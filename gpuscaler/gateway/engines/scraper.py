@@ -110,6 +110,7 @@ class EngineScraper:
         self.limits = limits or DEFAULT_SCRAPE_LIMITS
         self._clock = clock
         self._wanted: dict[PodKey, _Wanted] = {}
+        self._generation = 0  # EngineSource.generation
         self._listeners: list[Callable[[], None]] = []
         self._notify_scheduled = False
         self._someone_wants = asyncio.Event()  # the loop sleeps on it while nothing is wanted
@@ -130,6 +131,10 @@ class EngineScraper:
     @property
     def timeout_seconds(self) -> float:
         return self.limits.timeout_seconds
+
+    @property
+    def generation(self) -> int:
+        return self._generation
 
     @property
     def max_pods(self) -> int:
@@ -295,6 +300,7 @@ class EngineScraper:
 
     def _drop(self, wanted: _Wanted) -> None:
         # No longer wanted (forgotten, or its address changed): its queue entry is skipped, its read cancelled.
+        self._generation += 1  # its scrape is no longer an answer
         wanted.queued_at = None
         if wanted.task is not None:
             wanted.task.cancel()
@@ -402,6 +408,7 @@ class EngineScraper:
                 "backoff", pod=f"{pod[0]}/{pod[1]}", failures=wanted.failures, next_in_seconds=round(delay, 3)
             )
         _settle(wanted)
+        self._generation += 1
         self.results[outcome] = self.results.get(outcome, 0) + 1
         for observer in self.on_scrape:
             observer(self._clock() - queued_at, outcome)
