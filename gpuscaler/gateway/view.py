@@ -159,12 +159,6 @@ class ClusterView(AnnouncedSource):
         """The value ``sample``'s agent reduced for ``window``; Unavailable until its agent has sent one."""
         newest = self._newest.get(sample.node)
         values = newest.snapshot.windows.get(window) if newest is not None else None
-        if values is None and window not in self._windows:
-            raise Unavailable(
-                f"{window.describe()} has not been asked for by KEDA yet: the gateway asks its agents for a window "
-                "when KEDA's GetMetrics or IsActive uses it, and a read (Explain, gpuscaler query) asks for none; "
-                "it is answered a few polls after KEDA's first call"
-            )
         if values is None:
             raise Unavailable(
                 f"{window.describe()} is being computed by the agent of node {sample.node!r} (the gateway asks its "

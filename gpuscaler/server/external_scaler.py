@@ -2,7 +2,7 @@
 
 betterproto2 names handlers in snake_case (``get_metrics`` serves ``GetMetrics``); the wire names are KEDA's. A call
 marked as a preview (``preview.py``: ``gpuscaler query``) gets the answer KEDA would get now, and nothing is kept:
-it is evaluated by ``Evaluator.read``, not prepared, so it asks for no window and wants no engine pod.
+it is evaluated by ``Evaluator.read``, not prepared, so it wants no engine pod.
 """
 
 from __future__ import annotations

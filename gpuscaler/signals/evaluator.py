@@ -8,8 +8,9 @@ per snapshot, an engine query's per scrape (the engine source's generation).
 Evaluating reads and keeps nothing of the engine pods it reads. Interest in them is registered apart: ``prepare``
 (a call KEDA makes) wants the pods a query's engine signals select and waits for the first reads of those of them
 never read, its own pods only, within the caller's deadline; a push stream's pods stay wanted while it is open.
-A read path (Explain, a preview of KEDA's calls) registers nothing (``read``): it asks for no window, wants no pod,
-reads each pod no one wants once for its own answer, and moves no activation state.
+A read path (Explain, a preview of KEDA's calls) registers no interest (``read``): it wants no pod, reads each pod no
+one wants once for its own answer, and moves no activation state; at a gateway it still asks the agents for the
+windows it reads, as KEDA's calls do.
 """
 
 from __future__ import annotations
@@ -182,9 +183,13 @@ class Evaluator:
     async def read(self, query: Query, *, time_left: float | None = None) -> Evaluation:
         """The query's evaluation for a read path (Explain, a preview of KEDA's calls), registering no interest.
 
-        No window is asked for: one no KEDA call has asked for is unknown, and says so. No pod is wanted: a pod
-        some query wants is waited for as ``prepare`` would, and a pod no one wants is read once for this answer
-        (``EngineSource.read_once``), both within the caller's deadline; nothing read is kept."""
+        No pod is wanted: a pod some query wants is waited for as ``prepare`` would, and a pod no one wants is read
+        once for this answer (``EngineSource.read_once``), both within the caller's deadline; nothing read is kept.
+        A gateway's windows are still asked for, as ``prepare`` asks: an agent computes only the windows it is asked
+        for, and the ask is forgotten WINDOW_IDLE_SECONDS after its last use (a one-shot ask is issue 32's)."""
+        windows = windows_of(query.value)
+        if windows:
+            await self.source.prepare(list(windows))
         scrapes: Mapping[PodKey, PodScrape] | None = None
         if self.engines is not None:
             reads = self._engine_reads(query.value)

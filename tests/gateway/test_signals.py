@@ -152,7 +152,7 @@ async def test_a_window_over_a_shared_gpu_reads_each_pods_own_share(start_pair: 
 
     async def explained() -> pb.Explanation | None:
         try:
-            # KEDA's call asks the agents for the window; Explain, a read, asks for none.
+            # KEDA's call asks the agents for the window, as Explain would.
             await value(gateway, workload="vllm", window="2s", windowFunction="max")
             return await explain(gateway, workload="vllm", window="2s", windowFunction="max")
         except GRPCError as error:

@@ -80,14 +80,14 @@ async def test_an_open_push_streams_window_stays_asked_for_while_polled_ones_exp
 
 
 async def test_a_window_is_read_from_the_nodes_newest_snapshot() -> None:
-    """windowed() gives the agent's value; before the agent sent the window it is UNAVAILABLE, saying whether KEDA
-    has asked for it yet. Reading a window does not ask for it: a request does."""
+    """windowed() gives the agent's value; before the agent sent the window it is UNAVAILABLE. Reading a window does
+    not ask for it: a request does."""
     view = ClusterView(history_seconds=120, clock=Clock())
     view.set_agents(["10.0.0.1:6000"])
     sample = gpu_sample(0, util=50.0, node="node-a")
     plain = snapshot(1, 100.0, (sample,), node="node-a")
     view.update("10.0.0.1:6000", plain, poll_interval_seconds=0.5)
-    with pytest.raises(Unavailable, match="has not been asked for by KEDA yet"):
+    with pytest.raises(Unavailable, match="being computed by the agent of node 'node-a'"):
         view.windowed(sample, window(30))
     assert not view.windows
     view.request([window(30)])
