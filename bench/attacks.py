@@ -50,15 +50,14 @@ from typing import Any
 
 import grpc
 import yaml
-from grpclib.health.v1.health_pb2 import HealthCheckRequest
 
 from bench.common import RESULTS, print_table, summary_ms, write_result
 from bench.common import cpu_seconds as bench_cpu_seconds
 from bench.target import python_bytecode
 from e2e.support import attacks, engine_pods
-from e2e.support.agent import HEALTH_CHECK_METHOD, AgentProcess
+from e2e.support.agent import AgentProcess
 from e2e.support.certs import TlsFiles, grpcio_credentials, make_certificates
-from e2e.support.clients import GrpcioScaler, RpcFailure, http_probe
+from e2e.support.clients import GrpcioScaler, RpcFailure, grpc_probe, http_probe
 from e2e.support.keda_grpcio import KedaProto, generate
 from e2e.support.process import Process
 from gpuscaler.server.transport.limits import LIMITS
@@ -384,19 +383,6 @@ async def run_attacker(
     return report
 
 
-def grpc_probe(address: str) -> bool:
-    """The kubelet's gRPC probe (plaintext grpc.health.v1 Check) on a new connection: whether it was answered."""
-    channel = grpc.insecure_channel(address, options=OWN_CONNECTION)
-    try:
-        check = channel.unary_unary(HEALTH_CHECK_METHOD, request_serializer=HealthCheckRequest.SerializeToString)
-        check(HealthCheckRequest(), timeout=PROBE_TIMEOUT_SECONDS)
-        return True
-    except grpc.RpcError:
-        return False
-    finally:
-        channel.close()
-
-
 async def fresh_keda(address: str, proto: KedaProto, tls: TlsFiles | None, client_cert: bool) -> bool:
     """A restarted KEDA: a new channel and connection, one GetMetrics; whether it was answered."""
     client = good_client(address, proto, tls, client_cert=client_cert)
@@ -439,7 +425,7 @@ async def fresh_callers(
             if kind == "keda":
                 admitted = await fresh_keda(address, proto, tls if attack.tls else None, attack.mtls)
             elif kind == "grpc_probe":
-                admitted = await asyncio.to_thread(grpc_probe, address)
+                admitted = await asyncio.to_thread(grpc_probe, address, timeout=PROBE_TIMEOUT_SECONDS)
             elif kind == "healthz":
                 admitted = await asyncio.to_thread(http_probe, metrics_port, timeout=PROBE_TIMEOUT_SECONDS)
             elif counts.get(kind, [0, 0])[1] < FRESH_GATEWAYS:

@@ -21,14 +21,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpclib.health.v1.health_pb2 import HealthCheckRequest
 
 from e2e.conftest import StartAgent
 from e2e.support import attacks, hogs
-from e2e.support.agent import HEALTH_CHECK_METHOD, AgentProcess
+from e2e.support.agent import AgentProcess
 from e2e.support.attacks import GOOD_QUERY, RawPeer, good_caller, limited, raw_peer, settings_frame
 from e2e.support.certs import TlsFiles
-from e2e.support.clients import GrpcioScaler, RpcFailure, http_probe
+from e2e.support.clients import GrpcioScaler, RpcFailure, grpc_probe, http_probe
 from e2e.support.keda_grpcio import KedaProto
 from e2e.support.raw_h2 import PREFACE
 
@@ -62,19 +61,6 @@ async def keda_admitted(agent: AgentProcess, proto: KedaProto, attempts: int = F
         finally:
             await client.close()
     return admitted
-
-
-def grpc_probe(agent: AgentProcess) -> bool:
-    """The kubelet's gRPC probe (plaintext grpc.health.v1 Check on a new connection): whether it was answered."""
-    channel = grpc.insecure_channel(agent.address, options=OWN_CONNECTION)
-    try:
-        check = channel.unary_unary(HEALTH_CHECK_METHOD, request_serializer=HealthCheckRequest.SerializeToString)
-        check(HealthCheckRequest(), timeout=CALL_TIMEOUT_SECONDS)
-        return True
-    except grpc.RpcError:
-        return False
-    finally:
-        channel.close()
 
 
 async def admitted(check: Callable[[], Awaitable[bool]], attempts: int = PROBES) -> int:
@@ -132,7 +118,7 @@ async def test_strangers_holding_every_connection_do_not_lock_out_keda_the_probe
         ):
             await until_full(port)
             keda = await keda_admitted(agent, keda_proto)
-            probes = await admitted(lambda: asyncio.to_thread(grpc_probe, agent))
+            probes = await admitted(lambda: asyncio.to_thread(grpc_probe, agent.address, timeout=CALL_TIMEOUT_SECONDS))
             subscribed = await gateway_subscribes(agent, keda_proto, tmp_path)
             assert (keda, probes, subscribed) == (FRESH_CALLERS, PROBES, True), f"{strangers.opens} strangers opened"
             await good.answered(3)

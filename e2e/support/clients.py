@@ -19,8 +19,9 @@ from typing import Any, Literal, TypeVar
 
 import grpc
 from grpclib.exceptions import GRPCError, StreamTerminatedError
+from grpclib.health.v1.health_pb2 import HealthCheckRequest
 
-from e2e.support.agent import CONSOLE_SCRIPT, AgentProcess
+from e2e.support.agent import CONSOLE_SCRIPT, HEALTH_CHECK_METHOD, AgentProcess
 from e2e.support.certs import SERVER_NAME, grpcio_credentials
 from e2e.support.keda_grpcio import KedaProto
 from gpuscaler.client.channels import ClientOptions, client_address, open_channel
@@ -356,3 +357,16 @@ def http_probe(port: int, *, source: str = "127.0.0.1", timeout: float = 3.0) ->
         return False
     finally:
         connection.close()
+
+
+def grpc_probe(address: str, *, timeout: float = 3.0) -> bool:
+    """The kubelet's gRPC probe (plaintext grpc.health.v1 Check) on a connection of its own: whether it was answered."""
+    channel = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+    try:
+        check = channel.unary_unary(HEALTH_CHECK_METHOD, request_serializer=HealthCheckRequest.SerializeToString)
+        check(HealthCheckRequest(), timeout=timeout)
+        return True
+    except grpc.RpcError:
+        return False
+    finally:
+        channel.close()
