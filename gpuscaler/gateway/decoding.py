@@ -247,11 +247,12 @@ class _WireSamples(LazySamples):
 
 
 class MalformedSnapshot(ValueError):
-    """A snapshot no agent of the gateway's version sends: readings that do not fit its GPUs, no attribution
-    state, a window the gateway cannot name."""
+    """A snapshot no agent of any version sends: readings that do not fit its GPUs, no attribution state, a window
+    the gateway cannot name."""
 
 
-# Agent and gateway are one image, one version: a snapshot only another version could send is refused.
+# Agent and gateway are one image, but a rolling upgrade mixes versions: another version's readings are read in
+# this gateway's layout (below), and only what no version sends is refused, naming the likely cause.
 _ANOTHER_VERSION = "(is the agent another version of gpuscaler than the gateway?)"
 
 

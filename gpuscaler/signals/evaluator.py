@@ -49,7 +49,7 @@ ACTIVATION_IDLE_SECONDS = 15 * 60.0
 # KEDA sends each ScaledObject's same metadata on every call; parsed queries are kept for that many
 # distinct metadata of at most that many keys and characters, so a client sending ever new metadata
 # costs at most about PARSE_CACHE_ENTRIES * PARSE_CACHE_MAX_CHARS characters, and a huge request
-# costs no more than parsing it did. There are 30 known keys.
+# costs no more than parsing it did. Every known key fits: see KNOWN_KEYS.
 PARSE_CACHE_ENTRIES = 1024
 PARSE_CACHE_MAX_KEYS = 32
 PARSE_CACHE_MAX_CHARS = 2048

@@ -157,7 +157,7 @@ class NvmlCollector:
             try:
                 instances.append(nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot))
             except nvml.NVMLError as error:
-                if error.value == 6:  # NOT_FOUND: an empty slot; later slots may be filled
+                if error.value == NOT_FOUND:  # an empty slot; later slots may be filled
                     continue
                 raise
         return instances
