@@ -167,6 +167,8 @@ def unheard(agent: str = "10.0.0.8:6000") -> Absence:
 class ClusterSource:
     """A fixed composed view over per-node histories: the ``SnapshotSource`` a gateway would be."""
 
+    cluster = True
+
     def __init__(self, view: Snapshot, *histories: History, history_seconds: float = 600.0) -> None:
         self.view = view
         self._histories = {history.latest.node: history for history in histories if history.latest is not None}

@@ -30,7 +30,6 @@ from gpuscaler.model.pods import PodDirectory
 from gpuscaler.server.frontend import Frontend, cancel_all, run_in_background, run_until_signalled
 from gpuscaler.server.overload import quiet_accept_errors
 from gpuscaler.signals.evaluator import Evaluator
-from gpuscaler.signals.node_memo import NodeMemo
 from gpuscaler.tls import client_context
 
 log = structlog.get_logger(__name__)
@@ -113,7 +112,7 @@ class Gateway:
         directory = directory if directory is not None else await build_directory(settings)
         view = ClusterView(history_seconds=settings.history_seconds)
         engines = EngineScraper(settings.engine_scrapes)
-        evaluator = Evaluator(view, directory=directory, cluster=True, memo=NodeMemo(), engines=engines)
+        evaluator = Evaluator(view, directory=directory, engines=engines)
         view.add_listener(evaluator.on_snapshot)
         subscribers: dict[Address, tuple[AgentSubscriber, asyncio.Task[None]]] = {}
         telemetry = GatewayTelemetry(

@@ -146,6 +146,8 @@ class ClusterView(AnnouncedSource):
 
     # The SnapshotSource protocol (with AnnouncedSource)
 
+    cluster = True
+
     @property
     def latest(self) -> Snapshot | None:
         return self._latest
@@ -327,7 +329,7 @@ class ClusterView(AnnouncedSource):
             samples=Chained(parts, _SAMPLES),  # each node's records made only as they are read
             parts=tuple(parts),
             absent=tuple(absent),
-            cluster=True,
+            cluster=self.cluster,
         )
         self._log_changes(snapshot)
         self._latest = snapshot

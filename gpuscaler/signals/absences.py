@@ -47,8 +47,10 @@ def parts_left_out(snapshot: Snapshot, node_parts: Sequence[NodePart]) -> list[N
     ]
 
 
-def left_out_by_node(snapshot: Snapshot, contributions: Iterable[Contribution]) -> list[NodeLeftOut]:
-    """The nodes whose contributions leave something out, in order, with how many of theirs were read."""
+def left_out_by_node(snapshot: Snapshot, contributions: Iterable[Contribution], *, cluster: bool) -> list[NodeLeftOut]:
+    """The nodes whose contributions leave something out, in order, with how many of theirs were read.
+
+    ``cluster``, here and below: the snapshot is a gateway's view (``SnapshotSource.cluster``)."""
     readable: dict[str, int] = {}
     left: dict[str, list[Contribution]] = {}
     for contribution in contributions:
@@ -57,7 +59,7 @@ def left_out_by_node(snapshot: Snapshot, contributions: Iterable[Contribution]) 
             left.setdefault(node, []).append(contribution)
         else:
             readable[node] = readable.get(node, 0) + 1
-    parts = {part.node: part for part in snapshot.parts} if snapshot.cluster else {}
+    parts = {part.node: part for part in snapshot.parts} if cluster else {}
     return [NodeLeftOut(node, parts.get(node), readable.get(node, 0), gpus) for node, gpus in left.items()]
 
 
@@ -67,6 +69,8 @@ def judge_unreadable(
     by_node: Sequence[NodeLeftOut],
     readable: int,
     silent: Sequence[tuple[Absence, HeldPods]],
+    *,
+    cluster: bool,
 ) -> tuple[Absence, ...] | GpuscalerError | None:
     """Unreadable is not zero: what an answer does with selected GPUs it cannot read now. One rule, agent and gateway:
 
@@ -91,7 +95,7 @@ def judge_unreadable(
             left_out.extend(unknown)
     gate: tuple[Absence, ...] | None = None
     if unreadable:
-        if not snapshot.cluster:
+        if not cluster:
             return unreadable_error(query.metric, unreadable[0].left_out)
         absences = [(_unreadable_node(node, snapshot), _holding(node.left_out)) for node in unreadable]
         judged = absences_allowed(query, snapshot, [*silent, *absences], heard=len(snapshot.nodes) - len(unreadable))
@@ -102,7 +106,7 @@ def judge_unreadable(
         total = readable + len(left_out)
         allowed = query.max_unreadable.allowed(total)
         if len(left_out) > allowed:
-            return _too_many_unreadable(query, snapshot, left_out, total, allowed)
+            return _too_many_unreadable(query, left_out, total, allowed, cluster=cluster)
     return gate
 
 
@@ -122,11 +126,10 @@ def _holding(left_out: Iterable[Contribution]) -> HeldPods:
 
 
 def _too_many_unreadable(
-    query: ValueQuery, snapshot: Snapshot, left_out: Sequence[Contribution], total: int, allowed: int
+    query: ValueQuery, left_out: Sequence[Contribution], total: int, allowed: int, *, cluster: bool
 ) -> GpuscalerError:
-    where = snapshot.cluster
     details = "; ".join(
-        f"GPU {c.sample.gpu.index} ({c.sample.gpu.uuid}){f' on {c.sample.node}' if where else ''}: {c.reason}"
+        f"GPU {c.sample.gpu.index} ({c.sample.gpu.uuid}){f' on {c.sample.node}' if cluster else ''}: {c.reason}"
         for c in left_out[:MAX_GPUS_NAMED]
     )
     if len(left_out) > MAX_GPUS_NAMED:
@@ -201,9 +204,9 @@ def cannot_hear(absent: Sequence[Absence], snapshot: Snapshot) -> str:
     return f"it may be on a node that cannot be heard now: {named}{more}"
 
 
-def no_gpus(snapshot: Snapshot) -> str:
+def no_gpus(snapshot: Snapshot, *, cluster: bool) -> str:
     """Why there are no GPUs to read: the node reports none, or which agents sent nothing fresh."""
-    if not snapshot.cluster:
+    if not cluster:
         return f"node {snapshot.node!r} reports no GPUs"
     message = (
         f"no GPUs to read: {len(snapshot.parts)} of {snapshot.known_nodes} known agents sent a fresh snapshot "

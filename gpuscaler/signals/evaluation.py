@@ -58,15 +58,12 @@ def evaluate(
     snapshot = source.latest
     if snapshot is None:
         return failed(query, None, Unavailable("no sample yet: the agent has not finished its first poll"))
+    cluster = source.cluster
     age = now - snapshot.monotonic
     if age > stale_after:
         # A gateway composes its cluster snapshot on a timer of its own event loop, whatever its agents do (a
         # silent agent is an absence in it): an old one means that loop was kept busy. An agent's is its poll's.
-        why = (
-            "the gateway's event loop was too busy to compose a newer one"
-            if snapshot.cluster
-            else "the poll loop is stalled"
-        )
+        why = "the gateway's event loop was too busy to compose a newer one" if cluster else "the poll loop is stalled"
         return failed(
             query,
             snapshot,
@@ -79,7 +76,7 @@ def evaluate(
         return evaluate_pods(query, query.pods, snapshot, source, directory)
     named = _named_parts(query, snapshot, source, memo)
     try:
-        selected = select(query.selection, snapshot) if named is None else [c.sample for c in named]
+        selected = select(query.selection, snapshot, cluster=cluster) if named is None else [c.sample for c in named]
     except InvalidMetadata as error:
         if snapshot.absent:  # the GPU may be on a node the gateway cannot hear now
             return failed(query, snapshot, Unavailable(f"{error.message}; {cannot_hear(snapshot.absent, snapshot)}"))
@@ -95,7 +92,7 @@ def evaluate(
     node_parts: list[NodePart] | None = None
     try:
         contributions: Contributions
-        if memo is not None and snapshot.cluster and query.selection.everything:
+        if memo is not None and cluster and query.selection.everything:
             # Concatenated in C: a big cluster's parts are thousands of nodes.
             node_parts = memo.parts(query, snapshot.parts, source)
             contributions = NodeContributions(node_parts)
@@ -112,16 +109,16 @@ def evaluate(
 
     failure: GpuscalerError | None = None
     if not selected:
-        failure = Unavailable(no_gpus(snapshot))
+        failure = Unavailable(no_gpus(snapshot, cluster=cluster))
     elif left_out and not query.selection.everything:
         failure = unreadable_error(query.metric, left_out)  # named GPUs must all be readable
     elif left_out:
         by_node = (
             parts_left_out(snapshot, node_parts)
             if node_parts is not None
-            else left_out_by_node(snapshot, contributions)
+            else left_out_by_node(snapshot, contributions, cluster=cluster)
         )
-        judged = judge_unreadable(query, snapshot, by_node, len(included), silent)
+        judged = judge_unreadable(query, snapshot, by_node, len(included), silent, cluster=cluster)
         if isinstance(judged, GpuscalerError):
             failure = judged
         elif judged is not None:
@@ -142,7 +139,7 @@ def _named_parts(
     nodes that sent are looked at, by their UUID column, and only the named GPUs' records are made.
     """
     named = query.selection.uuids
-    if memo is None or not snapshot.cluster or named is None:
+    if memo is None or not source.cluster or named is None:
         return None
     try:
         parts = memo.parts(query, snapshot.parts, source)

@@ -102,19 +102,16 @@ class Evaluator:
         *,
         clock: Callable[[], float] | None = None,
         directory: PodDirectory | None = None,
-        cluster: bool = False,
-        memo: NodeMemo | None = None,
         engines: EngineSource | None = None,
     ) -> None:
-        """``cluster``: the source is a gateway's view (its limits differ). ``memo`` keeps each node's part of a
-        cluster's evaluations between compositions (a gateway gives one; most nodes send nothing new between two).
-        ``engines``: where engine signals are read (a gateway's scraper); without it they are refused."""
+        """``engines``: where engine signals are read (a gateway's scraper); without it they are refused. A gateway's
+        view (``source.cluster``) has a gateway's limits and a memo of each node's part of its evaluations."""
         self.source = source
         self.directory = directory
         self.engines = engines
         self.limits = Limits(
             history_seconds=source.history_seconds,
-            cluster=cluster,
+            cluster=source.cluster,
             reads_engines=engines is not None,
             min_scrape_seconds=engines.min_interval_seconds if engines is not None else DEFAULT_MIN_SCRAPE_SECONDS,
         )
@@ -129,7 +126,8 @@ class Evaluator:
         # and when its first page goes stale (a page ages without a scrape landing).
         self._engine_generation = -1
         self._engine_cache: dict[EngineQuery, tuple[Hashable, float, Evaluation]] = {}
-        self._memo = memo
+        # Each node's part of a cluster's evaluations, kept between compositions (most nodes send nothing new).
+        self.memo = NodeMemo() if source.cluster else None
         self.closing = False
         self.on_transition: list[Callable[[bool], None]] = []
         # Called with every answer that left out GPUs or nodes (lost GPUs within maxUnreadable, minNodes).
@@ -271,8 +269,8 @@ class Evaluator:
                 query, self.source, now=self._clock(), stale_after=self.stale_after, directory=self.directory
             )
         if latest.sequence != self._cache_sequence:
-            if self._memo is not None and len(self._cache) > 0:
-                self._memo.keep_only(self._cache, latest.parts)
+            if self.memo is not None and len(self._cache) > 0:
+                self.memo.keep_only(self._cache, latest.parts)
             self._cache_sequence, self._cache = latest.sequence, {}
         cached = self._cache.get(query)
         if cached is None:
@@ -282,7 +280,7 @@ class Evaluator:
                 now=latest.monotonic,
                 stale_after=self.stale_after,
                 directory=self.directory,
-                memo=self._memo,
+                memo=self.memo,
             )
         return cached
 

@@ -90,7 +90,7 @@ def named_samples(selection: GpuSelection, snapshot: Snapshot) -> list[GpuSample
     return chosen
 
 
-def select(selection: GpuSelection, snapshot: Snapshot) -> Sequence[GpuSample]:
+def select(selection: GpuSelection, snapshot: Snapshot, *, cluster: bool) -> Sequence[GpuSample]:
     """The snapshot's samples that ``selection`` names; naming a GPU the node lacks is InvalidMetadata."""
     samples = snapshot.samples
     if selection.indices is not None:
@@ -98,7 +98,7 @@ def select(selection: GpuSelection, snapshot: Snapshot) -> Sequence[GpuSample]:
         missing = [index for index in selection.indices if index not in present]
         if missing:
             raise InvalidMetadata(
-                f"gpuIndex {','.join(map(str, missing))} is not on {_where(snapshot)}; "
+                f"gpuIndex {','.join(map(str, missing))} is not on {_where(snapshot, cluster)}; "
                 f"its GPUs: {listing(map(str, present))}"
             )
         return [sample for sample in samples if sample.gpu.index in selection.indices]
@@ -108,15 +108,15 @@ def select(selection: GpuSelection, snapshot: Snapshot) -> Sequence[GpuSample]:
         missing_uuids = [uuid for uuid in selection.uuids if uuid.lower() not in present_uuids]
         if missing_uuids:
             raise InvalidMetadata(
-                f"gpuUUID {','.join(missing_uuids)} is not on {_where(snapshot)}; "
+                f"gpuUUID {','.join(missing_uuids)} is not on {_where(snapshot, cluster)}; "
                 f"its GPUs: {listing(itertools.chain.from_iterable(uuids(node.samples) for node in snapshot.nodes))}"
             )
         return chosen
     return samples
 
 
-def _where(snapshot: Snapshot) -> str:
-    if not snapshot.cluster:
+def _where(snapshot: Snapshot, cluster: bool) -> str:
+    if not cluster:
         return f"node {snapshot.node!r}"
     return f"any of the {len(snapshot.parts)} fresh nodes"
 

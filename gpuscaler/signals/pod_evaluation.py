@@ -46,9 +46,10 @@ def evaluate_pods(
         if isinstance(resolved, GpuscalerError):
             return failed(query, snapshot, resolved)
         pods = resolved
-    if snapshot.cluster and not snapshot.parts:
+    cluster = source.cluster
+    if cluster and not snapshot.parts:
         # A gateway that hears from no node knows nothing about the workload: not zero, not unsupported.
-        return failed(query, snapshot, Unavailable(no_gpus(snapshot)))
+        return failed(query, snapshot, Unavailable(no_gpus(snapshot, cluster=cluster)))
     failure = _attribution_failure(pods, snapshot, directory)
     if failure is not None:
         return failed(query, snapshot, failure)
@@ -103,7 +104,7 @@ def evaluate_pods(
     error: GpuscalerError | None = None
     value: float | None
     unmatched: PodSelection | None = None
-    if not values and not snapshot.cluster:
+    if not values and not cluster:
         # One node's agent cannot tell a workload at zero from one whose pods run on other nodes;
         # answering 0 would scale it in. Only the gateway's cluster view can say "zero".
         value, error = (
@@ -121,7 +122,12 @@ def evaluate_pods(
         left_out = [c for c in contributions if c.value is None]
         judged = (
             judge_unreadable(
-                query, snapshot, left_out_by_node(snapshot, contributions), len(contributions) - len(left_out), silent
+                query,
+                snapshot,
+                left_out_by_node(snapshot, contributions, cluster=cluster),
+                len(contributions) - len(left_out),
+                silent,
+                cluster=cluster,
             )
             if left_out
             else None

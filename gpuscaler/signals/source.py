@@ -28,6 +28,11 @@ class SnapshotSource(Protocol):
     """The snapshots an evaluator answers from."""
 
     @property
+    def cluster(self) -> bool:
+        """True for a gateway's view, whose snapshots are composed clusters: the one place that says so. The
+        evaluator's limits, its node memo and every branch of an evaluation on where it runs read it here."""
+
+    @property
     def history_seconds(self) -> float:
         """How far back a window may reach."""
 
@@ -112,6 +117,8 @@ class Announcer:
 
 class AnnouncedSource:
     """What every source does alike: its timing, its listeners and its waiters, over its own ``latest``."""
+
+    cluster = False  # a gateway's view says True
 
     def __init__(self, *, history_seconds: float, interval_seconds: float) -> None:
         self._history_seconds = history_seconds

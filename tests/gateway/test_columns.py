@@ -20,7 +20,6 @@ from gpuscaler.query.query import ValueQuery
 from gpuscaler.server.wire import explained_gpus, snapshot_to_wire
 from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.evaluator import Evaluator
-from gpuscaler.signals.node_memo import NodeMemo
 from gpuscaler.signals.outcome import Contribution, Evaluation
 from tests.builders import ClusterSource, cluster, decoded, failed_sample, gpu_sample, history_of, snapshot
 from tests.gateway.test_view import Clock
@@ -126,7 +125,7 @@ async def test_a_gateway_answers_from_columns_what_it_answers_from_records() -> 
     rng = random.Random(11)
     clock = Clock()
     view = ClusterView(history_seconds=600, compose_interval_seconds=1.0, clock=clock)
-    evaluator = Evaluator(view, clock=clock, cluster=True, memo=NodeMemo())
+    evaluator = Evaluator(view, clock=clock)
     names = [f"node-{n:02d}" for n in range(12)]
     view.set_agents(names)
     histories = {name: history_of(node(name, 1, rng), poll_interval_seconds=1.0) for name in names}

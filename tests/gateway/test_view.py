@@ -65,7 +65,7 @@ async def test_an_open_push_streams_window_stays_asked_for_while_polled_ones_exp
     it outlives WINDOW_IDLE_SECONDS without a poll, while a window only a poll used once expires."""
     clock = Clock()
     view = ClusterView(history_seconds=3600, clock=clock)
-    evaluator = Evaluator(view, clock=clock, cluster=True)
+    evaluator = Evaluator(view, clock=clock)
     view.add_listener(evaluator.on_snapshot)
     streamed = parse_metadata({"window": "30s", "windowFunction": "max"}, Limits(3600, cluster=True))
     polled = parse_metadata({"window": "45s"}, Limits(3600, cluster=True))

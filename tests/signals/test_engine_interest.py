@@ -8,6 +8,7 @@ from collections.abc import Callable, Collection, Sequence
 
 import pytest
 
+from gpuscaler.agent.history import History
 from gpuscaler.model.engines import Engine, EnginePage, PodScrape
 from gpuscaler.model.errors import TooManyPods, Unavailable
 from gpuscaler.model.pods import PodInfo
@@ -20,7 +21,6 @@ from gpuscaler.signals.evaluator import (
     STREAM_REWANT_SECONDS,
     Evaluator,
 )
-from tests.builders import history_of
 from tests.signals.test_evaluation_workloads import Directory
 
 
@@ -91,9 +91,16 @@ class Clock:
         return self.now
 
 
+class GatewayHistory(History):
+    """An empty history that says it is a gateway's view: engine signals need no GPU snapshot."""
+
+    cluster = True
+
+
 def gateway(engines: Engines, clock: Clock | None = None, directory: Directory = DIRECTORY) -> tuple[Evaluator, Query]:
     """A gateway's evaluator over ``directory`` and ``engines``, and the query on ml's workload llm."""
-    evaluator = Evaluator(history_of(), clock=clock or Clock(), directory=directory, cluster=True, engines=engines)
+    empty = GatewayHistory(history_seconds=600.0, poll_interval_seconds=1.0)
+    evaluator = Evaluator(empty, clock=clock or Clock(), directory=directory, engines=engines)
     return evaluator, evaluator.parse({"metric": "vllm_queue", "workload": "llm"}, "ml", "llm")
 
 

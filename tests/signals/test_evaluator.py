@@ -16,7 +16,6 @@ from gpuscaler.model.samples import GpuSample, ReadErrorKind, Snapshot
 from gpuscaler.query.query import Query, ValueQuery
 from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.evaluator import Evaluator, Subscription
-from gpuscaler.signals.node_memo import NodeMemo
 from gpuscaler.signals.outcome import Evaluation
 from tests.builders import ClusterSource, cluster, failed_sample, gpu_sample, history_of, snapshot, utilizations
 
@@ -297,7 +296,7 @@ def test_a_gateway_never_pushes_false_while_a_busy_node_cannot_be_read() -> None
     hung = replace(busy, samples=(failed_sample(0, ReadErrorKind.TIMEOUT)._replace(node="gpu-b"),))
     clock = ManualClock()
     source = ClusterSource(cluster(idle, busy))
-    evaluator = Evaluator(source, clock=clock, cluster=True, memo=NodeMemo())
+    evaluator = Evaluator(source, clock=clock)
 
     def compose(*parts: Snapshot) -> None:
         clock.now += 0.5

@@ -143,8 +143,9 @@ def test_the_evaluator_keeps_only_the_queries_the_last_composition_evaluated() -
     rng = random.Random(3)
     parts = (node("node-a", 1, rng), node("node-b", 1, rng))
     source = ClusterSource(cluster(*parts), history_of(parts[0]), history_of(parts[1]))
-    memo = NodeMemo()
-    evaluator = Evaluator(source, clock=lambda: 0.0, cluster=True, memo=memo)
+    evaluator = Evaluator(source, clock=lambda: 0.0)
+    memo = evaluator.memo
+    assert memo is not None
     streamed = gpu_query(parse_metadata({"metric": "gpu_utilization"}, LIMITS)).value
     polled = gpu_query(parse_metadata({"metric": "gpu_utilization", "aggregation": "max"}, LIMITS)).value
     evaluator.evaluate(streamed)
