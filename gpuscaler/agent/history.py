@@ -19,6 +19,7 @@ from gpuscaler.model.gpu_metrics import METRICS
 from gpuscaler.model.pods import uid_key
 from gpuscaler.model.samples import GpuSample, Snapshot
 from gpuscaler.model.windows import Windowed, WindowKey, covered
+from gpuscaler.signals.per_snapshot import PerSnapshot
 from gpuscaler.signals.rates import counter_rate
 from gpuscaler.signals.shares import holders, pod_share
 from gpuscaler.signals.source import AnnouncedSource
@@ -33,7 +34,8 @@ class History(AnnouncedSource):
     def __init__(self, *, history_seconds: float, poll_interval_seconds: float) -> None:
         super().__init__(history_seconds=history_seconds, interval_seconds=poll_interval_seconds)
         self._snapshots: deque[Snapshot] = deque(maxlen=math.ceil(history_seconds / poll_interval_seconds) + 1)
-        self._series: tuple[int, dict[float, dict[str, tuple[list[float], list[GpuSample]]]]] = (-1, {})
+        # Each window's series of GPU samples, per node, of the newest snapshot.
+        self._series = PerSnapshot[float, dict[str, tuple[list[float], list[GpuSample]]]]()
 
     def append(self, snapshot: Snapshot) -> None:
         self._snapshots.append(snapshot)
@@ -115,10 +117,7 @@ class History(AnnouncedSource):
     def _series_of(self, node: str, seconds: float) -> dict[str, tuple[list[float], list[GpuSample]]]:
         """Each GPU's samples in the window, with their tick times, oldest first; ``seconds`` 0: the newest two."""
         latest = self.latest
-        sequence = latest.sequence if latest is not None else -1
-        if self._series[0] != sequence:
-            self._series = (sequence, {})
-        by_seconds = self._series[1]
+        by_seconds = self._series.at(latest.sequence if latest is not None else -1)
         series = by_seconds.get(seconds)
         if series is None:
             series = by_seconds[seconds] = {}

@@ -40,6 +40,7 @@ from gpuscaler.signals.engine_source import EngineSource, PodKey, stale_after
 from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.node_memo import NodeMemo
 from gpuscaler.signals.outcome import Evaluation
+from gpuscaler.signals.per_snapshot import PerSnapshot
 from gpuscaler.signals.source import SnapshotSource
 
 log = structlog.get_logger(__name__)
@@ -120,12 +121,11 @@ class Evaluator:
         self._clock = clock or asyncio.get_running_loop().time
         self._states = ActivationStates(idle_seconds=ACTIVATION_IDLE_SECONDS)
         self._groups: dict[Hashable, _Group] = {}
-        self._cache_sequence = -1
-        self._cache: dict[ValueQuery, Evaluation] = {}
+        # GPU evaluations of the newest snapshot; a new one also tells the memo which queries it still serves.
+        self._evaluations = PerSnapshot[ValueQuery, Evaluation](on_forget=self._keep_memo_for)
         # Engine evaluations of the scraper's current generation, each with the directory's state for its selection
         # and when its first page goes stale (a page ages without a scrape landing).
-        self._engine_generation = -1
-        self._engine_cache: dict[EngineQuery, tuple[Hashable, float, Evaluation]] = {}
+        self._engine_evaluations = PerSnapshot[EngineQuery, tuple[Hashable, float, Evaluation]]()
         # Each node's part of a cluster's evaluations, kept between compositions (most nodes send nothing new).
         self.memo = NodeMemo() if source.cluster else None
         self.closing = False
@@ -268,13 +268,10 @@ class Evaluator:
             return evaluate(
                 query, self.source, now=self._clock(), stale_after=self.stale_after, directory=self.directory
             )
-        if latest.sequence != self._cache_sequence:
-            if self.memo is not None and len(self._cache) > 0:
-                self.memo.keep_only(self._cache, latest.parts)
-            self._cache_sequence, self._cache = latest.sequence, {}
-        cached = self._cache.get(query)
+        evaluations = self._evaluations.at(latest.sequence)
+        cached = evaluations.get(query)
         if cached is None:
-            cached = self._cache[query] = evaluate(
+            cached = evaluations[query] = evaluate(
                 query,
                 self.source,
                 now=latest.monotonic,
@@ -284,6 +281,12 @@ class Evaluator:
             )
         return cached
 
+    def _keep_memo_for(self, evaluated: dict[ValueQuery, Evaluation]) -> None:
+        """The last snapshot's queries are the ones the memo keeps nodes' parts of, for the newest's nodes."""
+        latest = self.source.latest
+        if self.memo is not None and latest is not None:
+            self.memo.keep_only(evaluated, latest.parts)
+
     def _evaluate_engine(self, query: EngineQuery, scrapes: Mapping[PodKey, PodScrape] | None) -> Evaluation:
         """Once per scrape (the scraper's generation) and state of the directory, as a GPU query is once per
         snapshot; a read path's one-shot reads are its own answer, never kept."""
@@ -291,16 +294,15 @@ class Evaluator:
         engines = self.engines
         if scrapes or engines is None:
             return evaluate_engine(query, engines, self.directory, self.source.latest, now=now, scrapes=scrapes)
-        if engines.generation != self._engine_generation:
-            self._engine_generation, self._engine_cache = engines.generation, {}
+        evaluations = self._engine_evaluations.at(engines.generation)
         state = self._directory_state(query)
-        kept = self._engine_cache.get(query)
+        kept = evaluations.get(query)
         if kept is not None and kept[0] == state and now < kept[1]:
             return kept[2]
         evaluation = evaluate_engine(query, engines, self.directory, self.source.latest, now=now)
         fresh_for = stale_after(query.interval_seconds, engines.timeout_seconds)
         ages = [pod.age_seconds for pod in evaluation.pods if pod.age_seconds is not None]
-        self._engine_cache[query] = (state, now + fresh_for - max(ages, default=0.0), evaluation)
+        evaluations[query] = (state, now + fresh_for - max(ages, default=0.0), evaluation)
         return evaluation
 
     def value(self, query: Query, scaled_object: tuple[str, str] | None = None) -> float:
