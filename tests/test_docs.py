@@ -17,7 +17,7 @@ from gpuscaler import cli
 from gpuscaler.agent.collectors.scenario import parse_value
 from gpuscaler.agent.history import History
 from gpuscaler.agent.settings import settings_from_args
-from gpuscaler.agent.telemetry import AgentTelemetry
+from gpuscaler.agent.telemetry import AgentTelemetry, AttributionReads
 from gpuscaler.flags import DEFAULT_LIMITS
 from gpuscaler.gateway.engines.scraper import EngineScraper
 from gpuscaler.gateway.telemetry import GatewayTelemetry
@@ -430,7 +430,10 @@ def test_migration_doc_profiles_match_the_code() -> None:
 
 def _series_names() -> set[str]:
     """Every series name the agent and the gateway export, as Prometheus shows it (counters with ``_total``)."""
-    agent = AgentTelemetry(History(history_seconds=60, poll_interval_seconds=0.5)).registry
+    agent_telemetry = AgentTelemetry(History(history_seconds=60, poll_interval_seconds=0.5))
+    reads = SimpleNamespace(last_read_ok=None, last_success_unix=None)
+    agent_telemetry.watch_attribution(cast("AttributionReads", reads))  # an agent with attribution on
+    agent = agent_telemetry.registry
     view = ClusterView(history_seconds=60, clock=lambda: 0.0)
     gateway = GatewayTelemetry(view, dict, lambda: (0, 0, 0), engines=EngineScraper()).registry
     server = SimpleNamespace(guard=ConnectionGuard(DEFAULT_LIMITS), open_streams=0, handler_tasks=0)

@@ -80,6 +80,8 @@ class Agent:
             if settings.pod_resources_socket is not None
             else None
         )
+        if pod_resources is not None:
+            telemetry.watch_attribution(pod_resources)
         poller = Poller(
             collector,
             history,

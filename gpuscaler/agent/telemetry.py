@@ -1,4 +1,5 @@
-"""The agent's Prometheus series: the shared server series, every GPU reading, idle energy, NVML and the poll loop.
+"""The agent's Prometheus series: the shared server series, every GPU reading, idle energy, NVML, the poll loop and
+the kubelet's pod attribution.
 
 GPU series are built from the newest snapshot at scrape time (a custom collector), so the series of a
 GPU that vanished disappear with it, and a value that could not be read is no series, never a 0.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
 
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -80,12 +82,46 @@ class _IdleEnergyCollector(Collector):
         yield pods
 
 
+class AttributionReads(Protocol):
+    """What the kubelet's PodResources reader says of its reads (``attribution/podresources.py``)."""
+
+    @property
+    def last_read_ok(self) -> bool | None: ...
+
+    @property
+    def last_success_unix(self) -> float | None: ...
+
+
+class _AttributionCollector(Collector):
+    """Whether the kubelet's PodResources answered, as every input that can fail says it: up, and when last."""
+
+    def __init__(self, reads: AttributionReads) -> None:
+        self._reads = reads
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            "gpuscaler_attribution_up",
+            "1 when the agent's last read of the kubelet's PodResources worked, 0 when it failed or found no socket.",
+        )
+        last = GaugeMetricFamily(
+            "gpuscaler_attribution_last_success_timestamp_seconds",
+            "Unix time of the agent's last good read of the kubelet's PodResources.",
+        )
+        ok, when = self._reads.last_read_ok, self._reads.last_success_unix
+        if ok is not None:  # not read yet: no series, as a reading not made is never 0
+            up.add_metric([], 1.0 if ok else 0.0)
+        if when is not None:
+            last.add_metric([], when)
+        yield up
+        yield last
+
+
 def _labels(sample: GpuSample) -> list[str]:
     return [sample.node, str(sample.gpu.index), sample.gpu.uuid, sample.gpu.name, sample.gpu.mig_parent_uuid or ""]
 
 
 class AgentTelemetry(ServerTelemetry):
-    """The agent's registry: the shared series, every GPU reading, NVML calls and the poll loop."""
+    """The agent's registry: the shared series, every GPU reading, NVML calls, the poll loop and attribution."""
 
     def __init__(self, source: History, *, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
@@ -114,6 +150,10 @@ class AgentTelemetry(ServerTelemetry):
         self.poll_lag = Gauge(
             "gpuscaler_poll_lag_seconds", "How late the last poll tick started against its schedule.", registry=registry
         )
+
+    def watch_attribution(self, reads: AttributionReads) -> None:
+        """Export the kubelet reader's up and last-success series; an agent with attribution off has neither."""
+        self.registry.register(_AttributionCollector(reads))
 
     def idle_energy_of(self, gpus: Iterable[GpuKey], window_seconds: float | None) -> IdleEnergy | None:
         return idle_energy(self._history, gpus, window_seconds)

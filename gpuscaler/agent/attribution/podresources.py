@@ -4,7 +4,8 @@
 at start (before the first snapshot) and when the set of GPUs changes (``request_refresh``). A failed
 read keeps the last good assignment for ``stale_after_seconds``; after that the node's attribution is
 UNAVAILABLE, and a query that selects pods fails instead of reading a pod as idle. No socket at the
-path is OFF, which is FAILED_PRECONDITION: a missing mount does not fix itself.
+path is OFF, which is FAILED_PRECONDITION: a missing mount does not fix itself. Whether the last read worked,
+and when one last did, are kept for the agent's series (``gpuscaler_attribution_up`` and its last-success time).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import structlog
@@ -58,6 +60,7 @@ class PodResourcesWatcher:
         *,
         interval_seconds: float = DEFAULT_INTERVAL_SECONDS,
         timeout_seconds: float = LIST_TIMEOUT_SECONDS,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.socket_path = socket_path
         self.interval_seconds = interval_seconds
@@ -69,7 +72,11 @@ class PodResourcesWatcher:
         self._state = Attribution(AttributionState.UNAVAILABLE, "the kubelet has not been read yet")
         self._wake = asyncio.Event()
         self._devices: frozenset[str] = frozenset()
-        self.refreshes = 0
+        self._wall_clock = wall_clock
+        # The last read's outcome (None: not read yet; a missing socket is a failed read) and the Unix time of
+        # the last good one (None: never), for the series: a kept assignment hides a failing kubelet otherwise.
+        self.last_read_ok: bool | None = None
+        self.last_success_unix: float | None = None
 
     @property
     def state(self) -> Attribution:
@@ -97,9 +104,9 @@ class PodResourcesWatcher:
         """One ``List``; updates the assignment and the state, never raises for a kubelet problem."""
         loop = asyncio.get_running_loop()
         now = loop.time()
-        self.refreshes += 1
         if not _exists(self.socket_path):
             self._close_channel()
+            self.last_read_ok = False
             return self._set(
                 Attribution(
                     AttributionState.OFF,
@@ -116,6 +123,7 @@ class PodResourcesWatcher:
             response = await stub.list(kubelet.ListPodResourcesRequest(), timeout=self._timeout)
         except (OSError, GRPCError, StreamTerminatedError, TimeoutError) as error:
             self._close_channel()
+            self.last_read_ok = False
             detail = f"kubelet PodResources List on {str(self.socket_path)!r} failed: {_describe(error)}"
             if self._last_success is not None and now - self._last_success <= self.stale_after_seconds:
                 log.warning("pod_resources_list_failed", error=detail, keeping_last_for=self.stale_after_seconds)
@@ -123,6 +131,7 @@ class PodResourcesWatcher:
             return self._set(Attribution(AttributionState.UNAVAILABLE, detail), keep_pairs=False)
         self._pairs = assignments(response)
         self._last_success = now
+        self.last_read_ok, self.last_success_unix = True, self._wall_clock()
         return self._set(Attribution(AttributionState.OK), keep_pairs=True)
 
     def _set(self, state: Attribution, *, keep_pairs: bool) -> Attribution:
