@@ -37,6 +37,11 @@ class Unsupported(GpuscalerError):
     supports, a pod query without attribution or a pod directory, one window too many (FAILED_PRECONDITION)."""
 
 
+class NotServed(GpuscalerError):
+    """A call this server does not serve, and no other state of it would: a node's snapshot asked of a gateway
+    (UNIMPLEMENTED, as gRPC answers a method a server lacks)."""
+
+
 class Unavailable(GpuscalerError):
     """The answer is unknown now: no fresh sample, a node not heard, GPUs not read, a window still being computed.
     Never a 0 (UNAVAILABLE: KEDA retries, then falls back)."""

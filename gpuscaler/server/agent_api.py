@@ -2,7 +2,8 @@
 
 A gateway keeps no history: with each snapshot, the agent sends the windows the gateway asked for, each
 GPU reduced over the agent's own ring buffer. Two gateway replicas asking for the same window share one
-reduction per tick.
+reduction per tick. A gateway serves the same service for Explain, and refuses the snapshot calls: its cluster
+snapshot belongs to no node.
 """
 
 from __future__ import annotations
@@ -11,13 +12,19 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.model.durations import format_duration
-from gpuscaler.model.errors import InvalidRequest, Unavailable
+from gpuscaler.model.errors import InvalidRequest, NotServed, Unavailable
 from gpuscaler.model.samples import GpuKey, Snapshot
 from gpuscaler.model.windows import MAX_WINDOWS, WindowKey, WindowValues
 from gpuscaler.server.status import grpc_errors, status_for
 from gpuscaler.server.wire import explanation_to_wire, snapshot_to_wire, window_key_from_wire
 from gpuscaler.signals.energy import IdleEnergy
 from gpuscaler.signals.evaluator import Evaluator
+
+# A gateway's composed snapshot is no node's: answering it as one would hand a client a made-up node.
+NO_NODE_SNAPSHOT = (
+    "this is a gateway, which serves no node snapshot: call {rpc} at an agent (the gateway's --agents), "
+    "or Explain here for what the gateway answers"
+)
 
 # Energy while idle of some GPUs over a window (seconds; None: all the server knows), for Explain.
 IdleEnergyOf = Callable[[Iterable[GpuKey], float | None], IdleEnergy | None]
@@ -66,8 +73,13 @@ class AgentService(pb.AgentBase):
             self._reduced[1][window] = done
         return done
 
+    def _refuse_at_a_gateway(self, rpc: str) -> None:
+        if self._evaluator.source.cluster:
+            raise NotServed(NO_NODE_SNAPSHOT.format(rpc=rpc))
+
     async def get_snapshot(self, message: pb.GetSnapshotRequest) -> pb.Snapshot:
         async with grpc_errors("GetSnapshot"):
+            self._refuse_at_a_gateway("GetSnapshot")
             latest = self._evaluator.source.latest
             if latest is None:
                 raise Unavailable("no sample yet: the agent has not finished its first poll")
@@ -75,6 +87,7 @@ class AgentService(pb.AgentBase):
 
     async def watch_snapshots(self, message: pb.WatchSnapshotsRequest) -> AsyncIterator[pb.Snapshot]:
         async with grpc_errors("WatchSnapshots"):
+            self._refuse_at_a_gateway("WatchSnapshots")
             if len(message.windows) > MAX_WINDOWS:
                 raise InvalidRequest(f"windows: {len(message.windows)} asked for; at most {MAX_WINDOWS} are served")
             try:

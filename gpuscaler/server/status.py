@@ -16,6 +16,7 @@ from gpuscaler.model.errors import (
     GpuscalerError,
     InvalidMetadata,
     InvalidRequest,
+    NotServed,
     Unavailable,
     UnknownMetricName,
     Unsupported,
@@ -33,6 +34,7 @@ STATUS_FOR_ERROR: Mapping[type[GpuscalerError], Status] = {
     InvalidRequest: Status.INVALID_ARGUMENT,
     UnknownMetricName: Status.NOT_FOUND,
     Unsupported: Status.FAILED_PRECONDITION,
+    NotServed: Status.UNIMPLEMENTED,
     Unavailable: Status.UNAVAILABLE,
 }
 

@@ -13,9 +13,11 @@ from grpclib.exceptions import GRPCError
 from gpuscaler.flags import Address
 from gpuscaler.gateway.discovery import EndpointsListener
 from gpuscaler.gateway.process import Gateway
+from gpuscaler.generated.gpuscaler import v1 as pb
 from tests.fakes.fake_kubelet import Assignment
 from tests.gateway.calls import explain, pushed, ref, value, view_has
 from tests.gateway.conftest import StartGateway, StartNode, gateway_settings
+from tests.server.test_agent_api import first_snapshot
 from tests.waiting import until, until_result
 
 
@@ -158,6 +160,29 @@ async def test_push_through_the_gateway(start_node: StartNode, start_gateway: St
         await until(lambda: seen == [False, True])
         a.set(0, 0)
         await until(lambda: seen == [False, True, False])
+
+
+async def test_a_gateway_refuses_the_node_snapshot_calls_and_names_what_to_call(
+    start_node: StartNode, start_gateway: StartGateway
+) -> None:
+    """GetSnapshot and WatchSnapshots at a gateway are UNIMPLEMENTED, pointing at the agents and Explain."""
+    a = await start_node("node-a")
+    gateway = await start_gateway(a)
+    await view_has(gateway, 1)
+    channel = Channel("127.0.0.1", gateway.port)
+    try:
+        agent_api = pb.AgentStub(channel)
+        with pytest.raises(GRPCError) as got:
+            await agent_api.get_snapshot(pb.GetSnapshotRequest(), timeout=5)
+        with pytest.raises(GRPCError) as watched:
+            await first_snapshot(channel, pb.WatchSnapshotsRequest())
+    finally:
+        channel.close()
+    for raised, rpc in ((got, "GetSnapshot"), (watched, "WatchSnapshots")):
+        assert raised.value.status is Status.UNIMPLEMENTED
+        assert f"call {rpc} at an agent" in str(raised.value.message)
+        assert "Explain" in str(raised.value.message)
+    assert (await explain(gateway)).nodes == 1  # the Agent service's Explain still answers
 
 
 async def test_gpu_index_is_invalid_at_the_gateway(start_node: StartNode, start_gateway: StartGateway) -> None:

@@ -899,7 +899,7 @@ class AgentStub(betterproto2_grpclib.ServiceStub):
         metadata: "MetadataLike | None" = None,
     ) -> "Snapshot":
         """
-        The newest snapshot in the agent's ring buffer.
+        The newest snapshot in the agent's ring buffer. A gateway serves no node's snapshot: UNIMPLEMENTED there.
         """
 
         if message is None:
@@ -924,6 +924,7 @@ class AgentStub(betterproto2_grpclib.ServiceStub):
     ) -> "AsyncIterator[Snapshot]":
         """
         The newest snapshot at once, then one message per poll tick, until the client or the agent ends it.
+        UNIMPLEMENTED at a gateway, as GetSnapshot is.
         """
 
         async for response in self._unary_stream(
@@ -945,7 +946,7 @@ class AgentStub(betterproto2_grpclib.ServiceStub):
         metadata: "MetadataLike | None" = None,
     ) -> "Explanation":
         """
-        Evaluates one trigger's metadata the way ExternalScaler does, and shows every step.
+        Evaluates one trigger's metadata the way ExternalScaler does, and shows every step; at an agent or a gateway.
         """
 
         return await self._unary_unary(
@@ -1026,7 +1027,7 @@ class FakeControlStub(betterproto2_grpclib.ServiceStub):
 class AgentBase(betterproto2_grpclib.ServiceBase):
     async def get_snapshot(self, message: "GetSnapshotRequest") -> "Snapshot":
         """
-        The newest snapshot in the agent's ring buffer.
+        The newest snapshot in the agent's ring buffer. A gateway serves no node's snapshot: UNIMPLEMENTED there.
         """
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
@@ -1034,6 +1035,7 @@ class AgentBase(betterproto2_grpclib.ServiceBase):
     async def watch_snapshots(self, message: "WatchSnapshotsRequest") -> "AsyncIterator[Snapshot]":
         """
         The newest snapshot at once, then one message per poll tick, until the client or the agent ends it.
+        UNIMPLEMENTED at a gateway, as GetSnapshot is.
         """
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
@@ -1041,7 +1043,7 @@ class AgentBase(betterproto2_grpclib.ServiceBase):
 
     async def explain(self, message: "ExplainRequest") -> "Explanation":
         """
-        Evaluates one trigger's metadata the way ExternalScaler does, and shows every step.
+        Evaluates one trigger's metadata the way ExternalScaler does, and shows every step; at an agent or a gateway.
         """
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
