@@ -2,7 +2,8 @@
 
 The ``pynvml`` module is injected, so tests drive this class with a hand-written fake NVML.
 Error details name the call and the device, the way dcgm-exporter does:
-``nvmlDeviceGetUtilizationRates(gpu 3): GPU is lost``.
+``nvmlDeviceGetUtilizationRates(gpu 3): GPU is lost`` (``nvml_calls.py`` times each call and keeps its error;
+``nvml_readings.py`` has the readings that older drivers answer with another call).
 
 GPM metrics (Hopper and newer) are rates between two GPM samples, so the collector keeps each device's
 previous sample (``gpm.py``): the first tick has none and reads them as absent, never 0. PCIe and NVLink
@@ -22,6 +23,18 @@ from gpuscaler.agent.attribution.processes import ProcReader
 from gpuscaler.agent.collectors.base import CollectorUnavailable
 from gpuscaler.agent.collectors.gpm import GPM_FIELDS, GRAPHICS_PERCENT, GpmReader
 from gpuscaler.agent.collectors.interconnect import NVLINK_RX, NVLINK_TX, PCIE_RX, PCIE_TX, InterconnectReader
+from gpuscaler.agent.collectors.nvml_calls import (
+    FUNCTION_NOT_FOUND,
+    NOT_FOUND,
+    NOT_SUPPORTED,
+    CallObserver,
+    FieldReader,
+    describe_error,
+    error_kind,
+    text,
+    where,
+)
+from gpuscaler.agent.collectors.nvml_readings import process_utilization, read_memory_info, read_temperature
 from gpuscaler.model.samples import (
     DEVICE_FIELD,
     PROCESSES_FIELD,
@@ -31,24 +44,6 @@ from gpuscaler.model.samples import (
     ReadError,
     ReadErrorKind,
 )
-
-# NVML return codes (nvml.h); named here so a fake module needs only NVMLError with `.value`.
-NOT_SUPPORTED = 3
-NO_PERMISSION = 4
-DRIVER_NOT_LOADED = 9
-TIMEOUT = 10
-LIBRARY_NOT_FOUND = 12
-FUNCTION_NOT_FOUND = 13
-GPU_IS_LOST = 15
-RESET_REQUIRED = 16
-GPU_NOT_FOUND = 28
-NOT_FOUND = 6
-
-_DEVICE_GONE = {GPU_IS_LOST, RESET_REQUIRED, GPU_NOT_FOUND}
-_TEMPERATURE_GPU = 0  # NVML_TEMPERATURE_GPU
-_MEMORY_V2 = 0x02000028  # nvmlMemory_v2: `used` matches nvidia-smi (excludes reserved memory)
-
-CallObserver = Callable[[str, float, "int | None"], None]  # NVML function, seconds, error code or None
 
 START_HINT = (
     "run the agent with the NVIDIA container runtime (the chart's agent.runtimeClassName: nvidia), or mount the "
@@ -102,7 +97,7 @@ class NvmlCollector:
         try:
             self._nvml.nvmlInit()
         except self._nvml.NVMLError as error:
-            raise CollectorUnavailable(f"NVML is not available ({_describe(error)}): {START_HINT}") from None
+            raise CollectorUnavailable(f"NVML is not available ({describe_error(error)}): {START_HINT}") from None
 
     def close(self) -> None:
         self._gpm.close()  # frees every GPM sample NVML allocated for us, before NVML goes
@@ -113,7 +108,9 @@ class NvmlCollector:
         try:
             return self._discover()
         except self._nvml.NVMLError as error:
-            raise CollectorUnavailable(f"NVML could not list the GPUs ({_describe(error)}): {START_HINT}") from None
+            raise CollectorUnavailable(
+                f"NVML could not list the GPUs ({describe_error(error)}): {START_HINT}"
+            ) from None
 
     def _discover(self) -> Sequence[GpuIdentity]:
         nvml = self._nvml
@@ -122,16 +119,16 @@ class NvmlCollector:
         parents: dict[str, Any] = {}
         for index in range(nvml.nvmlDeviceGetCount()):
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
-            uuid = _text(nvml.nvmlDeviceGetUUID(handle))
-            name = _text(nvml.nvmlDeviceGetName(handle))
+            uuid = text(nvml.nvmlDeviceGetUUID(handle))
+            name = text(nvml.nvmlDeviceGetName(handle))
             instances = self._mig_instances(handle)
             if instances is None:
                 devices.append(GpuIdentity(index=index, uuid=uuid, name=name))
                 handles[uuid] = handle
                 continue
             for mig_handle in instances:
-                mig_uuid = _text(nvml.nvmlDeviceGetUUID(mig_handle))
-                mig_name = _text(nvml.nvmlDeviceGetName(mig_handle))
+                mig_uuid = text(nvml.nvmlDeviceGetUUID(mig_handle))
+                mig_name = text(nvml.nvmlDeviceGetName(mig_handle))
                 devices.append(GpuIdentity(index=index, uuid=mig_uuid, name=mig_name, mig_parent_uuid=uuid))
                 handles[mig_uuid] = mig_handle
                 parents[mig_uuid] = handle
@@ -167,7 +164,7 @@ class NvmlCollector:
         handle = self._handle(gpu)
         if isinstance(handle, ReadError):
             return GpuSample(gpu=gpu, node=self._node, errors=(handle,))
-        reader = _FieldReader(nvml, gpu, self.on_call)
+        reader = FieldReader(nvml, gpu, self.on_call)
         is_mig = gpu.mig_parent_uuid is not None
         physical = self._parents.get(gpu.uuid, handle) if is_mig else handle
 
@@ -179,10 +176,10 @@ class NvmlCollector:
         memory = reader.call(
             ("memory_used_bytes", "memory_total_bytes"),
             "nvmlDeviceGetMemoryInfo",
-            lambda: _memory_info(nvml, handle),
+            lambda: read_memory_info(nvml, handle),
         )
         temperature = reader.call(
-            ("temperature_celsius",), "nvmlDeviceGetTemperatureV", lambda: _temperature(nvml, physical)
+            ("temperature_celsius",), "nvmlDeviceGetTemperatureV", lambda: read_temperature(nvml, physical)
         )
         if is_mig:
             # The board's power is shared by every instance; summing it per instance would multiply it.
@@ -215,7 +212,7 @@ class NvmlCollector:
                 lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(handle),
             )
         if reader.device_gone:  # asking a lost GPU for more would only repeat NVML's answer
-            reader.absent(GPM_FIELDS, ReadErrorKind.GPU_LOST, f"{_where(gpu)} was lost during this read")
+            reader.absent(GPM_FIELDS, ReadErrorKind.GPU_LOST, f"{where(gpu)} was lost during this read")
             gpm: dict[str, float] = {}
             traffic: dict[str, float] = {}
         else:
@@ -259,7 +256,7 @@ class NvmlCollector:
             processes=processes,
         )
 
-    def _read_processes(self, gpu: GpuIdentity, handle: Any, reader: _FieldReader) -> tuple[ProcessUsage, ...] | None:
+    def _read_processes(self, gpu: GpuIdentity, handle: Any, reader: FieldReader) -> tuple[ProcessUsage, ...] | None:
         """Every compute process on the device with its utilisation, memory and pod; None when off or unreadable."""
         if self._processes is None:
             return None
@@ -272,7 +269,7 @@ class NvmlCollector:
         if running is None:
             return None
         since = int((self._wall_clock() - PROCESS_LOOKBACK_SECONDS) * 1_000_000)
-        utilization = _process_utilization(nvml, handle, since, reader)
+        utilization = process_utilization(nvml, handle, since, reader)
         memory = {int(p.pid): p.usedGpuMemory for p in running}
         pids = sorted(set(memory) | (set(utilization) if utilization is not None else set()))
         usages = []
@@ -297,7 +294,7 @@ class NvmlCollector:
             reader.absent(
                 (PROCESSES_FIELD,),
                 ReadErrorKind.NOT_SUPPORTED,
-                f"none of the {len(pids)} processes NVML lists on {_where(gpu)} is visible under "
+                f"none of the {len(pids)} processes NVML lists on {where(gpu)} is visible under "
                 f"{str(self._processes.proc_root)!r}: per-process reads need the host's PID namespace (the chart's "
                 "agent.processes.enabled sets hostPID)",
             )
@@ -313,7 +310,9 @@ class NvmlCollector:
         try:
             handle = self._nvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
         except self._nvml.NVMLError as error:
-            return ReadError(DEVICE_FIELD, _kind(error), f"nvmlDeviceGetHandleByUUID({gpu.uuid}): {_describe(error)}")
+            return ReadError(
+                DEVICE_FIELD, error_kind(error), f"nvmlDeviceGetHandleByUUID({gpu.uuid}): {describe_error(error)}"
+            )
         with self._lock:
             self._handles[gpu.uuid] = handle
         return handle
@@ -323,137 +322,3 @@ class NvmlCollector:
             self._handles.pop(gpu.uuid, None)
         self._gpm.forget(gpu.uuid)  # its previous GPM sample is from before the loss: no rate across it
         self._interconnect.forget(gpu.uuid)  # and its NVLink counters
-
-
-class _FieldReader:
-    """Calls NVML for some fields of one device and keeps one ReadError per field that failed."""
-
-    def __init__(self, nvml: Any, gpu: GpuIdentity, on_call: CallObserver | None) -> None:
-        self._nvml = nvml
-        self._gpu = gpu
-        self._on_call = on_call
-        self.errors: list[ReadError] = []
-        self.device_gone = False
-        self.where = _where(gpu)
-
-    def call(self, fields: Sequence[str], name: str, function: Callable[[], Any]) -> Any:
-        result, code = self.attempt(name, function)
-        if code is not None:
-            self.failed(fields, name, code)
-        return result
-
-    def attempt(self, name: str, function: Callable[[], Any]) -> tuple[Any, int | None]:
-        started = time.perf_counter()
-        try:
-            result = function()
-        except self._nvml.NVMLError as error:
-            code = int(getattr(error, "value", -1))
-            self._observe(name, started, code)
-            if code in _DEVICE_GONE:
-                self.device_gone = True
-            return None, code
-        self._observe(name, started, None)
-        return result, None
-
-    def failed(self, fields: Sequence[str], name: str, code: int) -> None:
-        self.absent(fields, _kind(_Code(code)), f"{name}({self.where}): {self.describe(code)}")
-
-    def describe(self, code: int) -> str:
-        return _describe(self._nvml.NVMLError(code))
-
-    def _observe(self, name: str, started: float, error_code: int | None) -> None:
-        if self._on_call is not None:
-            self._on_call(name, time.perf_counter() - started, error_code)
-
-    def absent(self, fields: Sequence[str], kind: ReadErrorKind, detail: str) -> None:
-        self.errors.extend(ReadError(field, kind, detail) for field in fields)
-
-
-class _Code:
-    """An NVML return code where an error object is expected (a GPM metric's own return code)."""
-
-    def __init__(self, value: int) -> None:
-        self.value = value
-
-
-def _where(gpu: GpuIdentity) -> str:
-    return f"mig {gpu.uuid}" if gpu.mig_parent_uuid else f"gpu {gpu.index}"
-
-
-def _process_utilization(
-    nvml: Any, handle: Any, since: int, reader: _FieldReader
-) -> dict[int, tuple[float, float]] | None:
-    """Each process's newest (SM %, memory %) since ``since`` (microseconds); None when NVML has no such figures.
-
-    NVML reports only the processes that ran since then: a process it lists as running and leaves out here
-    ran no kernel, which the caller reads as 0. NOT_FOUND is NVML's "no process ran"; drivers before
-    nvmlDeviceGetProcessesUtilizationInfo have nvmlDeviceGetProcessUtilization instead.
-    """
-
-    def newest(call: Callable[[], Any]) -> Any:
-        try:
-            return call()
-        except nvml.NVMLError as error:
-            # pynvml raises a bare NVMLError(0) when the driver answers "success, no samples" to its size query.
-            if error.value in (NOT_FOUND, 0):
-                return []
-            raise
-
-    fields = ("process_utilization",)
-    samples = reader.call(
-        fields,
-        "nvmlDeviceGetProcessesUtilizationInfo",
-        lambda: newest(lambda: nvml.nvmlDeviceGetProcessesUtilizationInfo(handle, since)),
-    )
-    if samples is None and reader.errors and reader.errors[-1].kind is ReadErrorKind.NOT_SUPPORTED:
-        reader.errors.pop()  # an older driver: the older call answers the same question
-        samples = reader.call(
-            fields,
-            "nvmlDeviceGetProcessUtilization",
-            lambda: newest(lambda: nvml.nvmlDeviceGetProcessUtilization(handle, since)),
-        )
-    if samples is None:
-        return None
-    found: dict[int, tuple[int, float, float]] = {}
-    for sample in samples:
-        pid, stamp = int(sample.pid), int(sample.timeStamp)
-        if pid not in found or stamp > found[pid][0]:
-            found[pid] = (stamp, float(sample.smUtil), float(sample.memUtil))
-    return {pid: (sm, mem) for pid, (_stamp, sm, mem) in found.items()}
-
-
-def _memory_info(nvml: Any, handle: Any) -> Any:
-    try:
-        return nvml.nvmlDeviceGetMemoryInfo(handle, version=_MEMORY_V2)
-    except nvml.NVMLError as error:
-        if error.value != FUNCTION_NOT_FOUND:
-            raise
-        return nvml.nvmlDeviceGetMemoryInfo(handle)  # drivers before v2 memory info
-
-
-def _temperature(nvml: Any, handle: Any) -> Any:
-    try:
-        return nvml.nvmlDeviceGetTemperatureV(handle, _TEMPERATURE_GPU)
-    except nvml.NVMLError as error:
-        if error.value != FUNCTION_NOT_FOUND:
-            raise
-        return nvml.nvmlDeviceGetTemperature(handle, _TEMPERATURE_GPU)
-
-
-def _kind(error: Any) -> ReadErrorKind:
-    code = getattr(error, "value", None)
-    if code in (NOT_SUPPORTED, FUNCTION_NOT_FOUND):
-        return ReadErrorKind.NOT_SUPPORTED
-    if code in _DEVICE_GONE:
-        return ReadErrorKind.GPU_LOST
-    if code == TIMEOUT:
-        return ReadErrorKind.TIMEOUT
-    return ReadErrorKind.OTHER
-
-
-def _describe(error: Any) -> str:
-    return f"{error} (NVML error {getattr(error, 'value', '?')})"
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
