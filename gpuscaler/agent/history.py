@@ -111,7 +111,7 @@ class History(AnnouncedSource):
             latest.taken_at,
             window_seconds=window.seconds,
             interval_seconds=self._interval_seconds,
-            rate=METRICS[window.metric].rate,
+            reading_covers_interval=METRICS[window.metric].reading_covers_interval,
         )
 
     def _series_of(self, node: str, seconds: float) -> dict[str, tuple[list[float], list[GpuSample]]]:

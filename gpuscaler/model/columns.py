@@ -112,7 +112,7 @@ def uuids(samples: Sequence[GpuSample]) -> list[str]:
 def metric_column(samples: Sequence[GpuSample], metric: Metric) -> list[float | None]:
     """``[sample.value(metric) for sample in samples]``, without making the records of lazy samples."""
     info = METRICS[metric]
-    if info.rate:
+    if not info.in_one_sample:
         return [None] * len(samples)
     values = column(samples, info.reading)
     if info.of is None:

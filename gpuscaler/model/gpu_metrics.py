@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpuscaler.model.aggregation import Aggregation
 
@@ -218,6 +218,24 @@ class MetricInfo:
     # The ``ProcessUsage`` field that gives one pod's own share of a shared GPU (``shares.py``); None when
     # NVML has no per-process figure for it and a pod reads the whole GPU's value.
     per_process: str | None = None
+    # What ``rate`` means elsewhere, said once here: code asks these, never ``rate`` but to compute one. Fields, not
+    # properties: read per GPU on every call. Whether one sample holds its value (its columns, a fake GPU's
+    # setting); a rate's needs two.
+    in_one_sample: bool = field(init=False)
+    # The window a query that names none reads: a rate's is the newest two samples (0 s, the only window of 0 s
+    # there is); None for every other metric, which reads the newest sample.
+    default_window_seconds: float | None = field(init=False)
+    # Whether ``windowFunction`` reduces it over a window; a rate over a window is its average by construction.
+    takes_window_function: bool = field(init=False)
+    # Whether one reading stands for the poll interval that ends at it (a gauge; GPM's rates over exactly that
+    # interval); a counter's rate covers only the span between its first and last reading.
+    reading_covers_interval: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "in_one_sample", not self.rate)
+        object.__setattr__(self, "default_window_seconds", 0.0 if self.rate else None)
+        object.__setattr__(self, "takes_window_function", not self.rate)
+        object.__setattr__(self, "reading_covers_interval", not self.rate)
 
     @property
     def fields(self) -> tuple[str, ...]:

@@ -136,7 +136,7 @@ class GpuSample(NamedTuple):
         A rate (``power_average``) has no value in one sample: it needs two (see ``rates.py``).
         """
         info = METRICS[metric]
-        if info.rate:
+        if not info.in_one_sample:
             return None
         reading = getattr(self, info.reading)
         if info.of is None:

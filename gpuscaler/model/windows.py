@@ -37,7 +37,7 @@ class WindowKey(NamedTuple):
     function: WindowFunction
 
     def describe(self) -> str:
-        if METRICS[self.metric].rate:
+        if not METRICS[self.metric].takes_window_function:
             return f"{self.metric.value} {self.describe_span()}"
         return f"{self.function.value} of {self.metric.value} {self.describe_span()}"
 
@@ -63,20 +63,21 @@ class Windowed(NamedTuple):
 
 
 def covered(
-    oldest: float, newest: float, *, window_seconds: float, interval_seconds: float, rate: bool
+    oldest: float, newest: float, *, window_seconds: float, interval_seconds: float, reading_covers_interval: bool
 ) -> float | None:
     """How many seconds of a window of ``window_seconds`` readings taken from ``oldest`` to ``newest`` (the
     window's end) cover; None when they cover all of it.
 
     An agent's history starts when the agent does, so for one window length after a start or a restart (every
     DaemonSet rollout) its windows hold less than they say. A reading stands for the poll interval that ends at
-    it (GPM's readings are rates over exactly that), so one reading covers one interval; a rate covers the span
-    between its first and last reading. Within half a poll interval of the whole counts as the whole: ticks
-    jitter. A window of 0 seconds (a rate between the newest two samples) has no length to cover.
+    it (GPM's readings are rates over exactly that), so one reading covers one interval
+    (``reading_covers_interval``); a counter's rate covers the span between its first and last reading. Within
+    half a poll interval of the whole counts as the whole: ticks jitter. A window of 0 seconds (a rate between the
+    newest two samples) has no length to cover.
     """
     if window_seconds == 0:
         return None
-    seconds = newest - oldest + (0.0 if rate else interval_seconds)
+    seconds = newest - oldest + (interval_seconds if reading_covers_interval else 0.0)
     if seconds >= window_seconds - interval_seconds / 2:
         return None
     return max(seconds, 0.0)

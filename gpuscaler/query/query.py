@@ -158,7 +158,8 @@ class ValueQuery:
         """The GPU-level window reduction it reads, if it has a window. A rate always has one: without
         ``window`` it is the rate between the newest two samples (``seconds`` 0)."""
         if self.window_seconds is None:
-            return WindowKey(self.metric, 0.0, self.window_function) if METRICS[self.metric].rate else None
+            default = METRICS[self.metric].default_window_seconds
+            return None if default is None else WindowKey(self.metric, default, self.window_function)
         return WindowKey(self.metric, self.window_seconds, self.window_function)
 
 

@@ -113,7 +113,8 @@ def window_key_from_wire(spec: pb.WindowSpec | agent_pb2.WindowSpec) -> WindowKe
         function = WindowFunction(spec.function)
     except ValueError:
         raise ValueError(f"window function {spec.function!r} is not one of avg, max, min, last") from None
-    if not math.isfinite(spec.seconds) or spec.seconds < 0 or (spec.seconds == 0 and not METRICS[metric].rate):
+    zero_allowed = METRICS[metric].default_window_seconds == 0  # a rate between the newest two samples
+    if not math.isfinite(spec.seconds) or spec.seconds < 0 or (spec.seconds == 0 and not zero_allowed):
         raise ValueError(f"window seconds {spec.seconds!r} must be a finite number above 0 (0 only for a rate)")
     return WindowKey(metric, spec.seconds, function)
 

@@ -33,7 +33,7 @@ def contribution_of(
     own_uid = share.pod_uid if share is not None else None
     info = METRICS[query.metric]
     latest: float | None = None
-    if info.rate:  # no value in one sample: its window (at least the newest two samples) has it
+    if not info.in_one_sample:  # a rate: its window (at least the newest two samples) has it
         readable = getattr(sample, info.reading) is not None
     else:
         latest = sample.value(query.metric) if own_uid is None else pod_share(sample, query.metric, own_uid)

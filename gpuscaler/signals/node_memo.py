@@ -104,8 +104,7 @@ def _from_columns(query: ValueQuery, part: Snapshot, source: SnapshotSource) -> 
     Its values come from the node's columns, and its contributions, made on demand, are the ones
     ``contribution_of`` makes (tests/signals/test_node_memo.py compares them); None for every other case.
     """
-    info = METRICS[query.metric]
-    if info.rate:
+    if not METRICS[query.metric].in_one_sample:
         return None
     samples = part.samples
     now = metric_column(samples, query.metric)

@@ -25,4 +25,7 @@ def test_a_window_covers_its_readings_span_and_the_interval_the_oldest_stands_fo
 ) -> None:
     """Readings from ``oldest`` to ``newest`` at a 0.5 s poll cover their span plus one interval (a rate: its
     span); within half an interval of the window is the whole window (None)."""
-    assert covered(oldest, newest, window_seconds=window, interval_seconds=0.5, rate=rate) == expected
+    spans = not rate  # a gauge's reading stands for its poll interval; a rate's readings only for their span
+    assert covered(oldest, newest, window_seconds=window, interval_seconds=0.5, reading_covers_interval=spans) == (
+        expected
+    )

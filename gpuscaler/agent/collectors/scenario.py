@@ -248,12 +248,12 @@ def _mapping(document: Any, path: str, allowed: set[str] | None) -> Mapping[Any,
 
 
 def _metric(name: Any, path: str) -> Metric:
-    settable = [metric.value for metric, info in METRICS.items() if not info.rate]
+    settable = [metric.value for metric, info in METRICS.items() if info.in_one_sample]
     try:
         metric = Metric(name)
     except ValueError:
         raise ConfigError(f"{path}: {name!r} is not a metric; use one of: {', '.join(settable)}") from None
-    if METRICS[metric].rate:
+    if not METRICS[metric].in_one_sample:
         raise ConfigError(
             f"{path}: {name!r} is computed from the energy counter, which a fake GPU counts from its power draw; "
             "set power_draw or power_percent"
