@@ -12,14 +12,8 @@ import structlog
 from gpuscaler.gateway.engines import page_reader as page_reader_module
 from gpuscaler.gateway.engines.limits import ScrapeLimits
 from gpuscaler.gateway.engines.page_reader import PageBody, PageReader, ScrapeFailed
-from gpuscaler.gateway.engines.scraper import (
-    BACKOFF_MAX_SECONDS,
-    FORGET_AFTER_SECONDS,
-    EngineScraper,
-    backoff_seconds,
-    namespace_share,
-    once_slots,
-)
+from gpuscaler.gateway.engines.scraper import EngineScraper, namespace_share, once_slots
+from gpuscaler.gateway.engines.wanted import BACKOFF_MAX_SECONDS, FORGET_AFTER_SECONDS, backoff_seconds
 from gpuscaler.model.engines import Engine, EnginePage
 from gpuscaler.signals.engine_pods import Endpoint
 from tests.fakes.fake_engine import FakeEngine

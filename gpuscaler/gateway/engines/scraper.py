@@ -9,8 +9,9 @@ Slots are shared by namespace, the unit a cluster gives a tenant (its RBAC, its 
 reads wait in one queue per namespace, and a free slot goes to the next namespace in turn, so a namespace's many or
 slow pods make its own reads wait, not another's. One namespace holds at most ``namespace_share`` of the slots, so
 a tenant's pods that never answer cannot hold every slot for a timeout. A pod whose reads keep failing is read
-less often (``backoff_seconds``, due from when each read ends, by that read's result); its answer stays its
-failure, never an older page made to look fresh. Each read is ``page_reader.PageReader``'s, and bounded there.
+less often (``wanted.backoff_seconds``, due from when each read ends, by that read's result); its answer stays its
+failure, never an older page made to look fresh. What the scraper keeps of each pod, its pace and its backoff, is
+``wanted.WantedPod``; each read is ``page_reader.PageReader``'s, and bounded there.
 
 A read path (Explain, a preview of KEDA's calls) wants nothing: ``read_once`` reads the pods no query wants once for
 its one answer, on at most ``once_slots`` slots of its own, within the caller's deadline, and keeps nothing.
@@ -31,6 +32,7 @@ import structlog
 from gpuscaler.gateway.engines.limits import DEFAULT_SCRAPE_LIMITS, ScrapeLimits
 from gpuscaler.gateway.engines.page import MalformedPage
 from gpuscaler.gateway.engines.page_reader import PageReader, ScrapeFailed
+from gpuscaler.gateway.engines.wanted import FORGET_AFTER_SECONDS, WantedPod
 from gpuscaler.model.engines import Engine, PodScrape
 from gpuscaler.server.overload import LimitsActed
 from gpuscaler.signals.engine_pods import Endpoint
@@ -38,20 +40,10 @@ from gpuscaler.signals.engine_source import PodKey
 
 log = structlog.get_logger(__name__)
 
-# KEDA polls every 30 s: a pod asked for by polls alone is read for a while after each, so the next finds it fresh.
-# A push stream asks again after every scrape of its pods (``Evaluator``), well within this.
-FORGET_AFTER_SECONDS = 120.0
 # How often the loop looks for pods that are due, while any is wanted: a scrape starts at most this late. Listeners
 # hear of the scrapes that landed at most this often too, so a thousand pods read a second wake push streams
 # twenty times, not a thousand.
 TICK_SECONDS = 0.05
-# A pod whose reads keep failing is next read after its interval doubled per failure in a row, up to this (or its
-# interval, when that is longer): a dead pod costs a slot for a timeout about every 10 s, not every interval, and
-# one that comes back is read again within 10 s.
-BACKOFF_MAX_SECONDS = 10.0
-# The distinct intervals a pod remembers being asked at; past it the longest is forgotten first, which can only
-# keep the pod read more often than asked, never less. Queries on one pod rarely ask more than two or three.
-MAX_ASKED_INTERVALS = 16
 # The limits the scraper counts (gpuscaler_gateway_engine_limited_total{limit}), docs/security.md says each.
 LIMITS = ("namespace_share", "backoff", "first_read_wait", "max_pods_per_selection")
 
@@ -67,32 +59,9 @@ def once_slots(concurrency: int) -> int:
     return max(1, concurrency // 4)
 
 
-def backoff_seconds(interval: float, failures: int) -> float:
-    """How long after a read the next one is due, when the reads have failed ``failures`` times in a row."""
-    if failures <= 1:
-        return interval
-    return max(interval, min(interval * 2.0 ** (failures - 1), BACKOFF_MAX_SECONDS))
-
-
-@dataclass(slots=True)
-class _Wanted:
-    engine: Engine
-    endpoint: Endpoint
-    interval: float  # the shortest in ``asks``
-    asked_at: float
-    due_at: float  # when the next read is due; set when a read ends, from its result
-    first: asyncio.Future[None]  # done once the first read has landed (or the pod is no longer wanted)
-    scrape: PodScrape | None = None
-    task: asyncio.Task[None] | None = None
-    queued_at: float | None = None  # while it waits in its namespace's queue for a slot
-    held_back: bool = False  # it waited because its namespace held its share (counted once per read)
-    failures: int = 0  # reads failed in a row
-    asks: dict[float, float] = field(default_factory=dict)  # interval -> when it was last asked
-
-
 @dataclass(slots=True)
 class _Namespace:
-    queue: deque[tuple[PodKey, _Wanted]] = field(default_factory=deque)
+    queue: deque[tuple[PodKey, WantedPod]] = field(default_factory=deque)
     reading: int = 0
 
 
@@ -109,7 +78,7 @@ class EngineScraper:
         """``clock`` and ``reader``: a test's fake time and pages; by default the monotonic clock and HTTP."""
         self.limits = limits or DEFAULT_SCRAPE_LIMITS
         self._clock = clock
-        self._wanted: dict[PodKey, _Wanted] = {}
+        self._wanted: dict[PodKey, WantedPod] = {}
         self._generation = 0  # EngineSource.generation
         self._listeners: list[Callable[[], None]] = []
         self._notify_scheduled = False
@@ -166,7 +135,7 @@ class EngineScraper:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for wanted in self._wanted.values():
-            _settle(wanted)
+            wanted.settle()
         await self._reader.close()
 
     def want(self, pod: PodKey, engine: Engine, endpoint: Endpoint, interval_seconds: float) -> None:
@@ -178,20 +147,12 @@ class EngineScraper:
             if wanted is not None:
                 self._drop(wanted)
             first = asyncio.get_running_loop().create_future()
-            wanted = self._wanted[pod] = _Wanted(engine, endpoint, interval_seconds, now, now, first)
+            wanted = self._wanted[pod] = WantedPod(engine, endpoint, interval_seconds, now, now, first)
             wanted.asks[interval_seconds] = now
             self._someone_wants.set()
             self._enqueue(pod, wanted)
             return
-        wanted.asked_at = now
-        wanted.asks.pop(interval_seconds, None)  # re-inserted: the dict stays in order of last ask
-        wanted.asks[interval_seconds] = now
-        if len(wanted.asks) > MAX_ASKED_INTERVALS:
-            del wanted.asks[max(i for i in wanted.asks if i != interval_seconds)]
-        if interval_seconds < wanted.interval:
-            wanted.interval = interval_seconds
-            if wanted.failures == 0:
-                wanted.due_at = min(wanted.due_at, now + interval_seconds)
+        wanted.ask(interval_seconds, now)
 
     def scrape(self, pod: PodKey) -> PodScrape | None:
         """The newest scrape of ``pod``, if it is read now; a read, which changes nothing."""
@@ -284,8 +245,7 @@ class EngineScraper:
         for pod in [p for p, w in self._wanted.items() if now - w.asked_at > FORGET_AFTER_SECONDS]:
             self._drop(self._wanted.pop(pod))
         for pod, wanted in self._wanted.items():
-            if wanted.asks and now - next(iter(wanted.asks.values())) > FORGET_AFTER_SECONDS:  # the oldest ask
-                _forget_old_asks(wanted, now)
+            wanted.forget_old_asks(now)
             if wanted.task is None and wanted.queued_at is None and now >= wanted.due_at:
                 self._enqueue(pod, wanted, dispatch=False)
         self._dispatch()  # once for all the reads that fell due, not once each
@@ -298,15 +258,15 @@ class EngineScraper:
             self.tick()
             await asyncio.sleep(TICK_SECONDS)
 
-    def _drop(self, wanted: _Wanted) -> None:
+    def _drop(self, wanted: WantedPod) -> None:
         # No longer wanted (forgotten, or its address changed): its queue entry is skipped, its read cancelled.
         self._generation += 1  # its scrape is no longer an answer
         wanted.queued_at = None
         if wanted.task is not None:
             wanted.task.cancel()
-        _settle(wanted)
+        wanted.settle()
 
-    def _enqueue(self, pod: PodKey, wanted: _Wanted, *, dispatch: bool = True) -> None:
+    def _enqueue(self, pod: PodKey, wanted: WantedPod, *, dispatch: bool = True) -> None:
         wanted.queued_at = self._clock()
         wanted.held_back = False
         namespace = self._namespaces.get(pod[0])
@@ -345,14 +305,14 @@ class EngineScraper:
             if namespace.queue:
                 self._turns.append(name)
 
-    def _next_of(self, namespace: _Namespace) -> tuple[PodKey, _Wanted] | None:
+    def _next_of(self, namespace: _Namespace) -> tuple[PodKey, WantedPod] | None:
         while namespace.queue:
             pod, wanted = namespace.queue.popleft()
             if self._wanted.get(pod) is wanted and wanted.queued_at is not None:
                 return pod, wanted
         return None
 
-    def _begin(self, entry: tuple[PodKey, _Wanted], namespace: _Namespace) -> None:
+    def _begin(self, entry: tuple[PodKey, WantedPod], namespace: _Namespace) -> None:
         pod, wanted = entry
         queued_at = wanted.queued_at if wanted.queued_at is not None else self._clock()
         wanted.queued_at = None
@@ -373,7 +333,7 @@ class EngineScraper:
             del self._namespaces[name]
         self._dispatch()
 
-    async def _scrape(self, pod: PodKey, wanted: _Wanted, queued_at: float) -> None:
+    async def _scrape(self, pod: PodKey, wanted: WantedPod, queued_at: float) -> None:
         try:
             body = await self._reader.fetch(wanted.endpoint)
             page = await self._reader.parse(body, wanted.engine, at=self._clock())
@@ -382,46 +342,31 @@ class EngineScraper:
             outcome = "ok"
         except (ScrapeFailed, MalformedPage) as error:
             outcome = "malformed" if isinstance(error, MalformedPage) else error.outcome
-            self._failed(wanted, str(error))
+            wanted.failed(str(error))
         except TimeoutError:
             outcome = "timeout"
-            self._failed(wanted, f"no answer within {self.limits.timeout_seconds:g}s")
+            wanted.failed(f"no answer within {self.limits.timeout_seconds:g}s")
         except aiohttp.ClientError as error:
             outcome = "error"
-            self._failed(wanted, _cannot_read(error))
+            wanted.failed(_cannot_read(error))
         except Exception as error:  # a bug of ours or aiohttp's: the pod is unread, reads go on
             outcome = "error"
             log.exception("engine_scrape_failed", pod=f"{pod[0]}/{pod[1]}", url=wanted.endpoint.url)
-            self._failed(wanted, _cannot_read(error))
+            wanted.failed(_cannot_read(error))
         finally:
             if self._wanted.get(pod) is wanted:
                 wanted.task = None
-        wanted.failures = 0 if outcome == "ok" else wanted.failures + 1
-        # The next read is due by this one's result. From when this one was due, so that starting up to a tick
-        # late does not stretch every interval; from now when it is a whole interval behind (a first read, a slow
-        # page, a timeout).
-        delay = backoff_seconds(wanted.interval, wanted.failures)
-        now = self._clock()
-        wanted.due_at = wanted.due_at + delay if now - wanted.due_at < delay else now + delay
+        delay = wanted.read_ended(outcome == "ok", self._clock())
         if delay > wanted.interval:
             self.note_limited(
                 "backoff", pod=f"{pod[0]}/{pod[1]}", failures=wanted.failures, next_in_seconds=round(delay, 3)
             )
-        _settle(wanted)
+        wanted.settle()
         self._generation += 1
         self.results[outcome] = self.results.get(outcome, 0) + 1
         for observer in self.on_scrape:
             observer(self._clock() - queued_at, outcome)
         self._notify_soon()
-
-    def _failed(self, wanted: _Wanted, reason: str) -> None:
-        before = wanted.scrape
-        wanted.scrape = PodScrape(
-            wanted.endpoint.url,
-            before.page if before is not None else None,
-            before.previous if before is not None else None,
-            reason,
-        )
 
     def _notify_soon(self) -> None:
         if self._notify_scheduled:
@@ -441,17 +386,3 @@ _NO_TIME = "not read within the call's deadline (a read path reads a pod no quer
 
 def _cannot_read(error: Exception) -> str:
     return f"cannot read it: {type(error).__name__}: {str(error)[:160]}"
-
-
-def _forget_old_asks(wanted: _Wanted, now: float) -> None:
-    """Drop the intervals not asked for within FORGET_AFTER_SECONDS; the pod is then read at the shortest left."""
-    for interval in [i for i, at in wanted.asks.items() if now - at > FORGET_AFTER_SECONDS]:
-        del wanted.asks[interval]
-    if wanted.asks:
-        wanted.interval = min(wanted.asks)
-
-
-def _settle(wanted: _Wanted) -> None:
-    """Wake whoever waits for the pod's first read."""
-    if not wanted.first.done():
-        wanted.first.set_result(None)
