@@ -17,7 +17,17 @@ from typing import Any
 import yaml
 
 from e2e.keda.control_plane import Json
-from e2e.node.cluster import CHART, Deadline, NodeCluster, condition
+from e2e.node.cluster import (
+    CHART,
+    GPU_RESOURCE,
+    Deadline,
+    Holding,
+    NodeCluster,
+    condition,
+    eventually,
+    in_thread,
+    pod_resources,
+)
 from e2e.node.node import NVIDIA_RUNTIME
 from e2e.support.agent import CONSOLE_SCRIPT
 from e2e.support.clients import query_json
@@ -156,3 +166,66 @@ def counted_gpus(answer: Json) -> dict[str, str]:
         for gpu in gpus
         if gpu.get("included")
     }
+
+
+def uuid_index(uuid: str) -> int:
+    """The fake GPU's index in its UUID (GPU-fake-<node>-<index>, and ::<n> for a time-sliced replica)."""
+    return int(uuid.split("::")[0].rsplit("-", 1)[1])
+
+
+async def held(cluster: NodeCluster, namespace_name: str, app: str, pods: list[Json] | None = None) -> dict[str, str]:
+    """The GPUs the kubelet reports for ``pods`` (default: every pod of Deployment ``app`` now), by UUID (a
+    time-sliced replica as its GPU), to ns/pod."""
+    if pods is None:
+        pods = await in_thread(cluster.pods, namespace_name, f"app={app}")
+    names = {pod["metadata"]["name"] for pod in pods}
+    holdings: list[Holding] = await pod_resources()
+    return {
+        device.split("::")[0]: f"{h.namespace}/{h.pod}"
+        for h in holdings
+        if h.namespace == namespace_name and h.pod in names and h.resource == GPU_RESOURCE
+        for device in h.device_ids
+    }
+
+
+async def wait_counted(
+    cluster: NodeCluster, address: str, metadata: dict[str, str], expected: dict[str, str] | tuple[str, str]
+) -> tuple[Json, dict[str, str]]:
+    """Waits until the gateway's answer for ``metadata`` counts exactly ``expected`` (uuid -> ns/pod), or, given
+    (namespace, app), exactly what the kubelet reports for that Deployment's pods at the time; returns the answer
+    and the GPUs."""
+
+    async def ask() -> tuple[Json, dict[str, str]]:
+        wanted = expected if isinstance(expected, dict) else await held(cluster, *expected)
+        return await query(address, metadata), wanted
+
+    return await eventually(
+        f"the gateway to count exactly the GPUs of {expected} for {metadata}",
+        60,
+        ask,
+        lambda found: counted_gpus(found[0]) == found[1],
+    )
+
+
+def metric_value(answer: Json) -> float:
+    """The value an answer's GetMetrics returned; fails the test if GetMetrics failed."""
+    metrics = answer["get_metrics"]
+    assert metrics["ok"], f"GetMetrics failed: {metrics}"
+    return float(metrics["fields"]["metricValues"][0]["metricValueFloat"])
+
+
+def wait_scaled_object_ready(cluster: NodeCluster, ns: str, name: str) -> Json:
+    """Waits until KEDA makes ScaledObject ``ns/name`` Ready, and checks that it made its HPA."""
+    path = f"/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects/{name}"
+
+    def ready(found: Json | None) -> bool:
+        conditions = ((found or {}).get("status") or {}).get("conditions") or []
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+    found = Deadline(f"ScaledObject {ns}/{name} Ready", 60).until(
+        lambda: cluster.kube.get(path), ready, cluster.check_alive
+    )
+    assert found is not None
+    hpa = cluster.kube.get(f"/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers/keda-hpa-{name}")
+    assert hpa is not None, f"KEDA made no HPA for {name}: {found.get('status')}"
+    return found

@@ -15,9 +15,9 @@ from collections.abc import Generator, Iterator
 import pytest
 
 from e2e.keda import tools
-from e2e.keda.control_plane import ControlPlane
+from e2e.keda.control_plane import ControlPlane, namespace
 from e2e.node import host
-from e2e.node.chart import GPU_NODE_LABEL, RUNTIME_CLASS
+from e2e.node.chart import GPU_NODE_LABEL, NAMESPACE, RUNTIME_CLASS, Release, install
 from e2e.node.cluster import CHART_IMAGE, NodeCluster
 from e2e.node.images import ImageArchive, suite_images
 from e2e.node.node import NODE_SETTINGS, Node
@@ -30,7 +30,8 @@ from tests.tools import programs as located_programs
 collect_ignore_glob = [] if os.environ.get("GPUSCALER_E2E_NODE") == "1" else ["test_*.py"]
 
 CLUSTER = pytest.StashKey[NodeCluster]()
-FAKE_GPUS = 4
+# Eight: two pods of four GPUs each fit on the node, as a multi-GPU workload needs.
+FAKE_GPUS = 8
 MEASUREMENTS: list[str] = []
 
 
@@ -57,7 +58,7 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             try:
                 images: list[ImageArchive] = suite_images(directory / "images")
                 node.start(images)
-                # The chart's fake collector makes 4 GPUs by default (agent.fake.gpus).
+                # The journeys' agent fakes as many (agent.fake.gpus, set in `installed`).
                 node.start_device_plugin(FAKE_GPUS)
                 world = NodeCluster(plane, node, helm, directory)
                 record(f"node cluster: started in {time.monotonic() - started:.1f} s (tools already built)")
@@ -84,6 +85,22 @@ def chart_cluster(cluster: NodeCluster) -> NodeCluster:
     cluster.node.label(dict([GPU_NODE_LABEL]))
     cluster.apply(RUNTIME_CLASS)
     return cluster
+
+
+@pytest.fixture(scope="module")
+def installed(chart_cluster: NodeCluster) -> Iterator[Release]:
+    """The chart as the README installs it, with the documented podResources on, and the fake collector making as
+    many GPUs as the device plugin offers (the chart's default is 4); uninstalled after the module."""
+    kube = chart_cluster.kube
+    document = namespace(NAMESPACE)
+    document["metadata"]["labels"] = {"pod-security.kubernetes.io/enforce": "privileged"}
+    kube.apply(document)
+    release = install(chart_cluster, sets={"agent.podResources.enabled": "true", "agent.fake.gpus": str(FAKE_GPUS)})
+    try:
+        release.wait_ready()
+        yield release
+    finally:
+        release.uninstall()
 
 
 @pytest.hookimpl(wrapper=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,13 +20,22 @@ import yaml
 
 from e2e.keda.control_plane import Json, namespace
 from e2e.keda.scenario import ReplicaHistory, expected_replicas, scaled_object
-from e2e.node.chart import EXAMPLES, NAMESPACE, Release, counted_gpus, fake_set, install, query
+from e2e.node.chart import (
+    EXAMPLES,
+    Release,
+    fake_set,
+    held,
+    metric_value,
+    query,
+    uuid_index,
+    wait_counted,
+    wait_scaled_object_ready,
+)
 from e2e.node.cluster import (
     CHART_IMAGE,
     GPU_RESOURCE,
     REPOSITORY_ROOT,
     Deadline,
-    Holding,
     NodeCluster,
     eventually,
     gpu_deployment,
@@ -65,66 +73,6 @@ BUSY_REQUESTS = 36.0
 VALUE_TOLERANCE = 0.05
 
 
-@pytest.fixture(scope="module")
-def installed(chart_cluster: NodeCluster) -> Iterator[Release]:
-    """The chart as the README installs it, with the documented podResources on; uninstalled after the module."""
-    kube = chart_cluster.kube
-    document = namespace(NAMESPACE)
-    document["metadata"]["labels"] = {"pod-security.kubernetes.io/enforce": "privileged"}
-    kube.apply(document)
-    release = install(chart_cluster, sets={"agent.podResources.enabled": "true"})
-    try:
-        release.wait_ready()
-        yield release
-    finally:
-        release.uninstall()
-
-
-def uuid_index(uuid: str) -> int:
-    """The fake GPU's index in its UUID (GPU-fake-<node>-<index>, and ::<n> for a time-sliced replica)."""
-    return int(uuid.split("::")[0].rsplit("-", 1)[1])
-
-
-async def held(cluster: NodeCluster, namespace_name: str, app: str, pods: list[Json] | None = None) -> dict[str, str]:
-    """The GPUs the kubelet reports for ``pods`` (default: every pod of Deployment ``app`` now), by UUID (a
-    time-sliced replica as its GPU), to ns/pod."""
-    if pods is None:
-        pods = await in_thread(cluster.pods, namespace_name, f"app={app}")
-    names = {pod["metadata"]["name"] for pod in pods}
-    holdings: list[Holding] = await pod_resources()
-    return {
-        device.split("::")[0]: f"{h.namespace}/{h.pod}"
-        for h in holdings
-        if h.namespace == namespace_name and h.pod in names and h.resource == GPU_RESOURCE
-        for device in h.device_ids
-    }
-
-
-async def wait_counted(
-    cluster: NodeCluster, address: str, metadata: dict[str, str], expected: dict[str, str] | tuple[str, str]
-) -> tuple[Json, dict[str, str]]:
-    """Waits until the gateway's answer for ``metadata`` counts exactly ``expected`` (uuid -> ns/pod), or, given
-    (namespace, app), exactly what the kubelet reports for that Deployment's pods at the time; returns the answer
-    and the GPUs."""
-
-    async def ask() -> tuple[Json, dict[str, str]]:
-        wanted = expected if isinstance(expected, dict) else await held(cluster, *expected)
-        return await query(address, metadata), wanted
-
-    return await eventually(
-        f"the gateway to count exactly the GPUs of {expected} for {metadata}",
-        60,
-        ask,
-        lambda found: counted_gpus(found[0]) == found[1],
-    )
-
-
-def _value(answer: Json) -> float:
-    metrics = answer["get_metrics"]
-    assert metrics["ok"], f"GetMetrics failed: {metrics}"
-    return float(metrics["fields"]["metricValues"][0]["metricValueFloat"])
-
-
 async def test_keda_scales_a_gpu_workload_on_exactly_its_own_gpus(installed: Release) -> None:
     """trainer's pods hold one GPU each. Its busy GPUs scale it 1 -> 2 -> 3 (AverageValue, target 60), each new pod
     starts on an idle GPU of its own, and the gateway counts exactly the GPUs trainer's pods hold; idle, it goes back
@@ -145,14 +93,14 @@ async def test_keda_scales_a_gpu_workload_on_exactly_its_own_gpus(installed: Rel
         gpus = await held(cluster, ns, app, pods)
         assert len(gpus) == replicas, f"{replicas} pods hold {gpus}"
         answer, _ = await wait_counted(cluster, address, asked, gpus)
-        assert _value(answer) == pytest.approx(90.0 * busy), answer["get_metrics"]
+        assert metric_value(answer) == pytest.approx(90.0 * busy), answer["get_metrics"]
         return gpus
 
     gpus = await step(1, 0)
     manifest = scaled_object(app, trigger="external", metadata=metadata, min_replicas=1, max_replicas=FAKE_GPUS)
     manifest["metadata"]["namespace"] = ns
     await in_thread(cluster.apply, manifest)
-    await in_thread(_wait_scaled_object_ready, cluster, ns, app)
+    await in_thread(wait_scaled_object_ready, cluster, ns, app)
 
     busy: list[str] = []
     for replicas in (2, 3):
@@ -272,7 +220,7 @@ async def test_a_documented_scaled_object_scales_its_workload(installed: Release
         await wait_counted(cluster, address, asked, (signal_ns, signal))
 
         await in_thread(cluster.apply, manifest)
-        await in_thread(_wait_scaled_object_ready, cluster, ns, name)
+        await in_thread(wait_scaled_object_ready, cluster, ns, name)
         _, start = await history.wait_for(lambda replicas: True, 30, "recorded")
         await history.hold(start, SETTLE_SECONDS)  # idle GPUs: KEDA leaves it where it is
         busy_at = time.monotonic()
@@ -350,7 +298,7 @@ async def test_an_engine_example_scales_its_deployment_on_its_engine(
         # The ScaledObject first: scaleTargetPods selects the pods of its scaleTargetRef, which the gateway learns
         # from the ScaledObject itself.
         await in_thread(cluster.apply, manifest)
-        await in_thread(_wait_scaled_object_ready, cluster, ns, name)
+        await in_thread(wait_scaled_object_ready, cluster, ns, name)
         _, start = await history.wait_for(lambda replicas: True, 30, "recorded")
         assert start == len(pods), history.describe()
 
@@ -362,7 +310,7 @@ async def test_an_engine_example_scales_its_deployment_on_its_engine(
             f"the gateway to read 0 from exactly {sorted(ready)} for {asked}",
             60,
             ask,
-            lambda answer: answer["get_metrics"]["ok"] and included_pods(answer) == ready and _value(answer) == 0,
+            lambda answer: answer["get_metrics"]["ok"] and included_pods(answer) == ready and metric_value(answer) == 0,
         )
         target = float(idle["get_metric_spec"]["fields"]["metricSpecs"][0]["targetSizeFloat"])
         await history.hold(start, SETTLE_SECONDS)  # an empty queue: KEDA leaves it where it is
@@ -374,7 +322,9 @@ async def test_an_engine_example_scales_its_deployment_on_its_engine(
             f"the gateway's answer to reach {value:g} for {asked}",
             60,
             ask,
-            lambda answer: answer["get_metrics"]["ok"] and _value(answer) == pytest.approx(value, rel=VALUE_TOLERANCE),
+            lambda answer: (
+                answer["get_metrics"]["ok"] and metric_value(answer) == pytest.approx(value, rel=VALUE_TOLERANCE)
+            ),
         )
         expected = expected_replicas(metric_type, value=value, target=target, current=start, maximum=maximum)
         assert expected > start, f"{BUSY_REQUESTS:g} requests must ask for more than {start} replicas"
@@ -384,8 +334,8 @@ async def test_an_engine_example_scales_its_deployment_on_its_engine(
         assert reached == expected, f"{name}: the HPA's first step was to {reached}, not {expected}"
         record(
             f"engines/{name} ({trigger['metadata']['profile']}, {metric_type.value}, target {target:g}): value "
-            f"{_value(answer):.3g}, {start} -> {reached} {at - busy_at:.1f} s after one pod's fake {engine.value} got "
-            f"{BUSY_REQUESTS:g} requests; replicas {history.describe()}"
+            f"{metric_value(answer):.3g}, {start} -> {reached} {at - busy_at:.1f} s after one pod's fake "
+            f"{engine.value} got {BUSY_REQUESTS:g} requests; replicas {history.describe()}"
         )
         history.stop()
     finally:
@@ -394,22 +344,6 @@ async def test_an_engine_example_scales_its_deployment_on_its_engine(
         await in_thread(cluster.delete, workload)
         await in_thread(cluster.wait_running, ns, selector, 0)
         await in_thread(cluster.delete, config_map(ns))
-
-
-def _wait_scaled_object_ready(cluster: NodeCluster, ns: str, name: str) -> Json:
-    path = f"/apis/keda.sh/v1alpha1/namespaces/{ns}/scaledobjects/{name}"
-
-    def ready(found: Json | None) -> bool:
-        conditions = ((found or {}).get("status") or {}).get("conditions") or []
-        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
-
-    found = Deadline(f"ScaledObject {ns}/{name} Ready", 60).until(
-        lambda: cluster.kube.get(path), ready, cluster.check_alive
-    )
-    assert found is not None
-    hpa = cluster.kube.get(f"/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers/keda-hpa-{name}")
-    assert hpa is not None, f"KEDA made no HPA for {name}: {found.get('status')}"
-    return found
 
 
 async def test_time_sliced_replicas_are_counted_as_the_gpu_they_share(installed: Release) -> None:
