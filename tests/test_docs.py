@@ -26,7 +26,8 @@ from gpuscaler.model.durations import parse_duration
 from gpuscaler.model.errors import ConfigError, InvalidMetadata
 from gpuscaler.model.gpu_metrics import METRICS, READINGS, Metric
 from gpuscaler.query.engine_keys import metric_names
-from gpuscaler.query.metadata import FROM_ENV_SUFFIX, KEDA_KEYS, KNOWN_KEYS, QUERY_KEYS, Limits, parse_metadata
+from gpuscaler.query.keys import FROM_ENV_SUFFIX, KEDA_KEYS, KNOWN_KEYS, QUERY_KEYS
+from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.query.profiles import PROFILES
 from gpuscaler.server.telemetry import TlsCollector, TransportCollector
 from gpuscaler.server.transport.limits import ConnectionGuard

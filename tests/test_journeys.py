@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gpuscaler.query.metadata import POD_NAME_KEYS, SELECTOR_KEYS
+from gpuscaler.query.keys import POD_NAME_KEYS, SELECTOR_KEYS
 from tests.test_docs import EXAMPLES, EXTERNAL_TRIGGERS, ROOT, YAML_SOURCES, YamlSource
 
 POD_SELECTION = (*POD_NAME_KEYS, "scaleTargetPods")

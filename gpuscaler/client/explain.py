@@ -21,7 +21,7 @@ from rich.text import Text
 from gpuscaler.generated import externalscaler as keda
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.model.gpu_metrics import Metric
-from gpuscaler.query.metadata import asks_in_scaled_object_namespace
+from gpuscaler.query.keys import asks_in_scaled_object_namespace
 from gpuscaler.server.preview import PREVIEW_METADATA
 from gpuscaler.signals.hpa import MetricType, desired_replicas
 

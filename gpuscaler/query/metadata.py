@@ -17,33 +17,27 @@ from gpuscaler.model.errors import InvalidMetadata, Unsupported
 from gpuscaler.model.gpu_metrics import METRICS, Metric
 from gpuscaler.query.engine_keys import (
     DEFAULT_MIN_SCRAPE_SECONDS,
-    ENDPOINT_KEYS,
-    ENGINE_KEYS,
     AnyMetric,
     describe_targets,
-    endpoint_refusal,
     parse_any_metric,
     parse_scrape_interval,
     parse_signal_targets,
     refuse_gpu_keys,
 )
 from gpuscaler.query.key_values import (
-    NAMESPACE,
-    OBJECT_NAME,
-    POD_GLOB,
     format_number,
-    non_empty,
     not_one_of,
     parse_bool,
     parse_enum,
     parse_float,
-    parse_indices,
-    parse_list,
     parse_max_unreadable,
     parse_metric_name,
     parse_min_nodes,
-    parse_name,
 )
+from gpuscaler.query.keys import KEDA_KEYS as KEDA_KEYS  # re-exported: the e2e suites import it from here
+from gpuscaler.query.keys import QUERY_KEYS as QUERY_KEYS  # re-exported, as KEDA_KEYS
+from gpuscaler.query.keys import SELECTOR_KEYS, resolve_keys
+from gpuscaler.query.keys import asks_in_scaled_object_namespace as asks_in_scaled_object_namespace  # as KEDA_KEYS
 from gpuscaler.query.profiles import DEFAULT_METRIC, PROFILE_ALIASES, PROFILES, SIGNAL_PROFILES, SignalProfile
 from gpuscaler.query.query import (
     DEFAULT_MAX_UNREADABLE,
@@ -51,53 +45,14 @@ from gpuscaler.query.query import (
     CombinedQuery,
     EngineQuery,
     GpuSelection,
-    PodSelection,
     Query,
     SignalTarget,
     ValueQuery,
     default_metric_name,
     digest_name,
 )
-from gpuscaler.query.selectors import parse_label_selector
+from gpuscaler.query.selection import engine_pods, parse_pods, parse_selection, scale_target_selection, selected_pods
 
-# KEDA passes its own trigger keys through to the scaler; they configure KEDA's client, not the query.
-KEDA_KEYS = frozenset(
-    {"scalerAddress", "enableTLS", "unsafeSsl", "caCert", "tlsClientCert", "tlsClientKey", "tlsCertFile"}
-)
-
-QUERY_KEYS = (
-    "profile",
-    "metric",
-    "metricType",
-    "targetValue",
-    "targetGpuUtilization",
-    "targetMemoryUtilization",
-    "activationThreshold",
-    "deactivationThreshold",
-    "aggregation",
-    "gpuIndex",
-    "gpuUUID",
-    "window",
-    "windowFunction",
-    "metricName",
-    "pollIntervalSeconds",
-    "namespace",
-    "pod",
-    "workload",
-    "podSelector",
-    "podAggregation",
-    "minNodes",
-    "maxUnreadable",
-    "scaleTargetPods",
-    *ENGINE_KEYS,
-)
-# The keys that select pods by name or labels, in `namespace`, else in the ScaledObject's (scaleTargetPods' always is).
-POD_NAME_KEYS = ("pod", "workload", "podSelector")
-POD_KEYS = ("namespace", *POD_NAME_KEYS)
-SELECTOR_KEYS = (*POD_KEYS, "gpuIndex", "gpuUUID")
-KNOWN_KEYS = frozenset(QUERY_KEYS) | KEDA_KEYS
-
-FROM_ENV_SUFFIX = "FromEnv"
 MIN_TARGET = 0.001  # KEDA keeps milli precision; a smaller target rounds to 0 and is refused there
 # KEDA turns a target into int64 milli-units (resource.NewMilliQuantity): a larger one overflows there.
 MAX_TARGET = (2**63 - 1) // 1000
@@ -122,7 +77,7 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: st
     ``namespace`` and ``name`` are the ScaledObject's: the default namespace of a pod selection, and with
     ``scaleTargetPods`` the ScaledObject whose scale target's pods the query reads.
     """
-    raw = _resolve_keys(metadata)
+    raw = resolve_keys(metadata)
     scale_target_pods = parse_bool("scaleTargetPods", raw["scaleTargetPods"]) if "scaleTargetPods" in raw else False
     explicit = [key for key in SELECTOR_KEYS if key in raw]
 
@@ -190,15 +145,15 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: st
         # Accepted for ScaledObjects written for the prior art; the agent's own loop sets the pace.
         parse_float("pollIntervalSeconds", raw["pollIntervalSeconds"], minimum=0.0, exclusive=True)
 
-    selection = _parse_selection(raw)
+    selection = parse_selection(raw)
     if limits.cluster and selection.indices is not None:
         raise InvalidMetadata(
             f"gpuIndex {raw['gpuIndex']!r} names a GPU by its index on one node, and the gateway answers for "
             "every node, where indices repeat; select by gpuUUID, or by pod, workload or podSelector"
         )
-    pods = _parse_pods(raw, namespace)
+    pods = parse_pods(raw, namespace)
     if scale_target_pods and not explicit:
-        pods = _scale_target_pods(raw, namespace, name)
+        pods = scale_target_selection(raw, namespace, name)
     value = ValueQuery(
         metric=metric,
         aggregation=aggregation,
@@ -238,25 +193,6 @@ def _activation_rule(raw: Mapping[str, str], activation: float, deactivation: fl
     return ActivationRule(activation, deactivation)
 
 
-def _selected_pods(raw: Mapping[str, str], namespace: str, name: str) -> PodSelection | None:
-    """The pods a selector or scaleTargetPods names, or None when the keys name none."""
-    pods = _parse_pods(raw, namespace)
-    if pods is None and "scaleTargetPods" in raw and parse_bool("scaleTargetPods", raw["scaleTargetPods"]):
-        pods = _scale_target_pods(raw, namespace, name)
-    return pods
-
-
-def _engine_pods(raw: Mapping[str, str], namespace: str, name: str, what: str) -> PodSelection:
-    """The pods an engine signal reads; refused without any: there is no URL to read instead."""
-    pods = _selected_pods(raw, namespace, name)
-    if pods is None:
-        raise InvalidMetadata(
-            f"{what} is read from the engines of the pods a query selects, and no pods are selected; set workload, "
-            "podSelector or pod (or scaleTargetPods: 'true'); gpuscaler never reads a URL (docs/engines.md)"
-        )
-    return pods
-
-
 def _engine_signal_on_an_agent(metric: EngineMetric, context: str = "") -> Unsupported:
     """The one refusal of an engine signal at a node agent, at every call (GetMetricSpec first, so that KEDA makes no
     HPA for it): where the signal is read, what the query needs, and the address to ask instead."""
@@ -294,7 +230,7 @@ def _engine_query(
     )
     value = EngineQuery(
         metric=metric,
-        pods=_engine_pods(raw, namespace, name, f"engine signal {metric.value}"),
+        pods=engine_pods(raw, namespace, name, f"engine signal {metric.value}"),
         aggregation=aggregation,
         interval_seconds=parse_scrape_interval(raw, limits.min_scrape_seconds),
     )
@@ -331,7 +267,7 @@ def _combined_query(
     if engine_read and not limits.reads_engines:
         raise _engine_signal_on_an_agent(engine_read[0], f"signals {describe_targets(pairs)!r} include it")
     what = "signals " + describe_targets(pairs)
-    pods = _engine_pods(raw, namespace, name, what) if engine_read else _selected_pods(raw, namespace, name)
+    pods = engine_pods(raw, namespace, name, what) if engine_read else selected_pods(raw, namespace, name)
     interval = parse_scrape_interval(raw, limits.min_scrape_seconds)
     window = _parse_window(raw["window"], limits) if "window" in raw else None
     parts: list[SignalTarget] = []
@@ -361,72 +297,6 @@ def _combined_query(
         metric_name=parse_metric_name(raw["metricName"]) if "metricName" in raw else digest_name(value),
         profile=profile.name if profile else None,
     )
-
-
-def asks_in_scaled_object_namespace(metadata: Mapping[str, str]) -> bool:
-    """Whether ``metadata`` selects pods by name or labels without naming their namespace, which is then the
-    ScaledObject's: each key counts as written or as ``<key>FromEnv``, as the server reads it."""
-
-    def written(key: str) -> bool:
-        return key in metadata or key + FROM_ENV_SUFFIX in metadata
-
-    return not written("namespace") and any(written(key) for key in POD_NAME_KEYS)
-
-
-def _resolve_keys(metadata: Mapping[str, str]) -> dict[str, str]:
-    """Known query keys with their values; `<key>FromEnv` counts as `<key>`, KEDA's keys are dropped."""
-    for key in ENDPOINT_KEYS:
-        if key in metadata or key + FROM_ENV_SUFFIX in metadata:
-            raise endpoint_refusal(key)
-    resolved: dict[str, str] = {}
-    for key, value in metadata.items():
-        name = key
-        if key.endswith(FROM_ENV_SUFFIX) and key[: -len(FROM_ENV_SUFFIX)] in KNOWN_KEYS:
-            name = key[: -len(FROM_ENV_SUFFIX)]
-        if name in KEDA_KEYS:
-            continue
-        if name not in KNOWN_KEYS:
-            raise InvalidMetadata(_unknown_key_message(key))
-        if name in resolved:
-            raise InvalidMetadata(f"keys {name!r} and {name + FROM_ENV_SUFFIX!r} are both set; set one of them")
-        resolved[name] = value
-    if "metric" in resolved and "metricType" in resolved:
-        raise InvalidMetadata("keys 'metric' and 'metricType' are both set; 'metricType' is an alias: set one")
-    if "gpuIndex" in resolved and "gpuUUID" in resolved:
-        raise InvalidMetadata("keys 'gpuIndex' and 'gpuUUID' are both set; select GPUs by one of them")
-    pod_keys = [key for key in POD_KEYS if key in resolved]
-    gpu_keys = [key for key in ("gpuIndex", "gpuUUID") if key in resolved]
-    if pod_keys and gpu_keys:
-        raise InvalidMetadata(
-            f"keys {gpu_keys[0]!r} and {pod_keys[0]!r} are both set; select GPUs either by GPU or by the pods "
-            "that hold them"
-        )
-    if "maxUnreadable" in resolved and gpu_keys:
-        raise InvalidMetadata(
-            f"keys 'maxUnreadable' and {gpu_keys[0]!r} are both set; GPUs named by {gpu_keys[0]} must all be readable "
-            "(the query is strict), so maxUnreadable does not apply: leave it out"
-        )
-    scale_target_pods = resolved.get("scaleTargetPods", "").strip().lower() == "true" and not gpu_keys
-    if "podAggregation" in resolved and not pod_keys and not scale_target_pods:
-        raise InvalidMetadata(
-            "podAggregation is set, but no pods are selected; it says how one pod's GPUs reduce, so it needs "
-            "pod, workload, podSelector, namespace or scaleTargetPods"
-        )
-    if "targetGpuUtilization" in resolved and "targetMemoryUtilization" in resolved:
-        raise InvalidMetadata(
-            "keys 'targetGpuUtilization' and 'targetMemoryUtilization' are both set; each picks the metric: "
-            "set one, or use 'metric' with 'targetValue'"
-        )
-    return resolved
-
-
-def _unknown_key_message(key: str) -> str:
-    import difflib  # only for a refusal: the agent starts smaller without it
-
-    candidates = {known.lower(): known for known in QUERY_KEYS}
-    close = difflib.get_close_matches(key.lower(), list(candidates), n=1, cutoff=0.6)
-    hint = f"did you mean {candidates[close[0]]!r}?" if close else "known keys: " + ", ".join(QUERY_KEYS)
-    return f"unknown key {key!r}; {hint}"
 
 
 # How to get a longer window, as a refusal says it: the flag, and the chart values that set it.
@@ -485,54 +355,3 @@ def _parse_window(text: str, limits: Limits) -> float:
             f"or {RAISE_HISTORY}"
         )
     return seconds
-
-
-def _parse_selection(raw: Mapping[str, str]) -> GpuSelection:
-    if "gpuIndex" in raw:
-        return GpuSelection(indices=parse_indices(raw["gpuIndex"]))
-    if "gpuUUID" in raw:
-        uuids = parse_list("gpuUUID", raw["gpuUUID"], non_empty)
-        # Matching is case-insensitive and order-free (as gpuIndex is), so equal selections are one query.
-        first_spelling = {uuid.lower(): uuid for uuid in reversed(uuids)}
-        return GpuSelection(uuids=tuple(sorted(first_spelling.values(), key=str.lower)))
-    return GpuSelection()
-
-
-def _parse_pods(raw: Mapping[str, str], scaled_object_namespace: str) -> PodSelection | None:
-    if not any(key in raw for key in POD_KEYS):
-        return None
-    if "namespace" in raw:
-        namespace = parse_name("namespace", raw["namespace"], NAMESPACE, "a namespace name like 'ml'")
-    elif scaled_object_namespace:
-        namespace = scaled_object_namespace
-    else:
-        raise InvalidMetadata(
-            "namespace is not set and the ScaledObject's namespace is unknown; set namespace to the pods' namespace"
-        )
-    pod = workload = labels = None
-    if "pod" in raw:
-        pod = parse_name("pod", raw["pod"], POD_GLOB, "a pod name or glob like 'trainer-*'")
-    if "workload" in raw:
-        workload = parse_name("workload", raw["workload"], OBJECT_NAME, "a Deployment or StatefulSet name")
-    if "podSelector" in raw:
-        try:
-            labels = parse_label_selector(raw["podSelector"])
-        except ValueError as error:
-            raise InvalidMetadata(f"podSelector {raw['podSelector']!r} {error}") from None
-    pod_aggregation = Aggregation.AVG
-    if "podAggregation" in raw:
-        pod_aggregation = parse_enum("podAggregation", raw["podAggregation"], Aggregation)
-    return PodSelection(namespace=namespace, pod=pod, workload=workload, labels=labels, pod_aggregation=pod_aggregation)
-
-
-def _scale_target_pods(raw: Mapping[str, str], namespace: str, name: str) -> PodSelection:
-    """The pods of the ScaledObject's own scale target: resolved by the gateway, which reads ScaledObjects."""
-    if not namespace or not name:
-        raise InvalidMetadata(
-            "scaleTargetPods 'true' selects the pods of the ScaledObject's scaleTargetRef, and this request names no "
-            "ScaledObject (KEDA always does; `gpuscaler query` needs --scaled-object NAMESPACE/NAME)"
-        )
-    pod_aggregation = Aggregation.AVG
-    if "podAggregation" in raw:
-        pod_aggregation = parse_enum("podAggregation", raw["podAggregation"], Aggregation)
-    return PodSelection(namespace=namespace, scale_target=name, pod_aggregation=pod_aggregation)

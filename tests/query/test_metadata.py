@@ -10,7 +10,8 @@ import pytest
 from gpuscaler.model.aggregation import Aggregation, WindowFunction
 from gpuscaler.model.errors import InvalidMetadata
 from gpuscaler.model.gpu_metrics import Metric
-from gpuscaler.query.metadata import MAX_TARGET, Limits, asks_in_scaled_object_namespace, parse_metadata
+from gpuscaler.query.keys import asks_in_scaled_object_namespace
+from gpuscaler.query.metadata import MAX_TARGET, Limits, parse_metadata
 from gpuscaler.query.query import DEFAULT_MAX_UNREADABLE, ActivationRule, GpuSelection, UnreadableTolerance
 from tests.builders import GpuQuery, gpu_query
 
