@@ -1,31 +1,28 @@
-"""The query evaluator: parses metadata, evaluates over the history, keeps activation, feeds push streams.
+"""The query evaluator: parses metadata, evaluates over the snapshot source, keeps activation, answers the handlers.
 
-Handlers ask the evaluator; the evaluator never calls a collector. Streams with the same query share one
-evaluation and one activation state per tick, so a tick costs one evaluation per distinct query,
-however many streams are open. Unary calls within one tick reuse that tick's evaluations too: a GPU query's
-per snapshot, an engine query's per scrape (the engine source's generation).
+Handlers ask the evaluator; the evaluator never calls a collector. Evaluations are kept per snapshot (a GPU query)
+or per scrape (an engine query, the engine source's generation), so unary calls and push streams
+(``streams.py``) of one tick share them.
 
-Evaluating reads and keeps nothing of the engine pods it reads. Interest in them is registered apart: ``prepare``
-(a call KEDA makes) wants the pods a query's engine signals select and waits for the first reads of those of them
-never read, its own pods only, within the caller's deadline; a push stream's pods stay wanted while it is open.
-A read path (Explain, a preview of KEDA's calls) registers no interest (``read``): it wants no pod, reads each pod no
-one wants once for its own answer, and moves no activation state; at a gateway it still asks the agents for the
-windows it reads, as KEDA's calls do.
+Evaluating reads and keeps nothing of the engine pods it reads. Interest in them is registered apart
+(``engine_interest.py``): ``prepare`` (a call KEDA makes) wants the pods a query's engine signals select and waits
+for the first reads of those of them never read, its own pods only, within the caller's deadline; a push stream's
+pods stay wanted while it is open. A read path (Explain, a preview of KEDA's calls) registers no interest
+(``read``): it wants no pod, reads each pod no one wants once for its own answer, and moves no activation state;
+at a gateway it still asks the agents for the windows it reads, as KEDA's calls do.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 
 import structlog
 
-from gpuscaler.model.engines import ENGINE_SIGNALS, Engine, PodScrape
-from gpuscaler.model.errors import TooManyPods
-from gpuscaler.model.pods import PodDirectory, ScaleTargets
+from gpuscaler.model.engines import PodScrape
+from gpuscaler.model.pods import PodDirectory
 from gpuscaler.model.samples import DEVICE_FIELD, Snapshot
 from gpuscaler.query.engine_keys import DEFAULT_MIN_SCRAPE_SECONDS
 from gpuscaler.query.metadata import Limits, parse_metadata
@@ -34,14 +31,15 @@ from gpuscaler.signals.activation import ActivationStates
 from gpuscaler.signals.combined import evaluate_combined
 from gpuscaler.signals.empty_selection import EmptySelection, find_empty, unmatched_of
 from gpuscaler.signals.empty_selection_record import EmptySelectionRecord
-from gpuscaler.signals.engine_evaluation import EngineSelection, evaluate_engine, select_engine_pods
-from gpuscaler.signals.engine_pods import Endpoint
+from gpuscaler.signals.engine_evaluation import evaluate_engine
+from gpuscaler.signals.engine_interest import EngineInterest
 from gpuscaler.signals.engine_source import EngineSource, PodKey, stale_after
 from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.node_memo import NodeMemo
 from gpuscaler.signals.outcome import Evaluation
 from gpuscaler.signals.per_snapshot import PerSnapshot
 from gpuscaler.signals.source import SnapshotSource
+from gpuscaler.signals.streams import Streams, Subscription
 
 log = structlog.get_logger(__name__)
 
@@ -54,44 +52,6 @@ ACTIVATION_IDLE_SECONDS = 15 * 60.0
 PARSE_CACHE_ENTRIES = 1024
 PARSE_CACHE_MAX_KEYS = 32
 PARSE_CACHE_MAX_CHARS = 2048
-# What ``prepare`` leaves of the caller's deadline (KEDA's grpc-timeout) for the answer itself: it waits for its
-# pods' first reads until then, and answers with the pods still unread named, not DEADLINE_EXCEEDED.
-DEADLINE_MARGIN_SECONDS = 0.25
-# Without a deadline, the wait for a query's first reads is one read's timeout and this: a read may wait a moment
-# for a slot behind its own namespace's reads.
-FIRST_READ_SLACK_SECONDS = 1.0
-# A push stream's engine pods are looked at again at most this often (on a scrape or a snapshot), so a pod that
-# joins its selection is read within about a second, and the cost of keeping them wanted does not grow with scrapes.
-STREAM_INTEREST_EVERY_SECONDS = 1.0
-# A stream's selection is resolved again only when what the directory says of it changed; its pods are wanted again
-# this often even when nothing changed, well within the 120 s after which the gateway's scraper forgets a pod.
-STREAM_REWANT_SECONDS = 30.0
-
-
-@dataclass(eq=False, slots=True)
-class Subscription:
-    """One open push stream: the evaluator sets ``active`` and ``changed`` when its query's state moves."""
-
-    query: Query
-    changed: asyncio.Event
-    active: bool | None = None
-
-
-# One engine pod a query reads: the pod, its engine, its page's address, and the interval it is read at.
-_Read = tuple[PodKey, Engine, Endpoint, float]
-
-
-@dataclass(eq=False, slots=True)
-class _Group:
-    query: Query
-    subscriptions: set[Subscription] = field(default_factory=set)
-    broadcast: bool | None = None
-    # Streams that opened while the value was unknown: they learn the state at the next known value,
-    # even when it is the one already broadcast (a transition-only wake-up would leave them silent).
-    waiting: set[Subscription] = field(default_factory=set)
-    # The engine pods its streams keep wanted (``Evaluator._keep_streams_wanted``): the directory's state they were
-    # resolved in, the reads, and when they were last wanted.
-    engine_reads: tuple[Hashable, list[_Read], float] | None = None
 
 
 class Evaluator:
@@ -120,7 +80,6 @@ class Evaluator:
         self.stale_after = source.stale_after
         self._clock = clock or asyncio.get_running_loop().time
         self._states = ActivationStates(idle_seconds=ACTIVATION_IDLE_SECONDS)
-        self._groups: dict[Hashable, _Group] = {}
         # GPU evaluations of the newest snapshot; a new one also tells the memo which queries it still serves.
         self._evaluations = PerSnapshot[ValueQuery, Evaluation](on_forget=self._keep_memo_for)
         # Engine evaluations of the scraper's current generation, each with the directory's state for its selection
@@ -135,7 +94,14 @@ class Evaluator:
         # Called with each push evaluation of a streamed query, once per distinct query per tick (unknown included).
         self.on_push: list[Callable[[Query, Evaluation], None]] = []
         self._left_out: dict[AnyValueQuery, tuple[frozenset[str], float]] = {}
-        self._streams_wanted_at: float | None = None
+        self._interest = EngineInterest(engines, directory) if engines is not None else None
+        self._streams = Streams(
+            evaluate=self.evaluate,
+            observe=self._observe,
+            on_push=self.on_push,
+            interest=self._interest,
+            clock=self._clock,
+        )
         # KEDA's answers of 0 whose selection matches no pod, per ScaledObject: only a pod directory can tell.
         self.empty_selections = EmptySelectionRecord(directory, clock=self._clock) if directory is not None else None
         if engines is not None:
@@ -168,15 +134,16 @@ class Evaluator:
         """Make the query answerable before it is evaluated, and register its interest: a gateway asks its agents
         for its windows once, and keeps the pods its engine signals select read, waiting for the first read of
         those never read (its own pods, no one else's). ``time_left``: seconds left of the caller's deadline, of
-        which the wait leaves ``DEADLINE_MARGIN_SECONDS``; a pod still unread is then named in the answer."""
+        which the wait leaves ``engine_interest.DEADLINE_MARGIN_SECONDS``; a pod still unread is then named in the
+        answer."""
         windows = windows_of(query.value)
         if windows:
             await self.source.prepare(list(windows))
-        if self.engines is None:
+        if self._interest is None:
             return
         pods = self.want_engine_pods(query.value)
         if pods:
-            await self.engines.first_reads(pods, self._first_read_within(self.engines, time_left))
+            await self._interest.engines.first_reads(pods, self._interest.first_read_within(time_left))
 
     async def read(self, query: Query, *, time_left: float | None = None) -> Evaluation:
         """The query's evaluation for a read path (Explain, a preview of KEDA's calls), registering no interest.
@@ -189,68 +156,27 @@ class Evaluator:
         if windows:
             await self.source.prepare(list(windows))
         scrapes: Mapping[PodKey, PodScrape] | None = None
-        if self.engines is not None:
-            reads = self._engine_reads(query.value)
+        interest = self._interest
+        if interest is not None:
+            reads = interest.reads(query.value)
             if reads:
-                within = self._first_read_within(self.engines, time_left)
+                within = interest.first_read_within(time_left)
+                engines = interest.engines
                 _, scrapes = await asyncio.gather(
-                    self.engines.first_reads([read[0] for read in reads], within),
-                    self.engines.read_once([(pod, engine, endpoint) for pod, engine, endpoint, _ in reads], within),
+                    engines.first_reads([read[0] for read in reads], within),
+                    engines.read_once([(pod, engine, endpoint) for pod, engine, endpoint, _ in reads], within),
                 )
         return self.evaluate(query.value, scrapes=scrapes)
-
-    @staticmethod
-    def _first_read_within(engines: EngineSource, time_left: float | None) -> float:
-        """How long a call waits for its pods' first reads: one read's timeout and a slack, within its deadline."""
-        within = engines.timeout_seconds + FIRST_READ_SLACK_SECONDS
-        return within if time_left is None else min(within, time_left - DEADLINE_MARGIN_SECONDS)
 
     def want_engine_pods(self, value: AnyValueQuery) -> list[PodKey]:
         """Keep the pods ``value``'s engine signals read wanted by the scraper, at their intervals; those pods.
 
         A selection that cannot be read (no directory, too many pods) wants nothing: evaluating says why."""
-        reads = self._engine_reads(value)
-        self._want(reads)
-        return [read[0] for read in reads]
-
-    def _engine_reads(self, value: AnyValueQuery) -> list[_Read]:
-        """The engine pods ``value`` reads now, from the directory; a selection past the cap is counted."""
-        if self.engines is None:
+        if self._interest is None:
             return []
-        reads: list[_Read] = []
-        for signal in _engine_signals(value):
-            selection = select_engine_pods(signal, self.engines, self.directory)
-            if isinstance(selection, TooManyPods):
-                self.engines.note_limited("max_pods_per_selection", selection=signal.pods.describe())
-            if not isinstance(selection, EngineSelection):
-                continue
-            engine = ENGINE_SIGNALS[signal.metric].engine
-            reads.extend(
-                ((info.namespace, info.pod), engine, endpoint, signal.interval_seconds)
-                for info, endpoint in selection.reads()
-            )
-        return reads
-
-    def _want(self, reads: Iterable[_Read]) -> None:
-        if self.engines is not None:
-            for pod, engine, endpoint, interval in reads:
-                self.engines.want(pod, engine, endpoint, interval)
-
-    def _directory_state(self, value: AnyValueQuery) -> Hashable:
-        """What the directory says of ``value``'s engine selections, compared for equality only: equal means they
-        select the same pods at the same addresses (a few look-ups, not a pass over the pods)."""
-        directory = self.directory
-        if directory is None:
-            return None
-        targets: object = directory  # a directory may know ScaledObjects too: the protocol is checked at run time
-        state: list[Hashable] = [directory.problem()]
-        for signal in _engine_signals(value):
-            pods = signal.pods
-            state.append(directory.version(pods.namespace))
-            if pods.scale_target is not None and isinstance(targets, ScaleTargets):
-                state.append(targets.scale_targets_problem())
-                state.append(targets.scale_target(pods.namespace, pods.scale_target))
-        return tuple(state)
+        reads = self._interest.reads(value)
+        self._interest.want(reads)
+        return [read[0] for read in reads]
 
     def evaluate(self, query: AnyValueQuery, *, scrapes: Mapping[PodKey, PodScrape] | None = None) -> Evaluation:
         """``query`` now; ``scrapes``: a read path's one-shot reads of pods no one wants (``read``)."""
@@ -291,11 +217,12 @@ class Evaluator:
         """Once per scrape (the scraper's generation) and state of the directory, as a GPU query is once per
         snapshot; a read path's one-shot reads are its own answer, never kept."""
         now = self._clock()
-        engines = self.engines
-        if scrapes or engines is None:
-            return evaluate_engine(query, engines, self.directory, self.source.latest, now=now, scrapes=scrapes)
+        interest = self._interest
+        if scrapes or interest is None:
+            return evaluate_engine(query, self.engines, self.directory, self.source.latest, now=now, scrapes=scrapes)
+        engines = interest.engines
         evaluations = self._engine_evaluations.at(engines.generation)
-        state = self._directory_state(query)
+        state = interest.directory_state(query)
         kept = evaluations.get(query)
         if kept is not None and kept[0] == state and now < kept[1]:
             return kept[2]
@@ -389,92 +316,33 @@ class Evaluator:
 
     @property
     def distinct_stream_queries(self) -> int:
-        return len(self._groups)
+        return len(self._streams)
 
     @contextmanager
     def subscribe(self, query: Query, *, event: Callable[[], asyncio.Event] = asyncio.Event) -> Iterator[Subscription]:
         """A push subscription for the lifetime of the ``with`` block; ``active`` is set at once if known.
 
         ``event`` makes its ``changed``: a server whose many streams should wake a slice a turn gives its own."""
-        key = query.activation_key
-        group = self._groups.get(key)
-        if group is None:
-            group = self._groups[key] = _Group(query)
-        subscription = Subscription(query, event())
-        group.subscriptions.add(subscription)
-        try:
-            evaluation = self.evaluate(query.value)
-            for observer in self.on_push:
-                observer(query, evaluation)
-            if evaluation.value is not None:
-                subscription.active = self._observe(query, evaluation.value)
-            else:
-                group.waiting.add(subscription)
+        with self._streams.subscribe(query, event) as subscription:
             yield subscription
-        finally:
-            group.subscriptions.discard(subscription)
-            group.waiting.discard(subscription)
-            if not group.subscriptions:
-                del self._groups[key]
 
     def on_snapshot(self, snapshot: Snapshot) -> None:
         """The source's listener: one evaluation per distinct streamed query, and a wake-up on each change."""
         # A push stream's window stays requested while the stream is open (each was prepared when it opened).
-        self.source.request([w for g in self._groups.values() for w in windows_of(g.query.value)])
-        self._keep_streams_wanted()
-        self._push([group for group in self._groups.values() if _reads_gpus(group.query.value)])
+        self.source.request(self._streams.windows())
+        self._streams.keep_wanted()
+        self._streams.push_gpu_queries()
+        self._forget_idle()
 
     def _on_engine_pages(self) -> None:
         """The engine source's listener: streams on engine signals move within one scrape."""
-        self._keep_streams_wanted()
-        self._push([group for group in self._groups.values() if _reads_engines(group.query.value)])
+        self._streams.keep_wanted()
+        self._streams.push_engine_queries()
+        self._forget_idle()
 
-    def _keep_streams_wanted(self) -> None:
-        """A push stream's engine pods stay wanted while it is open: the scraper forgets pods asked for by polls
-        alone after a while, and a stream polls nothing. Its selection's new pods are wanted here too.
-
-        A selection is resolved again only when the directory's state for it moved: thousands of streams of
-        distinct queries on a quiet directory cost a few look-ups each, not a pass over their namespaces' pods."""
-        if self.engines is None or not self._groups:
-            return
+    def _forget_idle(self) -> None:
         now = self._clock()
-        if self._streams_wanted_at is not None and now - self._streams_wanted_at < STREAM_INTEREST_EVERY_SECONDS:
-            return
-        self._streams_wanted_at = now
-        for group in self._groups.values():
-            if not _reads_engines(group.query.value):
-                continue
-            state = self._directory_state(group.query.value)
-            kept = group.engine_reads
-            if kept is not None and kept[0] == state:
-                if now - kept[2] < STREAM_REWANT_SECONDS:
-                    continue
-                reads = kept[1]
-            else:
-                reads = self._engine_reads(group.query.value)
-            group.engine_reads = (state, reads, now)
-            self._want(reads)
-
-    def _push(self, groups: Iterable[_Group]) -> None:
-        for group in list(groups):
-            evaluation = self.evaluate(group.query.value)
-            for observer in self.on_push:
-                observer(group.query, evaluation)
-            if evaluation.value is None:
-                continue  # unknown is not inactive: keep the last state until the value is back
-            active = self._observe(group.query, evaluation.value)
-            if active != group.broadcast:
-                group.broadcast = active
-                woken: set[Subscription] = group.subscriptions
-            else:
-                woken = group.waiting
-            for subscription in woken:
-                if subscription.active != active:
-                    subscription.active = active
-                    subscription.changed.set()
-            group.waiting.clear()
-        now = self._clock()
-        self._states.forget_idle(now=now, keep=set(self._groups))
+        self._states.forget_idle(now=now, keep=self._streams.keys())
         for key in [k for k, (_, used) in self._left_out.items() if now - used > ACTIVATION_IDLE_SECONDS]:
             del self._left_out[key]
 
@@ -488,24 +356,4 @@ class Evaluator:
     def close_streams(self) -> None:
         """Wake every push stream with ``closing`` set, so each handler returns and its stream ends OK."""
         self.closing = True
-        for group in self._groups.values():
-            for subscription in group.subscriptions:
-                subscription.changed.set()
-
-
-def _reads_gpus(value: AnyValueQuery) -> bool:
-    if isinstance(value, CombinedQuery):
-        return any(isinstance(part.signal, ValueQuery) for part in value.signals)
-    return isinstance(value, ValueQuery)
-
-
-def _engine_signals(value: AnyValueQuery) -> list[EngineQuery]:
-    if isinstance(value, CombinedQuery):
-        return [part.signal for part in value.signals if isinstance(part.signal, EngineQuery)]
-    return [value] if isinstance(value, EngineQuery) else []
-
-
-def _reads_engines(value: AnyValueQuery) -> bool:
-    if isinstance(value, CombinedQuery):
-        return any(isinstance(part.signal, EngineQuery) for part in value.signals)
-    return isinstance(value, EngineQuery)
+        self._streams.close()

@@ -15,8 +15,9 @@ from gpuscaler.model.errors import Unavailable
 from gpuscaler.model.samples import GpuSample, ReadErrorKind, Snapshot
 from gpuscaler.query.query import Query, ValueQuery
 from gpuscaler.signals.evaluation import evaluate
-from gpuscaler.signals.evaluator import Evaluator, Subscription
+from gpuscaler.signals.evaluator import Evaluator
 from gpuscaler.signals.outcome import Evaluation
+from gpuscaler.signals.streams import Subscription
 from tests.builders import ClusterSource, cluster, failed_sample, gpu_sample, history_of, snapshot, utilizations
 
 HYSTERESIS = {"activationThreshold": "50", "deactivationThreshold": "20"}
