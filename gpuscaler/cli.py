@@ -258,7 +258,8 @@ async def _query(args: argparse.Namespace, channel: Channel) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from gpuscaler.client.explain import DEFAULT_SCALED_OBJECT, Report, collect, render_table, report_renderable
+    from gpuscaler.client.explain import DEFAULT_SCALED_OBJECT, Report, collect
+    from gpuscaler.client.render import render_table, report_renderable
 
     metadata = dict(_pairs(args.metadata, "KEY=VALUE"))
     if args.replicas < 1:

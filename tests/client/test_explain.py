@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from gpuscaler.client.explain import Answer, Report, render_table, selection_namespace_lines, window_line
+from gpuscaler.client.explain import Answer, Report
+from gpuscaler.client.render import render_table, selection_namespace_lines, window_line
 from gpuscaler.generated.gpuscaler import v1 as pb
 
 # Pod names as a Deployment's ReplicaSet makes them, long enough to be cut off in a narrow table.

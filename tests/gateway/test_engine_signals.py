@@ -12,7 +12,8 @@ from grpclib import GRPCError, Status
 from grpclib.client import Channel
 from rich.console import Console
 
-from gpuscaler.client.explain import collect, report_renderable
+from gpuscaler.client.explain import collect
+from gpuscaler.client.render import report_renderable
 from gpuscaler.gateway.process import Gateway
 from gpuscaler.generated import externalscaler as keda
 from gpuscaler.generated.gpuscaler import v1 as pb

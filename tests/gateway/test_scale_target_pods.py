@@ -8,7 +8,8 @@ import pytest
 from grpclib.client import Channel
 
 from gpuscaler.cli import main
-from gpuscaler.client.explain import collect, selection_line
+from gpuscaler.client.explain import collect
+from gpuscaler.client.render import selection_line
 from gpuscaler.generated import externalscaler as keda
 from tests.fakes.fake_kubelet import Assignment
 from tests.gateway.calls import view_has

@@ -18,7 +18,8 @@ from prometheus_client.samples import Sample
 from gpuscaler.agent.attribution.processes import ProcReader
 from gpuscaler.agent.collectors.nvml import NvmlCollector
 from gpuscaler.agent.process import Agent
-from gpuscaler.client.explain import collect, idle_energy_line
+from gpuscaler.client.explain import collect
+from gpuscaler.client.render import idle_energy_line
 from gpuscaler.gateway.process import Gateway
 from gpuscaler.generated.gpuscaler import v1 as pb
 from tests.conftest import serve_settings

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuscaler.client.explain import Answer, Report, left_out_lines, unlisted_line
+from gpuscaler.client.explain import Answer, Report
+from gpuscaler.client.render import left_out_lines, unlisted_line
 from gpuscaler.gateway.decoding import MalformedSnapshot, SnapshotDecoder
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.model.aggregation import WindowFunction
