@@ -135,7 +135,7 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: st
         )
     if "windowFunction" in raw:
         window_function = parse_enum("windowFunction", raw["windowFunction"], WindowFunction)
-        if METRICS[metric].rate and window_function is not WindowFunction.AVG:
+        if not METRICS[metric].takes_window_function and window_function is not WindowFunction.AVG:
             raise InvalidMetadata(
                 f"windowFunction {raw['windowFunction']!r} does not apply to {metric.value}, which is the average over "
                 "the window by definition (the energy used divided by the time); leave windowFunction out, or use "
