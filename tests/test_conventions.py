@@ -1,4 +1,5 @@
-"""House conventions that ruff cannot check: every noqa comment says why the rule does not apply there."""
+"""House conventions that ruff cannot check: every noqa comment says why the rule does not apply there, and no
+module of the package outgrows one job."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CHECKED = ("gpuscaler", "tests", "e2e", "bench", "dev", "image", "monitoring")
 SKIPPED = (ROOT / "gpuscaler" / "generated",)
+
+# A module past this many lines has grown a second job: split it by job (docs/architecture.md names each module's).
+MAX_MODULE_LINES = 450
 
 # A suppression as ruff reads it (any case, a space after the hash or not): codes separated by commas or spaces,
 # then, in the house form, the reason.
@@ -64,3 +68,16 @@ def test_every_noqa_says_why() -> None:
         for line in unexplained(path.read_text(encoding="utf-8"))
     ]
     assert not found, f"noqa without a reason (write `# noqa: CODE - why`): {', '.join(found)}"
+
+
+def test_no_module_of_the_package_is_over_the_line_limit() -> None:
+    """Every module of gpuscaler/ but the generated code has at most MAX_MODULE_LINES lines."""
+    package = ROOT / "gpuscaler"
+    lines = {
+        path: len(path.read_text(encoding="utf-8").splitlines())
+        for path in python_files()
+        if path.is_relative_to(package)
+    }
+    assert lines, "no module found"
+    over = sorted(f"{path.relative_to(ROOT)} ({count})" for path, count in lines.items() if count > MAX_MODULE_LINES)
+    assert not over, f"modules over {MAX_MODULE_LINES} lines (split them by job): {', '.join(over)}"
