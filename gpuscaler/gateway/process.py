@@ -1,9 +1,9 @@
 """The gateway process: discovery -> one subscriber per agent -> cluster view -> evaluator -> gRPC, and a drain.
 
-It serves the same ExternalScaler and Agent services as an agent, over the cluster view, so KEDA's
-``scalerAddress`` can name the gateway's Service. Replicas share nothing: each subscribes to every
-agent, so any replica answers the same from the same data. The stop is the agent's: health turns
-NOT_SERVING, push streams end with OK, calls finish, then the server closes.
+It serves the same ExternalScaler as an agent, and the Agent service's Explain, over the cluster view, so KEDA's
+``scalerAddress`` and ``gpuscaler query`` can name the gateway's Service; a node's snapshot is an agent's alone.
+Replicas share nothing: each subscribes to every agent, so any replica answers the same from the same data. The
+stop is the agent's: health turns NOT_SERVING, push streams end with OK, calls finish, then the server closes.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from gpuscaler.signals.source import AnnouncedSource, window_column
 
 log = structlog.get_logger(__name__)
 
+# The composed snapshot's node field: it is no node's, so GetSnapshot and WatchSnapshots at a gateway are refused.
 CLUSTER_NODE = "cluster"
 DEFAULT_COMPOSE_INTERVAL_SECONDS = 0.5
 # Updates within this long of the first make one composition: at 2,000 agents, 20 a second instead of 4,000,
