@@ -19,6 +19,7 @@ from gpuscaler.server.status import grpc_errors, status_for
 from gpuscaler.server.wire import explanation_to_wire, snapshot_to_wire, window_key_from_wire
 from gpuscaler.signals.energy import IdleEnergy
 from gpuscaler.signals.evaluator import Evaluator
+from gpuscaler.signals.per_snapshot import PerSnapshot
 
 # A gateway's composed snapshot is no node's: answering it as one would hand a client a made-up node.
 NO_NODE_SNAPSHOT = (
@@ -36,17 +37,17 @@ class AgentService(pb.AgentBase):
     def __init__(self, evaluator: Evaluator, idle_energy_of: IdleEnergyOf | None = None) -> None:
         self._evaluator = evaluator
         self._idle_energy_of = idle_energy_of or (lambda gpus, window_seconds: None)
-        self._reduced: tuple[int, dict[WindowKey, WindowValues]] = (-1, {})
-        self._bare: tuple[int, pb.Snapshot | None] = (-1, None)  # the last snapshot's message without windows
+        self._reduced = PerSnapshot[WindowKey, WindowValues]()
+        self._bare = PerSnapshot[None, pb.Snapshot]()  # the newest snapshot's message without windows
 
     def _wire(self, snapshot: Snapshot, windows: Sequence[WindowKey] = ()) -> pb.Snapshot:
         if not windows:
             # One message per snapshot whoever asks, never changed once made: the server's codec encodes it once
             # (REUSED_ANSWERS), so a flood of GetSnapshot costs a lookup per call, not an encoding of every GPU.
-            sequence, message = self._bare
-            if message is None or sequence != snapshot.sequence:
-                message = self._to_wire(snapshot, {})
-                self._bare = (snapshot.sequence, message)
+            bare = self._bare.at(snapshot.sequence)
+            message = bare.get(None)
+            if message is None:
+                message = bare[None] = self._to_wire(snapshot, {})
             return message
         return self._to_wire(snapshot, {window: self._reduce(snapshot, window) for window in windows})
 
@@ -57,9 +58,8 @@ class AgentService(pb.AgentBase):
 
     def _reduce(self, snapshot: Snapshot, window: WindowKey) -> WindowValues:
         """``window`` for every GPU of ``snapshot``, once per snapshot whoever asks."""
-        if self._reduced[0] != snapshot.sequence:
-            self._reduced = (snapshot.sequence, {})
-        done = self._reduced[1].get(window)
+        reduced = self._reduced.at(snapshot.sequence)
+        done = reduced.get(window)
         if done is None:
             source = self._evaluator.source
             if window.seconds > source.history_seconds:
@@ -70,7 +70,7 @@ class AgentService(pb.AgentBase):
                 )
             else:
                 done = WindowValues({sample.gpu.uuid: source.windowed(sample, window) for sample in snapshot.samples})
-            self._reduced[1][window] = done
+            reduced[window] = done
         return done
 
     def _refuse_at_a_gateway(self, rpc: str) -> None:
