@@ -2,7 +2,7 @@
 
 Every pollingInterval KEDA calls GetMetricSpec, then GetMetrics with the spec's name (the HPA's
 ``s0-`` prefix stripped), then IsActive, over one connection. The HPA arithmetic here is written out
-from kubernetes' replica_calculator.go, independently of ``gpuscaler.signals.hpa``.
+from kubernetes' replica_calculator.go, independently of ``gpuscaler.client.hpa``.
 """
 
 from __future__ import annotations

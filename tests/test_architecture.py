@@ -28,7 +28,7 @@ ROOMS = tuple(room for level in LEVELS for room in level)
 # Inside the two processes, the same rule between tiers, lowest first: a tier imports only from its own or lower ones.
 TIERS: dict[str, tuple[tuple[str, ...], ...]] = {
     "gpuscaler.agent.": (
-        ("collectors", "collectors.", "attribution", "attribution.", "last_reads", "history"),
+        ("collectors", "collectors.", "attribution", "attribution.", "last_reads", "rates", "history"),
         ("poller", "fake_control", "telemetry"),
         ("settings",),
         ("process",),

@@ -28,6 +28,7 @@ from typing import Any, cast
 import pytest
 import yaml
 
+from gpuscaler.client.hpa import MetricType, desired_replicas
 from gpuscaler.model.aggregation import Aggregation
 from gpuscaler.model.engines import DEFAULT_PORTS, ENGINE_SIGNALS, EngineMetric, EnginePage, LabelSets, PodScrape
 from gpuscaler.model.engines import SignalKind as EngineKind
@@ -41,7 +42,6 @@ from gpuscaler.signals.engine_evaluation import evaluate_engine
 from gpuscaler.signals.engine_pods import metrics_endpoint
 from gpuscaler.signals.engine_source import EngineSource
 from gpuscaler.signals.evaluation import evaluate
-from gpuscaler.signals.hpa import MetricType, desired_replicas
 from gpuscaler.signals.outcome import Evaluation
 from tests.builders import cluster, gpu_sample, snapshot, source_of
 from tests.signals.test_evaluation_workloads import Directory

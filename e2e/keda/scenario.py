@@ -24,7 +24,7 @@ from e2e.support.agent import CONSOLE_SCRIPT
 from e2e.support.certs import SERVER_NAME, TlsFiles
 from e2e.support.clients import query_json
 from e2e.support.process import Process, environment
-from gpuscaler.signals.hpa import MetricType, desired_replicas
+from gpuscaler.client.hpa import MetricType, desired_replicas
 from tests.fakes.fake_kubelet import FakeKubelet, short_socket_path
 
 POLL_SECONDS = 0.2
@@ -442,5 +442,5 @@ def scaled_object(
 
 
 def expected_replicas(metric_type: MetricType, *, value: float, target: float, current: int, maximum: int) -> int:
-    """The HPA's answer from gpuscaler.signals.hpa, clamped to the ScaledObject's bounds as the HPA clamps it."""
+    """The HPA's answer from gpuscaler.client.hpa, clamped to the ScaledObject's bounds as the HPA clamps it."""
     return max(1, min(maximum, desired_replicas(metric_type, value=value, target=target, current=current)))

@@ -29,8 +29,8 @@ from e2e.keda.control_plane import Json
 from e2e.keda.scenario import Scenario, directory_entry, scaled_object
 from e2e.keda.test_engines import FAST_BOTH_WAYS
 from e2e.support.process import Process
+from gpuscaler.client.hpa import MetricType
 from gpuscaler.model.engines import Engine
-from gpuscaler.signals.hpa import MetricType
 from tests.fakes.fake_engine import FakeEngine
 
 TOLERANCE = 0.1  # the HPA's default: no change while value / target is within 10% of 1

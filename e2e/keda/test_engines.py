@@ -18,8 +18,8 @@ from e2e.keda.control_plane import Json, free_port
 from e2e.keda.scenario import Scenario, directory_entry, expected_replicas, scaled_object
 from e2e.keda.test_fallback import FALLBACK_REPLICAS, expect_fallback
 from e2e.support.process import Process
+from gpuscaler.client.hpa import MetricType
 from gpuscaler.model.engines import Engine
-from gpuscaler.signals.hpa import MetricType
 from tests.fakes.fake_engine import FakeEngine
 
 TARGET = 8.0

@@ -12,7 +12,7 @@ import time
 
 from e2e.keda.scenario import Scenario, expected_replicas, scaled_object
 from e2e.support.process import Process
-from gpuscaler.signals.hpa import MetricType
+from gpuscaler.client.hpa import MetricType
 
 POLLING_SECONDS = 2
 COOLDOWN_SECONDS = 5

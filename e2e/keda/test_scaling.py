@@ -2,7 +2,7 @@
 
 Each test runs two ScaledObjects side by side against one agent (or a gateway in front of it): one with KEDA's default
 ``metricType: AverageValue`` on the sum over GPUs, one with ``metricType: Value`` on their average. The expected
-replica counts come from ``gpuscaler.signals.hpa`` (the HPA's formula) and the value ``gpuscaler query`` reads, not from
+replica counts come from ``gpuscaler.client.hpa`` (the HPA's formula) and the value ``gpuscaler query`` reads, not from
 constants.
 """
 
@@ -13,7 +13,7 @@ import time
 import pytest
 
 from e2e.keda.scenario import Scenario, expected_replicas, scaled_object
-from gpuscaler.signals.hpa import MetricType
+from gpuscaler.client.hpa import MetricType
 
 # external-push: a long polling interval, so a 0 -> 1 within PUSH_BOUND_SECONDS was the push, not a poll.
 PUSH_POLLING_SECONDS = 30

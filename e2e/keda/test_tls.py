@@ -15,7 +15,7 @@ import pytest
 
 from e2e.keda.control_plane import secret
 from e2e.keda.scenario import Scenario, expected_replicas, scaled_object
-from gpuscaler.signals.hpa import MetricType
+from gpuscaler.client.hpa import MetricType
 
 TARGET = 40.0
 BUSY = 95.0

@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from e2e.keda.scenario import Scenario, directory_entry, expected_replicas, scaled_object
-from gpuscaler.signals.hpa import MetricType
+from gpuscaler.client.hpa import MetricType
 from tests.fakes.fake_kubelet import Assignment
 
 TARGET = 60.0

@@ -24,7 +24,7 @@ from e2e.keda.scenario import ReplicaHistory, scaled_object
 from e2e.node.chart import Release, fake_set, held, metric_value, uuid_index, wait_counted, wait_scaled_object_ready
 from e2e.node.cluster import Deadline, NodeCluster, gpu_deployment, in_thread
 from e2e.node.conftest import FAKE_GPUS, record
-from gpuscaler.signals.hpa import MetricType
+from gpuscaler.client.hpa import MetricType
 
 GPUS_PER_POD = 4
 # The first pod's GPUs; the others' read 0.

@@ -14,13 +14,13 @@ import math
 from collections import deque
 from collections.abc import Iterator
 
+from gpuscaler.agent.rates import counter_rate
 from gpuscaler.model.aggregation import reduce_window
 from gpuscaler.model.gpu_metrics import METRICS
 from gpuscaler.model.pods import uid_key
 from gpuscaler.model.samples import GpuSample, Snapshot
 from gpuscaler.model.windows import Windowed, WindowKey, covered
 from gpuscaler.signals.per_snapshot import PerSnapshot
-from gpuscaler.signals.rates import counter_rate
 from gpuscaler.signals.shares import holders, pod_share
 from gpuscaler.signals.source import AnnouncedSource
 

@@ -16,10 +16,10 @@ from typing import Any
 from grpclib.client import Channel
 from grpclib.exceptions import GRPCError
 
+from gpuscaler.client.hpa import MetricType, desired_replicas
 from gpuscaler.generated import externalscaler as keda
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.server.preview import PREVIEW_METADATA
-from gpuscaler.signals.hpa import MetricType, desired_replicas
 
 # The ScaledObject `gpuscaler query` speaks for unless told (--scaled-object): the default namespace's pods.
 DEFAULT_SCALED_OBJECT = ("default", "gpuscaler-query")

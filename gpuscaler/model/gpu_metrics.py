@@ -213,7 +213,7 @@ class MetricInfo:
     fake_idle: float | None  # an idle fake GPU's value; None for one computed from others
     defaults: MetricDefaults
     # A rate: the reading's increase per second between two samples (energy in J -> average W), so one
-    # sample has no value; the evaluation takes it over the window (``rates.py``).
+    # sample has no value; the evaluation takes it over the window (``agent/rates.py``).
     rate: bool = False
     # The ``ProcessUsage`` field that gives one pod's own share of a shared GPU (``shares.py``); None when
     # NVML has no per-process figure for it and a pod reads the whole GPU's value.

@@ -133,7 +133,7 @@ class GpuSample(NamedTuple):
     def value(self, metric: Metric) -> float | None:
         """The metric in its documented unit, or None when a field it needs was not read.
 
-        A rate (``power_average``) has no value in one sample: it needs two (see ``rates.py``).
+        A rate (``power_average``) has no value in one sample: it needs two (see ``agent/rates.py``).
         """
         info = METRICS[metric]
         if not info.in_one_sample:

@@ -47,7 +47,7 @@ class PodSelection:
     workload: str | None = None  # the owning Deployment / StatefulSet / ... name
     labels: LabelSelector | None = None
     pod_aggregation: Aggregation = Aggregation.AVG
-    # scaleTargetPods: the pods of this ScaledObject's scaleTargetRef, resolved at evaluation (scale_targets.py)
+    # scaleTargetPods: the pods of this ScaledObject's scaleTargetRef, resolved at evaluation (signals/scale_targets.py)
     scale_target: str | None = None
     workload_kind: str | None = None  # with workload: only owners of this kind
     origin: str | None = None  # where a resolved selection came from, for people

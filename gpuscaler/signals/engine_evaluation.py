@@ -16,11 +16,11 @@ from gpuscaler.model.errors import GpuscalerError, TooManyPods, Unavailable, Uns
 from gpuscaler.model.pods import PodDirectory, PodInfo
 from gpuscaler.model.samples import Snapshot
 from gpuscaler.query.query import EngineQuery, PodSelection
-from gpuscaler.query.scale_targets import resolve as resolve_scale_target
 from gpuscaler.signals.engine_pods import Endpoint, left_out_because, metrics_endpoint
 from gpuscaler.signals.engine_source import EngineSource, PodKey, stale_after
 from gpuscaler.signals.engine_values import signal_value
 from gpuscaler.signals.outcome import Evaluation, ListedContributions, PodValue, failed
+from gpuscaler.signals.scale_targets import resolve as resolve_scale_target
 
 # An error names this many unreadable pods, then counts the rest.
 NAMED_PODS = 3

@@ -17,7 +17,6 @@ from gpuscaler.model.samples import (
     Snapshot,
 )
 from gpuscaler.query.query import PodSelection, ValueQuery
-from gpuscaler.query.scale_targets import resolve as resolve_scale_target
 from gpuscaler.signals.absences import absences_allowed, judge_unreadable, left_out_by_node, no_gpus
 from gpuscaler.signals.gpu_values import contribution_of, unreadable_error
 from gpuscaler.signals.outcome import (
@@ -29,6 +28,7 @@ from gpuscaler.signals.outcome import (
     failed,
     filling_windows,
 )
+from gpuscaler.signals.scale_targets import resolve as resolve_scale_target
 from gpuscaler.signals.shares import share_basis
 from gpuscaler.signals.source import SnapshotSource
 

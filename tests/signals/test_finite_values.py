@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from gpuscaler.agent.rates import counter_rate
 from gpuscaler.model.aggregation import Aggregation, WindowFunction
 from gpuscaler.model.engines import ENGINE_SIGNALS, EngineMetric, EnginePage, PodScrape
 from gpuscaler.model.errors import Unavailable
@@ -22,7 +23,6 @@ from gpuscaler.query.query import (
 from gpuscaler.signals.combined import evaluate_combined
 from gpuscaler.signals.engine_values import signal_value
 from gpuscaler.signals.outcome import Evaluation, ListedContributions
-from gpuscaler.signals.rates import counter_rate
 
 RATE = ENGINE_SIGNALS[EngineMetric.TRITON_REQUEST_RATE]
 WAIT = ENGINE_SIGNALS[EngineMetric.TRITON_QUEUE_WAIT]

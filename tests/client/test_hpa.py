@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpuscaler.signals.hpa import MetricType, desired_replicas
+from gpuscaler.client.hpa import MetricType, desired_replicas
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpuscaler.agent.history import History
+from gpuscaler.agent.rates import counter_rate
 from gpuscaler.model.aggregation import Aggregation, WindowFunction
 from gpuscaler.model.errors import InvalidMetadata, Unavailable, Unsupported
 from gpuscaler.model.gpu_metrics import Metric
@@ -12,7 +13,6 @@ from gpuscaler.model.samples import ReadError, ReadErrorKind
 from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.query.query import GpuSelection, ValueQuery
 from gpuscaler.signals.evaluation import evaluate
-from gpuscaler.signals.rates import counter_rate
 from tests.builders import gpu_sample, history_of, snapshot
 
 
