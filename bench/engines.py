@@ -31,7 +31,7 @@ from gpuscaler.gateway.engines.limits import ScrapeLimits
 from gpuscaler.gateway.engines.page import prefilter, read_whole_page
 from gpuscaler.gateway.engines.scraper import EngineScraper
 from gpuscaler.model.engines import Engine, engine_series
-from gpuscaler.signals.engine_pods import Endpoint
+from gpuscaler.signals.engines.pods import Endpoint
 
 SIZES_KB = (10, 100, 300, 1000)
 LABELS = 'engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"'

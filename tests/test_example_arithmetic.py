@@ -38,9 +38,9 @@ from gpuscaler.model.samples import Attribution, AttributionState, GpuSample, Po
 from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.query.query import CombinedQuery, EngineQuery, Query, Signal, ValueQuery
 from gpuscaler.signals.combined import evaluate_combined
-from gpuscaler.signals.engine_evaluation import evaluate_engine
-from gpuscaler.signals.engine_pods import metrics_endpoint
-from gpuscaler.signals.engine_source import EngineSource
+from gpuscaler.signals.engines.evaluation import evaluate_engine
+from gpuscaler.signals.engines.pods import metrics_endpoint
+from gpuscaler.signals.engines.source import EngineSource
 from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.outcome import Evaluation
 from tests.builders import cluster, gpu_sample, snapshot, source_of

@@ -37,7 +37,7 @@ class PodInfo:
     holds_gpus: bool | None = None
     # The pod's UID: what its processes' cgroups name, so per-process figures can be tied to it (shares.py).
     uid: str | None = None
-    # What reading its engine's /metrics needs (engine signals, ``signals/engine_pods.py``); None where unknown.
+    # What reading its engine's /metrics needs (engine signals, ``signals/engines/pods.py``); None where unknown.
     ip: str | None = None  # status.podIP
     phase: str | None = None  # status.phase: Pending, Running, Succeeded, Failed
     ready: bool | None = None  # its Ready condition

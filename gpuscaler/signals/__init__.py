@@ -1,1 +1,1 @@
-"""Answering a query from snapshots: evaluation, the evaluator, rates, shares, energy, activation, HPA math."""
+"""Answering a query from snapshots: evaluation, the evaluator, engine signals, shares, energy, activation."""

@@ -5,7 +5,7 @@ or per scrape (an engine query, the engine source's generation), so unary calls 
 (``streams.py``) of one tick share them.
 
 Evaluating reads and keeps nothing of the engine pods it reads. Interest in them is registered apart
-(``engine_interest.py``): ``prepare`` (a call KEDA makes) wants the pods a query's engine signals select and waits
+(``engines/interest.py``): ``prepare`` (a call KEDA makes) wants the pods a query's engine signals select and waits
 for the first reads of those of them never read, its own pods only, within the caller's deadline; a push stream's
 pods stay wanted while it is open. A read path (Explain, a preview of KEDA's calls) registers no interest
 (``read``): it wants no pod, reads each pod no one wants once for its own answer, and moves no activation state;
@@ -31,9 +31,9 @@ from gpuscaler.signals.activation import ActivationStates
 from gpuscaler.signals.combined import evaluate_combined
 from gpuscaler.signals.empty_selection import EmptySelection, find_empty, unmatched_of
 from gpuscaler.signals.empty_selection_record import EmptySelectionRecord
-from gpuscaler.signals.engine_evaluation import evaluate_engine
-from gpuscaler.signals.engine_interest import EngineInterest
-from gpuscaler.signals.engine_source import EngineSource, PodKey, stale_after
+from gpuscaler.signals.engines.evaluation import evaluate_engine
+from gpuscaler.signals.engines.interest import EngineInterest
+from gpuscaler.signals.engines.source import EngineSource, PodKey, stale_after
 from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.node_memo import NodeMemo
 from gpuscaler.signals.outcome import Evaluation
@@ -134,7 +134,7 @@ class Evaluator:
         """Make the query answerable before it is evaluated, and register its interest: a gateway asks its agents
         for its windows once, and keeps the pods its engine signals select read, waiting for the first read of
         those never read (its own pods, no one else's). ``time_left``: seconds left of the caller's deadline, of
-        which the wait leaves ``engine_interest.DEADLINE_MARGIN_SECONDS``; a pod still unread is then named in the
+        which the wait leaves ``engines.interest.DEADLINE_MARGIN_SECONDS``; a pod still unread is then named in the
         answer."""
         windows = windows_of(query.value)
         if windows:

@@ -125,7 +125,7 @@ class Evaluation:
 
     def __post_init__(self) -> None:
         if self.value is not None and not math.isfinite(self.value):
-            # Where a source can give a value past the float range, its own check names it (engine_values.py);
+            # Where a source can give a value past the float range, its own check names it (engines/values.py);
             # this is the last line, for any that has none.
             error = Unavailable(f"the value is {self.value}, not a number: a sum or a rate of the inputs overflowed")
             object.__setattr__(self, "value", None)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from gpuscaler.model.windows import WindowKey
 from gpuscaler.query.query import AnyValueQuery, CombinedQuery, EngineQuery, Query, ValueQuery, windows_of
-from gpuscaler.signals.engine_interest import EngineInterest, Read
+from gpuscaler.signals.engines.interest import EngineInterest, Read
 from gpuscaler.signals.outcome import Evaluation
 
 # A push stream's engine pods are looked at again at most this often (on a scrape or a snapshot), so a pod that

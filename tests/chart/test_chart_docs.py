@@ -16,7 +16,7 @@ from gpuscaler.model.engines import ENGINE_SIGNALS
 from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.query.profiles import PROFILES, SIGNAL_PROFILES
 from gpuscaler.query.query import CombinedQuery, EngineQuery
-from gpuscaler.signals.engine_pods import Endpoint, metrics_endpoint
+from gpuscaler.signals.engines.pods import Endpoint, metrics_endpoint
 from tests.chart.rendering import (
     CHART,
     CI_VALUES,

@@ -9,8 +9,8 @@ import pytest
 from gpuscaler.gateway.engines.page import MalformedPage, prefilter, read_whole_page
 from gpuscaler.model.engines import ENGINE_SIGNALS, Engine, EngineMetric, EnginePage, PodScrape, engine_series
 from gpuscaler.model.pods import PodInfo
-from gpuscaler.signals.engine_pods import Endpoint, left_out_because, metrics_endpoint
-from gpuscaler.signals.engine_values import signal_value
+from gpuscaler.signals.engines.pods import Endpoint, left_out_because, metrics_endpoint
+from gpuscaler.signals.engines.values import signal_value
 from tests.fakes.fake_engine import FakeEngine
 
 

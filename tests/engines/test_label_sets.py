@@ -19,7 +19,7 @@ from gpuscaler.model.engines import (
     engine_series,
     series_bounds,
 )
-from gpuscaler.signals.engine_values import signal_value
+from gpuscaler.signals.engines.values import signal_value
 
 
 def dp_page(series: dict[str, tuple[float, ...]], labels: str) -> bytes:

@@ -15,7 +15,7 @@ from gpuscaler.gateway.engines.page_reader import PageBody, PageReader, ScrapeFa
 from gpuscaler.gateway.engines.scraper import EngineScraper, namespace_share, once_slots
 from gpuscaler.gateway.engines.wanted import BACKOFF_MAX_SECONDS, FORGET_AFTER_SECONDS, backoff_seconds
 from gpuscaler.model.engines import Engine, EnginePage
-from gpuscaler.signals.engine_pods import Endpoint
+from gpuscaler.signals.engines.pods import Endpoint
 from tests.fakes.fake_engine import FakeEngine
 from tests.waiting import until
 

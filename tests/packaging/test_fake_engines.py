@@ -19,7 +19,7 @@ import pytest
 
 from gpuscaler.gateway.engines.page import prefilter, read_whole_page
 from gpuscaler.model.engines import ENGINE_SIGNALS, Engine, EngineMetric, PodScrape, engine_series
-from gpuscaler.signals.engine_values import signal_value
+from gpuscaler.signals.engines.values import signal_value
 
 FAKE_ENGINES = Path(__file__).resolve().parents[2] / "dev" / "fake_engines.py"
 REQUESTS = 36  # 16 run (the fake's batch), 20 wait

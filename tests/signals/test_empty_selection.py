@@ -15,8 +15,8 @@ from gpuscaler.model.samples import Snapshot
 from gpuscaler.query.query import CombinedQuery, EngineQuery, PodSelection, Signal, SignalTarget
 from gpuscaler.signals.combined import evaluate_combined
 from gpuscaler.signals.empty_selection import MAX_COMPARED, EmptySelection, Seen, find_empty, unmatched_of
-from gpuscaler.signals.engine_evaluation import evaluate_engine
-from gpuscaler.signals.engine_source import EngineSource
+from gpuscaler.signals.engines.evaluation import evaluate_engine
+from gpuscaler.signals.engines.source import EngineSource
 from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.outcome import Evaluation
 from tests.builders import source_of

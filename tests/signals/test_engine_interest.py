@@ -13,9 +13,9 @@ from gpuscaler.model.engines import Engine, EnginePage, PodScrape
 from gpuscaler.model.errors import TooManyPods, Unavailable
 from gpuscaler.model.pods import PodInfo
 from gpuscaler.query.query import Query
-from gpuscaler.signals.engine_interest import DEADLINE_MARGIN_SECONDS, FIRST_READ_SLACK_SECONDS
-from gpuscaler.signals.engine_pods import Endpoint
-from gpuscaler.signals.engine_source import PodKey
+from gpuscaler.signals.engines.interest import DEADLINE_MARGIN_SECONDS, FIRST_READ_SLACK_SECONDS
+from gpuscaler.signals.engines.pods import Endpoint
+from gpuscaler.signals.engines.source import PodKey
 from gpuscaler.signals.evaluator import Evaluator
 from gpuscaler.signals.streams import STREAM_REWANT_SECONDS
 from tests.signals.test_evaluation_workloads import Directory

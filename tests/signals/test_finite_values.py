@@ -21,7 +21,7 @@ from gpuscaler.query.query import (
     ValueQuery,
 )
 from gpuscaler.signals.combined import evaluate_combined
-from gpuscaler.signals.engine_values import signal_value
+from gpuscaler.signals.engines.values import signal_value
 from gpuscaler.signals.outcome import Evaluation, ListedContributions
 
 RATE = ENGINE_SIGNALS[EngineMetric.TRITON_REQUEST_RATE]

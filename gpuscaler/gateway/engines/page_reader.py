@@ -1,7 +1,7 @@
 """One read of one pod's engine metrics page, within its limits: the request, the body, then the values.
 
 Every read is bounded: a timeout, a body size, no redirects, no proxy, no compression (a small gzip can
-inflate to gigabytes), and only the address the pod itself declares (``signals/engine_pods.py``). When and
+inflate to gigabytes), and only the address the pod itself declares (``signals/engines/pods.py``). When and
 how often a pod is read is the scraper's (``scraper.py``).
 
 Memory: a read holds its body as the chunks that arrived, never joined or copied, and stops at the first
@@ -38,7 +38,7 @@ import aiohttp
 from gpuscaler.gateway.engines.limits import ScrapeLimits
 from gpuscaler.gateway.engines.page import Prefilter, TooManyLabelSets, add_values, batches, page_of, prefilter
 from gpuscaler.model.engines import Engine, EnginePage, engine_series, series_bounds
-from gpuscaler.signals.engine_pods import Endpoint
+from gpuscaler.signals.engines.pods import Endpoint
 
 PageBody = list[bytes]  # the chunks of a page as they arrived
 # What one turn of the event loop takes in from one page's socket. asyncio's own is 256 KiB, and reading it costs

@@ -35,8 +35,8 @@ from gpuscaler.gateway.engines.page_reader import PageReader, ScrapeFailed
 from gpuscaler.gateway.engines.wanted import FORGET_AFTER_SECONDS, WantedPod
 from gpuscaler.model.engines import Engine, PodScrape
 from gpuscaler.server.overload import LimitsActed
-from gpuscaler.signals.engine_pods import Endpoint
-from gpuscaler.signals.engine_source import PodKey
+from gpuscaler.signals.engines.pods import Endpoint
+from gpuscaler.signals.engines.source import PodKey
 
 log = structlog.get_logger(__name__)
 
@@ -66,7 +66,7 @@ class _Namespace:
 
 
 class EngineScraper:
-    """Reads the pods queries want; ``signals.engine_source.EngineSource`` for the evaluator."""
+    """Reads the pods queries want; ``signals.engines.source.EngineSource`` for the evaluator."""
 
     def __init__(
         self,

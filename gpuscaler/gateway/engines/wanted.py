@@ -6,7 +6,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from gpuscaler.model.engines import Engine, PodScrape
-from gpuscaler.signals.engine_pods import Endpoint
+from gpuscaler.signals.engines.pods import Endpoint
 
 # KEDA polls every 30 s: a pod asked for by polls alone is read for a while after each, so the next finds it fresh.
 # A push stream asks again after every scrape of its pods (``Evaluator``), well within this.

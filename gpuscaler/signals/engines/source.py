@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol
 
 from gpuscaler.model.engines import Engine, PodScrape
-from gpuscaler.signals.engine_pods import Endpoint
+from gpuscaler.signals.engines.pods import Endpoint
 
 PodKey = tuple[str, str]  # (namespace, pod)
 

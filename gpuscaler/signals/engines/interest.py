@@ -8,9 +8,9 @@ from gpuscaler.model.engines import ENGINE_SIGNALS, Engine
 from gpuscaler.model.errors import TooManyPods
 from gpuscaler.model.pods import PodDirectory, ScaleTargets
 from gpuscaler.query.query import AnyValueQuery, CombinedQuery, EngineQuery
-from gpuscaler.signals.engine_evaluation import EngineSelection, select_engine_pods
-from gpuscaler.signals.engine_pods import Endpoint
-from gpuscaler.signals.engine_source import EngineSource, PodKey
+from gpuscaler.signals.engines.evaluation import EngineSelection, select_engine_pods
+from gpuscaler.signals.engines.pods import Endpoint
+from gpuscaler.signals.engines.source import EngineSource, PodKey
 
 # What a call that waits for its pods' first reads leaves of the caller's deadline (KEDA's grpc-timeout) for the
 # answer itself: it answers with the pods still unread named, not DEADLINE_EXCEEDED.

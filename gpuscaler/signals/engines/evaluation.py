@@ -1,6 +1,6 @@
 """A query on an engine signal: each selected pod's value from its own metrics page, then the pods combined.
 
-``engine_pods`` says which pods count and where each page is. A pod that counts and cannot be read makes the
+``pods.py`` says which pods count and where each page is. A pod that counts and cannot be read makes the
 answer UNAVAILABLE naming it, never a 0 for its queue; pods left out are listed with why. No pod that counts
 (a workload at zero replicas, or all starting) is a true 0: no engine, no queue.
 """
@@ -16,9 +16,9 @@ from gpuscaler.model.errors import GpuscalerError, TooManyPods, Unavailable, Uns
 from gpuscaler.model.pods import PodDirectory, PodInfo
 from gpuscaler.model.samples import Snapshot
 from gpuscaler.query.query import EngineQuery, PodSelection
-from gpuscaler.signals.engine_pods import Endpoint, left_out_because, metrics_endpoint
-from gpuscaler.signals.engine_source import EngineSource, PodKey, stale_after
-from gpuscaler.signals.engine_values import signal_value
+from gpuscaler.signals.engines.pods import Endpoint, left_out_because, metrics_endpoint
+from gpuscaler.signals.engines.source import EngineSource, PodKey, stale_after
+from gpuscaler.signals.engines.values import signal_value
 from gpuscaler.signals.outcome import Evaluation, ListedContributions, PodValue, failed
 from gpuscaler.signals.scale_targets import resolve as resolve_scale_target
 
