@@ -22,7 +22,7 @@ from e2e.support.clients import RpcFailure, ScalerClient, outcome, refusal
 from e2e.support.raw_h2 import PREFACE, grpc_call, grpc_frame, send_and_wait_for_close, unknown_frame
 from e2e.support.sizes import FULL, FUZZ_EXAMPLES
 from gpuscaler.generated.externalscaler import ScaledObjectRef
-from gpuscaler.query.metadata import KEDA_KEYS, QUERY_KEYS
+from gpuscaler.query.keys import KEDA_KEYS, QUERY_KEYS
 from gpuscaler.server.transport.calls import MAX_RECEIVE_MESSAGE_BYTES
 from gpuscaler.server.transport.h2 import MAX_HEADER_LIST_BYTES
 

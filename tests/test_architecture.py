@@ -34,7 +34,7 @@ TIERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("process",),
     ),
     "gpuscaler.gateway.": (
-        ("directory", "directory.", "engines", "engines."),
+        ("directory", "directory.", "engines", "engines.", "window_asks"),
         ("decoding", "view", "discovery"),
         ("subscriber", "idle_energy", "settings"),
         ("telemetry",),

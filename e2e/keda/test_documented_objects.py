@@ -27,7 +27,7 @@ from e2e.keda.control_plane import ApiError, Json, secret
 from e2e.keda.scenario import Scenario, scaled_object
 from e2e.support.certs import TlsFiles
 from e2e.support.process import Process
-from gpuscaler.query.metadata import asks_in_scaled_object_namespace
+from gpuscaler.query.keys import asks_in_scaled_object_namespace
 from tests.test_docs import EXTERNAL_TRIGGERS, YAML_SOURCES, YamlSource
 
 # TriggerAuthentication parameters -> which of the suite's PEM files their Secret key holds.

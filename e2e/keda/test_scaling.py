@@ -1,7 +1,8 @@
 """The real KEDA scales Deployments off gpuscaler: 0 -> 1 on activation, 1 -> N by the HPA, back to 0 after cooldown.
 
-Each test runs two ScaledObjects side by side against one agent (or a gateway in front of it): one with KEDA's default
-``metricType: AverageValue`` on the sum over GPUs, one with ``metricType: Value`` on their average. The expected
+Each test runs two ScaledObjects side by side against one agent (or a gateway in front of it), with no pod selection,
+so that each GPU is its own value (docs/hpa.md, "The rule", 2.): one with KEDA's default ``metricType: AverageValue``
+on the sum over the GPUs, one with ``metricType: Value`` on their average. The expected
 replica counts come from ``gpuscaler.client.hpa`` (the HPA's formula) and the value ``gpuscaler query`` reads, not from
 constants.
 """

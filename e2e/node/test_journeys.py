@@ -56,7 +56,7 @@ from e2e.node.engines import (
 )
 from e2e.node.product_image import chart_version
 from gpuscaler.client.hpa import MetricType
-from gpuscaler.query.metadata import asks_in_scaled_object_namespace
+from gpuscaler.query.keys import asks_in_scaled_object_namespace
 from tests.test_docs import EXTERNAL_TRIGGERS, YAML_SOURCES
 
 # Every percent reading a profile or metric may scale on, at 100 (busy) or 0 (idle); NVLink traffic (MB/s, for

@@ -1,9 +1,9 @@
 """The gateway's cluster view: each listed agent's newest snapshot, composed into one cluster snapshot.
 
 It keeps each node's newest snapshot only; the agents keep the history and reduce the windows a query needs
-(``ClusterView`` asks them). On each agent update, after a short coalescing delay, the view composes one
-cluster ``Snapshot`` from the newest snapshot of every fresh node and announces it, which wakes the evaluator
-(push streams) within one agent tick. A timer composes too, so that a node that stops sending is seen as
+(``ClusterView`` asks them, ``window_asks.py``). On each agent update, after a short coalescing delay, the view
+composes one cluster ``Snapshot`` from the newest snapshot of every fresh node and announces it, which wakes the
+evaluator (push streams) within one agent tick. A timer composes too, so that a node that stops sending is seen as
 silent after its staleness bound even when no other node sends anything. Freshness is judged on the
 gateway's own clock at arrival, because the agents' clocks are not ours.
 
@@ -19,17 +19,18 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, KeysView, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, KeysView, Mapping, Sequence
 from dataclasses import dataclass, replace
 from operator import attrgetter, itemgetter
 
 import structlog
 
+from gpuscaler.gateway.window_asks import WindowAsks
 from gpuscaler.model.columns import Chained, WindowColumn, WindowColumns
-from gpuscaler.model.errors import Unavailable, Unsupported
+from gpuscaler.model.errors import Unavailable
 from gpuscaler.model.samples import Absence, GpuSample, Snapshot
 from gpuscaler.model.staleness import snapshot_stale_after
-from gpuscaler.model.windows import MAX_WINDOWS, Windowed, WindowKey
+from gpuscaler.model.windows import Windowed, WindowKey
 from gpuscaler.signals.source import AnnouncedSource, window_column
 
 log = structlog.get_logger(__name__)
@@ -40,9 +41,8 @@ DEFAULT_COMPOSE_INTERVAL_SECONDS = 0.5
 # Updates within this long of the first make one composition: at 2,000 agents, 20 a second instead of 4,000,
 # for at most 50 ms of the push budget (one agent poll + 100 ms).
 DEFAULT_COALESCE_SECONDS = 0.05
-# A window no query used for this long is no longer asked for (KEDA asks each query every 30 s at least).
-WINDOW_IDLE_SECONDS = 15 * 60.0
-# How long a call waits for its agents to send a window it just asked for: a few of their polls.
+# How long a call waits for its agents to send a window it just asked for: a few of their polls. A read waits at most
+# this long in all (within its own deadline) for its turn to ask a one-shot window and for the agents to send it.
 PREPARE_TIMEOUT_SECONDS = 3.0
 
 
@@ -111,6 +111,7 @@ class ClusterView(AnnouncedSource):
     It keeps each node's newest snapshot only: memory grows with nodes x GPUs, not with history. Windows are
     reduced by each agent over its own ring buffer; the view asks for the ones its queries use (``windows``,
     read by every subscriber when it opens its stream) when the evaluator requests them: reading one never does.
+    A read of a window no KEDA call uses asks for it only while the read lasts (``windows_for_read``).
     """
 
     def __init__(
@@ -142,8 +143,7 @@ class ClusterView(AnnouncedSource):
         self._heard: tuple[str, ...] = ()
         self._absent: tuple[str, ...] = ()
         self.on_compose: Callable[[float], None] | None = None  # seconds one composition took
-        self._windows: dict[WindowKey, float] = {}  # the windows queries use, with when each was last used
-        self.windows_changed = asyncio.Event()  # replaced (after being set) whenever the set grows
+        self.asks = WindowAsks(self._clock)
 
     # The SnapshotSource protocol (with AnnouncedSource)
 
@@ -183,38 +183,28 @@ class ClusterView(AnnouncedSource):
 
     @property
     def windows(self) -> tuple[WindowKey, ...]:
-        """The windows the agents are asked for."""
-        return tuple(self._windows)
+        """The windows the agents are asked for (``asks``)."""
+        return self.asks.windows
+
+    @property
+    def windows_changed(self) -> asyncio.Event:
+        """Set (and replaced) whenever ``windows`` change: each subscriber then reopens its stream with them."""
+        return self.asks.changed
 
     def request(self, windows: Iterable[WindowKey]) -> None:
         """Ask every agent for ``windows`` from now on (its subscribers reopen their streams with a new one); each
         is forgotten WINDOW_IDLE_SECONDS after its last request. Unsupported past MAX_WINDOWS at once."""
-        now = self._clock()
-        added = []
-        for window in windows:
-            if window in self._windows:
-                self._windows[window] = now
-                continue
-            for old in [w for w, used in self._windows.items() if now - used > WINDOW_IDLE_SECONDS]:
-                del self._windows[old]
-            if len(self._windows) >= MAX_WINDOWS:
-                raise Unsupported(
-                    f"{window.describe()} would be one window too many: the gateway asks its agents for at most "
-                    f"{MAX_WINDOWS} distinct windows (each costs every agent a pass over its history per tick); use "
-                    "fewer distinct window lengths and functions"
-                )
-            self._windows[window] = now
-            added.append(window)
-        if added:
-            changed, self.windows_changed = self.windows_changed, asyncio.Event()
-            changed.set()
-            log.info("window_requested", windows=[w.describe() for w in added], total=len(self._windows))
+        self.asks.request(windows)
 
     async def prepare(self, windows: Sequence[WindowKey]) -> None:
         """Ask for ``windows`` and wait (a few polls at most) until every heard node has sent them."""
         self.request(windows)
+        await self._sent(windows, asyncio.get_running_loop().time() + PREPARE_TIMEOUT_SECONDS)
+
+    async def _sent(self, windows: Sequence[WindowKey], deadline: float) -> None:
+        """Until every heard node has sent ``windows``, or ``deadline`` (the loop's clock)."""
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(PREPARE_TIMEOUT_SECONDS):
+            async with asyncio.timeout_at(deadline):
                 while True:
                     latest = self._latest
                     if latest is not None and all(
@@ -222,6 +212,30 @@ class ClusterView(AnnouncedSource):
                     ):
                         return
                     await self.wait_newer(latest.sequence if latest is not None else 0)
+
+    @contextlib.asynccontextmanager
+    async def windows_for_read(
+        self, windows: Sequence[WindowKey], *, time_left: float | None = None
+    ) -> AsyncIterator[None]:
+        """While inside, ``windows`` are answerable as far as the agents sent them, and afterwards nothing is asked
+        that was not before: a window KEDA's calls use is read as it is (its last use is not moved); another is
+        asked of the agents for this read only, waited for as ``prepare`` waits, within ``time_left`` (seconds of
+        the caller's deadline) and PREPARE_TIMEOUT_SECONDS, and let go on leaving unless a KEDA call asked for it
+        meanwhile. Reads in flight share a one-shot window; one read at a time adds new ones, and a read that
+        cannot have its turn in time is Unavailable (``WindowAsks.turn``). Unsupported past MAX_WINDOWS."""
+        wanted = list(dict.fromkeys(windows))
+        if not wanted:
+            yield
+            return
+        deadline = asyncio.get_running_loop().time() + min(
+            PREPARE_TIMEOUT_SECONDS, math.inf if time_left is None else time_left
+        )
+        async with contextlib.AsyncExitStack() as held:
+            if not all(map(self.asks.asked, wanted)):
+                await held.enter_async_context(self.asks.turn(deadline))
+            held.callback(self.asks.let_go, self.asks.hold(wanted))
+            await self._sent(wanted, deadline)
+            yield
 
     # What discovery and the subscribers tell it
 

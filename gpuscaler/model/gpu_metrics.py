@@ -248,8 +248,9 @@ class MetricInfo:
 
 
 # KEDA's default metricType is AverageValue, where the HPA computes desired = ceil(value / target): the
-# defaults sum over GPUs with a per-GPU target (see profiles.py). Temperature is the exception: a sum of
-# temperatures means nothing, so it takes the max and is meant for `metricType: Value` or as a guard.
+# defaults sum with a per-replica target, over the pods (each pod's GPUs reduced by podAggregation, default avg)
+# or, without a pod selection, over the GPUs (see profiles.py and docs/hpa.md). Temperature is the exception: a
+# sum of temperatures means nothing, so it takes the max and is meant for `metricType: Value` or as a guard.
 METRICS: Mapping[Metric, MetricInfo] = {
     Metric.GPU_UTILIZATION: MetricInfo(
         "%",

@@ -34,10 +34,7 @@ from gpuscaler.query.key_values import (
     parse_metric_name,
     parse_min_nodes,
 )
-from gpuscaler.query.keys import KEDA_KEYS as KEDA_KEYS  # re-exported: the e2e suites import it from here
-from gpuscaler.query.keys import QUERY_KEYS as QUERY_KEYS  # re-exported, as KEDA_KEYS
 from gpuscaler.query.keys import SELECTOR_KEYS, resolve_keys
-from gpuscaler.query.keys import asks_in_scaled_object_namespace as asks_in_scaled_object_namespace  # as KEDA_KEYS
 from gpuscaler.query.profiles import DEFAULT_METRIC, PROFILE_ALIASES, PROFILES, SIGNAL_PROFILES, SignalProfile
 from gpuscaler.query.query import (
     DEFAULT_MAX_UNREADABLE,

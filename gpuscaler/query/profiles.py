@@ -11,11 +11,13 @@ target for; it fails with FAILED_PRECONDITION naming the plain profile instead (
 from NVML's older counters before it, so it is the same metric on every GPU that has NVLink.
 
 KEDA's default metricType is AverageValue, where the HPA computes desired = ceil(value / target)
-regardless of the current replica count. So the defaults return the SUM over the selected GPUs and
-the target is what ONE GPU (one replica) should carry: 4 GPUs at 90% with target 70 give
-ceil(360 / 70) = 6 replicas. A max or an average of percentages would cap the HPA at
-ceil(100 / target) replicas, which is the prior art's bug. Temperature is the exception: a sum of
-temperatures means nothing, so it takes the max and is meant for `metricType: Value` or as a guard.
+regardless of the current replica count. So the defaults SUM (``aggregation``) and the target is what ONE
+replica should carry (docs/hpa.md, "The rule"). With a pod selection each pod's GPUs are first reduced by
+``podAggregation`` (default avg) and the pods' values summed: 2 pods, each on 4 GPUs averaging 90%, give 180,
+and with target 70 ceil(180 / 70) = 3 replicas. Without one, each GPU is its own value, one replica's worth
+only with one GPU per replica: 4 GPUs at 90% give ceil(360 / 70) = 6. A max or an average of percentages would
+cap the HPA at ceil(100 / target) replicas, which is the prior art's bug. Temperature is the exception: a sum
+of temperatures means nothing, so it takes the max and is meant for `metricType: Value` or as a guard.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Evaluating reads and keeps nothing of the engine pods it reads. Interest in them
 for the first reads of those of them never read, its own pods only, within the caller's deadline; a push stream's
 pods stay wanted while it is open. A read path (Explain, a preview of KEDA's calls) registers no interest
 (``read``): it wants no pod, reads each pod no one wants once for its own answer, and moves no activation state;
-at a gateway it still asks the agents for the windows it reads, as KEDA's calls do.
+at a gateway a window no KEDA call uses is asked of the agents for that read only (``windows_for_read``).
 """
 
 from __future__ import annotations
@@ -150,23 +150,25 @@ class Evaluator:
 
         No pod is wanted: a pod some query wants is waited for as ``prepare`` would, and a pod no one wants is read
         once for this answer (``EngineSource.read_once``), both within the caller's deadline; nothing read is kept.
-        A gateway's windows are still asked for, as ``prepare`` asks: an agent computes only the windows it is asked
-        for, and the ask is forgotten WINDOW_IDLE_SECONDS after its last use (a one-shot ask is issue 32's)."""
-        windows = windows_of(query.value)
-        if windows:
-            await self.source.prepare(list(windows))
-        scrapes: Mapping[PodKey, PodScrape] | None = None
-        interest = self._interest
-        if interest is not None:
-            reads = interest.reads(query.value)
-            if reads:
-                within = interest.first_read_within(time_left)
-                engines = interest.engines
-                _, scrapes = await asyncio.gather(
-                    engines.first_reads([read[0] for read in reads], within),
-                    engines.read_once([(pod, engine, endpoint) for pod, engine, endpoint, _ in reads], within),
-                )
-        return self.evaluate(query.value, scrapes=scrapes)
+        No window is asked for beyond this read: a gateway asks its agents for one no KEDA call uses while the read
+        lasts, and moves no window's last use (``SnapshotSource.windows_for_read``)."""
+        loop, windows = asyncio.get_running_loop(), list(windows_of(query.value))
+        started = loop.time()
+        async with self.source.windows_for_read(windows, time_left=time_left):
+            if windows and time_left is not None:
+                time_left -= loop.time() - started  # what the windows' wait left of the caller's deadline
+            scrapes: Mapping[PodKey, PodScrape] | None = None
+            interest = self._interest
+            if interest is not None:
+                reads = interest.reads(query.value)
+                if reads:
+                    within = interest.first_read_within(time_left)
+                    engines = interest.engines
+                    _, scrapes = await asyncio.gather(
+                        engines.first_reads([read[0] for read in reads], within),
+                        engines.read_once([(pod, engine, endpoint) for pod, engine, endpoint, _ in reads], within),
+                    )
+            return self.evaluate(query.value, scrapes=scrapes)
 
     def want_engine_pods(self, value: AnyValueQuery) -> list[PodKey]:
         """Keep the pods ``value``'s engine signals read wanted by the scraper, at their intervals; those pods.
@@ -287,13 +289,15 @@ class Evaluator:
 
     async def first_push(self, query: Query) -> bool:
         """What a push stream opened now would send first, without opening one or keeping a state: as that stream
-        does, it waits for a snapshot with a known value (a preview of StreamIsActive)."""
-        while True:
-            value = (await self.read(query)).value
-            if value is not None:
-                return self.would_be_active(query, value)
-            latest = self.source.latest
-            await self.source.wait_newer(latest.sequence if latest is not None else -1)
+        does, it waits for a snapshot with a known value (a preview of StreamIsActive). Its windows are held for
+        the whole wait, so that the reads in it do not ask for them and let them go again each snapshot."""
+        async with self.source.windows_for_read(list(windows_of(query.value))):
+            while True:
+                value = (await self.read(query)).value
+                if value is not None:
+                    return self.would_be_active(query, value)
+                latest = self.source.latest
+                await self.source.wait_newer(latest.sequence if latest is not None else -1)
 
     def empty_selection(self, evaluation: Evaluation) -> EmptySelection | None:
         """Why an answer of 0 selected no pod, if its selection matches none (read only: for Explain)."""

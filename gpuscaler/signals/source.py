@@ -9,7 +9,9 @@ wait (the snapshot streams).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
 import structlog
@@ -66,6 +68,13 @@ class SnapshotSource(Protocol):
 
     async def prepare(self, windows: Sequence[WindowKey]) -> None:
         """``request`` them, and wait a little where that takes a round trip (a gateway's agents)."""
+
+    def windows_for_read(
+        self, windows: Sequence[WindowKey], *, time_left: float | None = None
+    ) -> AbstractAsyncContextManager[None]:
+        """``windows`` answerable for a read inside the ``async with`` only, leaving nothing asked afterwards: a
+        gateway asks its agents for those no KEDA call uses until the read leaves (within ``time_left``, seconds
+        of the caller's deadline) and moves no window's last use; an agent computes every window itself."""
 
     def newest_first(self, node: str) -> Iterator[Snapshot]:
         """``node``'s snapshots, newest first."""
@@ -152,6 +161,12 @@ class AnnouncedSource:
 
     async def prepare(self, windows: Sequence[WindowKey]) -> None:
         return None
+
+    @contextlib.asynccontextmanager
+    async def windows_for_read(
+        self, windows: Sequence[WindowKey], *, time_left: float | None = None
+    ) -> AsyncIterator[None]:
+        yield  # a node's own history answers every window: nothing to ask, nothing to let go
 
     def add_listener(self, listener: SnapshotListener) -> None:
         self._announcer.add_listener(listener)

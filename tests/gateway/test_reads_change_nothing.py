@@ -1,6 +1,6 @@
 """A read (Explain, `gpuscaler query`'s preview calls, a /metrics scrape) between two of KEDA's calls changes nothing
-KEDA's next answer depends on: its activation state and the engine pods it keeps read. (A read still asks the
-agents for a window it shows; a one-shot ask is left to issue 32.)"""
+KEDA's next answer depends on: its activation state, the windows the gateway asks its agents for, the engine pods
+it keeps read."""
 
 from __future__ import annotations
 
@@ -66,7 +66,9 @@ async def read_everything(gateway: Gateway) -> None:
     assert nobodys.get_metrics.fields["metricValues"][0]["metricValueFloat"] == 7.0
     assert nobodys.explanation is not None
     assert nobodys.explanation["value"] == 7.0
-    await explain(gateway, **WINDOW)  # asks the agents for the window (a read still does: issue 32)
+    # Answered: the agents are asked for the window while Explain reads it, and no longer once it has.
+    window = await explain(gateway, **WINDOW)
+    assert window.error_code == "", window.error_message
     await scrape(gateway)
 
 
@@ -75,7 +77,7 @@ async def test_reads_between_two_keda_calls_leave_its_answers_and_the_gateways_r
 ) -> None:
     """KEDA sees a queue of 3 (inactive); the queue rises to 8 and every read path runs (each would activate it);
     the queue falls back to 3, and KEDA's IsActive is still inactive (from inactive, 3 is below 5), as with no reads
-    between. The pods the scraper keeps read are those before the reads (a read still asks the agents for a window);
+    between. The pods the scraper keeps read and the windows the agents are asked for are those before the reads;
     the pod only the reads asked about was read, and is not kept."""
     llm = await serve(engines, Engine.VLLM, waiting=3)
     chat = await serve(engines, Engine.VLLM, waiting=7)
@@ -83,16 +85,16 @@ async def test_reads_between_two_keda_calls_leave_its_answers_and_the_gateways_r
     gateway = await gateway_with(start_node, start_gateway, pods)
     assert await keda_is_active(gateway) is False
     await keda_sees(gateway, 3.0)
-    wanted = gateway.engines.wanted()
+    wanted, windows = gateway.engines.wanted(), gateway.view.windows
     assert wanted == {("ml", "llm-a"): 0.25}
 
     llm.values["waiting"] = 8
     await keda_sees(gateway, 8.0)
     await read_everything(gateway)
-    assert gateway.engines.wanted() == wanted
+    assert (gateway.engines.wanted(), gateway.view.windows) == (wanted, windows)
     assert chat.requests >= 1  # read once for each read path's answer, never kept
 
     llm.values["waiting"] = 3
     await keda_sees(gateway, 3.0)
     assert await keda_is_active(gateway) is False
-    assert gateway.engines.wanted() == wanted
+    assert (gateway.engines.wanted(), gateway.view.windows) == (wanted, windows)

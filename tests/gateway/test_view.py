@@ -8,7 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from gpuscaler.gateway.view import WINDOW_IDLE_SECONDS, AgentRefused, ClusterView
+from gpuscaler.gateway.view import AgentRefused, ClusterView
+from gpuscaler.gateway.window_asks import WINDOW_IDLE_SECONDS
 from gpuscaler.model.aggregation import WindowFunction
 from gpuscaler.model.errors import Unavailable, Unsupported
 from gpuscaler.model.gpu_metrics import Metric

@@ -1,0 +1,129 @@
+"""The windows a gateway asks its agents for: KEDA's until they go idle, a read's one-shot ones while it reads."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+
+import structlog
+
+from gpuscaler.model.errors import Unavailable, Unsupported
+from gpuscaler.model.windows import MAX_WINDOWS, WindowKey
+from gpuscaler.server.overload import LogEvery
+
+log = structlog.get_logger(__name__)
+
+# A window no query used for this long is no longer asked for (KEDA asks each query every 30 s at least).
+WINDOW_IDLE_SECONDS = 15 * 60.0
+
+
+class WindowAsks:
+    """Which windows every agent is asked for (``windows``, read by each subscriber when it opens its stream), and
+    ``changed``, set (and replaced) whenever they change, which reopens every agent's stream.
+
+    KEDA's calls ``request`` a window, which stays asked for until WINDOW_IDLE_SECONDS after its last request. A
+    read ``hold``s the windows no KEDA call uses, and ``let_go`` stops asking for those no other read holds; a
+    read neither adds to KEDA's nor moves their last use. Since each change reopens thousands of streams, only the
+    read holding the one ``turn`` may add one-shot windows, and it lets them go before it gives the turn back.
+    """
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._keda: dict[WindowKey, float] = {}  # KEDA's windows, with when each was last used
+        self._reading: dict[WindowKey, int] = {}  # windows reads in flight hold, by how many (KEDA's too, once)
+        self._turn = asyncio.Lock()
+        self.refused = 0  # reads refused because another read held the turn past their deadline
+        self._refused_log = LogEvery("read_window_refused", level="warning")
+        self.changed = asyncio.Event()
+
+    @property
+    def windows(self) -> tuple[WindowKey, ...]:
+        """The windows the agents are asked for: KEDA's, then the one-shot ones of reads in flight."""
+        return (*self._keda, *(window for window in self._reading if window not in self._keda))
+
+    @property
+    def one_shot(self) -> int:
+        """How many of ``windows`` only reads in flight ask for."""
+        return sum(1 for window in self._reading if window not in self._keda)
+
+    def asked(self, window: WindowKey) -> bool:
+        """Whether the agents are asked for ``window`` now (by KEDA's calls or a read in flight)."""
+        return window in self._keda or window in self._reading
+
+    def request(self, windows: Iterable[WindowKey]) -> None:
+        """KEDA's calls use ``windows`` now: asked for from now on (a read's one-shot window becomes KEDA's without
+        a new ask), each until WINDOW_IDLE_SECONDS after its last request. Unsupported past MAX_WINDOWS at once."""
+        now = self._clock()
+        added = []
+        for window in windows:
+            if not self.asked(window):
+                self._make_room([window], now)
+                added.append(window)
+            self._keda[window] = now
+        if added:
+            self._changed()
+            log.info("window_requested", windows=[w.describe() for w in added], total=len(self._keda))
+
+    def hold(self, windows: Sequence[WindowKey]) -> list[WindowKey]:
+        """Count a read in on each of ``windows`` KEDA's calls do not use, asking for the new ones (only with the
+        ``turn``); those it holds, for ``let_go``. KEDA's windows are read as they are. Unsupported past
+        MAX_WINDOWS, holding nothing."""
+        mine = [window for window in windows if window not in self._keda]
+        new = [window for window in mine if window not in self._reading]
+        if new:
+            self._make_room(new, self._clock())
+        for window in mine:
+            self._reading[window] = self._reading.get(window, 0) + 1
+        if new:
+            self._changed()
+            log.info("window_read_once", windows=[w.describe() for w in new], total=len(self.windows))
+        return mine
+
+    def let_go(self, windows: Sequence[WindowKey]) -> None:
+        """Count a read out of ``windows``; stop asking for those no read holds and KEDA's calls do not use."""
+        dropped = []
+        for window in windows:
+            count = self._reading.pop(window) - 1
+            if count:
+                self._reading[window] = count
+            elif window not in self._keda:
+                dropped.append(window)
+        if dropped:
+            self._changed()
+            log.info("window_read_done", windows=[w.describe() for w in dropped], total=len(self.windows))
+
+    @contextlib.asynccontextmanager
+    async def turn(self, deadline: float) -> AsyncIterator[None]:
+        """The one turn to add one-shot windows, waited for until ``deadline`` (the loop's clock); past it,
+        Unavailable, counted in ``refused`` and logged at most once per interval."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._turn.acquire()
+        except TimeoutError:
+            self.refused += 1
+            self._refused_log(detail="another read's one-shot window ask held the turn past this read's deadline")
+            raise Unavailable(
+                "the window is not one KEDA's calls use, and another read's one-shot window ask held the gateway's "
+                "one turn (each change reopens every agent's stream) past this read's deadline; ask again in a "
+                "moment, or let a ScaledObject use the window"
+            ) from None
+        try:
+            yield
+        finally:
+            self._turn.release()
+
+    def _make_room(self, new: Sequence[WindowKey], now: float) -> None:
+        """Let KEDA's idle windows go; Unsupported if ``new`` would still take the windows past MAX_WINDOWS."""
+        for old in [w for w, used in self._keda.items() if now - used > WINDOW_IDLE_SECONDS]:
+            del self._keda[old]
+        if len(self._keda) + self.one_shot + len(new) > MAX_WINDOWS:
+            raise Unsupported(
+                f"{new[-1].describe()} would be one window too many: the gateway asks its agents for at most "
+                f"{MAX_WINDOWS} distinct windows (each costs every agent a pass over its history per tick); use "
+                "fewer distinct window lengths and functions"
+            )
+
+    def _changed(self) -> None:
+        changed, self.changed = self.changed, asyncio.Event()
+        changed.set()
