@@ -84,6 +84,20 @@ class _ViewCollector(Collector):
         gpus = GaugeMetricFamily("gpuscaler_gateway_gpus", "GPUs in the newest cluster view (heard nodes only).")
         gpus.add_metric([], len(latest.samples) if latest is not None else 0)
         yield gpus
+        asks = self._view.asks
+        windows = GaugeMetricFamily(
+            "gpuscaler_gateway_windows",
+            "Windows the gateway asks every agent for, by who asks: keda (until idle), read (only while it reads).",
+            labels=["asked_by"],
+        )
+        windows.add_metric(["keda"], len(asks.windows) - asks.one_shot)
+        windows.add_metric(["read"], asks.one_shot)
+        refused = CounterMetricFamily(
+            "gpuscaler_gateway_read_windows_refused",
+            "Reads answered UNAVAILABLE: another read's one-shot window ask held the one turn past their deadline.",
+        )
+        refused.add_metric([], asks.refused)
+        yield from (windows, refused)
         pods = self._pods()
         if pods is not None:
             count, lists, events = pods

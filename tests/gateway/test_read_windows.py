@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 
+from gpuscaler.gateway.telemetry import _ViewCollector
 from gpuscaler.gateway.view import ClusterView
 from gpuscaler.gateway.window_asks import WINDOW_IDLE_SECONDS
 from gpuscaler.model.errors import Unavailable, Unsupported
@@ -66,6 +67,12 @@ async def gateway() -> AsyncIterator[tuple[ClusterView, Evaluator, Clock, FakeAg
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+def series(view: ClusterView) -> dict[tuple[str, str], float]:
+    """The view's /metrics samples about windows, by name and ``asked_by``."""
+    samples = (sample for family in _ViewCollector(view, dict, lambda: None).collect() for sample in family.samples)
+    return {(s.name, s.labels.get("asked_by", "")): s.value for s in samples if "window" in s.name}
 
 
 def query(seconds: int) -> Query:
@@ -142,14 +149,19 @@ async def test_a_window_keda_asks_for_during_a_read_stays_asked_for_after_it() -
 
 async def test_one_read_at_a_time_adds_one_shot_windows_and_one_that_cannot_in_time_is_unavailable() -> None:
     """While a read holds a one-shot window, another read of a new window waits for its turn: past its deadline it
-    is UNAVAILABLE saying why, counted, and asks for nothing; once the first read is done it is answered. Five
+    is UNAVAILABLE saying why, counted in /metrics, and asks for nothing; once the first read is done it is
+    answered. Five
     reads of five new windows at once ask the agent for at most one at a time."""
     async with gateway() as (view, evaluator, _, agent):
         async with view.windows_for_read([window(30)]):
             with pytest.raises(Unavailable, match="held the gateway's one turn"):
                 await evaluator.read(query(45), time_left=0.05)
-            assert view.asks.refused == 1
             assert view.windows == (window(30),)
+            assert series(view) == {
+                ("gpuscaler_gateway_windows", "keda"): 0,
+                ("gpuscaler_gateway_windows", "read"): 1,
+                ("gpuscaler_gateway_read_windows_refused_total", ""): 1,
+            }
         assert (await evaluator.read(query(45))).value == 80.0
 
         told = len(agent.told)
