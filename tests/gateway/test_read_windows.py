@@ -150,8 +150,7 @@ async def test_a_window_keda_asks_for_during_a_read_stays_asked_for_after_it() -
 async def test_one_read_at_a_time_adds_one_shot_windows_and_one_that_cannot_in_time_is_unavailable() -> None:
     """While a read holds a one-shot window, another read of a new window waits for its turn: past its deadline it
     is UNAVAILABLE saying why, counted in /metrics, and asks for nothing; once the first read is done it is
-    answered. Five
-    reads of five new windows at once ask the agent for at most one at a time."""
+    answered. Five reads of five new windows at once ask the agent for at most one at a time."""
     async with gateway() as (view, evaluator, _, agent):
         async with view.windows_for_read([window(30)]):
             with pytest.raises(Unavailable, match="held the gateway's one turn"):
