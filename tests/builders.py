@@ -23,7 +23,7 @@ from gpuscaler.model.samples import (
     Snapshot,
 )
 from gpuscaler.model.windows import Windowed, WindowKey
-from gpuscaler.query.query import ActivationRule, Query, ValueQuery
+from gpuscaler.query.query import ActivationRule, GpuQuery, Query
 from gpuscaler.signals.source import Announcer, SnapshotListener, window_column
 
 NODE = "node-a"
@@ -212,11 +212,11 @@ def source_of(view: Snapshot) -> History | ClusterSource:
     return ClusterSource(view, *(history_of(part) for part in view.parts))
 
 
-class GpuQuery(Protocol):
-    """A ``Query`` on a GPU metric: what most tests parse, with its value narrowed to a ``ValueQuery``."""
+class GpuTrigger(Protocol):
+    """A ``Query`` on a GPU metric: what most tests parse, with its value narrowed to a ``GpuQuery``."""
 
     @property
-    def value(self) -> ValueQuery: ...
+    def value(self) -> GpuQuery: ...
     @property
     def activation(self) -> ActivationRule: ...
     @property
@@ -229,7 +229,7 @@ class GpuQuery(Protocol):
     def activation_key(self) -> Hashable: ...
 
 
-def gpu_query(query: Query) -> GpuQuery:
+def gpu_trigger(query: Query) -> GpuTrigger:
     """``query``, checked to be on a GPU metric (not an engine signal nor a combined one)."""
-    assert isinstance(query.value, ValueQuery), query.value
-    return cast(GpuQuery, query)
+    assert isinstance(query.value, GpuQuery), query.value
+    return cast(GpuTrigger, query)

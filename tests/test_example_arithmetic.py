@@ -36,7 +36,7 @@ from gpuscaler.model.gpu_metrics import Metric
 from gpuscaler.model.pods import PodInfo
 from gpuscaler.model.samples import Attribution, AttributionState, GpuSample, PodRef, Snapshot
 from gpuscaler.query.metadata import Limits, parse_metadata
-from gpuscaler.query.query import CombinedQuery, EngineQuery, Query, Signal, ValueQuery
+from gpuscaler.query.query import CombinedQuery, EngineQuery, GpuQuery, Query, SingleQuery
 from gpuscaler.signals.combined import evaluate_combined
 from gpuscaler.signals.engines.evaluation import evaluate_engine
 from gpuscaler.signals.engines.pods import metrics_endpoint
@@ -199,7 +199,7 @@ def test_each_examples_replica_count_follows_from_its_own_numbers(
     query = parse(trigger["metadata"], scaled["metadata"])
     if isinstance(query.value, CombinedQuery):
         stated = dict(pair.split(":") for pair in case.inputs["signals"].split(","))
-        assert {part.signal.metric.value: part.target for part in query.value.signals} == {
+        assert {part.query.metric.value: part.target for part in query.value.signals} == {
             name: float(target) for name, target in stated.items()
         }, case.where
         return
@@ -208,7 +208,7 @@ def test_each_examples_replica_count_follows_from_its_own_numbers(
     assert query.target == float(case.inputs["target"]), case.where
     pods = query.value.pods
     assert pods is not None, case.where
-    if isinstance(query.value, ValueQuery):
+    if isinstance(query.value, GpuQuery):
         assert pods.pod_aggregation.value == case.inputs.get("podAggregation", "avg"), case.where
 
 
@@ -244,15 +244,15 @@ def gpu(index: int, metric: str, value: float, pods: tuple[PodRef, ...]) -> GpuS
     return gpu_sample(index, nvlink_tx=value, pods=pods, node="node-a")
 
 
-def resolved(signal: Signal, workload: str) -> Signal:
-    """``signal`` with scaleTargetPods made the workload it names (the directory built here knows no scale target)."""
-    pods = signal.pods
+def resolved(single: SingleQuery, workload: str) -> SingleQuery:
+    """``single`` with scaleTargetPods made the workload it names (the directory built here knows no scale target)."""
+    pods = single.pods
     if pods is None or pods.scale_target is None:
-        return signal
+        return single
     pods = replace(pods, scale_target=None, workload=workload)
-    if isinstance(signal, EngineQuery):
-        return replace(signal, pods=pods)
-    return replace(signal, pods=pods)
+    if isinstance(single, EngineQuery):
+        return replace(single, pods=pods)
+    return replace(single, pods=pods)
 
 
 class Built:
@@ -329,11 +329,11 @@ class Built:
         )
         return cluster(node, at=NOW)
 
-    def evaluate(self, signal: Signal) -> Evaluation:
-        if isinstance(signal, EngineQuery):
+    def evaluate(self, single: SingleQuery) -> Evaluation:
+        if isinstance(single, EngineQuery):
             engines = cast("EngineSource", SimpleNamespace(timeout_seconds=1.0, max_pods=100, scrape=self.scrapes.get))
-            return evaluate_engine(signal, engines, self.directory, None, now=NOW)
-        return evaluate(signal, source_of(self.view()), now=NOW, stale_after=5.0, directory=self.directory)
+            return evaluate_engine(single, engines, self.directory, None, now=NOW)
+        return evaluate(single, source_of(self.view()), now=NOW, stale_after=5.0, directory=self.directory)
 
 
 def evaluated(query: Query, inputs: Mapping[str, str], workload: str) -> float | None:
@@ -344,23 +344,23 @@ def evaluated(query: Query, inputs: Mapping[str, str], workload: str) -> float |
     if isinstance(value, CombinedQuery):
         parts = []
         for part in value.signals:
-            signal = resolved(part.signal, workload)
-            parts.append(replace(part, signal=signal))
-            add(built, signal, f"pods.{signal.metric.value}")
+            single = resolved(part.query, workload)
+            parts.append(replace(part, query=single))
+            add(built, single, f"pods.{single.metric.value}")
         return built_value(built, evaluate_combined(CombinedQuery(tuple(parts)), built.evaluate))
     single = resolved(value, workload)
-    if isinstance(single, ValueQuery) and single.metric.value not in BUILT_GPU_METRICS:
+    if isinstance(single, GpuQuery) and single.metric.value not in BUILT_GPU_METRICS:
         return None
     add(built, single, "pods")
     return built_value(built, built.evaluate(single))
 
 
-def add(built: Built, signal: Signal, key: str) -> None:
-    """``signal``'s inputs built: GPUs for a GPU metric, pages for an engine signal."""
-    if isinstance(signal, EngineQuery):
-        built.add_pages(signal.metric, key)
+def add(built: Built, single: SingleQuery, key: str) -> None:
+    """``single``'s inputs built: GPUs for a GPU metric, pages for an engine query."""
+    if isinstance(single, EngineQuery):
+        built.add_pages(single.metric, key)
     else:
-        built.add_gpus(signal.metric.value, key)
+        built.add_gpus(single.metric.value, key)
 
 
 def built_value(built: Built, evaluation: Evaluation) -> float:

@@ -45,7 +45,7 @@ def engine_query(scaled_object: Json) -> EngineQuery | CombinedQuery | None:
     value = query.value
     if isinstance(value, EngineQuery):
         return value
-    if isinstance(value, CombinedQuery) and any(isinstance(part.signal, EngineQuery) for part in value.signals):
+    if isinstance(value, CombinedQuery) and any(isinstance(part.query, EngineQuery) for part in value.signals):
         return value
     return None
 
@@ -54,7 +54,7 @@ def signals(query: EngineQuery | CombinedQuery) -> list[EngineMetric]:
     """The engine signals a query reads."""
     if isinstance(query, EngineQuery):
         return [query.metric]
-    return [part.signal.metric for part in query.signals if isinstance(part.signal, EngineQuery)]
+    return [part.query.metric for part in query.signals if isinstance(part.query, EngineQuery)]
 
 
 def engine_of(query: EngineQuery | CombinedQuery) -> Engine:
@@ -126,9 +126,9 @@ def one_busy_pod_value(query: EngineQuery | CombinedQuery, requests: float, read
         busy = busy_pod(query.metric, requests)
         return busy / ready if query.aggregation is Aggregation.AVG else busy
     return max(
-        busy_pod(part.signal.metric, requests) / part.target
+        busy_pod(part.query.metric, requests) / part.target
         for part in query.signals
-        if isinstance(part.signal, EngineQuery)
+        if isinstance(part.query, EngineQuery)
     )
 
 

@@ -96,7 +96,7 @@ def endpoint_refusal(key: str) -> InvalidMetadata:
 
 
 def refuse_gpu_keys(raw: Mapping[str, str], what: str) -> None:
-    """Refuse a key that only GPU signals take, naming it."""
+    """Refuse a key that only GPU queries take, naming it."""
     for key in GPU_ONLY_KEYS:
         if key in raw:
             raise InvalidMetadata(

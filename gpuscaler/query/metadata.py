@@ -41,10 +41,10 @@ from gpuscaler.query.query import (
     ActivationRule,
     CombinedQuery,
     EngineQuery,
+    GpuQuery,
     GpuSelection,
     Query,
     SignalTarget,
-    ValueQuery,
     default_metric_name,
     digest_name,
 )
@@ -151,7 +151,7 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: st
     pods = parse_pods(raw, namespace)
     if scale_target_pods and not explicit:
         pods = scale_target_selection(raw, namespace, name)
-    value = ValueQuery(
+    value = GpuQuery(
         metric=metric,
         aggregation=aggregation,
         selection=selection,
@@ -269,13 +269,13 @@ def _combined_query(
     window = _parse_window(raw["window"], limits) if "window" in raw else None
     parts: list[SignalTarget] = []
     for metric, target in pairs:
-        part: ValueQuery | EngineQuery
+        part: GpuQuery | EngineQuery
         if isinstance(metric, EngineMetric):
             assert pods is not None
             part = EngineQuery(metric=metric, pods=pods, aggregation=Aggregation.SUM, interval_seconds=interval)
         else:
             # Summed over the pods (or GPUs): ready pods x average, the HPA's utilisation rule (docs/hpa.md).
-            part = ValueQuery(
+            part = GpuQuery(
                 metric=metric,
                 aggregation=Aggregation.SUM,
                 selection=GpuSelection(),

@@ -128,8 +128,8 @@ DEFAULT_MAX_UNREADABLE = UnreadableTolerance(fraction=0.05)
 
 
 @dataclass(frozen=True, slots=True)
-class ValueQuery:
-    """The part of a query that decides its value; queries equal here share one evaluation."""
+class GpuQuery:
+    """A query on a GPU metric: the part of a ``Query`` that decides its value; equal ones share one evaluation."""
 
     metric: Metric
     aggregation: Aggregation
@@ -183,11 +183,15 @@ class EngineQuery:
         return self.pods.describe()
 
 
+# One metric's query: a GPU or an engine query (a combined query's signals each hold one).
+SingleQuery = GpuQuery | EngineQuery
+
+
 @dataclass(frozen=True, slots=True)
 class SignalTarget:
-    """One signal of a combined query and the value one replica should carry of it."""
+    """One signal of a combined query: its query, and the value one replica should carry of it."""
 
-    signal: ValueQuery | EngineQuery
+    query: SingleQuery
     target: float
 
 
@@ -207,22 +211,22 @@ class CombinedQuery:
 
     @property
     def name(self) -> str:
-        return "max(" + ", ".join(f"{part.signal.name}/{part.target:g}" for part in self.signals) + ")"
+        return "max(" + ", ".join(f"{part.query.name}/{part.target:g}" for part in self.signals) + ")"
 
     @property
     def windows(self) -> tuple[WindowKey, ...]:
-        return tuple(w for part in self.signals if (w := part.signal.window) is not None)
+        return tuple(w for part in self.signals if (w := part.query.window) is not None)
 
     def describe_selection(self) -> str:
-        selections = {part.signal.describe_selection() for part in self.signals}
+        selections = {part.query.describe_selection() for part in self.signals}
         return "; ".join(sorted(selections))
 
 
-Signal = ValueQuery | EngineQuery
-AnyValueQuery = ValueQuery | EngineQuery | CombinedQuery
+# What a Query asks the value of: a GPU, an engine or a combined query (``Query.value``).
+ValueSpec = GpuQuery | EngineQuery | CombinedQuery
 
 
-def windows_of(value: AnyValueQuery) -> tuple[WindowKey, ...]:
+def windows_of(value: ValueSpec) -> tuple[WindowKey, ...]:
     """The GPU-level windows a query reads, which a gateway asks its agents for."""
     if isinstance(value, CombinedQuery):
         return value.windows
@@ -241,19 +245,19 @@ class ActivationRule:
 class Query:
     """Everything a trigger's metadata means. Hashable: streams with equal queries share their work."""
 
-    value: AnyValueQuery
+    value: ValueSpec
     activation: ActivationRule
     target: float
     metric_name: str
     profile: str | None = None
 
     @property
-    def activation_key(self) -> tuple[AnyValueQuery, ActivationRule]:
+    def activation_key(self) -> tuple[ValueSpec, ActivationRule]:
         """Queries with the same key share one activation state, whatever their names."""
         return (self.value, self.activation)
 
 
-def default_metric_name(value: ValueQuery) -> str:
+def default_metric_name(value: GpuQuery) -> str:
     """A stable, lowercase, URL-safe name that tells what the value is (KEDA prefixes it with ``sN-``)."""
     parts = ["gpuscaler", value.metric.value, value.aggregation.value]
     if value.selection.indices is not None:
@@ -294,8 +298,8 @@ def digest_name(value: EngineQuery | CombinedQuery) -> str:
         parts = ["gpuscaler", value.metric.value, value.aggregation.value]
         described = [value.pods.describe(), _name_duration(value.interval_seconds)]
     else:
-        parts = ["gpuscaler", "signals", *(part.signal.name for part in value.signals)]
+        parts = ["gpuscaler", "signals", *(part.query.name for part in value.signals)]
         described = [value.name, value.describe_selection()]
-        described += [str(part.signal.window) for part in value.signals]
+        described += [str(part.query.window) for part in value.signals]
     digest = hashlib.sha256("\x00".join(described).encode()).hexdigest()[:10]
     return "-".join([*parts, digest]).replace(".", "_")[:100].strip("-_")

@@ -20,7 +20,7 @@ from gpuscaler.model.aggregation import WindowFunction
 from gpuscaler.model.gpu_metrics import METRICS, READING_FIELDS, Metric
 from gpuscaler.model.samples import Attribution, AttributionState, GpuSample, ProcessUsage, ReadErrorKind, Snapshot
 from gpuscaler.model.windows import Windowed, WindowKey, WindowValues
-from gpuscaler.query.query import AnyValueQuery, CombinedQuery, EngineQuery, Query, ValueQuery
+from gpuscaler.query.query import CombinedQuery, EngineQuery, GpuQuery, Query, ValueSpec
 from gpuscaler.signals.empty_selection import EmptySelection
 from gpuscaler.signals.energy import IdleEnergy
 from gpuscaler.signals.outcome import Contribution, Evaluation, PodValue
@@ -212,7 +212,7 @@ def explanation_to_wire(
         profile=query.profile or "",
         aggregation="max" if isinstance(value, CombinedQuery) else value.aggregation.value,
         window_seconds=value.window_seconds or 0.0,
-        window_function=value.window_function.value if isinstance(value, ValueQuery) else "",
+        window_function=value.window_function.value if isinstance(value, GpuQuery) else "",
         target=query.target,
         activation_threshold=query.activation.activation_threshold,
         deactivation_threshold=query.activation.deactivation_threshold,
@@ -249,7 +249,7 @@ def explanation_to_wire(
             )
             for signal, p in _pod_rows(value, evaluation)
         ],
-        pod_aggregation=value.pods.pod_aggregation.value if isinstance(value, ValueQuery) and value.pods else "",
+        pod_aggregation=value.pods.pod_aggregation.value if isinstance(value, GpuQuery) and value.pods else "",
         selection=_selection(query, evaluation),
         value=evaluation.value,
         active=active,
@@ -292,21 +292,21 @@ def empty_selection_to_wire(finding: EmptySelection) -> pb.EmptySelection:
     )
 
 
-def _pod_rows(value: AnyValueQuery, evaluation: Evaluation) -> list[tuple[str, PodValue]]:
+def _pod_rows(value: ValueSpec, evaluation: Evaluation) -> list[tuple[str, PodValue]]:
     """Each pod row with the signal it belongs to: a combined query's, signal by signal."""
     if not isinstance(value, CombinedQuery):
         return [("", pod) for pod in evaluation.pods]
     return [
-        (part.signal.name, pod) for part, own in zip(value.signals, evaluation.parts, strict=True) for pod in own.pods
+        (part.query.name, pod) for part, own in zip(value.signals, evaluation.parts, strict=True) for pod in own.pods
     ]
 
 
-def _signal_parts(value: AnyValueQuery, evaluation: Evaluation) -> list[pb.SignalPart]:
+def _signal_parts(value: ValueSpec, evaluation: Evaluation) -> list[pb.SignalPart]:
     if not isinstance(value, CombinedQuery):
         return []
     return [
         pb.SignalPart(
-            metric=part.signal.name,
+            metric=part.query.name,
             target=part.target,
             value=own.value,
             replicas=own.value / part.target if own.value is not None else None,
@@ -318,7 +318,7 @@ def _signal_parts(value: AnyValueQuery, evaluation: Evaluation) -> list[pb.Signa
 
 def _selection(query: Query, evaluation: Evaluation) -> str:
     """What the answer read: scaleTargetPods as the workload it resolved to, else the query's own selection."""
-    pods = query.value.pods if isinstance(query.value, ValueQuery | EngineQuery) else None
+    pods = query.value.pods if isinstance(query.value, GpuQuery | EngineQuery) else None
     if pods is not None and pods.scale_target is not None and evaluation.selection:
         return evaluation.selection
     return query.value.describe_selection()

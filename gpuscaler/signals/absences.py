@@ -12,7 +12,7 @@ from gpuscaler.model.samples import (
     ReadErrorKind,
     Snapshot,
 )
-from gpuscaler.query.query import DEFAULT_MAX_UNREADABLE, PodSelection, ValueQuery
+from gpuscaler.query.query import DEFAULT_MAX_UNREADABLE, GpuQuery, PodSelection
 from gpuscaler.signals.gpu_values import listing, unreadable_error
 from gpuscaler.signals.outcome import PART_LEFT_OUT, Contribution, HeldPods, NodePart
 
@@ -64,7 +64,7 @@ def left_out_by_node(snapshot: Snapshot, contributions: Iterable[Contribution], 
 
 
 def judge_unreadable(
-    query: ValueQuery,
+    query: GpuQuery,
     snapshot: Snapshot,
     by_node: Sequence[NodeLeftOut],
     readable: int,
@@ -126,7 +126,7 @@ def _holding(left_out: Iterable[Contribution]) -> HeldPods:
 
 
 def _too_many_unreadable(
-    query: ValueQuery, left_out: Sequence[Contribution], total: int, allowed: int, *, cluster: bool
+    query: GpuQuery, left_out: Sequence[Contribution], total: int, allowed: int, *, cluster: bool
 ) -> GpuscalerError:
     details = "; ".join(
         f"GPU {c.sample.gpu.index} ({c.sample.gpu.uuid}){f' on {c.sample.node}' if cluster else ''}: {c.reason}"
@@ -145,7 +145,7 @@ def _too_many_unreadable(
 
 
 def absences_allowed(
-    query: ValueQuery, snapshot: Snapshot, relevant: Sequence[tuple[Absence, HeldPods]], heard: int | None = None
+    query: GpuQuery, snapshot: Snapshot, relevant: Sequence[tuple[Absence, HeldPods]], heard: int | None = None
 ) -> tuple[Absence, ...] | GpuscalerError:
     """The absences the value may leave out, or the error KEDA must get instead.
 

@@ -17,7 +17,7 @@ from gpuscaler.model.samples import (
     Absence,
     Snapshot,
 )
-from gpuscaler.query.query import ValueQuery
+from gpuscaler.query.query import GpuQuery
 from gpuscaler.signals.absences import (
     absences_allowed,
     cannot_hear,
@@ -46,7 +46,7 @@ from gpuscaler.signals.source import SnapshotSource
 
 
 def evaluate(
-    query: ValueQuery,
+    query: GpuQuery,
     source: SnapshotSource,
     *,
     now: float,
@@ -130,7 +130,7 @@ def evaluate(
 
 
 def _named_parts(
-    query: ValueQuery, snapshot: Snapshot, source: SnapshotSource, memo: NodeMemo | None
+    query: GpuQuery, snapshot: Snapshot, source: SnapshotSource, memo: NodeMemo | None
 ) -> tuple[Contribution, ...] | None:
     """A cluster query's GPUs named by UUID, found node by node in ``memo``; None when there is no memo, or
     when a GPU is missing or its window unknown (``select`` and ``contribution_of`` say why).

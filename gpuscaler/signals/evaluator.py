@@ -26,7 +26,7 @@ from gpuscaler.model.pods import PodDirectory
 from gpuscaler.model.samples import DEVICE_FIELD, Snapshot
 from gpuscaler.query.engine_keys import DEFAULT_MIN_SCRAPE_SECONDS
 from gpuscaler.query.metadata import Limits, parse_metadata
-from gpuscaler.query.query import AnyValueQuery, CombinedQuery, EngineQuery, Query, Signal, ValueQuery, windows_of
+from gpuscaler.query.query import CombinedQuery, EngineQuery, GpuQuery, Query, SingleQuery, ValueSpec, windows_of
 from gpuscaler.signals.activation import ActivationStates
 from gpuscaler.signals.combined import evaluate_combined
 from gpuscaler.signals.empty_selection import EmptySelection, find_empty, unmatched_of
@@ -81,7 +81,7 @@ class Evaluator:
         self._clock = clock or asyncio.get_running_loop().time
         self._states = ActivationStates(idle_seconds=ACTIVATION_IDLE_SECONDS)
         # GPU evaluations of the newest snapshot; a new one also tells the memo which queries it still serves.
-        self._evaluations = PerSnapshot[ValueQuery, Evaluation](on_forget=self._keep_memo_for)
+        self._evaluations = PerSnapshot[GpuQuery, Evaluation](on_forget=self._keep_memo_for)
         # Engine evaluations of the scraper's current generation, each with the directory's state for its selection
         # and when its first page goes stale (a page ages without a scrape landing).
         self._engine_evaluations = PerSnapshot[EngineQuery, tuple[Hashable, float, Evaluation]]()
@@ -93,7 +93,7 @@ class Evaluator:
         self.on_partial: list[Callable[[Evaluation], None]] = []
         # Called with each push evaluation of a streamed query, once per distinct query per tick (unknown included).
         self.on_push: list[Callable[[Query, Evaluation], None]] = []
-        self._left_out: dict[AnyValueQuery, tuple[frozenset[str], float]] = {}
+        self._left_out: dict[ValueSpec, tuple[frozenset[str], float]] = {}
         self._interest = EngineInterest(engines, directory) if engines is not None else None
         self._streams = Streams(
             evaluate=self.evaluate,
@@ -170,7 +170,7 @@ class Evaluator:
                     )
             return self.evaluate(query.value, scrapes=scrapes)
 
-    def want_engine_pods(self, value: AnyValueQuery) -> list[PodKey]:
+    def want_engine_pods(self, value: ValueSpec) -> list[PodKey]:
         """Keep the pods ``value``'s engine signals read wanted by the scraper, at their intervals; those pods.
 
         A selection that cannot be read (no directory, too many pods) wants nothing: evaluating says why."""
@@ -180,14 +180,14 @@ class Evaluator:
         self._interest.want(reads)
         return [read[0] for read in reads]
 
-    def evaluate(self, query: AnyValueQuery, *, scrapes: Mapping[PodKey, PodScrape] | None = None) -> Evaluation:
+    def evaluate(self, query: ValueSpec, *, scrapes: Mapping[PodKey, PodScrape] | None = None) -> Evaluation:
         """``query`` now; ``scrapes``: a read path's one-shot reads of pods no one wants (``read``)."""
-        signal = self._evaluate_signal if scrapes is None else partial(self._evaluate_signal, scrapes=scrapes)
+        single = self._evaluate_single if scrapes is None else partial(self._evaluate_single, scrapes=scrapes)
         if isinstance(query, CombinedQuery):
-            return evaluate_combined(query, signal)
-        return signal(query)
+            return evaluate_combined(query, single)
+        return single(query)
 
-    def _evaluate_signal(self, query: Signal, *, scrapes: Mapping[PodKey, PodScrape] | None = None) -> Evaluation:
+    def _evaluate_single(self, query: SingleQuery, *, scrapes: Mapping[PodKey, PodScrape] | None = None) -> Evaluation:
         if isinstance(query, EngineQuery):
             return self._evaluate_engine(query, scrapes)
         latest = self.source.latest
@@ -209,7 +209,7 @@ class Evaluator:
             )
         return cached
 
-    def _keep_memo_for(self, evaluated: dict[ValueQuery, Evaluation]) -> None:
+    def _keep_memo_for(self, evaluated: dict[GpuQuery, Evaluation]) -> None:
         """The last snapshot's queries are the ones the memo keeps nodes' parts of, for the newest's nodes."""
         latest = self.source.latest
         if self.memo is not None and latest is not None:

@@ -13,14 +13,14 @@ from gpuscaler.model.gpu_metrics import METRICS, Metric
 from gpuscaler.model.pods import uid_key
 from gpuscaler.model.samples import GpuSample, ReadError, ReadErrorKind, Snapshot
 from gpuscaler.model.windows import Windowed
-from gpuscaler.query.query import GpuSelection, ValueQuery
+from gpuscaler.query.query import GpuQuery, GpuSelection
 from gpuscaler.signals.outcome import Contribution
 from gpuscaler.signals.shares import Share, pod_share
 from gpuscaler.signals.source import SnapshotSource
 
 
 def contribution_of(
-    query: ValueQuery,
+    query: GpuQuery,
     sample: GpuSample,
     source: SnapshotSource,
     pod: tuple[str, str] | None = None,

@@ -11,7 +11,7 @@ from typing import cast
 from gpuscaler.model.columns import metric_column
 from gpuscaler.model.gpu_metrics import METRICS
 from gpuscaler.model.samples import Snapshot
-from gpuscaler.query.query import ValueQuery
+from gpuscaler.query.query import GpuQuery
 from gpuscaler.signals.gpu_values import contribution_of, named_samples
 from gpuscaler.signals.outcome import EMPTY_PART, Contribution, NodePart
 from gpuscaler.signals.source import SnapshotSource
@@ -33,11 +33,11 @@ class NodeMemo:
     """
 
     def __init__(self) -> None:
-        self._by_query: dict[ValueQuery, dict[str, tuple[Snapshot, NodePart]]] = {}
+        self._by_query: dict[GpuQuery, dict[str, tuple[Snapshot, NodePart]]] = {}
         # Each query's last parts and what they gave: the next composition differs in the nodes that sent.
-        self._previous: dict[ValueQuery, tuple[Sequence[Snapshot], list[NodePart]]] = {}
+        self._previous: dict[GpuQuery, tuple[Sequence[Snapshot], list[NodePart]]] = {}
 
-    def parts(self, query: ValueQuery, parts: Sequence[Snapshot], source: SnapshotSource) -> list[NodePart]:
+    def parts(self, query: GpuQuery, parts: Sequence[Snapshot], source: SnapshotSource) -> list[NodePart]:
         """Each of ``parts`` in ``query``, in order.
 
         A cluster's parts are thousands of nodes, and between two compositions only those that sent something
@@ -63,7 +63,7 @@ class NodeMemo:
         self._previous[query] = (parts, found)
         return found
 
-    def keep_only(self, queries: Iterable[ValueQuery], parts: Sequence[Snapshot]) -> None:
+    def keep_only(self, queries: Iterable[GpuQuery], parts: Sequence[Snapshot]) -> None:
         """Forget queries no longer asked, and nodes not among ``parts`` (once per composition: in C).
 
         Most compositions have the same nodes as the last, and a query that holds no more nodes than there
@@ -87,7 +87,7 @@ class NodeMemo:
                 del by_node[node]
 
 
-def node_part(query: ValueQuery, part: Snapshot, source: SnapshotSource) -> NodePart:
+def node_part(query: GpuQuery, part: Snapshot, source: SnapshotSource) -> NodePart:
     """``part``'s GPUs in ``query``: named ones' records, else its columns where they serve, else every record."""
     if query.selection.uuids is not None:  # a few named GPUs: their records only, made at once
         named = named_samples(query.selection, part)
@@ -98,7 +98,7 @@ def node_part(query: ValueQuery, part: Snapshot, source: SnapshotSource) -> Node
     return NodePart.of(tuple(contribution_of(query, sample, source) for sample in part.samples))
 
 
-def _from_columns(query: ValueQuery, part: Snapshot, source: SnapshotSource) -> NodePart | None:
+def _from_columns(query: GpuQuery, part: Snapshot, source: SnapshotSource) -> NodePart | None:
     """The common cases made cheap: a metric now, or a reading over a window, readable on every GPU of the node.
 
     Its values come from the node's columns, and its contributions, made on demand, are the ones

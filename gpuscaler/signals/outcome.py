@@ -21,7 +21,7 @@ from typing import NamedTuple, Protocol
 from gpuscaler.model.columns import Chained, uuids
 from gpuscaler.model.errors import GpuscalerError, Unavailable
 from gpuscaler.model.samples import Absence, GpuKey, GpuSample, ReadError, Snapshot, gpu_keys
-from gpuscaler.query.query import AnyValueQuery, PodSelection
+from gpuscaler.query.query import PodSelection, ValueSpec
 
 HeldPods = tuple[tuple[str, str], ...]  # (namespace, pod) of a selection that an absent node held
 
@@ -106,7 +106,7 @@ class ListedContributions(tuple[Contribution, ...]):
 class Evaluation:
     """The outcome of one query: ``value`` or ``error`` is set, never both."""
 
-    query: AnyValueQuery
+    query: ValueSpec
     contributions: Contributions
     value: float | None
     error: GpuscalerError | None
@@ -250,6 +250,6 @@ def filling_windows(contributions: Iterable[Contribution]) -> list[Contribution]
     return [c for c in contributions if c.covered_seconds is not None and c.value is not None]
 
 
-def failed(query: AnyValueQuery, snapshot: Snapshot | None, error: GpuscalerError) -> Evaluation:
+def failed(query: ValueSpec, snapshot: Snapshot | None, error: GpuscalerError) -> Evaluation:
     """The evaluation that answers ``error``, with no contributions."""
     return Evaluation(query, ListedContributions(()), None, error, snapshot)

@@ -16,7 +16,7 @@ from gpuscaler.model.samples import (
     GpuSample,
     Snapshot,
 )
-from gpuscaler.query.query import PodSelection, ValueQuery
+from gpuscaler.query.query import GpuQuery, PodSelection
 from gpuscaler.signals.absences import absences_allowed, judge_unreadable, left_out_by_node, no_gpus
 from gpuscaler.signals.gpu_values import contribution_of, unreadable_error
 from gpuscaler.signals.outcome import (
@@ -34,7 +34,7 @@ from gpuscaler.signals.source import SnapshotSource
 
 
 def evaluate_pods(
-    query: ValueQuery,
+    query: GpuQuery,
     pods: PodSelection,
     snapshot: Snapshot,
     source: SnapshotSource,

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from gpuscaler.model.windows import WindowKey
-from gpuscaler.query.query import AnyValueQuery, CombinedQuery, EngineQuery, Query, ValueQuery, windows_of
+from gpuscaler.query.query import CombinedQuery, EngineQuery, GpuQuery, Query, ValueSpec, windows_of
 from gpuscaler.signals.engines.interest import EngineInterest, Read
 from gpuscaler.signals.outcome import Evaluation
 
@@ -48,7 +48,7 @@ class Streams:
     def __init__(
         self,
         *,
-        evaluate: Callable[[AnyValueQuery], Evaluation],
+        evaluate: Callable[[ValueSpec], Evaluation],
         observe: Callable[[Query, float], bool],
         on_push: list[Callable[[Query, Evaluation], None]],
         interest: EngineInterest | None,
@@ -161,13 +161,13 @@ class Streams:
             group.waiting.clear()
 
 
-def _reads_gpus(value: AnyValueQuery) -> bool:
+def _reads_gpus(value: ValueSpec) -> bool:
     if isinstance(value, CombinedQuery):
-        return any(isinstance(part.signal, ValueQuery) for part in value.signals)
-    return isinstance(value, ValueQuery)
+        return any(isinstance(part.query, GpuQuery) for part in value.signals)
+    return isinstance(value, GpuQuery)
 
 
-def _reads_engines(value: AnyValueQuery) -> bool:
+def _reads_engines(value: ValueSpec) -> bool:
     if isinstance(value, CombinedQuery):
-        return any(isinstance(part.signal, EngineQuery) for part in value.signals)
+        return any(isinstance(part.query, EngineQuery) for part in value.signals)
     return isinstance(value, EngineQuery)

@@ -11,14 +11,14 @@ from gpuscaler.model.errors import InvalidMetadata, Unavailable, Unsupported
 from gpuscaler.model.gpu_metrics import Metric
 from gpuscaler.model.samples import ReadError, ReadErrorKind
 from gpuscaler.query.metadata import Limits, parse_metadata
-from gpuscaler.query.query import GpuSelection, ValueQuery
+from gpuscaler.query.query import GpuQuery, GpuSelection
 from gpuscaler.signals.evaluation import evaluate
 from tests.builders import gpu_sample, history_of, snapshot
 
 
-def power_average(window: float | None = None) -> ValueQuery:
+def power_average(window: float | None = None) -> GpuQuery:
     """power_average summed over every GPU, over ``window`` seconds (None: each GPU's newest two samples)."""
-    return ValueQuery(Metric.POWER_AVERAGE, Aggregation.SUM, GpuSelection(), window, WindowFunction.AVG)
+    return GpuQuery(Metric.POWER_AVERAGE, Aggregation.SUM, GpuSelection(), window, WindowFunction.AVG)
 
 
 def energy_history(*per_tick: tuple[float | None, ...], interval: float = 1.0) -> History:

@@ -9,7 +9,7 @@ from gpuscaler.model.engines import EngineMetric
 from gpuscaler.model.errors import InvalidMetadata
 from gpuscaler.model.gpu_metrics import Metric
 from gpuscaler.query.metadata import Limits, parse_metadata
-from gpuscaler.query.query import CombinedQuery, EngineQuery, ValueQuery
+from gpuscaler.query.query import CombinedQuery, EngineQuery, GpuQuery
 
 LIMITS = Limits(history_seconds=120.0, cluster=True)
 
@@ -67,16 +67,16 @@ def test_signals_combine_engine_and_gpu_signals_with_a_target_of_one_replica() -
     query = parse(signals="vllm_queue:8, gpu_utilization:70", scaleTargetPods="true")
     assert isinstance(query.value, CombinedQuery)
     assert query.target == 1.0
-    engine, gpu = (part.signal for part in query.value.signals)
+    engine, gpu = (part.query for part in query.value.signals)
     assert isinstance(engine, EngineQuery)
-    assert isinstance(gpu, ValueQuery)
+    assert isinstance(gpu, GpuQuery)
     assert gpu.metric is Metric.GPU_UTILIZATION
     assert gpu.aggregation is Aggregation.SUM
     assert gpu.pods == engine.pods
     assert [part.target for part in query.value.signals] == [8.0, 70.0]
     saturation = parse(profile="vllm-saturation", workload="llm")
     assert isinstance(saturation.value, CombinedQuery)
-    assert [p.signal.name for p in saturation.value.signals] == ["vllm_queue", "vllm_kv_cache"]
+    assert [p.query.name for p in saturation.value.signals] == ["vllm_queue", "vllm_kv_cache"]
 
 
 @pytest.mark.parametrize(

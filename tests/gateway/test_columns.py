@@ -16,7 +16,7 @@ from gpuscaler.model.gpu_metrics import READING_FIELDS, Metric
 from gpuscaler.model.samples import GpuSample, PodRef, ReadErrorKind, Snapshot
 from gpuscaler.model.windows import WindowKey, WindowValues
 from gpuscaler.query.metadata import Limits, parse_metadata
-from gpuscaler.query.query import ValueQuery
+from gpuscaler.query.query import GpuQuery
 from gpuscaler.server.wire import explained_gpus, snapshot_to_wire
 from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.evaluator import Evaluator
@@ -144,7 +144,7 @@ async def test_a_gateway_answers_from_columns_what_it_answers_from_records() -> 
         fresh = NewestOnly(cluster(*records, at=clock.now), *histories.values())
         for metadata in QUERIES:
             query = parse_metadata(metadata, LIMITS).value
-            assert isinstance(query, ValueQuery)
+            assert isinstance(query, GpuQuery)
             answer = evaluator.evaluate(query)
             assert answer.snapshot is composed
             expected = evaluate(query, fresh, now=clock.now, stale_after=evaluator.stale_after)

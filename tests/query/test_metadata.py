@@ -13,15 +13,15 @@ from gpuscaler.model.gpu_metrics import Metric
 from gpuscaler.query.keys import asks_in_scaled_object_namespace
 from gpuscaler.query.metadata import MAX_TARGET, Limits, parse_metadata
 from gpuscaler.query.query import DEFAULT_MAX_UNREADABLE, ActivationRule, GpuSelection, UnreadableTolerance
-from tests.builders import GpuQuery, gpu_query
+from tests.builders import GpuTrigger, gpu_trigger
 
 LIMITS = Limits(history_seconds=600.0)  # the agent's default --history 10m
 URL_SAFE_LOWERCASE = re.compile(r"^[a-z0-9][a-z0-9._-]*[a-z0-9]$")
 
 
-def parse(metadata: dict[str, str]) -> GpuQuery:
+def parse(metadata: dict[str, str]) -> GpuTrigger:
     """Parse ``metadata`` as an agent does, with its default --history of 10m."""
-    return gpu_query(parse_metadata(metadata, LIMITS))
+    return gpu_trigger(parse_metadata(metadata, LIMITS))
 
 
 def refusal(metadata: dict[str, str]) -> str:
@@ -74,7 +74,7 @@ def test_each_metric_has_its_own_defaults(
         assert query.activation == ActivationRule(activation, activation)
 
 
-Check = Callable[[GpuQuery], object]
+Check = Callable[[GpuTrigger], object]
 
 EVERY_KEY: list[tuple[dict[str, str], Check, object]] = [
     ({"metric": "temperature"}, lambda q: q.value.metric, Metric.TEMPERATURE),
@@ -128,8 +128,8 @@ EVERY_KEY: list[tuple[dict[str, str], Check, object]] = [
     ({"maxUnreadable": "100%"}, lambda q: q.value.max_unreadable, UnreadableTolerance(fraction=1.0)),
     ({"maxUnreadable": "2", "namespace": "ml"}, lambda q: q.value.max_unreadable, UnreadableTolerance(count=2)),
     ({"maxUnreadable": "1"}, lambda q: q.metric_name, "gpuscaler-gpu_utilization-sum"),
-    ({"pollIntervalSeconds": "15"}, lambda q: q, gpu_query(parse_metadata({}, LIMITS))),
-    ({"pollIntervalSeconds": "0.5"}, lambda q: q, gpu_query(parse_metadata({}, LIMITS))),
+    ({"pollIntervalSeconds": "15"}, lambda q: q, gpu_trigger(parse_metadata({}, LIMITS))),
+    ({"pollIntervalSeconds": "0.5"}, lambda q: q, gpu_trigger(parse_metadata({}, LIMITS))),
 ]
 
 
@@ -561,7 +561,7 @@ def test_a_window_of_seven_significant_digits_keeps_its_name_from_before_duratio
     window: str, name: str
 ) -> None:
     """A window that format_duration spells with every digit is named with 6 significant digits, as before."""
-    assert gpu_query(parse_metadata({"window": window}, Limits(history_seconds=86400))).metric_name == name
+    assert gpu_trigger(parse_metadata({"window": window}, Limits(history_seconds=86400))).metric_name == name
 
 
 NAMED_QUERIES: list[dict[str, str]] = [
@@ -655,7 +655,7 @@ def test_a_pod_selection_without_a_namespace_asks_in_the_scaled_objects(metadata
     """A pod, workload or label selection, as written or from the environment, without a namespace of either kind,
     takes the ScaledObject's namespace, as the server reads it."""
     assert asks_in_scaled_object_namespace(metadata) is asks
-    pods = gpu_query(parse_metadata(metadata, LIMITS, namespace="so-ns", name="so")).value.pods
+    pods = gpu_trigger(parse_metadata(metadata, LIMITS, namespace="so-ns", name="so")).value.pods
     assert (pods is not None and pods.namespace == "so-ns" and pods.scale_target is None) is asks
 
 
@@ -667,7 +667,7 @@ def test_equal_selections_are_one_query() -> None:
 def test_profile_window_longer_than_history_is_refused() -> None:
     """A profile whose window the agent's history cannot hold is refused, naming the profile and --history."""
     with pytest.raises(InvalidMetadata) as raised:
-        gpu_query(parse_metadata({"profile": "training"}, Limits(history_seconds=60)))
+        gpu_trigger(parse_metadata({"profile": "training"}, Limits(history_seconds=60)))
     assert "profile 'training'" in raised.value.message
     assert "--history" in raised.value.message
 

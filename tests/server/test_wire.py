@@ -33,7 +33,7 @@ from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.server.wire import MAX_EXPLAINED_GPUS, explanation_to_wire, sample_to_wire, snapshot_to_wire
 from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.outcome import Contribution, Evaluation, ListedContributions
-from tests.builders import ClusterSource, cluster, decoded, failed_sample, gpu_query, gpu_sample, history_of, snapshot
+from tests.builders import ClusterSource, cluster, decoded, failed_sample, gpu_sample, gpu_trigger, history_of, snapshot
 
 GPU_1 = GpuIdentity(1, "GPU-11111111-test", "Test GPU")
 
@@ -393,7 +393,7 @@ def test_an_explanation_marks_each_filling_window_and_the_least_covered_one(
     restarted = [tick("node-b", float(t)) for t in range(28, 31)]
     source = ClusterSource(cluster(steady[-1], restarted[-1], at=30.0), history_of(*steady), history_of(*restarted))
     query = parse_metadata(metadata, Limits(history_seconds=600, cluster=True), namespace="ml")
-    evaluation = evaluate(gpu_query(query).value, source, now=30.0, stale_after=5.0)
+    evaluation = evaluate(gpu_trigger(query).value, source, now=30.0, stale_after=5.0)
     explanation = explanation_to_wire(query, evaluation, active=True, now=30.0, error_code="")
     assert evaluation.value == value
     assert (explanation.least_covered_seconds, explanation.gpus_filling) == (3.0, 2)

@@ -12,7 +12,7 @@ from gpuscaler.model.aggregation import Aggregation
 from gpuscaler.model.engines import EngineMetric
 from gpuscaler.model.pods import POD_OWNER, SCALE_TARGET_REF, PodInfo
 from gpuscaler.model.samples import Snapshot
-from gpuscaler.query.query import CombinedQuery, EngineQuery, PodSelection, Signal, SignalTarget
+from gpuscaler.query.query import CombinedQuery, EngineQuery, PodSelection, SignalTarget, SingleQuery
 from gpuscaler.signals.combined import evaluate_combined
 from gpuscaler.signals.empty_selection import MAX_COMPARED, EmptySelection, Seen, find_empty, unmatched_of
 from gpuscaler.signals.engines.evaluation import evaluate_engine
@@ -166,18 +166,18 @@ def test_an_engine_signal_over_no_pod_is_unmatched_and_so_is_a_combined_query_th
     # No pod is selected, so none is read.
     engines = cast("EngineSource", SimpleNamespace(timeout_seconds=1.0, max_pods=10))
 
-    def evaluate_signal(signal: Signal) -> Evaluation:
-        if isinstance(signal, EngineQuery):
-            return evaluate_engine(signal, engines, DIRECTORY, None, now=0.0)
-        return evaluate(signal, source_of(VIEW), now=0.0, stale_after=5.0, directory=DIRECTORY)
+    def evaluate_single(single: SingleQuery) -> Evaluation:
+        if isinstance(single, EngineQuery):
+            return evaluate_engine(single, engines, DIRECTORY, None, now=0.0)
+        return evaluate(single, source_of(VIEW), now=0.0, stale_after=5.0, directory=DIRECTORY)
 
     queue = EngineQuery(EngineMetric.VLLM_QUEUE, nobody, Aggregation.SUM)
-    alone = evaluate_signal(queue)
+    alone = evaluate_single(queue)
     assert (alone.value, unmatched_of(alone)) == (0.0, nobody)
     both = CombinedQuery((SignalTarget(parse(workload="trainr").value, 70.0), SignalTarget(queue, 8.0)))
-    assert unmatched_of(evaluate_combined(both, evaluate_signal)) == nobody
+    assert unmatched_of(evaluate_combined(both, evaluate_single)) == nobody
     beside = CombinedQuery((SignalTarget(parse(workload="trainer").value, 70.0), SignalTarget(queue, 8.0)))
-    assert unmatched_of(evaluate_combined(beside, evaluate_signal)) is None
+    assert unmatched_of(evaluate_combined(beside, evaluate_single)) is None
 
 
 def test_among_twenty_thousand_remembered_names_the_close_one_is_still_found() -> None:

@@ -9,7 +9,7 @@ from gpuscaler.model.aggregation import Aggregation, WindowFunction
 from gpuscaler.model.errors import GpuscalerError, InvalidMetadata, Unavailable, Unsupported
 from gpuscaler.model.gpu_metrics import Metric
 from gpuscaler.model.samples import GpuSample, ReadError, ReadErrorKind
-from gpuscaler.query.query import DEFAULT_MAX_UNREADABLE, GpuSelection, UnreadableTolerance, ValueQuery
+from gpuscaler.query.query import DEFAULT_MAX_UNREADABLE, GpuQuery, GpuSelection, UnreadableTolerance
 from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.outcome import Evaluation
 from tests.builders import (
@@ -35,12 +35,12 @@ def query(
     window: float | None = None,
     function: WindowFunction = WindowFunction.AVG,
     max_unreadable: UnreadableTolerance = DEFAULT_MAX_UNREADABLE,
-) -> ValueQuery:
+) -> GpuQuery:
     """A value query: by default the sum of gpu_utilization over every GPU, latest sample."""
-    return ValueQuery(metric, aggregation, selection or GpuSelection(), window, function, max_unreadable=max_unreadable)
+    return GpuQuery(metric, aggregation, selection or GpuSelection(), window, function, max_unreadable=max_unreadable)
 
 
-def run(value_query: ValueQuery, history: History, *, now: float | None = None) -> Evaluation:
+def run(value_query: GpuQuery, history: History, *, now: float | None = None) -> Evaluation:
     """Evaluate as of the latest snapshot's time unless ``now`` is given."""
     latest = history.latest
     at = now if now is not None else (latest.monotonic if latest else 0.0)
@@ -363,7 +363,7 @@ def mig_history() -> History:
         pytest.param(query(metric=Metric.POWER_PERCENT), 50.0, [False, False, True], id="power-percent"),
     ],
 )
-def test_mig_instances_without_utilisation(value_query: ValueQuery, expected: float, included: list[bool]) -> None:
+def test_mig_instances_without_utilisation(value_query: GpuQuery, expected: float, included: list[bool]) -> None:
     """MIG instances answer memory queries; utilisation and power leave them out as not supported."""
     evaluation = run(value_query, mig_history())
     assert evaluation.value_or_raise() == pytest.approx(expected)

@@ -28,7 +28,7 @@ from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.node_memo import NodeMemo
 from gpuscaler.signals.outcome import Evaluation
-from tests.builders import cluster, gpu_query, gpu_sample, silent, snapshot, source_of, unheard
+from tests.builders import cluster, gpu_sample, gpu_trigger, silent, snapshot, source_of, unheard
 
 LIMITS = Limits(history_seconds=600, cluster=True)
 
@@ -76,7 +76,7 @@ TRAINERS = (
 
 def run(view: Snapshot, directory: Directory | None = None, **metadata: str) -> Evaluation:
     """Evaluate ``metadata``, from a ScaledObject in ml, over the cluster ``view`` at time 0."""
-    query = gpu_query(parse_metadata(metadata, LIMITS, namespace="ml"))
+    query = gpu_trigger(parse_metadata(metadata, LIMITS, namespace="ml"))
     return evaluate(query.value, source_of(view), now=0.0, stale_after=5.0, directory=directory)
 
 
@@ -212,7 +212,7 @@ HUNG = gpus("gpu-b", 4, failed=range(4))
 
 def both_ways(view: Snapshot, **metadata: str) -> Evaluation:
     """Evaluate with and without the gateway's per-node memo (its columns path); both must agree."""
-    query = gpu_query(parse_metadata(metadata, LIMITS, namespace="ml")).value
+    query = gpu_trigger(parse_metadata(metadata, LIMITS, namespace="ml")).value
     plain = evaluate(query, source_of(view), now=0.0, stale_after=5.0)
     memoized = evaluate(query, source_of(view), now=0.0, stale_after=5.0, memo=NodeMemo())
     assert (memoized.value, type(memoized.error), memoized.absent) == (plain.value, type(plain.error), plain.absent)

@@ -14,20 +14,20 @@ from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.query.query import NodeQuorum
 from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.outcome import Evaluation
-from tests.builders import GpuQuery, cluster, gpu_query, gpu_sample, snapshot, source_of, unheard
+from tests.builders import GpuTrigger, cluster, gpu_sample, gpu_trigger, snapshot, source_of, unheard
 
 OK = Attribution(AttributionState.OK)
 LIMITS = Limits(history_seconds=600)
 
 
-def parse(scaled_object_namespace: str = "ml", limits: Limits = LIMITS, **metadata: str) -> GpuQuery:
+def parse(scaled_object_namespace: str = "ml", limits: Limits = LIMITS, **metadata: str) -> GpuTrigger:
     """Parse ``metadata`` as the gateway does for a ScaledObject in ``scaled_object_namespace``."""
-    return gpu_query(parse_metadata(metadata, limits, namespace=scaled_object_namespace))
+    return gpu_trigger(parse_metadata(metadata, limits, namespace=scaled_object_namespace))
 
 
-def parse_dict(metadata: dict[str, str]) -> GpuQuery:
+def parse_dict(metadata: dict[str, str]) -> GpuTrigger:
     """Parse ``metadata`` from a ScaledObject in ml, for keys given as a dict (parametrized cases)."""
-    return gpu_query(parse_metadata(metadata, LIMITS, namespace="ml"))
+    return gpu_trigger(parse_metadata(metadata, LIMITS, namespace="ml"))
 
 
 class Directory:
@@ -94,7 +94,7 @@ DIRECTORY = Directory(
 )
 
 
-def value_of(query: GpuQuery, view: Snapshot = VIEW, directory: Directory | None = DIRECTORY) -> float:
+def value_of(query: GpuTrigger, view: Snapshot = VIEW, directory: Directory | None = DIRECTORY) -> float:
     """The value of ``query`` over ``view`` with ``directory``'s pods; raises if there is none."""
     return evaluate(query.value, source_of(view), now=0.0, stale_after=5.0, directory=directory).value_or_raise()
 

@@ -13,7 +13,7 @@ import gpuscaler.signals.evaluator as evaluator_module
 from gpuscaler.agent.history import History
 from gpuscaler.model.errors import Unavailable
 from gpuscaler.model.samples import GpuSample, ReadErrorKind, Snapshot
-from gpuscaler.query.query import Query, ValueQuery
+from gpuscaler.query.query import GpuQuery, Query
 from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.evaluator import Evaluator
 from gpuscaler.signals.outcome import Evaluation
@@ -65,9 +65,9 @@ class CountingEvaluate:
     """Wraps gpuscaler.signals.evaluation.evaluate to count the evaluations the evaluator asks for."""
 
     def __init__(self) -> None:
-        self.calls: Counter[ValueQuery] = Counter()
+        self.calls: Counter[GpuQuery] = Counter()
 
-    def __call__(self, query: ValueQuery, *args: Any, **kwargs: Any) -> Evaluation:
+    def __call__(self, query: GpuQuery, *args: Any, **kwargs: Any) -> Evaluation:
         self.calls[query] += 1
         return evaluate(query, *args, **kwargs)
 

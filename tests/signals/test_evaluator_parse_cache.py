@@ -8,7 +8,7 @@ import gpuscaler.signals.evaluator as evaluator_module
 from gpuscaler.model.errors import InvalidMetadata
 from gpuscaler.query.metadata import parse_metadata
 from gpuscaler.signals.evaluator import Evaluator
-from tests.builders import gpu_query, history_of
+from tests.builders import gpu_trigger, history_of
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ def test_same_metadata_gives_the_query_parsing_gives(evaluator: Evaluator) -> No
     metadata = {"workload": "trainer", "activationThreshold": "20"}
     first = evaluator.parse(metadata, "ml")
     assert evaluator.parse(dict(metadata), "ml") == first == parse_metadata(metadata, evaluator.limits, namespace="ml")
-    assert gpu_query(evaluator.parse(metadata, "other")).value.pods != gpu_query(first).value.pods
+    assert gpu_trigger(evaluator.parse(metadata, "other")).value.pods != gpu_trigger(first).value.pods
 
 
 def test_a_refusal_is_raised_each_time_with_the_same_message(evaluator: Evaluator) -> None:
@@ -57,7 +57,7 @@ def test_distinct_metadata_do_not_grow_memory_without_limit(
 def test_large_metadata_is_parsed_but_not_kept(evaluator: Evaluator) -> None:
     """Metadata longer than the bounds is answered as usual and not kept."""
     uuids = ",".join(f"GPU-{i:08d}" for i in range(evaluator_module.PARSE_CACHE_MAX_CHARS // 10))
-    query = gpu_query(evaluator.parse({"gpuUUID": uuids}))
+    query = gpu_trigger(evaluator.parse({"gpuUUID": uuids}))
     assert query.value.selection.uuids is not None
     assert len(query.value.selection.uuids) == evaluator_module.PARSE_CACHE_MAX_CHARS // 10
     assert evaluator._parsed == {}

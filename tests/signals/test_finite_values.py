@@ -14,11 +14,11 @@ from gpuscaler.model.gpu_metrics import Metric
 from gpuscaler.query.query import (
     CombinedQuery,
     EngineQuery,
+    GpuQuery,
     GpuSelection,
     PodSelection,
-    Signal,
     SignalTarget,
-    ValueQuery,
+    SingleQuery,
 )
 from gpuscaler.signals.combined import evaluate_combined
 from gpuscaler.signals.engines.values import signal_value
@@ -58,7 +58,7 @@ def test_a_ratio_within_its_bound_is_the_answer() -> None:
 
 def test_an_evaluation_of_infinity_becomes_unavailable() -> None:
     """An evaluation made with an infinite value holds an UNAVAILABLE error instead, whatever made it."""
-    query = ValueQuery(Metric.POWER_AVERAGE, Aggregation.SUM, GpuSelection(), None, WindowFunction.AVG)
+    query = GpuQuery(Metric.POWER_AVERAGE, Aggregation.SUM, GpuSelection(), None, WindowFunction.AVG)
     evaluation = Evaluation(query, ListedContributions(()), math.inf, None, None)
     assert evaluation.value is None
     assert isinstance(evaluation.error, Unavailable)
@@ -69,8 +69,8 @@ def test_a_combined_value_over_a_tiny_target_that_overflows_is_unavailable() -> 
     """A signal's value over its target that overflows makes the combined answer UNAVAILABLE, naming the signal."""
     queue = EngineQuery(EngineMetric.VLLM_QUEUE, PodSelection(namespace="ml", workload="llm"), Aggregation.SUM)
 
-    def evaluate(signal: Signal) -> Evaluation:
-        return Evaluation(signal, ListedContributions(()), 1e300, None, None)
+    def evaluate(single: SingleQuery) -> Evaluation:
+        return Evaluation(single, ListedContributions(()), 1e300, None, None)
 
     combined = evaluate_combined(CombinedQuery((SignalTarget(queue, 1e-300),)), evaluate)
     assert combined.value is None

@@ -12,7 +12,7 @@ from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.evaluator import Evaluator
 from gpuscaler.signals.node_memo import NodeMemo
-from tests.builders import ClusterSource, cluster, failed_sample, gpu_query, gpu_sample, history_of, snapshot
+from tests.builders import ClusterSource, cluster, failed_sample, gpu_sample, gpu_trigger, history_of, snapshot
 
 LIMITS = Limits(history_seconds=600, cluster=True)
 QUERIES = [
@@ -53,7 +53,7 @@ def node(name: str, tick: int, rng: random.Random) -> Snapshot:
 
 def outcome(query: dict[str, str], view: Snapshot, source: ClusterSource, memo: NodeMemo | None) -> object:
     """All that an evaluation answers (value, error, contributions), to compare with the memo and without."""
-    value = gpu_query(parse_metadata(query, LIMITS)).value
+    value = gpu_trigger(parse_metadata(query, LIMITS)).value
     evaluation = evaluate(value, source, now=view.monotonic, stale_after=5.0, memo=memo)
     error = (type(evaluation.error), str(evaluation.error)) if isinstance(evaluation.error, GpuscalerError) else None
     return evaluation.value, error, list(evaluation.contributions)
@@ -92,7 +92,7 @@ def test_a_cluster_answer_names_the_windows_that_have_not_filled_from_the_nodes_
     restarted = [snapshot(t, float(27 + t), utilizations_of("node-b", 10.0), node="node-b") for t in range(1, 4)]
     view = cluster(steady[-1], restarted[-1], at=30.0)
     source = ClusterSource(view, history_of(*steady), history_of(*restarted))
-    query = gpu_query(parse_metadata({"metric": "gpu_utilization", "window": "20s"}, LIMITS)).value
+    query = gpu_trigger(parse_metadata({"metric": "gpu_utilization", "window": "20s"}, LIMITS)).value
     for memo in (NodeMemo(), None):
         evaluation = evaluate(query, source, now=30.0, stale_after=5.0, memo=memo)
         assert evaluation.value == 4 * 50.0 + 4 * 10.0
@@ -110,7 +110,7 @@ def test_an_unchanged_node_is_not_evaluated_again() -> None:
     rng = random.Random(1)
     part_a, part_b = node("node-a", 1, rng), node("node-b", 1, rng)
     memo = NodeMemo()
-    query = gpu_query(parse_metadata({"metric": "gpu_utilization"}, LIMITS)).value
+    query = gpu_trigger(parse_metadata({"metric": "gpu_utilization"}, LIMITS)).value
     source = ClusterSource(cluster(part_a, part_b), history_of(part_a), history_of(part_b))
     first = memo.parts(query, (part_a,), source)[0]
     assert memo.parts(query, (part_a,), source)[0] is first
@@ -124,7 +124,7 @@ def test_forgotten_queries_and_nodes_leave_the_memo() -> None:
     rng = random.Random(2)
     part, other = node("node-a", 1, rng), node("node-b", 1, rng)
     memo = NodeMemo()
-    query = gpu_query(parse_metadata({"metric": "gpu_utilization"}, LIMITS)).value
+    query = gpu_trigger(parse_metadata({"metric": "gpu_utilization"}, LIMITS)).value
     source = ClusterSource(cluster(part, other), history_of(part), history_of(other))
     first = memo.parts(query, (part,), source)[0]
     memo.keep_only([query], [other])  # node-a left, node-b came: the query holds one node, as many as listed
@@ -146,8 +146,8 @@ def test_the_evaluator_keeps_only_the_queries_the_last_composition_evaluated() -
     evaluator = Evaluator(source, clock=lambda: 0.0)
     memo = evaluator.memo
     assert memo is not None
-    streamed = gpu_query(parse_metadata({"metric": "gpu_utilization"}, LIMITS)).value
-    polled = gpu_query(parse_metadata({"metric": "gpu_utilization", "aggregation": "max"}, LIMITS)).value
+    streamed = gpu_trigger(parse_metadata({"metric": "gpu_utilization"}, LIMITS)).value
+    polled = gpu_trigger(parse_metadata({"metric": "gpu_utilization", "aggregation": "max"}, LIMITS)).value
     evaluator.evaluate(streamed)
     evaluator.evaluate(polled)
     first = {query: memo.parts(query, parts, source) for query in (streamed, polled)}

@@ -12,7 +12,7 @@ from gpuscaler.model.samples import Attribution, AttributionState, PodRef, Snaps
 from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.outcome import Evaluation
-from tests.builders import GpuQuery, cluster, gpu_query, gpu_sample, snapshot, source_of
+from tests.builders import GpuTrigger, cluster, gpu_sample, gpu_trigger, snapshot, source_of
 from tests.signals.test_evaluation_workloads import Directory
 
 CLUSTER = Limits(history_seconds=600, cluster=True)
@@ -34,9 +34,9 @@ class Targets(Directory):
         return self._targets_problem
 
 
-def parse(name: str = "trainer-so", **metadata: str) -> GpuQuery:
+def parse(name: str = "trainer-so", **metadata: str) -> GpuTrigger:
     """Parse ``metadata`` as the gateway does for ScaledObject ``name`` in namespace ml."""
-    return gpu_query(parse_metadata(metadata, CLUSTER, namespace="ml", name=name))
+    return gpu_trigger(parse_metadata(metadata, CLUSTER, namespace="ml", name=name))
 
 
 # Node A: the Deployment "trainer" (two replicas) and a StatefulSet also named "trainer"; another tenant's pod.
@@ -69,7 +69,7 @@ PODS = (
 TRAINER = ScaleTarget("ml", "trainer-so", "Deployment", "trainer")
 
 
-def run(query: GpuQuery, directory: Directory | None, view: Snapshot = VIEW) -> Evaluation:
+def run(query: GpuTrigger, directory: Directory | None, view: Snapshot = VIEW) -> Evaluation:
     """Evaluate ``query`` over ``view`` at time 0, with ``directory`` as the gateway's pod directory."""
     return evaluate(query.value, source_of(view), now=0.0, stale_after=5.0, directory=directory)
 

@@ -20,7 +20,7 @@ from gpuscaler.model.samples import (
 from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.outcome import Evaluation
-from tests.builders import ClusterSource, cluster, gpu_query, gpu_sample, history_of, snapshot
+from tests.builders import ClusterSource, cluster, gpu_sample, gpu_trigger, history_of, snapshot
 from tests.signals.test_evaluation_workloads import Directory
 
 UID_A = "1b4e2a3c-1111-2222-3333-444455556666"
@@ -60,7 +60,7 @@ def node_view(*ticks: tuple[GpuSample, ...]) -> ClusterSource:
 def run(metadata: dict[str, str], *ticks: tuple[GpuSample, ...], directory: Directory | None = DIRECTORY) -> Evaluation:
     """Evaluate ``metadata``, from a ScaledObject in ml, over a node whose history holds ``ticks``."""
     source = node_view(*ticks)
-    query = gpu_query(parse_metadata(metadata, Limits(history_seconds=600, cluster=True), namespace="ml"))
+    query = gpu_trigger(parse_metadata(metadata, Limits(history_seconds=600, cluster=True), namespace="ml"))
     return evaluate(query.value, source, now=source.latest.monotonic, stale_after=5.0, directory=directory)
 
 

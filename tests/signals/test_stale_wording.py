@@ -7,12 +7,12 @@ import dataclasses
 from gpuscaler.model.aggregation import Aggregation, WindowFunction
 from gpuscaler.model.errors import Unavailable
 from gpuscaler.model.gpu_metrics import Metric
-from gpuscaler.query.query import GpuSelection, ValueQuery
+from gpuscaler.query.query import GpuQuery, GpuSelection
 from gpuscaler.signals.evaluation import evaluate
 from tests.builders import source_of
 from tests.signals.test_evaluation_workloads import VIEW
 
-QUERY = ValueQuery(Metric.POWER_DRAW, Aggregation.SUM, GpuSelection(), None, WindowFunction.AVG)
+QUERY = GpuQuery(Metric.POWER_DRAW, Aggregation.SUM, GpuSelection(), None, WindowFunction.AVG)
 
 
 def test_a_gateways_stale_cluster_snapshot_names_its_busy_event_loop() -> None:

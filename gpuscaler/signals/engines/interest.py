@@ -7,7 +7,7 @@ from collections.abc import Hashable, Iterable
 from gpuscaler.model.engines import ENGINE_SIGNALS, Engine
 from gpuscaler.model.errors import TooManyPods
 from gpuscaler.model.pods import PodDirectory, ScaleTargets
-from gpuscaler.query.query import AnyValueQuery, CombinedQuery, EngineQuery
+from gpuscaler.query.query import CombinedQuery, EngineQuery, ValueSpec
 from gpuscaler.signals.engines.evaluation import EngineSelection, select_engine_pods
 from gpuscaler.signals.engines.pods import Endpoint
 from gpuscaler.signals.engines.source import EngineSource, PodKey
@@ -35,20 +35,20 @@ class EngineInterest:
         within = self.engines.timeout_seconds + FIRST_READ_SLACK_SECONDS
         return within if time_left is None else min(within, time_left - DEADLINE_MARGIN_SECONDS)
 
-    def reads(self, value: AnyValueQuery) -> list[Read]:
+    def reads(self, value: ValueSpec) -> list[Read]:
         """The engine pods ``value`` reads now, from the directory; a selection past the cap is counted.
 
         A selection that cannot be read (no directory, too many pods) reads nothing: evaluating says why."""
         reads: list[Read] = []
-        for signal in engine_signals(value):
-            selection = select_engine_pods(signal, self.engines, self.directory)
+        for engine_query in engine_queries(value):
+            selection = select_engine_pods(engine_query, self.engines, self.directory)
             if isinstance(selection, TooManyPods):
-                self.engines.note_limited("max_pods_per_selection", selection=signal.pods.describe())
+                self.engines.note_limited("max_pods_per_selection", selection=engine_query.pods.describe())
             if not isinstance(selection, EngineSelection):
                 continue
-            engine = ENGINE_SIGNALS[signal.metric].engine
+            engine = ENGINE_SIGNALS[engine_query.metric].engine
             reads.extend(
-                ((info.namespace, info.pod), engine, endpoint, signal.interval_seconds)
+                ((info.namespace, info.pod), engine, endpoint, engine_query.interval_seconds)
                 for info, endpoint in selection.reads()
             )
         return reads
@@ -58,7 +58,7 @@ class EngineInterest:
         for pod, engine, endpoint, interval in reads:
             self.engines.want(pod, engine, endpoint, interval)
 
-    def directory_state(self, value: AnyValueQuery) -> Hashable:
+    def directory_state(self, value: ValueSpec) -> Hashable:
         """What the directory says of ``value``'s engine selections, compared for equality only: equal means they
         select the same pods at the same addresses (a few look-ups, not a pass over the pods)."""
         directory = self.directory
@@ -66,8 +66,8 @@ class EngineInterest:
             return None
         targets: object = directory  # a directory may know ScaledObjects too: the protocol is checked at run time
         state: list[Hashable] = [directory.problem()]
-        for signal in engine_signals(value):
-            pods = signal.pods
+        for engine_query in engine_queries(value):
+            pods = engine_query.pods
             state.append(directory.version(pods.namespace))
             if pods.scale_target is not None and isinstance(targets, ScaleTargets):
                 state.append(targets.scale_targets_problem())
@@ -75,8 +75,8 @@ class EngineInterest:
         return tuple(state)
 
 
-def engine_signals(value: AnyValueQuery) -> list[EngineQuery]:
-    """``value``'s engine signals: itself, or a combined query's engine parts."""
+def engine_queries(value: ValueSpec) -> list[EngineQuery]:
+    """``value``'s engine queries: itself, or a combined query's engine parts."""
     if isinstance(value, CombinedQuery):
-        return [part.signal for part in value.signals if isinstance(part.signal, EngineQuery)]
+        return [part.query for part in value.signals if isinstance(part.query, EngineQuery)]
     return [value] if isinstance(value, EngineQuery) else []
