@@ -61,6 +61,8 @@ class ManyStreamsProtocol(H2Protocol):
     and tells the guard's sweep when it last had a stream and whether its preface came.
     """
 
+    _coalescing: CoalescingTransport  # the connection's transport, kept past grpclib's connection_lost
+
     def __init__(self, handler: ConnectionHandler, config: Any, h2_config: Any, guard: ConnectionGuard) -> None:
         super().__init__(handler, config, h2_config)
         self.guard = guard
@@ -181,6 +183,7 @@ class ManyStreamsProtocol(H2Protocol):
         if h2_connection.incoming_buffer.held() > READ_AHEAD_BYTES:
             self._pause_reading("turn")
         self._next_turn = asyncio.get_running_loop().call_soon(self._next_turn_due)
+        self._coalescing.holding = True  # more answers are coming: hold them to go out together
         return True
 
     def _next_turn_due(self) -> None:
@@ -206,8 +209,10 @@ class ManyStreamsProtocol(H2Protocol):
             )
             self.abort()
             return
-        if not more and not self._discarding:
-            self._resume_reading("turn")
+        if not more:
+            self._coalescing.holding = False
+            if not self._discarding:
+                self._resume_reading("turn")
 
     def _request_received(self, accept: Callable[[RequestReceived], None], event: RequestReceived) -> None:
         self.last_stream_at = self.guard.clock()
@@ -306,7 +311,7 @@ class ManyStreamsProtocol(H2Protocol):
         """
         self.guard.see_off(self)
         self._discarding = True
-        cast(CoalescingTransport, self.connection._transport).linger = True
+        self._coalescing.linger = True
         self.processor.close("Connection closed by the server")
         raw = self._raw
         if raw is not None:
@@ -381,8 +386,10 @@ class ManyStreamsProtocol(H2Protocol):
             h2_conn.increment_flow_control_window(conn_delta)
         if stream_delta:
             h2_conn.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: self.config.http2_stream_window_size})
-        coalescing = CoalescingTransport(cast(asyncio.Transport, transport))
-        self.connection = WindowWaitingConnection(h2_conn, cast(asyncio.Transport, coalescing), config=self.config)
+        self._coalescing = CoalescingTransport(cast(asyncio.Transport, transport))
+        self.connection = WindowWaitingConnection(
+            h2_conn, cast(asyncio.Transport, self._coalescing), config=self.config
+        )
         self.connection.flush()
         self.connection.initialize()
         self.processor = EventsProcessor(self.handler, self.connection)
