@@ -3,7 +3,8 @@ reads them."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Hashable, Iterable, Iterator, Sequence
 from typing import Protocol, cast
 
 from gpuscaler.agent.history import History
@@ -193,6 +194,12 @@ class ClusterSource:
 
     async def prepare(self, windows: Sequence[WindowKey]) -> None:
         return None
+
+    @contextlib.asynccontextmanager
+    async def windows_for_read(
+        self, windows: Sequence[WindowKey], *, time_left: float | None = None
+    ) -> AsyncIterator[None]:
+        yield  # each node's history answers every window, as its agent would
 
     def newest_first(self, node: str) -> Iterator[Snapshot]:
         history = self._histories.get(node)
