@@ -177,7 +177,7 @@ class ExternalScalerService(ExternalScalerBase):
             query = self._query(message)
             if not preview:
                 await self._evaluator.prepare(query)
-            refusal = self._evaluator.evaluate(query.value).error
+            refusal = self._evaluator.evaluate(query.value, keep=not preview).error  # a preview keeps nothing
             if isinstance(refusal, InvalidMetadata):
                 raise refusal  # a GPU the node lacks: refuse it as IsActive does, not with a silent stream
         if preview:

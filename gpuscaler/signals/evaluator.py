@@ -168,7 +168,7 @@ class Evaluator:
                         engines.first_reads([read[0] for read in reads], within),
                         engines.read_once([(pod, engine, endpoint) for pod, engine, endpoint, _ in reads], within),
                     )
-            return self.evaluate(query.value, scrapes=scrapes)
+            return self.evaluate(query.value, scrapes=scrapes, keep=False)
 
     def want_engine_pods(self, value: ValueSpec) -> list[PodKey]:
         """Keep the pods ``value``'s engine signals read wanted by the scraper, at their intervals; those pods.
@@ -180,33 +180,45 @@ class Evaluator:
         self._interest.want(reads)
         return [read[0] for read in reads]
 
-    def evaluate(self, query: ValueSpec, *, scrapes: Mapping[PodKey, PodScrape] | None = None) -> Evaluation:
-        """``query`` now; ``scrapes``: a read path's one-shot reads of pods no one wants (``read``)."""
-        single = self._evaluate_single if scrapes is None else partial(self._evaluate_single, scrapes=scrapes)
+    def evaluate(
+        self, query: ValueSpec, *, scrapes: Mapping[PodKey, PodScrape] | None = None, keep: bool = True
+    ) -> Evaluation:
+        """``query`` now; ``scrapes``: a read path's one-shot reads of pods no one wants (``read``). ``keep``: False
+        for a read path, which uses an evaluation kept for this snapshot or scrape but keeps none it makes (neither
+        here nor in the node memo), so that what is kept is what KEDA's calls and the push streams asked for."""
+        single = (
+            self._evaluate_single
+            if scrapes is None and keep
+            else partial(self._evaluate_single, scrapes=scrapes, keep=keep)
+        )
         if isinstance(query, CombinedQuery):
             return evaluate_combined(query, single)
         return single(query)
 
-    def _evaluate_single(self, query: SingleQuery, *, scrapes: Mapping[PodKey, PodScrape] | None = None) -> Evaluation:
+    def _evaluate_single(
+        self, query: SingleQuery, *, scrapes: Mapping[PodKey, PodScrape] | None = None, keep: bool = True
+    ) -> Evaluation:
         if isinstance(query, EngineQuery):
-            return self._evaluate_engine(query, scrapes)
+            return self._evaluate_engine(query, scrapes, keep=keep)
         latest = self.source.latest
         fresh = latest is not None and self._clock() - latest.monotonic <= self.stale_after
         if not fresh or latest is None:
             return evaluate(
                 query, self.source, now=self._clock(), stale_after=self.stale_after, directory=self.directory
             )
-        evaluations = self._evaluations.at(latest.sequence)
-        cached = evaluations.get(query)
+        cached = (self._evaluations.at(latest.sequence) if keep else self._evaluations.kept(latest.sequence)).get(query)
         if cached is None:
-            cached = evaluations[query] = evaluate(
+            memo = self.memo if keep or self.memo is None else self.memo.for_read()
+            cached = evaluate(
                 query,
                 self.source,
                 now=latest.monotonic,
                 stale_after=self.stale_after,
                 directory=self.directory,
-                memo=self.memo,
+                memo=memo,
             )
+            if keep:
+                self._evaluations.at(latest.sequence)[query] = cached
         return cached
 
     def _keep_memo_for(self, evaluated: dict[GpuQuery, Evaluation]) -> None:
@@ -215,24 +227,41 @@ class Evaluator:
         if self.memo is not None and latest is not None:
             self.memo.keep_only(evaluated, latest.parts)
 
-    def _evaluate_engine(self, query: EngineQuery, scrapes: Mapping[PodKey, PodScrape] | None) -> Evaluation:
+    def _evaluate_engine(
+        self, query: EngineQuery, scrapes: Mapping[PodKey, PodScrape] | None, *, keep: bool = True
+    ) -> Evaluation:
         """Once per scrape (the scraper's generation) and state of the directory, as a GPU query is once per
-        snapshot; a read path's one-shot reads are its own answer, never kept."""
+        snapshot; a read path's one-shot reads are its own answer, and what it evaluates is never kept."""
         now = self._clock()
         interest = self._interest
         if scrapes or interest is None:
             return evaluate_engine(query, self.engines, self.directory, self.source.latest, now=now, scrapes=scrapes)
         engines = interest.engines
-        evaluations = self._engine_evaluations.at(engines.generation)
+        generation = engines.generation
         state = interest.directory_state(query)
-        kept = evaluations.get(query)
+        kept = (self._engine_evaluations.at(generation) if keep else self._engine_evaluations.kept(generation)).get(
+            query
+        )
         if kept is not None and kept[0] == state and now < kept[1]:
             return kept[2]
         evaluation = evaluate_engine(query, engines, self.directory, self.source.latest, now=now)
-        fresh_for = stale_after(query.interval_seconds, engines.timeout_seconds)
-        ages = [pod.age_seconds for pod in evaluation.pods if pod.age_seconds is not None]
-        evaluations[query] = (state, now + fresh_for - max(ages, default=0.0), evaluation)
+        if keep:
+            fresh_for = stale_after(query.interval_seconds, engines.timeout_seconds)
+            ages = [pod.age_seconds for pod in evaluation.pods if pod.age_seconds is not None]
+            self._engine_evaluations.at(generation)[query] = (
+                state,
+                now + fresh_for - max(ages, default=0.0),
+                evaluation,
+            )
         return evaluation
+
+    def kept(self) -> tuple[frozenset[SingleQuery], dict[GpuQuery, frozenset[str]]]:
+        """What is kept now, to compare and not to change: the queries whose evaluations are kept (GPU ones for
+        the newest snapshot, engine ones for the current scrape), and the node memo's queries with their nodes."""
+        queries: frozenset[SingleQuery] = frozenset(self._evaluations.current) | frozenset(
+            self._engine_evaluations.current
+        )
+        return queries, self.memo.kept() if self.memo is not None else {}
 
     def value(self, query: Query, scaled_object: tuple[str, str] | None = None) -> float:
         """The query's value now; raises the GpuscalerError KEDA must see instead of a made-up 0.

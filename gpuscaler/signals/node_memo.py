@@ -32,10 +32,23 @@ class NodeMemo:
     and no part kept for it could be reused, so it is evaluated afresh and nothing is held for it meanwhile.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, keeps: bool = True) -> None:
+        """``keeps``: False for ``for_read``'s view, which keeps nothing it makes."""
         self._by_query: dict[GpuQuery, dict[str, tuple[Snapshot, NodePart]]] = {}
         # Each query's last parts and what they gave: the next composition differs in the nodes that sent.
         self._previous: dict[GpuQuery, tuple[Sequence[Snapshot], list[NodePart]]] = {}
+        self._keeps = keeps
+
+    def for_read(self) -> NodeMemo:
+        """This memo as a read path uses it (Explain, a preview): the parts kept are reused, and what it makes
+        is its own answer's only, never kept, so a read changes neither what is kept nor which queries are."""
+        view = NodeMemo(keeps=False)
+        view._by_query, view._previous = self._by_query, self._previous
+        return view
+
+    def kept(self) -> dict[GpuQuery, frozenset[str]]:
+        """The queries kept, each with the nodes whose parts are kept (a copy: to compare, not to change)."""
+        return {query: frozenset(nodes) for query, nodes in self._by_query.items()}
 
     def parts(self, query: GpuQuery, parts: Sequence[Snapshot], source: SnapshotSource) -> list[NodePart]:
         """Each of ``parts`` in ``query``, in order.
@@ -43,9 +56,12 @@ class NodeMemo:
         A cluster's parts are thousands of nodes, and between two compositions only those that sent something
         differ: they are found in C (by identity against the last parts), and only they are looked at.
         """
+        keeps = self._keeps
         nodes = self._by_query.get(query)
         if nodes is None:
-            nodes = self._by_query[query] = {}
+            nodes = {}
+            if keeps:
+                self._by_query[query] = nodes
         previous = self._previous.get(query)
         found: list[NodePart]
         if previous is not None and len(previous[0]) == len(parts):
@@ -58,9 +74,12 @@ class NodeMemo:
             part = parts[index]
             kept = nodes.get(part.node)
             if kept is None or kept[0] is not part:
-                kept = nodes[part.node] = (part, node_part(query, part, source))
+                kept = (part, node_part(query, part, source))
+                if keeps:
+                    nodes[part.node] = kept
             found[index] = kept[1]
-        self._previous[query] = (parts, found)
+        if keeps:
+            self._previous[query] = (parts, found)
         return found
 
     def keep_only(self, queries: Iterable[GpuQuery], parts: Sequence[Snapshot]) -> None:

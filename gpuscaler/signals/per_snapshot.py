@@ -7,7 +7,7 @@ moves when the answer may change: a snapshot's sequence, an engine source's gene
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -26,6 +26,16 @@ class PerSnapshot(Generic[K, V]):
         self._key: Hashable = _NONE_YET
         self._values: dict[K, V] = {}
         self._on_forget = on_forget
+
+    def kept(self, key: Hashable) -> Mapping[K, V]:
+        """The values kept for ``key``, to read only: none unless ``key`` is the current one, which it leaves as it is
+        (a read path's look-up: it neither forgets the last key's values nor starts a new key's)."""
+        return self._values if key == self._key else {}
+
+    @property
+    def current(self) -> Mapping[K, V]:
+        """The values kept for the current key, to read only."""
+        return self._values
 
     def at(self, key: Hashable) -> dict[K, V]:
         """The values kept for ``key`` (a snapshot's sequence, a scrape's generation), to read and fill."""
