@@ -133,12 +133,13 @@ class Evaluator:
     async def prepare(self, query: Query, *, time_left: float | None = None) -> None:
         """Make the query answerable before it is evaluated, and register its interest: a gateway asks its agents
         for its windows once, and keeps the pods its engine signals select read, waiting for the first read of
-        those never read (its own pods, no one else's). ``time_left``: seconds left of the caller's deadline, of
-        which the wait leaves ``engines.interest.DEADLINE_MARGIN_SECONDS``; a pod still unread is then named in the
-        answer."""
-        windows = windows_of(query.value)
+        those never read (its own pods, no one else's). ``time_left``: seconds left of the caller's deadline; the
+        engine wait has what the windows' wait left of it, less ``engines.interest.DEADLINE_MARGIN_SECONDS``; a pod
+        still unread is then named in the answer."""
+        started, windows = self._clock(), windows_of(query.value)
         if windows:
             await self.source.prepare(list(windows))
+            time_left = self._left_after(time_left, started)
         if self._interest is None:
             return
         pods = self.want_engine_pods(query.value)
@@ -152,11 +153,10 @@ class Evaluator:
         once for this answer (``EngineSource.read_once``), both within the caller's deadline; nothing read is kept.
         No window is asked for beyond this read: a gateway asks its agents for one no KEDA call uses while the read
         lasts, and moves no window's last use (``SnapshotSource.windows_for_read``)."""
-        loop, windows = asyncio.get_running_loop(), list(windows_of(query.value))
-        started = loop.time()
+        started, windows = self._clock(), list(windows_of(query.value))
         async with self.source.windows_for_read(windows, time_left=time_left):
-            if windows and time_left is not None:
-                time_left -= loop.time() - started  # what the windows' wait left of the caller's deadline
+            if windows:
+                time_left = self._left_after(time_left, started)
             scrapes: Mapping[PodKey, PodScrape] | None = None
             interest = self._interest
             if interest is not None:
@@ -169,6 +169,10 @@ class Evaluator:
                         engines.read_once([(pod, engine, endpoint) for pod, engine, endpoint, _ in reads], within),
                     )
             return self.evaluate(query.value, scrapes=scrapes, keep=False)
+
+    def _left_after(self, time_left: float | None, started: float) -> float | None:
+        """What the wait since ``started`` (``now``) left of ``time_left``, seconds of the caller's deadline."""
+        return None if time_left is None else time_left - (self._clock() - started)
 
     def want_engine_pods(self, value: ValueSpec) -> list[PodKey]:
         """Keep the pods ``value``'s engine signals read wanted by the scraper, at their intervals; those pods.

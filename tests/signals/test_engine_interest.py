@@ -12,6 +12,7 @@ from gpuscaler.agent.history import History
 from gpuscaler.model.engines import Engine, EnginePage, PodScrape
 from gpuscaler.model.errors import TooManyPods, Unavailable
 from gpuscaler.model.pods import PodInfo
+from gpuscaler.model.windows import WindowKey
 from gpuscaler.query.query import Query
 from gpuscaler.signals.engines.interest import DEADLINE_MARGIN_SECONDS, FIRST_READ_SLACK_SECONDS
 from gpuscaler.signals.engines.pods import Endpoint
@@ -243,3 +244,28 @@ async def test_a_push_streams_selection_is_resolved_again_only_when_the_director
         listener()
         assert engines.limited == ["max_pods_per_selection"] * 2
         assert engines.wanted == {}
+
+
+class SlowWindows(GatewayHistory):
+    """A gateway's source whose wait for its agents' windows takes ``seconds`` of the test's clock."""
+
+    def __init__(self, clock: Clock, seconds: float) -> None:
+        super().__init__(history_seconds=600.0, poll_interval_seconds=1.0)
+        self.clock, self.seconds = clock, seconds
+        self.prepared: list[Sequence[WindowKey]] = []
+
+    async def prepare(self, windows: Sequence[WindowKey]) -> None:
+        self.prepared.append(windows)
+        self.clock.now += self.seconds
+
+
+async def test_preparing_gives_the_engine_wait_what_the_windows_wait_left_of_the_deadline() -> None:
+    """A combined query with a GPU window and an engine signal: the windows' wait takes 1.25 s of a 2 s deadline, and
+    the engine pods' first reads are waited for within the 0.75 s left, less the margin, not within the whole 2 s."""
+    engines, clock = Engines(), Clock()
+    source = SlowWindows(clock, 1.25)
+    evaluator = Evaluator(source, clock=clock, directory=DIRECTORY, engines=engines)
+    query = evaluator.parse({"signals": "gpu_utilization:80,vllm_queue:8", "window": "30s", "workload": "llm"}, "ml")
+    await evaluator.prepare(query, time_left=2.0)
+    assert len(source.prepared) == 1
+    assert engines.waited == [(OWN, 0.75 - DEADLINE_MARGIN_SECONDS)]
