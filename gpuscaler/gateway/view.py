@@ -193,7 +193,8 @@ class ClusterView(AnnouncedSource):
 
     def request(self, windows: Iterable[WindowKey]) -> None:
         """Ask every agent for ``windows`` from now on (its subscribers reopen their streams with a new one); each
-        is forgotten WINDOW_IDLE_SECONDS after its last request. Unsupported past MAX_WINDOWS at once."""
+        is forgotten WINDOW_IDLE_SECONDS after its last request, at the next composition that looks (at most
+        WINDOW_SWEEP_SECONDS later), and the subscribers reopen without it. Unsupported past MAX_WINDOWS at once."""
         self.asks.request(windows)
 
     async def prepare(self, windows: Sequence[WindowKey]) -> None:
@@ -321,6 +322,7 @@ class ClusterView(AnnouncedSource):
     def compose(self) -> Snapshot:
         """Announce the cluster snapshot as of now: every fresh node, and every listed agent it cannot hear."""
         started = time.perf_counter()
+        self.asks.forget_idle()  # a comparison; a pass over the windows once every WINDOW_SWEEP_SECONDS
         now = self._clock()
         wall = self._wall()
         scanned = self._scanned

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 import structlog
@@ -16,13 +17,17 @@ log = structlog.get_logger(__name__)
 
 # A window no query used for this long is no longer asked for (KEDA asks each query every 30 s at least).
 WINDOW_IDLE_SECONDS = 15 * 60.0
+# Idle windows are looked for at most this often (a pass over at most MAX_WINDOWS): one leaves within this long
+# after it went idle, and the agents stop computing it then, not when the list next changes.
+WINDOW_SWEEP_SECONDS = 10.0
 
 
 class WindowAsks:
     """Which windows every agent is asked for (``windows``, read by each subscriber when it opens its stream), and
     ``changed``, set (and replaced) whenever they change, which reopens every agent's stream.
 
-    KEDA's calls ``request`` a window, which stays asked for until WINDOW_IDLE_SECONDS after its last request. A
+    KEDA's calls ``request`` a window, which stays asked for until WINDOW_IDLE_SECONDS after its last request
+    (``forget_idle``, which the view calls on each composition, lets it go within WINDOW_SWEEP_SECONDS of that). A
     read ``hold``s the windows no KEDA call uses, and ``let_go`` stops asking for those no other read holds; a
     read neither adds to KEDA's nor moves their last use. Since each change reopens thousands of streams, only the
     read holding the one ``turn`` may add one-shot windows, and it lets them go before it gives the turn back.
@@ -35,6 +40,7 @@ class WindowAsks:
         self._turn = asyncio.Lock()
         self.refused = 0  # reads refused because another read held the turn past their deadline
         self._refused_log = LogEvery("read_window_refused", level="warning")
+        self._next_sweep = -math.inf
         self.changed = asyncio.Event()
 
     @property
@@ -113,10 +119,29 @@ class WindowAsks:
         finally:
             self._turn.release()
 
+    def forget_idle(self) -> None:
+        """Let KEDA's windows idle past WINDOW_IDLE_SECONDS go, looking at most every WINDOW_SWEEP_SECONDS (the
+        view calls this on each composition); if the agents are asked for fewer, ``changed`` reopens their streams
+        with the rest. A window a read in flight holds stays asked for until that read lets it go."""
+        now = self._clock()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + WINDOW_SWEEP_SECONDS
+        gone = [window for window in self._drop_idle(now) if window not in self._reading]
+        if gone:
+            self._changed()
+            log.info("window_idle", windows=[w.describe() for w in gone], total=len(self.windows))
+
+    def _drop_idle(self, now: float) -> list[WindowKey]:
+        """Forget KEDA's windows idle past WINDOW_IDLE_SECONDS at ``now``; those forgotten."""
+        idle = [window for window, used in self._keda.items() if now - used > WINDOW_IDLE_SECONDS]
+        for window in idle:
+            del self._keda[window]
+        return idle
+
     def _make_room(self, new: Sequence[WindowKey], now: float) -> None:
         """Let KEDA's idle windows go; Unsupported if ``new`` would still take the windows past MAX_WINDOWS."""
-        for old in [w for w, used in self._keda.items() if now - used > WINDOW_IDLE_SECONDS]:
-            del self._keda[old]
+        self._drop_idle(now)
         if len(self._keda) + self.one_shot + len(new) > MAX_WINDOWS:
             raise Unsupported(
                 f"{new[-1].describe()} would be one window too many: the gateway asks its agents for at most "

@@ -12,7 +12,7 @@ import pytest
 
 from gpuscaler.gateway.telemetry import _ViewCollector
 from gpuscaler.gateway.view import ClusterView
-from gpuscaler.gateway.window_asks import WINDOW_IDLE_SECONDS
+from gpuscaler.gateway.window_asks import WINDOW_IDLE_SECONDS, WINDOW_SWEEP_SECONDS
 from gpuscaler.model.errors import Unavailable, Unsupported
 from gpuscaler.model.windows import MAX_WINDOWS, Windowed, WindowKey, WindowValues
 from gpuscaler.query.metadata import Limits, parse_metadata
@@ -184,3 +184,23 @@ async def test_one_shot_windows_count_against_the_limit_of_windows() -> None:
         with pytest.raises(Unsupported, match=f"at most {MAX_WINDOWS} distinct windows"):
             await evaluator.read(query(999))
         assert view.windows == before
+
+
+async def test_a_window_keda_stopped_using_leaves_once_idle_and_the_agents_are_told() -> None:
+    """KEDA asks for a window once: a composition WINDOW_IDLE_SECONDS after that keeps it; one a second later is
+    within the sweep interval and looks at nothing; the first one WINDOW_SWEEP_SECONDS on lets it go, with no other
+    window added, and the agent's stream reopens without it."""
+    async with gateway() as (view, evaluator, clock, agent):
+        await evaluator.prepare(query(30))
+        used = clock.now
+        await until(lambda: agent.told[-1] == (window(30),))
+        clock.now = used + WINDOW_IDLE_SECONDS
+        view.compose()
+        assert view.windows == (window(30),)
+        clock.now += 1
+        view.compose()
+        assert view.windows == (window(30),)  # idle, but looked for at most every WINDOW_SWEEP_SECONDS
+        clock.now += WINDOW_SWEEP_SECONDS
+        view.compose()
+        assert list(view.windows) == []
+        await until(lambda: agent.told[-1] == ())
