@@ -130,6 +130,25 @@ def test_inside_a_process_no_module_imports_from_a_tier_above_its_own(package: s
     assert not upward
 
 
+def test_a_shared_room_holds_no_module_only_one_process_uses() -> None:
+    """A module of a room both processes stand on (model, query, signals, server) that only the agent, only the
+    gateway or only the client imports belongs in that room: as the HPA's arithmetic (client/hpa.py) and a
+    counter's rate (agent/rates.py) moved there."""
+    imported = graph()
+    users: dict[str, set[str]] = {}
+    for module, targets in imported.items():
+        for target in targets:
+            if target in imported and target != module:
+                users.setdefault(target, set()).add(ROOMS[room_of(module)][0])
+    shared, processes = {"model", "query", "signals", "server"}, {"agent", "gateway", "client"}
+    misplaced = {
+        module: sorted(rooms)
+        for module, rooms in users.items()
+        if ROOMS[room_of(module)][0] in shared and len(rooms) == 1 and rooms <= processes
+    }
+    assert not misplaced, f"used by one process's room only, so move them there: {misplaced}"
+
+
 def test_the_import_graph_has_no_cycle() -> None:
     """No two modules import each other, directly or through others."""
     imported = graph()

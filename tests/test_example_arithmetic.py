@@ -407,7 +407,7 @@ def test_the_cases_cover_multi_gpu_pods_engines_and_combined_signals() -> None:
     inputs = [c.inputs for c in DOC_CASES]
     sizes = {len(groups(i["pods"])[0]) for i in inputs if "pods" in i and i.get("metric") in BUILT_GPU_METRICS}
     assert {1, 2, 4, 8} <= sizes
-    for size in (4,):
+    for size in (1, 2, 4, 8):
         for metric_type in ("AverageValue", "Value"):
             assert any(
                 i.get("metricType") == metric_type and "pods" in i and len(groups(i["pods"])[0]) == size for i in inputs
