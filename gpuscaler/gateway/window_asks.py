@@ -61,11 +61,12 @@ class WindowAsks:
         """KEDA's calls use ``windows`` now: asked for from now on (a read's one-shot window becomes KEDA's without
         a new ask), each until WINDOW_IDLE_SECONDS after its last request. Unsupported past MAX_WINDOWS at once."""
         now = self._clock()
-        added = []
-        for window in windows:
-            if not self.asked(window):
-                self._make_room([window], now)
-                added.append(window)
+        wanted = list(dict.fromkeys(windows))
+        # All of a combined query's windows are asked for, or none: one left out would never reach the agents.
+        added = [window for window in wanted if not self.asked(window)]
+        if added:
+            self._make_room(added, now)
+        for window in wanted:
             self._keda[window] = now
         if added:
             self._changed()
@@ -140,9 +141,14 @@ class WindowAsks:
         return idle
 
     def _make_room(self, new: Sequence[WindowKey], now: float) -> None:
-        """Let KEDA's idle windows go; Unsupported if ``new`` would still take the windows past MAX_WINDOWS."""
-        self._drop_idle(now)
+        """Let KEDA's idle windows go; Unsupported if ``new`` would still take the windows past MAX_WINDOWS. The
+        caller, which adds ``new``, reopens the agents' streams; a refusal does so here for the windows let go."""
+        gone = [window for window in self._drop_idle(now) if window not in self._reading]
+        if gone:
+            log.info("window_idle", windows=[w.describe() for w in gone], total=len(self.windows))
         if len(self._keda) + self.one_shot + len(new) > MAX_WINDOWS:
+            if gone:
+                self._changed()
             raise Unsupported(
                 f"{new[-1].describe()} would be one window too many: the gateway asks its agents for at most "
                 f"{MAX_WINDOWS} distinct windows (each costs every agent a pass over its history per tick); use "

@@ -12,7 +12,7 @@ import pytest
 
 from gpuscaler.gateway.telemetry import _ViewCollector
 from gpuscaler.gateway.view import ClusterView
-from gpuscaler.gateway.window_asks import WINDOW_IDLE_SECONDS, WINDOW_SWEEP_SECONDS
+from gpuscaler.gateway.window_asks import WINDOW_IDLE_SECONDS, WINDOW_SWEEP_SECONDS, WindowAsks
 from gpuscaler.model.errors import Unavailable, Unsupported
 from gpuscaler.model.windows import MAX_WINDOWS, Windowed, WindowKey, WindowValues
 from gpuscaler.query.metadata import Limits, parse_metadata
@@ -184,6 +184,33 @@ async def test_one_shot_windows_count_against_the_limit_of_windows() -> None:
         with pytest.raises(Unsupported, match=f"at most {MAX_WINDOWS} distinct windows"):
             await evaluator.read(query(999))
         assert view.windows == before
+
+
+def test_a_combined_request_one_window_too_many_asks_for_none_of_its_windows() -> None:
+    """With MAX_WINDOWS - 1 windows of KEDA's, a request for two new ones (a combined query's) is Unsupported and
+    asks for neither: the windows are as before and the agents' streams are not reopened."""
+    asks = WindowAsks(Clock())
+    asks.request([window(seconds) for seconds in range(1, MAX_WINDOWS)])
+    before, changed = asks.windows, asks.changed
+    with pytest.raises(Unsupported, match=f"at most {MAX_WINDOWS} distinct windows"):
+        asks.request([window(500), window(501)])
+    assert asks.windows == before
+    assert not changed.is_set()
+
+
+def test_a_refused_request_that_lets_idle_windows_go_tells_the_agents() -> None:
+    """A request refused past MAX_WINDOWS still lets KEDA's idle windows go, and reopens the agents' streams without
+    them, as a sweep would."""
+    clock = Clock()
+    asks = WindowAsks(clock)
+    asks.request([window(seconds) for seconds in range(1, MAX_WINDOWS)])
+    clock.now += WINDOW_IDLE_SECONDS + 1
+    asks.request([window(seconds) for seconds in range(2, MAX_WINDOWS)])  # all but window(1) used again
+    changed = asks.changed
+    with pytest.raises(Unsupported, match=f"at most {MAX_WINDOWS} distinct windows"):
+        asks.request([window(500), window(501), window(502)])
+    assert window(1) not in asks.windows
+    assert changed.is_set()
 
 
 async def test_a_window_keda_stopped_using_leaves_once_idle_and_the_agents_are_told() -> None:
