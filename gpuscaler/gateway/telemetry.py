@@ -94,7 +94,8 @@ class _ViewCollector(Collector):
         windows.add_metric(["read"], asks.one_shot)
         refused = CounterMetricFamily(
             "gpuscaler_gateway_read_windows_refused",
-            "Reads answered UNAVAILABLE: another read's one-shot window ask held the one turn past their deadline.",
+            "Reads answered UNAVAILABLE: another read's one-shot window ask held the one turn past their deadline, "
+            "or reads in flight held all READ_WINDOWS_RESERVE one-shot windows.",
         )
         refused.add_metric([], asks.refused)
         yield from (windows, refused)

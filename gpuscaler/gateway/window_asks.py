@@ -6,11 +6,12 @@ import asyncio
 import contextlib
 import math
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import NoReturn
 
 import structlog
 
 from gpuscaler.model.errors import Unavailable, Unsupported
-from gpuscaler.model.windows import MAX_WINDOWS, WindowKey
+from gpuscaler.model.windows import MAX_WINDOWS, READ_WINDOWS_RESERVE, WindowKey
 from gpuscaler.server.overload import LogEvery
 
 log = structlog.get_logger(__name__)
@@ -31,6 +32,10 @@ class WindowAsks:
     read ``hold``s the windows no KEDA call uses, and ``let_go`` stops asking for those no other read holds; a
     read neither adds to KEDA's nor moves their last use. Since each change reopens thousands of streams, only the
     read holding the one ``turn`` may add one-shot windows, and it lets them go before it gives the turn back.
+
+    KEDA's windows count against MAX_WINDOWS, reads' one-shot ones only against READ_WINDOWS_RESERVE on top of
+    them, so that a read never costs a KEDA call its window, and the agents are never asked for more than
+    MAX_WINDOWS + READ_WINDOWS_RESERVE, which they serve.
     """
 
     def __init__(self, clock: Callable[[], float]) -> None:
@@ -59,27 +64,37 @@ class WindowAsks:
 
     def request(self, windows: Iterable[WindowKey]) -> None:
         """KEDA's calls use ``windows`` now: asked for from now on (a read's one-shot window becomes KEDA's without
-        a new ask), each until WINDOW_IDLE_SECONDS after its last request. Unsupported past MAX_WINDOWS at once."""
+        a new ask), each until WINDOW_IDLE_SECONDS after its last request. Unsupported past MAX_WINDOWS of KEDA's
+        at once; reads' one-shot windows do not count."""
         now = self._clock()
         wanted = list(dict.fromkeys(windows))
         # All of a combined query's windows are asked for, or none: one left out would never reach the agents.
-        added = [window for window in wanted if not self.asked(window)]
-        if added:
-            self._make_room(added, now)
+        mine = [window for window in wanted if window not in self._keda]
+        gone = self._make_room(mine, now) if mine else False
+        added = [window for window in mine if window not in self._reading]
         for window in wanted:
             self._keda[window] = now
+        if gone and not added:
+            self._changed()
         if added:
             self._changed()
             log.info("window_requested", windows=[w.describe() for w in added], total=len(self._keda))
 
     def hold(self, windows: Sequence[WindowKey]) -> list[WindowKey]:
         """Count a read in on each of ``windows`` KEDA's calls do not use, asking for the new ones (only with the
-        ``turn``); those it holds, for ``let_go``. KEDA's windows are read as they are. Unsupported past
-        MAX_WINDOWS, holding nothing."""
+        ``turn``); those it holds, for ``let_go``. KEDA's windows are read as they are. Unavailable, holding
+        nothing, if the new ones would take the one-shot windows past READ_WINDOWS_RESERVE (KEDA's room is not
+        the reads' to take)."""
         mine = [window for window in windows if window not in self._keda]
         new = [window for window in mine if window not in self._reading]
-        if new:
-            self._make_room(new, self._clock())
+        if new and self.one_shot + len(new) > READ_WINDOWS_RESERVE:
+            self._refuse(
+                f"reads in flight hold {self.one_shot} of the {READ_WINDOWS_RESERVE} one-shot windows a gateway asks "
+                f"its agents for on top of KEDA's {MAX_WINDOWS}, and this read needs {len(new)} more",
+                f"{new[-1].describe()} is not one KEDA's calls use, and reads in flight hold {self.one_shot} of the "
+                f"{READ_WINDOWS_RESERVE} one-shot windows the gateway may ask its agents for besides KEDA's "
+                f"{MAX_WINDOWS}; ask again in a moment, or let a ScaledObject use the window",
+            )
         for window in mine:
             self._reading[window] = self._reading.get(window, 0) + 1
         if new:
@@ -108,13 +123,12 @@ class WindowAsks:
             async with asyncio.timeout_at(deadline):
                 await self._turn.acquire()
         except TimeoutError:
-            self.refused += 1
-            self._refused_log(detail="another read's one-shot window ask held the turn past this read's deadline")
-            raise Unavailable(
+            self._refuse(
+                "another read's one-shot window ask held the turn past this read's deadline",
                 "the window is not one KEDA's calls use, and another read's one-shot window ask held the gateway's "
                 "one turn (each change reopens every agent's stream) past this read's deadline; ask again in a "
-                "moment, or let a ScaledObject use the window"
-            ) from None
+                "moment, or let a ScaledObject use the window",
+            )
         try:
             yield
         finally:
@@ -140,20 +154,28 @@ class WindowAsks:
             del self._keda[window]
         return idle
 
-    def _make_room(self, new: Sequence[WindowKey], now: float) -> None:
-        """Let KEDA's idle windows go; Unsupported if ``new`` would still take the windows past MAX_WINDOWS. The
-        caller, which adds ``new``, reopens the agents' streams; a refusal does so here for the windows let go."""
+    def _refuse(self, detail: str, message: str) -> NoReturn:
+        """A read refused: counted in ``refused``, logged at most once per interval, Unavailable with ``message``."""
+        self.refused += 1
+        self._refused_log(detail=detail)
+        raise Unavailable(message)
+
+    def _make_room(self, new: Sequence[WindowKey], now: float) -> bool:
+        """Let KEDA's idle windows go; Unsupported if ``new`` (not KEDA's yet) would still take KEDA's windows past
+        MAX_WINDOWS. Whether any the agents were asked for went: the caller reopens their streams, and a refusal
+        does so here."""
         gone = [window for window in self._drop_idle(now) if window not in self._reading]
         if gone:
             log.info("window_idle", windows=[w.describe() for w in gone], total=len(self.windows))
-        if len(self._keda) + self.one_shot + len(new) > MAX_WINDOWS:
+        if len(self._keda) + len(new) > MAX_WINDOWS:
             if gone:
                 self._changed()
             raise Unsupported(
                 f"{new[-1].describe()} would be one window too many: the gateway asks its agents for at most "
-                f"{MAX_WINDOWS} distinct windows (each costs every agent a pass over its history per tick); use "
-                "fewer distinct window lengths and functions"
+                f"{MAX_WINDOWS} distinct windows for KEDA's calls (each costs every agent a pass over its history "
+                f"per tick), and {len(self._keda)} are in use; use fewer distinct window lengths and functions"
             )
+        return bool(gone)
 
     def _changed(self) -> None:
         changed, self.changed = self.changed, asyncio.Event()

@@ -19,6 +19,10 @@ from gpuscaler.model.gpu_metrics import METRICS, Metric
 # Distinct windows a gateway asks its agents for, and an agent serves one subscriber: each costs every agent a
 # pass over its history per tick. A gateway's queries use a handful.
 MAX_WINDOWS = 32
+# One-shot windows a gateway's reads (Explain, previews) may ask for on top of KEDA's MAX_WINDOWS, so that a read
+# never costs KEDA's calls a window: a combined query's parts at most (MAX_SIGNALS). An agent serves up to
+# MAX_WINDOWS + READ_WINDOWS_RESERVE to one subscriber.
+READ_WINDOWS_RESERVE = 4
 
 
 # The shares of a window on a GPU that one pod or none holds: shared, never written.

@@ -14,7 +14,7 @@ from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.model.durations import format_duration
 from gpuscaler.model.errors import InvalidRequest, NotServed, Unavailable
 from gpuscaler.model.samples import GpuKey, Snapshot
-from gpuscaler.model.windows import MAX_WINDOWS, WindowKey, WindowValues
+from gpuscaler.model.windows import MAX_WINDOWS, READ_WINDOWS_RESERVE, WindowKey, WindowValues
 from gpuscaler.server.status import grpc_errors, status_for
 from gpuscaler.server.wire import explanation_to_wire, snapshot_to_wire, window_key_from_wire
 from gpuscaler.signals.energy import IdleEnergy
@@ -88,8 +88,10 @@ class AgentService(pb.AgentBase):
     async def watch_snapshots(self, message: pb.WatchSnapshotsRequest) -> AsyncIterator[pb.Snapshot]:
         async with grpc_errors("WatchSnapshots"):
             self._refuse_at_a_gateway("WatchSnapshots")
-            if len(message.windows) > MAX_WINDOWS:
-                raise InvalidRequest(f"windows: {len(message.windows)} asked for; at most {MAX_WINDOWS} are served")
+            # A gateway asks for KEDA's MAX_WINDOWS and, while reads last, READ_WINDOWS_RESERVE one-shot ones.
+            served = MAX_WINDOWS + READ_WINDOWS_RESERVE
+            if len(message.windows) > served:
+                raise InvalidRequest(f"windows: {len(message.windows)} asked for; at most {served} are served")
             try:
                 windows = list(dict.fromkeys(window_key_from_wire(spec) for spec in message.windows))
             except ValueError as error:

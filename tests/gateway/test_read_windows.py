@@ -14,7 +14,8 @@ from gpuscaler.gateway.telemetry import _ViewCollector
 from gpuscaler.gateway.view import ClusterView
 from gpuscaler.gateway.window_asks import WINDOW_IDLE_SECONDS, WINDOW_SWEEP_SECONDS, WindowAsks
 from gpuscaler.model.errors import Unavailable, Unsupported
-from gpuscaler.model.windows import MAX_WINDOWS, Windowed, WindowKey, WindowValues
+from gpuscaler.model.windows import MAX_WINDOWS, READ_WINDOWS_RESERVE, Windowed, WindowKey, WindowValues
+from gpuscaler.query.engine_keys import MAX_SIGNALS
 from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.query.query import Query
 from gpuscaler.signals.evaluator import Evaluator
@@ -171,19 +172,35 @@ async def test_one_read_at_a_time_adds_one_shot_windows_and_one_that_cannot_in_t
         assert not view.windows
 
 
-async def test_one_shot_windows_count_against_the_limit_of_windows() -> None:
-    """With MAX_WINDOWS - 1 windows of KEDA's and one a read holds, KEDA's next new window is FAILED_PRECONDITION,
-    and so is a read's past MAX_WINDOWS, which leaves the windows as they were."""
-    async with gateway() as (view, evaluator, _, _):
+async def test_one_shot_windows_never_cost_keda_a_window() -> None:
+    """With MAX_WINDOWS - 1 windows of KEDA's and one a read holds, KEDA's next new window is asked for (the agents
+    are asked for MAX_WINDOWS + 1); KEDA's one past MAX_WINDOWS is FAILED_PRECONDITION however few reads hold. Reads
+    hold at most READ_WINDOWS_RESERVE one-shot windows: one more is UNAVAILABLE naming the limit, counted in
+    /metrics, and leaves the windows as they were."""
+    async with gateway() as (view, evaluator, _, agent):
         view.request([window(seconds) for seconds in range(1, MAX_WINDOWS)])
         async with view.windows_for_read([window(999)]):
-            with pytest.raises(Unsupported, match=f"at most {MAX_WINDOWS} distinct windows"):
-                view.request([window(998)])
-        view.request([window(998)])
+            view.request([window(998)])
+            assert len(view.windows) == MAX_WINDOWS + 1
+            await until(lambda: len(agent.told[-1]) == MAX_WINDOWS + 1)
+        with pytest.raises(Unsupported, match=f"at most {MAX_WINDOWS} distinct windows for KEDA's calls"):
+            view.request([window(997)])
+
+        # Reads that shared another's one-shot windows hold them after it gave the turn back.
+        held = view.asks.hold([window(2000 + seconds) for seconds in range(READ_WINDOWS_RESERVE)])
+        assert len(view.windows) == MAX_WINDOWS + READ_WINDOWS_RESERVE
         before = view.windows
-        with pytest.raises(Unsupported, match=f"at most {MAX_WINDOWS} distinct windows"):
+        with pytest.raises(Unavailable, match=f"of the {READ_WINDOWS_RESERVE} one-shot windows"):
             await evaluator.read(query(999))
         assert view.windows == before
+        assert series(view)[("gpuscaler_gateway_read_windows_refused_total", "")] == 1
+        view.asks.let_go(held)
+        assert len(view.windows) == MAX_WINDOWS
+
+
+def test_the_reserve_fits_any_one_query() -> None:
+    """A combined query's parts, each with at most one window, fit in the reads' reserve of one-shot windows."""
+    assert READ_WINDOWS_RESERVE >= MAX_SIGNALS
 
 
 def test_a_combined_request_one_window_too_many_asks_for_none_of_its_windows() -> None:

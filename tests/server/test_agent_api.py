@@ -15,6 +15,7 @@ from gpuscaler.agent.process import Agent
 from gpuscaler.generated.externalscaler import ExternalScalerStub, ScaledObjectRef
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.model.gpu_metrics import Metric
+from gpuscaler.model.windows import MAX_WINDOWS, READ_WINDOWS_RESERVE
 from gpuscaler.server.agent_api import AgentService
 from tests.builders import decoded
 from tests.server.test_external_scaler import next_tick
@@ -100,6 +101,20 @@ async def test_watch_refuses_a_window_it_cannot_name(agent: Agent, channel: Chan
             await first_snapshot(channel, pb.WatchSnapshotsRequest(windows=[spec]))
         assert raised.value.status is Status.INVALID_ARGUMENT
         assert complaint in (raised.value.message or "")
+
+
+async def test_watch_serves_keda_s_windows_and_a_gateway_s_read_reserve(agent: Agent, channel: Channel) -> None:
+    """A stream asking for MAX_WINDOWS + READ_WINDOWS_RESERVE windows (a gateway's most) is served; one more is
+    INVALID_ARGUMENT naming the limit."""
+    served = MAX_WINDOWS + READ_WINDOWS_RESERVE
+    specs = [pb.WindowSpec(metric="gpu_utilization", seconds=float(s), function="max") for s in range(1, served + 2)]
+    await next_tick(agent)
+    message = await first_snapshot(channel, pb.WatchSnapshotsRequest(windows=specs[:served]))
+    assert len(message.windows) == served
+    with pytest.raises(GRPCError) as raised:
+        await first_snapshot(channel, pb.WatchSnapshotsRequest(windows=specs))
+    assert raised.value.status is Status.INVALID_ARGUMENT
+    assert f"at most {served} are served" in (raised.value.message or "")
 
 
 async def test_explain_shows_each_gpu_and_the_result(agent: Agent, channel: Channel) -> None:
