@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
+import grpclib.const
+import grpclib.server
+
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.model.durations import format_duration
 from gpuscaler.model.errors import InvalidRequest, NotServed, Unavailable
 from gpuscaler.model.samples import GpuKey, Snapshot
 from gpuscaler.model.windows import MAX_WINDOWS, READ_WINDOWS_RESERVE, WindowKey, WindowValues
-from gpuscaler.server.status import grpc_errors, status_for
+from gpuscaler.server.status import grpc_errors, status_for, time_left_of
 from gpuscaler.server.wire import explanation_to_wire, snapshot_to_wire, window_key_from_wire
 from gpuscaler.signals.energy import IdleEnergy
 from gpuscaler.signals.evaluator import Evaluator
@@ -104,11 +107,25 @@ class AgentService(pb.AgentBase):
             sequence = snapshot.sequence
             yield self._wire(snapshot, windows)
 
-    async def explain(self, message: pb.ExplainRequest) -> pb.Explanation:
+    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
+        """The generated handlers' paths, Explain's served by one that reads the call's deadline."""
+        mapping = super().__mapping__()
+        explain = "/gpuscaler.v1.Agent/Explain"
+        return mapping | {explain: mapping[explain]._replace(func=self._serve_explain)}
+
+    async def _serve_explain(self, stream: grpclib.server.Stream[pb.ExplainRequest, pb.Explanation]) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        await stream.send_message(await self.explain(request, time_left=time_left_of(stream)))
+
+    async def explain(self, message: pb.ExplainRequest, *, time_left: float | None = None) -> pb.Explanation:
+        """What KEDA would be answered for ``message``'s query now, and why, changing nothing; waited for within
+        ``time_left`` (seconds of the caller's deadline; None: none set)."""
         async with grpc_errors("Explain"):
             query = self._evaluator.parse(message.scaler_metadata, message.namespace, message.name)
-        # A read: no window asked for, no engine pod wanted; a pod no one wants is read once for this answer.
-        evaluation = await self._evaluator.read(query)
+            # A read: no engine pod wanted (a pod no one wants is read once for this answer), and at a gateway a
+            # window no KEDA call uses is asked of the agents only while it lasts, all within the deadline.
+            evaluation = await self._evaluator.read(query, time_left=time_left)
         # A read: what IsActive would answer now, without moving the state KEDA's calls keep.
         active = evaluation.value is not None and self._evaluator.would_be_active(query, evaluation.value)
         code = status_for(evaluation.error).name if evaluation.error is not None else ""

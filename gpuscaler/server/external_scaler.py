@@ -29,7 +29,7 @@ from gpuscaler.model.errors import InvalidMetadata, UnknownMetricName
 from gpuscaler.query.query import Query
 from gpuscaler.server.preview import PREVIEW_HEADER, PREVIEW_VALUE
 from gpuscaler.server.push_streams import QueuedEvent, StreamLines
-from gpuscaler.server.status import grpc_errors
+from gpuscaler.server.status import grpc_errors, time_left_of
 from gpuscaler.server.telemetry import ScalerAnswers
 from gpuscaler.signals.evaluator import Evaluator
 
@@ -83,7 +83,9 @@ class ExternalScalerService(ExternalScalerBase):
     async def _serve_is_active(self, stream: grpclib.server.Stream[ScaledObjectRef, IsActiveResponse]) -> None:
         request = await stream.recv_message()
         assert request is not None
-        await stream.send_message(await self.is_active(request, preview=_preview(stream), time_left=_time_left(stream)))
+        await stream.send_message(
+            await self.is_active(request, preview=_preview(stream), time_left=time_left_of(stream))
+        )
 
     async def _serve_stream_is_active(self, stream: grpclib.server.Stream[ScaledObjectRef, IsActiveResponse]) -> None:
         request = await stream.recv_message()
@@ -102,7 +104,7 @@ class ExternalScalerService(ExternalScalerBase):
         request = await stream.recv_message()
         assert request is not None
         await stream.send_message(
-            await self.get_metrics(request, preview=_preview(stream), time_left=_time_left(stream))
+            await self.get_metrics(request, preview=_preview(stream), time_left=time_left_of(stream))
         )
 
     async def is_active(
@@ -208,11 +210,6 @@ class ExternalScalerService(ExternalScalerBase):
             if self._answers is not None:
                 self._answers.stream_closed(message.namespace, message.name, query)
             self._closed_lines(scaled_object=scaled_object, metric_name=query.metric_name, reason=reason)
-
-
-def _time_left(stream: grpclib.server.Stream[Any, Any]) -> float | None:
-    """Seconds left of the caller's deadline (its grpc-timeout), or None when it set none."""
-    return stream.deadline.time_remaining() if stream.deadline is not None else None
 
 
 def _preview(stream: grpclib.server.Stream[Any, Any]) -> bool:

@@ -7,7 +7,9 @@ for our own bugs, which are logged with their traceback.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
+import grpclib.server
 import structlog
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
@@ -37,6 +39,11 @@ STATUS_FOR_ERROR: Mapping[type[GpuscalerError], Status] = {
     NotServed: Status.UNIMPLEMENTED,
     Unavailable: Status.UNAVAILABLE,
 }
+
+
+def time_left_of(stream: grpclib.server.Stream[Any, Any]) -> float | None:
+    """Seconds left of the caller's deadline (its grpc-timeout), or None when it set none."""
+    return stream.deadline.time_remaining() if stream.deadline is not None else None
 
 
 def status_for(error: GpuscalerError) -> Status:

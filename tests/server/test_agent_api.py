@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 
 import pytest
 from grpclib.client import Channel
@@ -15,7 +17,7 @@ from gpuscaler.agent.process import Agent
 from gpuscaler.generated.externalscaler import ExternalScalerStub, ScaledObjectRef
 from gpuscaler.generated.gpuscaler import v1 as pb
 from gpuscaler.model.gpu_metrics import Metric
-from gpuscaler.model.windows import MAX_WINDOWS, READ_WINDOWS_RESERVE
+from gpuscaler.model.windows import MAX_WINDOWS, READ_WINDOWS_RESERVE, WindowKey
 from gpuscaler.server.agent_api import AgentService
 from tests.builders import decoded
 from tests.server.test_external_scaler import next_tick
@@ -161,6 +163,27 @@ async def test_explain_reads_the_activation_state_without_moving_it(agent: Agent
     assert explanation.active is True  # what IsActive would answer for 60
     await utilization(30.0)
     assert (await ExternalScalerStub(channel).is_active(ref)).result is False  # had Explain moved it: 30 > 20, active
+
+
+async def test_explain_waits_for_windows_within_the_call_s_deadline(
+    agent: Agent, channel: Channel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Explain gives the wait for its windows (at a gateway, for a window the agents have not sent) what is left of
+    the call's deadline, not the fixed few seconds a call with none gets."""
+    waits: list[float | None] = []
+    source = agent.evaluator.source
+    read_windows = source.windows_for_read
+
+    def recording(windows: Sequence[WindowKey], *, time_left: float | None = None) -> AbstractAsyncContextManager[None]:
+        waits.append(time_left)
+        return read_windows(windows, time_left=time_left)
+
+    monkeypatch.setattr(source, "windows_for_read", recording)
+    await next_tick(agent)
+    await pb.AgentStub(channel).explain(pb.ExplainRequest(scaler_metadata={"window": "30s"}), timeout=0.5)
+    assert len(waits) == 1
+    assert waits[0] is not None
+    assert 0 < waits[0] <= 0.5
 
 
 async def test_explain_reports_the_error_keda_would_get(agent: Agent, channel: Channel) -> None:
