@@ -90,7 +90,7 @@ class ExternalScalerService(ExternalScalerBase):
     async def _serve_stream_is_active(self, stream: grpclib.server.Stream[ScaledObjectRef, IsActiveResponse]) -> None:
         request = await stream.recv_message()
         assert request is not None
-        async for response in self.stream_is_active(request, preview=_preview(stream)):
+        async for response in self.stream_is_active(request, preview=_preview(stream), time_left=time_left_of(stream)):
             await stream.send_message(response)
 
     async def _serve_get_metric_spec(
@@ -172,9 +172,10 @@ class ExternalScalerService(ExternalScalerBase):
         return response
 
     async def stream_is_active(
-        self, message: ScaledObjectRef, *, preview: bool = False
+        self, message: ScaledObjectRef, *, preview: bool = False, time_left: float | None = None
     ) -> AsyncIterator[IsActiveResponse]:
-        """KEDA's push stream; a preview sends the first message KEDA's would send now, and ends."""
+        """KEDA's push stream; a preview sends the first message KEDA's would send now, waiting for it within
+        ``time_left`` (seconds of the caller's deadline) and a cap, and ends."""
         async with grpc_errors("StreamIsActive"):
             query = self._query(message)
             if not preview:
@@ -183,7 +184,9 @@ class ExternalScalerService(ExternalScalerBase):
             if isinstance(refusal, InvalidMetadata):
                 raise refusal  # a GPU the node lacks: refuse it as IsActive does, not with a silent stream
         if preview:
-            yield ANSWERS[await self._evaluator.first_push(query)]
+            async with grpc_errors("StreamIsActive"):
+                first = await self._evaluator.first_push(query, time_left=time_left)
+            yield ANSWERS[first]
             return
         scaled_object = f"{message.namespace}/{message.name}"
         if self._answers is not None:

@@ -22,6 +22,7 @@ from functools import partial
 import structlog
 
 from gpuscaler.model.engines import PodScrape
+from gpuscaler.model.errors import Unavailable
 from gpuscaler.model.pods import PodDirectory
 from gpuscaler.model.samples import DEVICE_FIELD, Snapshot
 from gpuscaler.query.engine_keys import DEFAULT_MIN_SCRAPE_SECONDS
@@ -52,6 +53,11 @@ ACTIVATION_IDLE_SECONDS = 15 * 60.0
 PARSE_CACHE_ENTRIES = 1024
 PARSE_CACHE_MAX_KEYS = 32
 PARSE_CACHE_MAX_CHARS = 2048
+# A preview of StreamIsActive waits at most this long for a known value, and the caller's deadline: a gateway's
+# wait for its windows (3 s), then a few of the source's polls. Past it, Unavailable: the gateway's one turn to
+# ask one-shot windows (which the wait holds when its windows are new) is never held for good.
+FIRST_PUSH_WAIT_SECONDS = 3.0
+FIRST_PUSH_POLLS = 3
 
 
 class Evaluator:
@@ -320,17 +326,33 @@ class Evaluator:
         """What IsActive would answer for ``value`` now, from the state as it is, which this leaves as it is."""
         return self._states.peek(query.activation_key, value, query.activation)
 
-    async def first_push(self, query: Query) -> bool:
+    async def first_push(self, query: Query, *, time_left: float | None = None) -> bool:
         """What a push stream opened now would send first, without opening one or keeping a state: as that stream
-        does, it waits for a snapshot with a known value (a preview of StreamIsActive). Its windows are held for
-        the whole wait, so that the reads in it do not ask for them and let them go again each snapshot."""
-        async with self.source.windows_for_read(list(windows_of(query.value))):
-            while True:
-                value = (await self.read(query)).value
-                if value is not None:
-                    return self.would_be_active(query, value)
-                latest = self.source.latest
-                await self.source.wait_newer(latest.sequence if latest is not None else -1)
+        does, it waits for a snapshot with a known value (a preview of StreamIsActive), but only within
+        ``time_left`` (seconds of the caller's deadline) and FIRST_PUSH_WAIT_SECONDS plus FIRST_PUSH_POLLS polls;
+        past that, Unavailable saying what it waited for. Its windows are held for the whole wait, so that the
+        reads in it do not ask for them and let them go again each snapshot."""
+        wait = FIRST_PUSH_WAIT_SECONDS + FIRST_PUSH_POLLS * self.source.interval_seconds
+        wait = wait if time_left is None else min(wait, time_left)
+        evaluation: Evaluation | None = None
+        try:
+            async with (
+                asyncio.timeout(wait),
+                self.source.windows_for_read(list(windows_of(query.value)), time_left=wait),
+            ):
+                while True:
+                    evaluation = await self.read(query)
+                    if evaluation.value is not None:
+                        return self.would_be_active(query, evaluation.value)
+                    latest = self.source.latest
+                    await self.source.wait_newer(latest.sequence if latest is not None else -1)
+        except TimeoutError:
+            why = f": {evaluation.error}" if evaluation is not None and evaluation.error is not None else ""
+            raise Unavailable(
+                f"no known value of {query.metric_name} within {wait:.3g} s (the caller's deadline, or "
+                f"{FIRST_PUSH_WAIT_SECONDS:g} s and {FIRST_PUSH_POLLS} polls), so a push stream opened now would "
+                f"send nothing yet{why}"
+            ) from None
 
     def empty_selection(self, evaluation: Evaluation) -> EmptySelection | None:
         """Why an answer of 0 selected no pod, if its selection matches none (read only: for Explain)."""

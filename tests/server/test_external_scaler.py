@@ -15,9 +15,11 @@ from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 from gpuscaler.agent.collectors.fake import Failure, FakeCollector
 from gpuscaler.agent.process import Agent
 from gpuscaler.generated.externalscaler import ExternalScalerStub, GetMetricsRequest, ScaledObjectRef
+from gpuscaler.model.errors import Unavailable
 from gpuscaler.model.gpu_metrics import Metric
 from gpuscaler.server.preview import PREVIEW_METADATA
 from gpuscaler.server.transport.calls import MAX_RECEIVE_MESSAGE_BYTES
+from gpuscaler.signals import evaluator as evaluator_module
 from tests.conftest import StartAgent
 from tests.waiting import until, until_result
 
@@ -177,6 +179,29 @@ async def test_hysteresis_keeps_active_between_thresholds(agent: Agent, channel:
         collector.set_values(0, {Metric.GPU_UTILIZATION: value})
         await next_tick(agent)
         assert (await stub.is_active(scaled)).result is expected, value
+
+
+async def test_a_preview_push_waits_for_a_known_value_only_so_long(
+    agent: Agent, channel: Channel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A preview of StreamIsActive of a GPU whose value stays unknown (lost) waits at most the cap (made short
+    here), then is UNAVAILABLE saying what it waited for; within a shorter call deadline, that deadline bounds it."""
+    fake(agent).fail(0, Failure.LOST)
+    await next_tick(agent)
+    monkeypatch.setattr(evaluator_module, "FIRST_PUSH_WAIT_SECONDS", 0.05)
+    monkeypatch.setattr(evaluator_module, "FIRST_PUSH_POLLS", 0)
+    preview = ExternalScalerStub(channel, metadata=PREVIEW_METADATA)
+    async with asyncio.timeout(5):  # a guard only: without a bound, the preview waits for good
+        with pytest.raises(GRPCError) as raised:
+            [message async for message in preview.stream_is_active(ref(gpuIndex="0"))]
+    assert raised.value.status is Status.UNAVAILABLE
+    assert "no known value of gpuscaler-gpu_utilization-sum-gpu0 within 0.05 s" in (raised.value.message or "")
+    assert "GPU 0" in (raised.value.message or "")  # why the value is unknown
+
+    monkeypatch.setattr(evaluator_module, "FIRST_PUSH_WAIT_SECONDS", 60.0)
+    query = agent.evaluator.parse({"gpuIndex": "0"}, "ml", "app")
+    with pytest.raises(Unavailable, match=r"within 0\.02 s"):
+        await agent.evaluator.first_push(query, time_left=0.02)
 
 
 async def test_a_preview_answers_as_keda_would_and_moves_no_activation_state(agent: Agent, channel: Channel) -> None:
