@@ -201,6 +201,9 @@ class ClusterSource:
     ) -> AsyncIterator[None]:
         yield  # each node's history answers every window, as its agent would
 
+    def for_read(self) -> ClusterSource:
+        return self  # it keeps nothing per read
+
     def newest_first(self, node: str) -> Iterator[Snapshot]:
         history = self._histories.get(node)
         return history.newest_first(node) if history is not None else iter(())

@@ -9,6 +9,7 @@ Each says how much of its length its readings cover: the buffer starts empty whe
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from collections import deque
@@ -36,6 +37,14 @@ class History(AnnouncedSource):
         self._snapshots: deque[Snapshot] = deque(maxlen=math.ceil(history_seconds / poll_interval_seconds) + 1)
         # Each window's series of GPU samples, per node, of the newest snapshot.
         self._series = PerSnapshot[float, dict[str, tuple[list[float], list[GpuSample]]]]()
+        self._keep = True  # False in a read's copy (``for_read``)
+
+    def for_read(self) -> History:
+        """This history for a read path: the same snapshots, and the series KEDA's calls split for the newest
+        one, but a series it splits for a window length no one else asked for is its own, not kept."""
+        reading = copy.copy(self)
+        reading._keep = False
+        return reading
 
     def append(self, snapshot: Snapshot) -> None:
         self._snapshots.append(snapshot)
@@ -117,10 +126,12 @@ class History(AnnouncedSource):
     def _series_of(self, node: str, seconds: float) -> dict[str, tuple[list[float], list[GpuSample]]]:
         """Each GPU's samples in the window, with their tick times, oldest first; ``seconds`` 0: the newest two."""
         latest = self.latest
-        by_seconds = self._series.at(latest.sequence if latest is not None else -1)
-        series = by_seconds.get(seconds)
+        sequence = latest.sequence if latest is not None else -1
+        series = (self._series.at(sequence) if self._keep else self._series.kept(sequence)).get(seconds)
         if series is None:
-            series = by_seconds[seconds] = {}
+            series = {}
+            if self._keep:
+                self._series.at(sequence)[seconds] = series
             snapshots = (
                 self.window(node, seconds) if seconds else list(itertools.islice(self.newest_first(node), 2))[::-1]
             )

@@ -181,6 +181,11 @@ class ClusterView(AnnouncedSource):
         # Not reduced (yet), or a snapshot that did not come off the wire (a test's): GPU by GPU, which says why.
         return window_column(self.windowed, part, window)
 
+    def for_read(self) -> ClusterView:
+        """The view itself: its windows are its agents' reductions, and a read evaluating over them keeps
+        nothing here (what a read asks of the agents is ``windows_for_read``'s)."""
+        return self
+
     @property
     def windows(self) -> tuple[WindowKey, ...]:
         """The windows the agents are asked for (``asks``)."""

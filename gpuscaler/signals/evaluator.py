@@ -210,18 +210,18 @@ class Evaluator:
     ) -> Evaluation:
         if isinstance(query, EngineQuery):
             return self._evaluate_engine(query, scrapes, keep=keep)
-        latest = self.source.latest
+        # A read path evaluates over the source's read view, which keeps nothing of its own (an agent's series).
+        source = self.source if keep else self.source.for_read()
+        latest = source.latest
         fresh = latest is not None and self._clock() - latest.monotonic <= self.stale_after
         if not fresh or latest is None:
-            return evaluate(
-                query, self.source, now=self._clock(), stale_after=self.stale_after, directory=self.directory
-            )
+            return evaluate(query, source, now=self._clock(), stale_after=self.stale_after, directory=self.directory)
         cached = (self._evaluations.at(latest.sequence) if keep else self._evaluations.kept(latest.sequence)).get(query)
         if cached is None:
             memo = self.memo if keep or self.memo is None else self.memo.for_read()
             cached = evaluate(
                 query,
-                self.source,
+                source,
                 now=latest.monotonic,
                 stale_after=self.stale_after,
                 directory=self.directory,

@@ -76,6 +76,10 @@ class SnapshotSource(Protocol):
         gateway asks its agents for those no KEDA call uses until the read leaves (within ``time_left``, seconds
         of the caller's deadline) and moves no window's last use; an agent computes every window itself."""
 
+    def for_read(self) -> SnapshotSource:
+        """This source as a read path (Explain, a preview) evaluates over: the same answers, using what KEDA's
+        calls kept for the newest snapshot but keeping nothing it computes (an agent's split series)."""
+
     def newest_first(self, node: str) -> Iterator[Snapshot]:
         """``node``'s snapshots, newest first."""
 
@@ -155,7 +159,6 @@ class AnnouncedSource:
 
     def window_column(self, part: Snapshot, window: WindowKey) -> WindowColumn:
         return window_column(self.windowed, part, window)
-
     def request(self, windows: Iterable[WindowKey]) -> None:
         return None
 

@@ -7,6 +7,7 @@ from gpuscaler.model.gpu_metrics import Metric
 from gpuscaler.model.pods import uid_key
 from gpuscaler.model.samples import PodRef, ProcessUsage
 from gpuscaler.model.windows import Windowed, WindowKey
+from gpuscaler.signals.evaluator import Evaluator
 from tests.builders import gpu_sample, history_of, series, snapshot
 
 AVG_2M = WindowKey(Metric.GPU_UTILIZATION, 120.0, WindowFunction.AVG)
@@ -66,3 +67,16 @@ def test_a_pods_own_share_covers_the_ticks_that_had_its_processes() -> None:
         uid_key(uid_a): Windowed(40.0, 2, covered_seconds=2.0),
         uid_key(uid_b): Windowed(20.0, 2, covered_seconds=2.0),
     }
+
+
+async def test_a_read_of_a_new_window_length_leaves_the_kept_series_as_found() -> None:
+    """KEDA's evaluation of a 2-minute window keeps its series for the newest snapshot; a read (Explain) of a 45 s
+    window answers from the same readings and keeps no series of its own: the history keeps what it kept before."""
+    history = series([[50.0]] * 7 + [[64.0]])
+    evaluator = Evaluator(history, clock=lambda: 7.0)
+    metadata = {"windowFunction": "avg"}
+    assert evaluator.evaluate(evaluator.parse(metadata | {"window": "2m"}, "ml", "so").value).value == 51.75
+    kept = dict(history._series.current)
+    assert list(kept) == [120.0]
+    assert (await evaluator.read(evaluator.parse(metadata | {"window": "45s"}, "ml", "so"))).value == 51.75
+    assert history._series.current == kept
