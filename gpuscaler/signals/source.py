@@ -159,6 +159,7 @@ class AnnouncedSource:
 
     def window_column(self, part: Snapshot, window: WindowKey) -> WindowColumn:
         return window_column(self.windowed, part, window)
+
     def request(self, windows: Iterable[WindowKey]) -> None:
         return None
 
