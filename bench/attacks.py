@@ -87,6 +87,7 @@ class Attack:
     module: str = "e2e.support.attacks"  # the attacker's module (``python -m``)
     on_metrics_port: bool = False  # aimed at --metrics-listen instead of the gRPC port
     fresh: tuple[str, ...] = ()  # fresh callers tried while it runs (FRESH_CALLERS), each counted as admitted/tried
+    poll_lag: bool = False  # the agent's poll ticks' lateness (gpuscaler_poll_lag_seconds) sampled and reported
 
 
 QUICK_DIVISOR = 20
@@ -176,6 +177,7 @@ ATTACKS = (
         "call_flood",
         "100k GetMetrics on one connection as fast as they are answered, 1,000 in flight, none reset",
         ("call-flood", "--count", "100000", "--seconds", "120"),
+        poll_lag=True,
     ),
     Attack(
         "continuation_flood",
@@ -351,6 +353,28 @@ def turns_deferred(metrics_port: int) -> float | None:
         return None
 
 
+# How often the poll ticks' lateness is read (``Attack.poll_lag``): under the 0.5 s tick, so that every tick is seen.
+POLL_LAG_EVERY_SECONDS = 0.2
+
+
+async def sample_poll_lag(metrics_port: int, into: list[tuple[float, float]]) -> None:
+    """``gpuscaler_poll_lag_seconds`` (how late the last tick started) every POLL_LAG_EVERY_SECONDS, until cancelled."""
+    while True:
+        with contextlib.suppress(OSError, attacks.MissingMetric):
+            into.append(
+                (time.monotonic(), await asyncio.to_thread(attacks.metric, metrics_port, "gpuscaler_poll_lag_seconds"))
+            )
+        await asyncio.sleep(POLL_LAG_EVERY_SECONDS)
+
+
+def poll_lag_ms(samples: list[tuple[float, float]], start: float, end: float) -> dict[str, float | int]:
+    """The ticks' lateness read from ``start`` to ``end``: its median and largest, in ms, and how many readings."""
+    values = sorted(1000 * lag for at, lag in samples if start <= at < end)
+    if not values:
+        return {"n": 0}
+    return {"n": len(values), "p50_ms": round(values[len(values) // 2], 2), "max_ms": round(values[-1], 2)}
+
+
 def limited_counts(metrics_port: int) -> dict[str, float]:
     """``gpuscaler_grpc_limited_total`` by limit; empty when the server has no such series."""
     try:
@@ -447,6 +471,9 @@ async def measure(
         samples = Samples(pids)
         fresh: dict[str, list[int]] = {}
         sampler = asyncio.create_task(samples.run())
+        lags: list[tuple[float, float]] = []
+        if attack.poll_lag:
+            lagging = asyncio.create_task(sample_poll_lag(metrics_port, lags))
         try:
             async with attacks.good_caller(client, {} if attack.gateway else None) as good:
                 limited_before = await asyncio.to_thread(limited_counts, metrics_port)
@@ -468,9 +495,10 @@ async def measure(
                 limited_after = await asyncio.to_thread(limited_counts, metrics_port)
                 deferred_after = await asyncio.to_thread(turns_deferred, metrics_port)
         finally:
-            sampler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sampler
+            for task in (sampler, lagging) if attack.poll_lag else (sampler,):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await client.close()
     baseline = [s for at, s in good.latencies if baseline_start <= at < attack_start]
     during = [s for at, s in good.latencies if attack_start <= at < attack_end]
@@ -534,6 +562,16 @@ async def measure(
             deferred_after - deferred_before if deferred_after is not None and deferred_before is not None else None
         ),
         "poll_loop": poll_loop_record(folder),
+        **(
+            {
+                "poll_lag": {
+                    "baseline": poll_lag_ms(lags, baseline_start, attack_start),
+                    "during": poll_lag_ms(lags, attack_start, attack_end),
+                }
+            }
+            if attack.poll_lag
+            else {}
+        ),
         "goals": goals,
         "met": all(goals.values()),
     }
@@ -902,6 +940,14 @@ def show(result: dict[str, Any]) -> None:
         print_table(
             "Fresh callers during the attack, admitted/tried" + quick, ["attack", "callers", "load 1m", "goal"], fresh
         )
+    for row in result["rows"]:
+        if "poll_lag" in row:
+            lag = row["poll_lag"]
+            print(
+                f"{row['attack']}: poll ticks late by p50 {lag['baseline'].get('p50_ms', '-')} / max "
+                f"{lag['baseline'].get('max_ms', '-')} ms before, {lag['during'].get('p50_ms', '-')} / "
+                f"{lag['during'].get('max_ms', '-')} ms during; {row['poll_loop'].get('missed_ticks', 0)} ticks missed"
+            )
     if result.get("engine_rows"):
         show_engine_pages(result["engine_rows"], quick)
     if "streams_10000_fit" in result:
