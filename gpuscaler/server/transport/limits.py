@@ -55,13 +55,6 @@ CALL_RESERVE = 256
 # Each call the server accepts lets its peer send this many more PINGs: gRPC clients measure the connection's
 # bandwidth-delay product with one PING per burst of data they receive (grpc-go allows it the same way).
 PINGS_PER_CALL = 2
-# A connection that has been the only one to take a turn for this long gets ALONE_TURN_FACTOR times --turn-calls a
-# turn: there is nobody to be fair to, and each turn costs a trip round the event loop (a select, a recv, a write):
-# with 2 calls a turn, KEDA's 50 calls in flight on its one connection cost 7% more CPU a call than with 16.
-# A connection that takes a turn ends it for everyone at once; one that has not yet been read waits for at most
-# one such turn of the busy connection's (its handlers' CPU, 16 GetMetrics: a few milliseconds).
-ALONE_SECONDS = 1.0
-ALONE_TURN_FACTOR = 8
 SWEEP_MIN_SECONDS = 0.05
 SWEEP_MAX_SECONDS = 1.0
 
@@ -110,8 +103,6 @@ class ConnectionGuard:
         # on its one connection do it whenever they come together; so it is counted apart and logged at info.
         self.turns_deferred = 0
         self._deferred_log = LogEvery("grpc_turn_deferred", clock=clock, level="info")
-        self._turn_taker: Guarded | None = None  # the connection that took the last turn
-        self._shared_at = clock()  # when a connection last took a turn after another one had
         self._sweep: asyncio.Task[None] | None = None
 
     def admit_connection(self, connection: Guarded) -> bool:
@@ -197,8 +188,6 @@ class ConnectionGuard:
     def release_connection(self, connection: Guarded) -> None:
         self._forget(connection)
         self.leaving.discard(connection)
-        if connection is self._turn_taker:
-            self._turn_taker = None
 
     def see_off(self, connection: Guarded) -> None:
         """Stop counting a connection told to go; ``close`` drops it if its grace has not run out by then."""
@@ -224,17 +213,6 @@ class ConnectionGuard:
         self.streams -= 1
         if streaming:
             self.push_streams -= 1
-
-    def turn_calls(self, connection: Guarded) -> int:
-        """How many calls ``connection`` may start this turn: ``--turn-calls``, or ALONE_TURN_FACTOR times it while
-        it has been the only connection to take a turn for ALONE_SECONDS."""
-        now = self.clock()
-        if connection is not self._turn_taker:
-            self._turn_taker = connection
-            self._shared_at = now
-        if now - self._shared_at < ALONE_SECONDS:
-            return self.limits.turn_calls
-        return self.limits.turn_calls * ALONE_TURN_FACTOR
 
     def defer_turn(self, peer: str, **detail: object) -> None:
         """Count that ``peer``'s read held more than a turn's budget; log it at info once per interval."""

@@ -79,7 +79,6 @@ class ManyStreamsProtocol(H2Protocol):
         self.address = "?"  # the peer's IP: its PeerTable entry (connections, reset budgets) is kept under it
         self._discarding = False
         self._next_turn: asyncio.Handle | None = None  # set while frames wait for this connection's next turn
-        self._turn_calls = guard.limits.turn_calls  # this turn's budget (larger while no other connection takes turns)
         self._unread: list[bytes] = []  # what was read while frames waited for the next turn
         self._unread_bytes = 0
         self._paused: set[str] = set()  # why reading is paused: "write" (peer not reading), "turn"
@@ -145,12 +144,11 @@ class ManyStreamsProtocol(H2Protocol):
                 self._pause_reading("turn")
             return
         if self._take_turn(data):
-            self.guard.defer_turn(self.peer, calls=self._turn_calls, bytes=self.guard.limits.turn_bytes)
+            self.guard.defer_turn(self.peer, calls=self.guard.limits.turn_calls, bytes=self.guard.limits.turn_bytes)
 
     def _take_turn(self, data: bytes) -> bool:
-        """This connection's turn of the event loop: at most ``--turn-calls`` calls started (the guard's
-        ``turn_calls``: more while no other connection takes turns) and ``--turn-bytes`` taken in; True when
-        frames are left, which wait for its next turn (reading goes on, to READ_AHEAD_BYTES).
+        """This connection's turn of the event loop: at most ``--turn-calls`` calls started and ``--turn-bytes``
+        taken in; True when frames are left, which wait for its next turn (reading goes on, to READ_AHEAD_BYTES).
 
         One read can hold 256 KiB of frames: thousands of calls or resets handled in one callback, and then
         as many handler tasks run in the next, while every other caller and the poll loop wait. A connection
@@ -161,9 +159,13 @@ class ManyStreamsProtocol(H2Protocol):
         calls must take its frames from ``receive_turn`` too, not around it.
         """
         h2_connection = cast(BoundedH2Connection, self.connection._connection)
-        self._turn_calls = self.guard.turn_calls(self)
+        # The same budget for every connection, busy or not: a larger turn for a connection with the loop "to itself"
+        # let a flood cost a caller beside it several times its latency (each turn's handlers run before that
+        # caller's steps), and in a deployment (KEDA's two components, a gateway) no connection is alone for
+        # long (docs/security.md, "Fair turns").
+        limits = self.guard.limits
         try:
-            events, more = h2_connection.receive_turn(data, self._turn_calls, self.guard.limits.turn_bytes)
+            events, more = h2_connection.receive_turn(data, limits.turn_calls, limits.turn_bytes)
         except ProtocolError as error:
             # h2 has queued a GOAWAY with the error's code; grpclib would close without sending it.
             self.guard.act("protocol_error", self.peer, error=str(error)[:200])
