@@ -1,4 +1,4 @@
-"""Per-RPC bookkeeping from grpclib's server events: calls in flight (for the drain) and outcomes.
+"""Per-RPC bookkeeping around each method's handler: calls in flight (for the drain) and outcomes.
 
 A client that cancels its stream is KEDA going away, not an error of ours: it counts as ``CANCELLED``.
 Only an exception of our own counts as ``UNKNOWN``.
@@ -9,13 +9,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Protocol
 
 from grpclib._typing import IServable
-from grpclib.events import RecvRequest, listen
 from grpclib.exceptions import GRPCError, StreamTerminatedError
-from grpclib.server import Server, Stream
+from grpclib.server import Stream
 from h2.exceptions import StreamClosedError
 
 # The method label of a call to a method no service has (answered UNIMPLEMENTED).
@@ -23,6 +22,13 @@ UNKNOWN_METHOD = "unknown"
 
 StartObserver = Callable[[str], None]  # method
 FinishObserver = Callable[[str, str, float, bool], None]  # method, status code name, seconds, streaming
+MethodFunc = Callable[[Stream[Any, Any]], Awaitable[None]]
+
+
+class WrapsCalls(Protocol):
+    """A server that puts a wrapper, given each method's :path, around that method's handler."""
+
+    def wrap_calls(self, wrapper: Callable[[str, MethodFunc], MethodFunc]) -> None: ...
 
 
 class RpcTracker:
@@ -42,20 +48,19 @@ class RpcTracker:
         self._on_start.append(on_start)
         self._on_finish.append(on_finish)
 
-    def attach(self, server: Server, services: Iterable[IServable]) -> None:
+    def attach(self, server: WrapsCalls, services: Iterable[IServable]) -> None:
         """Track every call ``server`` receives; ``services`` tell which methods are server streams."""
         mappings = [service.__mapping__() for service in services]
         self._known = frozenset(name for mapping in mappings for name in mapping)
         self._streaming = frozenset(
             name for mapping in mappings for name, handler in mapping.items() if handler.cardinality.server_streaming
         )
-        listen(server, RecvRequest, self._on_request)
+        server.wrap_calls(self._track)
 
-    async def _on_request(self, event: RecvRequest) -> None:
+    def _track(self, path: str, handler: MethodFunc) -> MethodFunc:
         # A method no service has is answered UNIMPLEMENTED; its path is the client's to choose, so it is
         # counted under one name (a label per path would let any client grow the series without bound).
-        method = event.method_name if event.method_name in self._known else UNKNOWN_METHOD
-        handler = event.method_func
+        method = path if path in self._known else UNKNOWN_METHOD
 
         async def tracked(stream: Stream[Any, Any]) -> None:
             self._started(method)
@@ -82,7 +87,7 @@ class RpcTracker:
             finally:
                 self._finished(method, code, time.perf_counter() - started)
 
-        event.method_func = tracked
+        return tracked
 
     def count_expired(self, path: str) -> None:
         """A call answered DEADLINE_EXCEEDED before it started (its deadline had passed on arrival)."""

@@ -16,12 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import grpclib.server
 from grpclib.const import Cardinality, Handler, Status
-from grpclib.events import RecvRequest
 from grpclib.exceptions import GRPCError
 from grpclib.metadata import Deadline
 from grpclib.protocol import Stream
@@ -41,6 +40,10 @@ from gpuscaler.server.transport.sliced_work import sliced_queue
 # entry: 8 KiB of the smallest entries (~1,200) holds the loop for ~20 ms, 4 MiB would hold it for seconds
 # and every sample would go stale. bench/stall.py measures the worst an accepted request does.
 MAX_RECEIVE_MESSAGE_BYTES = 8 * 1024
+# A method's handler, and what puts one around it (given the method's :path), built once per method rather than
+# per call: grpclib's RecvRequest event would build an event object and await each listener for every call.
+MethodFunc = Callable[[ServerStream[Any, Any]], Awaitable[None]]
+CallWrapper = Callable[[str, MethodFunc], MethodFunc]
 # A call with less than this left of its deadline when it starts cannot be answered in time.
 EXPIRED_WITHIN_SECONDS = 0.001
 
@@ -195,13 +198,11 @@ async def _answer_deadline_exceeded(stream: Stream) -> None:
         stream.reset_nowait()
 
 
-def guard_framing(guard: ConnectionGuard) -> Callable[[RecvRequest], Any]:
-    """The RecvRequest listener that puts our checks around reading each call's request message."""
+def guard_framing(guard: ConnectionGuard) -> CallWrapper:
+    """The wrapper that puts our checks around reading each call's request message, for each method once."""
     request_timeout = guard.limits.request_timeout_seconds
 
-    async def on_request(event: RecvRequest) -> None:
-        handler = event.method_func
-
+    def wrap(method: str, handler: MethodFunc) -> MethodFunc:
         async def guarded(stream: ServerStream[Any, Any]) -> None:
             receive = stream.recv_message
             _limit_message_size(stream)
@@ -237,9 +238,9 @@ def guard_framing(guard: ConnectionGuard) -> Callable[[RecvRequest], Any]:
                 del stream.recv_message
                 del stream._stream.recv_data
 
-        event.method_func = guarded
+        return guarded
 
-    return on_request
+    return wrap
 
 
 def _limit_message_size(stream: ServerStream[Any, Any]) -> None:
@@ -276,8 +277,21 @@ class AnswerUnknownMethods(dict[str, Handler]):
     Through a handler the answer is a proper gRPC one. The request is never read.
     """
 
+    def __init__(self, mapping: dict[str, Handler]) -> None:
+        super().__init__(mapping)
+        self._wrappers: list[CallWrapper] = []
+
+    def wrap(self, wrapper: CallWrapper) -> None:
+        """Put ``wrapper`` around every method's handler now, and around each unknown method's as it is asked for."""
+        for name, handler in list(self.items()):
+            self[name] = handler._replace(func=wrapper(name, handler.func))
+        self._wrappers.append(wrapper)
+
     def get(self, method_name: str, default: Handler | None = None) -> Handler:  # type: ignore[override]  # never None
         found = super().get(method_name)
         if found is not None:
             return found
-        return Handler(functools.partial(_unimplemented, method_name), Cardinality.UNARY_UNARY, object, object)
+        func: MethodFunc = functools.partial(_unimplemented, method_name)
+        for wrapper in self._wrappers:
+            func = wrapper(method_name, func)
+        return Handler(func, Cardinality.UNARY_UNARY, object, object)

@@ -26,11 +26,15 @@ from collections.abc import Callable, Collection
 from typing import Any, cast
 
 from grpclib.encoding.proto import ProtoStatusDetailsCodec, _googleapis_available
-from grpclib.events import RecvRequest, listen
 from grpclib.server import Server
 
 from gpuscaler.flags import ConnectionLimits
-from gpuscaler.server.transport.calls import AnswerUnknownMethods, RefusingHandler, guard_framing
+from gpuscaler.server.transport.calls import (
+    AnswerUnknownMethods,
+    CallWrapper,
+    RefusingHandler,
+    guard_framing,
+)
 from gpuscaler.server.transport.codec import ReusingCodec
 from gpuscaler.server.transport.limits import ConnectionGuard
 from gpuscaler.server.transport.protocol import ManyStreamsProtocol
@@ -53,12 +57,20 @@ class ManyStreamsServer(Server):
             codec=ReusingCodec(),
             status_details_codec=ProtoStatusDetailsCodec() if _googleapis_available() else None,
         )
-        self._mapping = AnswerUnknownMethods(self._mapping)
+        self._mapping: AnswerUnknownMethods = AnswerUnknownMethods(self._mapping)
         self.guard = ConnectionGuard(limits)
         self._tls = tls
         # Who to tell about a call answered DEADLINE_EXCEEDED before it started (its :path).
         self.on_expired: list[Callable[[str], None]] = []
-        listen(self, RecvRequest, guard_framing(self.guard))
+        self.wrap_calls(guard_framing(self.guard))
+
+    def wrap_calls(self, wrapper: CallWrapper) -> None:
+        """Put ``wrapper`` around every call's handler, outside those put before (unknown methods' included).
+
+        In place of a grpclib RecvRequest listener: with one, grpclib builds an event and awaits each listener
+        for every call; a wrapper is built once per method.
+        """
+        self._mapping.wrap(wrapper)
 
     def close(self) -> None:
         self.guard.close()
