@@ -11,6 +11,10 @@ utilisation returns the samples newer than the caller's timestamp, and NOT_FOUND
 PCIe throughput is a device's KB/s; NVLink's throughput counters are KiB totals a test advances, answered
 per link (the total split evenly) or for all links at once (scope UINT_MAX), and a device without NVLink
 answers NOT_SUPPORTED to ``nvmlDeviceGetNvLinkState`` and to the counters, as NVML does.
+
+A GPU's minor number (``/dev/nvidiaN``) is its own (``minor``), which a test sets apart from its index; a MIG
+instance has a GPU instance (its ``gpu_instance_id``) with a profile id and a placement, and ``create_mig`` adds an
+instance to a running GPU the way a DRA driver's dynamic MIG does.
 """
 
 from __future__ import annotations
@@ -156,6 +160,10 @@ class FakeDevice:
     gpm: dict[int, float] = field(default_factory=default_gpm)
     gpm_metric_errors: dict[int, int] = field(default_factory=dict)  # metric id -> the nvmlReturn it gets
     gpu_instance_id: int = 0  # of a MIG instance
+    minor: int | None = None  # /dev/nvidiaN of a GPU; None: its index (NVML's usual order, not a rule)
+    gi_profile_id: int = 19  # of a MIG instance's GPU instance: NVML_GPU_INSTANCE_PROFILE_1_SLICE's id (1g.10gb)
+    placement_start: int = 0
+    placement_size: int = 1
     processes: list[FakeProcess] = field(default_factory=list)
     pcie_tx_kbps: int = 500_000  # nvmlDeviceGetPcieThroughput's KB/s (1024 bytes)
     pcie_rx_kbps: int = 1_000_000
@@ -279,6 +287,42 @@ class FakeNvml:
 
     def nvmlDeviceGetGpuInstanceId(self, handle: FakeDevice) -> int:
         return self._device("nvmlDeviceGetGpuInstanceId", handle).gpu_instance_id
+
+    def nvmlDeviceGetMinorNumber(self, handle: FakeDevice) -> int:
+        device = self._device("nvmlDeviceGetMinorNumber", handle)
+        index = next((i for i, gpu in enumerate(self.devices) if gpu is device), None)
+        if index is None:
+            raise NVMLError(INVALID_ARGUMENT)  # a MIG instance has no /dev/nvidiaN of its own
+        return device.minor if device.minor is not None else index
+
+    def nvmlDeviceGetGpuInstanceById(self, handle: FakeDevice, gpu_instance_id: int) -> Any:
+        parent = self._device("nvmlDeviceGetGpuInstanceById", handle)
+        for instance in parent.mig_instances or []:
+            if instance is not None and instance.gpu_instance_id == gpu_instance_id:
+                return SimpleNamespace(parent=parent, instance=instance)
+        raise NVMLError(NOT_FOUND)
+
+    def nvmlGpuInstanceGetInfo(self, gpu_instance: Any) -> Any:
+        instance = self._device("nvmlGpuInstanceGetInfo", gpu_instance.instance)
+        return SimpleNamespace(
+            device=gpu_instance.parent,
+            id=instance.gpu_instance_id,
+            profileId=instance.gi_profile_id,
+            placement=SimpleNamespace(start=instance.placement_start, size=instance.placement_size),
+        )
+
+    def create_mig(self, index: int, instance: FakeDevice) -> None:
+        """Make a MIG instance on GPU ``index`` now, in its first empty slot (or a new one): dynamic MIG."""
+        parent = self.devices[index]
+        with self._lock:
+            slots = parent.mig_instances if parent.mig_instances is not None else []
+            for slot, present in enumerate(slots):
+                if present is None:
+                    slots[slot] = instance
+                    break
+            else:
+                slots.append(instance)
+            parent.mig_instances = slots
 
     # PCIe and NVLink
 

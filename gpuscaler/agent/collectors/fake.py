@@ -4,6 +4,10 @@ A ``timeout`` failure blocks the read the way a hung NVML call blocks its thread
 timeout path is the one under test, not a shortcut. A fake GPU is a Hopper with NVLink: its GPM metrics,
 PCIe and NVLink traffic included, are absent on its first read (and on the first after it was lost), as
 NVML's rates between two samples are; the energy counter grows by the power drawn between two reads.
+
+A fake GPU's minor number (``/dev/nvidiaN``, which the kubelet's device names use) counts down from the last index
+unless its scenario sets ``minor``: on a node of several fake GPUs, minor and index differ, as they do on GPUs the
+driver renumbered, so attribution that confuses the two shows in the dev stack and the tests.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from gpuscaler.agent.collectors.scenario import (
     Constant,
     Scenario,
     Shape,
+    fake_minor,
 )
 from gpuscaler.model.gpu_metrics import GPM_READINGS, METRICS, READING_FIELDS, Metric
 from gpuscaler.model.samples import DEVICE_FIELD, GpuIdentity, GpuSample, ReadError, ReadErrorKind
@@ -66,10 +71,10 @@ class FakeCollector:
         self._started = time.monotonic()
         self._lock = threading.Lock()
         scenario = scenario or Scenario()
-        self._gpus = [self._build(index, scenario) for index in range(gpu_count)]
+        self._gpus = [self._build(index, gpu_count, scenario) for index in range(gpu_count)]
         self.reads_started = 0  # for tests that need to know a read is under way
 
-    def _build(self, index: int, scenario: Scenario) -> FakeGpu:
+    def _build(self, index: int, gpu_count: int, scenario: Scenario) -> FakeGpu:
         own = scenario.gpus.get(index)
         defaults = scenario.defaults
         shapes: dict[Metric, Shape] = {metric: Constant(value) for metric, value in IDLE_VALUES.items()}
@@ -83,8 +88,9 @@ class FakeCollector:
             shapes.update(source.values)
         uuid = (own.uuid if own else None) or f"GPU-fake-{self._node}-{index}"
         name = (own.name if own else None) or FAKE_GPU_NAME
+        minor = fake_minor(scenario, index, gpu_count)
         return FakeGpu(
-            identity=GpuIdentity(index=index, uuid=uuid, name=name),
+            identity=GpuIdentity(index=index, uuid=uuid, name=name, minor=minor),
             memory_total_bytes=(own and own.memory_total_bytes)
             or defaults.memory_total_bytes
             or DEFAULT_MEMORY_TOTAL_BYTES,

@@ -34,6 +34,7 @@ from gpuscaler.agent.collectors.nvml_calls import (
     text,
     where,
 )
+from gpuscaler.agent.collectors.nvml_identity import Placement, mig_placement, minor_number
 from gpuscaler.agent.collectors.nvml_readings import process_utilization, read_memory_info, read_temperature
 from gpuscaler.model.samples import (
     DEVICE_FIELD,
@@ -82,6 +83,10 @@ class NvmlCollector:
         self._node = node
         self._handles: dict[str, Any] = {}
         self._parents: dict[str, Any] = {}
+        # Each device's minor number and MIG placement by UUID, read at its first enumeration: a MIG instance made
+        # again gets a new UUID, so a cached fact never outlives its device.
+        self._minors: dict[str, int | None] = {}
+        self._placements: dict[str, Placement] = {}
         self._lock = threading.Lock()
         self.on_call = on_call
         self._gpm = GpmReader(self._nvml)
@@ -117,23 +122,40 @@ class NvmlCollector:
         devices: list[GpuIdentity] = []
         handles: dict[str, Any] = {}
         parents: dict[str, Any] = {}
+        minors: dict[str, int | None] = {}
+        placements: dict[str, Placement] = {}
         for index in range(nvml.nvmlDeviceGetCount()):
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
             uuid = text(nvml.nvmlDeviceGetUUID(handle))
             name = text(nvml.nvmlDeviceGetName(handle))
+            minor = minors[uuid] = self._minors[uuid] if uuid in self._minors else minor_number(nvml, handle)
             instances = self._mig_instances(handle)
             if instances is None:
-                devices.append(GpuIdentity(index=index, uuid=uuid, name=name))
+                devices.append(GpuIdentity(index=index, uuid=uuid, name=name, minor=minor))
                 handles[uuid] = handle
                 continue
             for mig_handle in instances:
                 mig_uuid = text(nvml.nvmlDeviceGetUUID(mig_handle))
                 mig_name = text(nvml.nvmlDeviceGetName(mig_handle))
-                devices.append(GpuIdentity(index=index, uuid=mig_uuid, name=mig_name, mig_parent_uuid=uuid))
+                placement = placements[mig_uuid] = self._placements.get(mig_uuid) or mig_placement(
+                    nvml, handle, mig_handle
+                )
+                devices.append(
+                    GpuIdentity(
+                        index=index,
+                        uuid=mig_uuid,
+                        name=mig_name,
+                        mig_parent_uuid=uuid,
+                        minor=minor,
+                        gpu_instance_profile_id=placement.profile_id,
+                        placement_start=placement.start,
+                    )
+                )
                 handles[mig_uuid] = mig_handle
                 parents[mig_uuid] = handle
         with self._lock:
             self._handles, self._parents = handles, parents
+        self._minors, self._placements = minors, placements
         self._gpm.keep_only(set(handles))  # a device that went (a MIG change) gives back its GPM samples
         self._interconnect.keep_only(set(handles))
         return devices

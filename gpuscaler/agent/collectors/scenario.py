@@ -8,6 +8,7 @@
       0:
         uuid: GPU-busy-0           # default GPU-fake-<node>-<index>
         name: Fake GPU
+        minor: 0                   # its /dev/nvidiaN number; default: counted down from the last index
         values:
           gpu_utilization: {shape: sine, min: 20, max: 95, period: 120s}
           power_draw: {shape: square, low: 120, high: 600, period: 30s}
@@ -37,6 +38,7 @@ from gpuscaler.model.gpu_metrics import METRICS, Metric
 DEFAULT_MEMORY_TOTAL_BYTES = 80 * 1024**3
 DEFAULT_POWER_LIMIT_WATTS = 700.0
 FAKE_GPU_NAME = "Fake GPU"
+MAX_MINOR = 254  # /dev/nvidia255 is nvidiactl
 
 # An idle GPU: nothing running, a cool die, idle board power (power_percent is computed from power_draw).
 IDLE_VALUES: Mapping[Metric, float] = {
@@ -120,6 +122,7 @@ class GpuScenario:
 
     uuid: str | None = None
     name: str | None = None
+    minor: int | None = None
     memory_total_bytes: int | None = None
     power_limit_watts: float | None = None
     values: Mapping[Metric, Shape] = field(default_factory=dict)
@@ -159,7 +162,23 @@ def parse_scenario(document: Any, *, gpu_count: int) -> Scenario:
     for key, entry in _mapping(root.get("gpus", {}), "gpus", None).items():
         index = _gpu_index(key, gpu_count)
         gpus[index] = _gpu(entry, f"gpus.{index}", identity=True)
-    return Scenario(defaults=defaults, gpus=gpus)
+    scenario = Scenario(defaults=defaults, gpus=gpus)
+    holders: dict[int, int] = {}
+    for index in range(gpu_count):
+        minor = fake_minor(scenario, index, gpu_count)
+        if minor in holders:
+            raise ConfigError(
+                f"gpus.{index}.minor {minor} is GPU {holders[minor]}'s minor number too (unset, a GPU's is "
+                f"{gpu_count - 1} minus its index); give each GPU its own"
+            )
+        holders[minor] = index
+    return scenario
+
+
+def fake_minor(scenario: Scenario, index: int, gpu_count: int) -> int:
+    """GPU ``index``'s minor number: the scenario's, or counted down from the last index (so it differs from it)."""
+    own = scenario.gpus.get(index)
+    return own.minor if own is not None and own.minor is not None else gpu_count - 1 - index
 
 
 def parse_value(metric_name: str, text: str) -> tuple[Metric, float]:
@@ -171,7 +190,7 @@ def parse_value(metric_name: str, text: str) -> tuple[Metric, float]:
 def _gpu(document: Any, path: str, *, identity: bool) -> GpuScenario:
     if document is None:
         return GpuScenario()
-    allowed = {"memory_total_bytes", "power_limit_watts", "values"} | ({"uuid", "name"} if identity else set())
+    allowed = {"memory_total_bytes", "power_limit_watts", "values"} | ({"uuid", "name", "minor"} if identity else set())
     entry = _mapping(document, path, allowed)
     values: dict[Metric, Shape] = {}
     for name, spec in _mapping(entry.get("values", {}), f"{path}.values", None).items():
@@ -182,6 +201,7 @@ def _gpu(document: Any, path: str, *, identity: bool) -> GpuScenario:
     return GpuScenario(
         uuid=_string(entry["uuid"], f"{path}.uuid") if "uuid" in entry else None,
         name=_string(entry["name"], f"{path}.name") if "name" in entry else None,
+        minor=_minor(entry["minor"], f"{path}.minor") if "minor" in entry else None,
         memory_total_bytes=(
             int(_positive(entry["memory_total_bytes"], f"{path}.memory_total_bytes"))
             if "memory_total_bytes" in entry
@@ -297,3 +317,10 @@ def _gpu_index(key: Any, gpu_count: int) -> int:
     if not 0 <= index < gpu_count:
         raise ConfigError(f"gpus.{index} is out of range; --fake-gpus {gpu_count} gives indices 0-{gpu_count - 1}")
     return index
+
+
+def _minor(value: Any, path: str) -> int:
+    # /dev/nvidiaN: the driver numbers at most a few hundred GPUs per node, and device names print it in decimal.
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_MINOR:
+        raise ConfigError(f"{path} {value!r} must be a whole number from 0 to {MAX_MINOR}")
+    return value

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from gpuscaler.agent.collectors.fake import Failure, FakeCollector
+from gpuscaler.agent.collectors.scenario import parse_scenario
 from gpuscaler.model.gpu_metrics import GPM_READINGS, METRICS, READING_FIELDS, Metric, Reading
 from gpuscaler.model.samples import DEVICE_FIELD, GpuIdentity, GpuSample, ReadErrorKind
 
@@ -58,6 +59,14 @@ def test_identities(collector: FakeCollector) -> None:
     ]
     assert collector.node == "node-a"
     assert read(collector, 2).node == "node-a"
+
+
+def test_minor_numbers_count_down_from_the_last_index(collector: FakeCollector) -> None:
+    """A fake GPU's minor number differs from its index unless a scenario sets it, as on renumbered GPUs."""
+    assert [(gpu.index, gpu.minor) for gpu in collector.discover()] == [(0, 2), (1, 1), (2, 0)]
+    scenario = parse_scenario({"gpus": {0: {"minor": 0}, 2: {"minor": 2}}}, gpu_count=3)
+    set_by_scenario = FakeCollector(node="node-a", gpu_count=3, scenario=scenario)
+    assert [gpu.minor for gpu in set_by_scenario.discover()] == [0, 1, 2]
 
 
 def test_no_gpus() -> None:

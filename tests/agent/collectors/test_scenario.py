@@ -213,6 +213,10 @@ BAD: list[tuple[Any, int, str]] = [
     ({"gpus": {0: {"memory_total_bytes": 0}}}, 1, "gpus.0.memory_total_bytes 0 must be a finite number > 0"),
     ({"gpus": {0: {"power_limit_watts": "700"}}}, 1, "gpus.0.power_limit_watts '700' is not a number"),
     ({"defaults": {"uuid": "GPU-x"}}, 1, "defaults has unknown key 'uuid'"),
+    ({"gpus": {0: {"minor": -1}}}, 1, "gpus.0.minor -1 must be a whole number from 0 to 254"),
+    ({"gpus": {0: {"minor": "3"}}}, 1, "gpus.0.minor '3' must be a whole number from 0 to 254"),
+    ({"defaults": {"minor": 1}}, 1, "defaults has unknown key 'minor'"),
+    ({"gpus": {0: {"minor": 0}}}, 2, "gpus.1.minor 0 is GPU 0's minor number too"),
     ({"gpus": {0: {"value": {}}}}, 1, "gpus.0 has unknown key 'value'"),
 ]
 

@@ -1,0 +1,46 @@
+"""The facts that place a device by the names kubelet device plugins and DRA drivers give it: a GPU's minor number
+(``/dev/nvidiaN``) and a MIG instance's GPU instance profile id and placement start, read from NVML once per device.
+
+A driver without the call, or a device it does not apply to, answers NOT_SUPPORTED or FUNCTION_NOT_FOUND: the fact
+is then None, and a name that needs it is not placed (its pod's share is unknown), never guessed from the index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gpuscaler.agent.collectors.nvml_calls import FUNCTION_NOT_FOUND, NOT_SUPPORTED
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a MIG instance sits on its parent: its GPU instance's profile id and first memory slice."""
+
+    profile_id: int | None = None
+    start: int | None = None
+
+
+UNPLACED = Placement()
+
+
+def minor_number(nvml: Any, handle: Any) -> int | None:
+    """The physical GPU's ``/dev/nvidiaN`` number, or None where NVML does not give one."""
+    try:
+        return int(nvml.nvmlDeviceGetMinorNumber(handle))
+    except nvml.NVMLError as error:
+        if error.value in (NOT_SUPPORTED, FUNCTION_NOT_FOUND):
+            return None
+        raise
+
+
+def mig_placement(nvml: Any, parent: Any, instance: Any) -> Placement:
+    """A MIG instance's GPU instance profile id and placement start, through its GPU instance on ``parent``."""
+    try:
+        gpu_instance_id = int(nvml.nvmlDeviceGetGpuInstanceId(instance))
+        info = nvml.nvmlGpuInstanceGetInfo(nvml.nvmlDeviceGetGpuInstanceById(parent, gpu_instance_id))
+    except nvml.NVMLError as error:
+        if error.value in (NOT_SUPPORTED, FUNCTION_NOT_FOUND):
+            return UNPLACED
+        raise
+    return Placement(profile_id=int(info.profileId), start=int(info.placement.start))

@@ -1,0 +1,103 @@
+"""NvmlCollector's device facts against a fake pynvml: minor numbers, MIG placements, dynamic MIG, refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuscaler.agent.collectors.base import CollectorUnavailable
+from gpuscaler.agent.collectors.nvml import NvmlCollector
+from tests.fakes.fake_nvml import FUNCTION_NOT_FOUND, GPU_IS_LOST, NOT_SUPPORTED, FakeDevice, FakeNvml
+
+
+def started(nvml: FakeNvml) -> NvmlCollector:
+    """An opened NvmlCollector on node-a over the fake ``nvml``."""
+    collector = NvmlCollector(node="node-a", nvml=nvml)
+    collector.open()
+    return collector
+
+
+def mig(uuid: str, gpu_instance_id: int, profile_id: int, start: int) -> FakeDevice:
+    """A MIG instance in GPU instance ``gpu_instance_id`` with that profile id and placement start."""
+    return FakeDevice(
+        uuid,
+        name="NVIDIA H100 1g.10gb",
+        gpu_instance_id=gpu_instance_id,
+        gi_profile_id=profile_id,
+        placement_start=start,
+    )
+
+
+def test_each_gpu_carries_its_minor_number_not_its_index() -> None:
+    """A GPU's identity has NVML's minor number, which differs from its index when the GPUs were renumbered."""
+    collector = started(FakeNvml([FakeDevice("GPU-a", minor=2), FakeDevice("GPU-b", minor=0), FakeDevice("GPU-c")]))
+
+    assert [(d.index, d.uuid, d.minor) for d in collector.discover()] == [
+        (0, "GPU-a", 2),
+        (1, "GPU-b", 0),
+        (2, "GPU-c", 2),
+    ]
+
+
+def test_mig_instances_carry_parent_minor_profile_and_placement() -> None:
+    """Each MIG instance has its parent's minor number and its own GPU instance's profile id and placement start."""
+    parent = FakeDevice("GPU-p", minor=3, mig_instances=[mig("MIG-x", 1, 19, 6), None, mig("MIG-y", 2, 14, 0)])
+    collector = started(FakeNvml([FakeDevice("GPU-plain", minor=5), parent]))
+
+    devices = collector.discover()
+
+    assert [(d.uuid, d.index, d.minor, d.gpu_instance_profile_id, d.placement_start) for d in devices] == [
+        ("GPU-plain", 0, 5, None, None),
+        ("MIG-x", 1, 3, 19, 6),
+        ("MIG-y", 1, 3, 14, 0),
+    ]
+
+
+def test_facts_are_read_once_per_device_not_per_discovery() -> None:
+    """Rediscovery keeps the facts it read: NVML is asked once per GPU and once per MIG instance."""
+    nvml = FakeNvml([FakeDevice("GPU-a", minor=1), FakeDevice("GPU-p", mig_instances=[mig("MIG-x", 1, 19, 0)])])
+    collector = started(nvml)
+
+    first = collector.discover()
+    second = collector.discover()
+
+    assert [(d.minor, d.placement_start) for d in second] == [(d.minor, d.placement_start) for d in first]
+    assert nvml.calls["nvmlDeviceGetMinorNumber"] == 2
+    assert nvml.calls["nvmlGpuInstanceGetInfo"] == 1
+
+
+def test_dynamic_mig_instance_is_placed_at_the_next_discovery() -> None:
+    """A MIG instance made while the agent runs (a DRA driver's dynamic MIG) is enumerated with its placement."""
+    nvml = FakeNvml([FakeDevice("GPU-p", minor=4, mig_instances=[mig("MIG-old", 1, 19, 0), None])])
+    collector = started(nvml)
+    assert [d.uuid for d in collector.discover()] == ["MIG-old"]
+
+    nvml.create_mig(0, mig("MIG-new", 7, 15, 4))
+
+    placed = {d.uuid: (d.minor, d.gpu_instance_profile_id, d.placement_start) for d in collector.discover()}
+    assert placed == {"MIG-old": (4, 19, 0), "MIG-new": (4, 15, 4)}
+
+
+@pytest.mark.parametrize("code", [NOT_SUPPORTED, FUNCTION_NOT_FOUND])
+def test_facts_nvml_does_not_give_are_none(code: int) -> None:
+    """A driver without the minor number or GPU instance calls leaves those facts None, and the devices are listed."""
+    instance = mig("MIG-x", 1, 19, 0)
+    instance.errors["nvmlGpuInstanceGetInfo"] = code
+    parent = FakeDevice("GPU-p", errors={"nvmlDeviceGetMinorNumber": code}, mig_instances=[instance])
+    collector = started(FakeNvml([parent]))
+
+    [device] = collector.discover()
+
+    assert (device.uuid, device.minor, device.gpu_instance_profile_id, device.placement_start) == (
+        "MIG-x",
+        None,
+        None,
+        None,
+    )
+
+
+def test_other_failure_of_a_fact_is_a_failed_discovery() -> None:
+    """A GPU lost while its minor number is read fails the discovery, as a lost GPU during enumeration does."""
+    collector = started(FakeNvml([FakeDevice("GPU-a", errors={"nvmlDeviceGetMinorNumber": GPU_IS_LOST})]))
+
+    with pytest.raises(CollectorUnavailable, match="GPU is lost"):
+        collector.discover()
