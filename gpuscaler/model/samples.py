@@ -60,12 +60,31 @@ class AttributionState(enum.Enum):
     OK = "ok"
 
 
+class UnplacedDevice(NamedTuple):
+    """A device the kubelet assigned to a container that no GPU the collector enumerates carries.
+
+    ``device`` is the name as the kubelet gave it (``gpu.nvidia.com/gpu-3``, ``nvidia.com/gpu 0:1``) and ``detail``
+    why it could not be placed. ``kind`` is NOT_SUPPORTED for a device NVML can never see on the node (a GPU passed
+    through to a VM), which an answer leaves out as it leaves out a GPU that lacks the metric, and OTHER for a name
+    it could not place now, which makes the pod's share unknown.
+    """
+
+    pod: PodRef
+    device: str
+    kind: ReadErrorKind
+    detail: str
+
+
 @dataclass(frozen=True, slots=True)
 class Attribution:
-    """A node's attribution state at one tick; ``detail`` says why when it is not OK."""
+    """A node's attribution state at one tick; ``detail`` says why when it is not OK.
+
+    ``unplaced`` lists the devices held by the node's pods that the tick could not tie to a GPU.
+    """
 
     state: AttributionState
     detail: str = ""
+    unplaced: tuple[UnplacedDevice, ...] = ()
 
 
 ATTRIBUTION_OFF = Attribution(
