@@ -14,9 +14,8 @@ refuses such requests with RST_STREAM REFUSED_STREAM, which gRPC clients know wa
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpclib.server
@@ -57,15 +56,29 @@ class _CancellingDeadlineWrapper(DeadlineWrapper):
     instead lets grpclib's own handling answer DEADLINE_EXCEEDED.
     """
 
-    @contextlib.contextmanager
-    def start(self, deadline: Deadline) -> Iterator[None]:
-        timer = asyncio.get_running_loop().call_later(
-            max(deadline.time_remaining(), 0.0), self.cancel, TimeoutError("Deadline exceeded")
+    def start(self, deadline: Deadline) -> _DeadlineTimer:  # type: ignore[override]  # a context manager too
+        return _DeadlineTimer(self, deadline)
+
+
+class _DeadlineTimer:
+    """The cancel at a call's deadline, for the ``with`` block around the call: a class, not a generator-based
+    context manager, as it runs for every call."""
+
+    __slots__ = ("_deadline", "_timer", "_wrapper")
+
+    def __init__(self, wrapper: DeadlineWrapper, deadline: Deadline) -> None:
+        self._wrapper = wrapper
+        self._deadline = deadline
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __enter__(self) -> None:
+        self._timer = asyncio.get_running_loop().call_later(
+            max(self._deadline.time_remaining(), 0.0), self._wrapper.cancel, TimeoutError("Deadline exceeded")
         )
-        try:
-            yield
-        finally:
-            timer.cancel()
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
 
 
 grpclib.server.DeadlineWrapper = _CancellingDeadlineWrapper  # type: ignore[attr-defined]  # the name request_handler looks up
@@ -205,14 +218,20 @@ def guard_framing(guard: ConnectionGuard) -> CallWrapper:
     def wrap(method: str, handler: MethodFunc) -> MethodFunc:
         async def guarded(stream: ServerStream[Any, Any]) -> None:
             receive = stream.recv_message
+            h2_stream = stream._stream
             _limit_message_size(stream)
 
             async def recv_message() -> Any:
                 try:
-                    async with asyncio.timeout(request_timeout):
+                    if h2_stream.buffer._eof:
+                        # The request came whole (its END_STREAM was taken in with it, as a unary call's usually
+                        # is): reading it cannot wait, so it needs no timer.
                         message = await receive()
+                    else:
+                        async with asyncio.timeout(request_timeout):
+                            message = await receive()
                 except TimeoutError:
-                    peer = peer_name(stream._stream.connection._transport)
+                    peer = peer_name(h2_stream.connection._transport)
                     guard.act("request_timeout", peer, seconds=request_timeout)
                     raise GRPCError(
                         Status.DEADLINE_EXCEEDED,
@@ -236,7 +255,7 @@ def guard_framing(guard: ConnectionGuard) -> CallWrapper:
             finally:
                 # Each closure holds its stream, which holds it: a cycle per call, left for the cycle collector.
                 del stream.recv_message
-                del stream._stream.recv_data
+                del h2_stream.recv_data
 
         return guarded
 

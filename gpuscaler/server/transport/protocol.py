@@ -236,7 +236,10 @@ class ManyStreamsProtocol(H2Protocol):
 
     def _read_at(self, offset: int) -> float:
         """When the byte at ``offset`` (over all bytes read) was read; now if its read is no longer known."""
-        return next((at for end, at in self._reads if end > offset), self.guard.clock())
+        for end, at in self._reads:
+            if end > offset:
+                return at
+        return self.guard.clock()
 
     def _stream_reset(self, reset: Callable[[StreamReset], None], event: StreamReset) -> None:
         # Only a reset soon after its stream opened, before the server began to answer it, counts: that is the
