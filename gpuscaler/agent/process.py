@@ -76,7 +76,11 @@ class Agent:
         evaluator = Evaluator(history)
         history.add_listener(evaluator.on_snapshot)
         pod_resources = (
-            PodResourcesWatcher(settings.pod_resources_socket, interval_seconds=settings.pod_resources_interval_seconds)
+            PodResourcesWatcher(
+                settings.pod_resources_socket,
+                interval_seconds=settings.pod_resources_interval_seconds,
+                dra_drivers=settings.dra_drivers,
+            )
             if settings.pod_resources_socket is not None
             else None
         )

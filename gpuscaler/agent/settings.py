@@ -6,12 +6,14 @@ Each error names the flag (and the variable, when the value came from one) and w
 from __future__ import annotations
 
 import argparse
+import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from gpuscaler.agent.attribution.devices import DEFAULT_DRA_DRIVERS
 from gpuscaler.agent.attribution.processes import DEFAULT_PROC_ROOT
 from gpuscaler.agent.poller import (
     DEFAULT_POLL_INTERVAL_SECONDS,
@@ -37,6 +39,9 @@ DEFAULT_FAKE_GPUS = 4
 DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 DEFAULT_POD_RESOURCES_INTERVAL_SECONDS = 1.0
 MAX_FAKE_GPUS = 1024
+# A DRA driver's name is a DNS subdomain (resource.k8s.io's rule for DeviceClass and ResourceSlice driver names).
+_DRIVER_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+MAX_DRIVER_NAME = 63
 
 Collector = Literal["nvml", "fake"]
 
@@ -58,6 +63,7 @@ class ServeSettings:
     processes: bool = False
     # Not a flag: in the host's PID namespace the container's /proc is the host's. Tests point it at a fixture tree.
     proc_root: Path = DEFAULT_PROC_ROOT
+    dra_drivers: tuple[str, ...] = DEFAULT_DRA_DRIVERS
 
 
 SERVE_FLAGS: FlagTable = {
@@ -74,6 +80,12 @@ SERVE_FLAGS: FlagTable = {
         "POD_RESOURCES_SOCKET",
         DEFAULT_POD_RESOURCES_SOCKET,
         "the kubelet's PodResources socket, for which pods hold which GPUs; empty turns attribution off",
+    ),
+    "--dra-drivers": (
+        "DRA_DRIVERS",
+        ",".join(DEFAULT_DRA_DRIVERS),
+        "comma-separated DRA drivers whose claimed devices are GPUs to attribute (their names as NVIDIA's driver "
+        "gives them, or NVML UUIDs); empty reads no DRA claim",
     ),
     "--processes": (
         "PROCESSES",
@@ -133,7 +145,21 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         node_name=environ.get("NODE_NAME") or socket.gethostname(),
         pod_resources_socket=optional_path(args.pod_resources_socket),
         processes=processes,
+        dra_drivers=_dra_drivers(args.dra_drivers, fail),
     )
+
+
+def _dra_drivers(text: str, fail: Fail) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    for name in names:
+        if len(name) > MAX_DRIVER_NAME or not _DRIVER_NAME.match(name):
+            raise fail(
+                "--dra-drivers",
+                text,
+                f"{name!r} is not a DRA driver name (a lower-case DNS subdomain of at most {MAX_DRIVER_NAME} "
+                "characters, e.g. gpu.nvidia.com)",
+            )
+    return names
 
 
 def _boolean(text: str, flag: str, fail: Fail) -> bool:

@@ -109,6 +109,13 @@ class GpuIdentity:
     minor: int | None = field(default=None, compare=False)
     gpu_instance_profile_id: int | None = field(default=None, compare=False)
     placement_start: int | None = field(default=None, compare=False)
+    # A device a pod holds that no enumerated GPU carries (``UnplacedDevice``), stood in for inside a pod query's
+    # evaluation so that its share is unknown there; ``uuid`` is then the device as the kubelet named it.
+    unplaced: bool = False
+
+    def describe(self) -> str:
+        """The device as answers name it: ``GPU 3 (GPU-…)``, or an unplaced device by its kubelet name."""
+        return f"unplaced {self.uuid}" if self.unplaced else f"GPU {self.index} ({self.uuid})"
 
 
 class ProcessUsage(NamedTuple):

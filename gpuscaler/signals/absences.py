@@ -112,7 +112,7 @@ def judge_unreadable(
 
 def _unreadable_node(node: NodeLeftOut, snapshot: Snapshot) -> Absence:
     gpus = list({c.sample.gpu.uuid: c for c in node.left_out}.values())  # a GPU two selected pods hold, once
-    details = "; ".join(f"GPU {c.sample.gpu.index} ({c.sample.gpu.uuid}): {c.reason}" for c in gpus[:MAX_GPUS_NAMED])
+    details = "; ".join(f"{c.sample.gpu.describe()}: {c.reason}" for c in gpus[:MAX_GPUS_NAMED])
     if len(gpus) > MAX_GPUS_NAMED:
         details += f"; and {len(gpus) - MAX_GPUS_NAMED} more"
     reason = f"none of its {len(gpus)} selected GPU(s) can be read ({details})"
@@ -129,7 +129,7 @@ def _too_many_unreadable(
     query: GpuQuery, left_out: Sequence[Contribution], total: int, allowed: int, *, cluster: bool
 ) -> GpuscalerError:
     details = "; ".join(
-        f"GPU {c.sample.gpu.index} ({c.sample.gpu.uuid}){f' on {c.sample.node}' if cluster else ''}: {c.reason}"
+        f"{c.sample.gpu.describe()}{f' on {c.sample.node}' if cluster else ''}: {c.reason}"
         for c in left_out[:MAX_GPUS_NAMED]
     )
     if len(left_out) > MAX_GPUS_NAMED:

@@ -301,7 +301,7 @@ class Evaluator:
         for observer in self.on_partial:
             observer(evaluation)
         names = frozenset(
-            [f"GPU {c.sample.gpu.index} ({c.sample.gpu.uuid}) on {c.sample.node}: {c.reason}" for c in gpus]
+            [f"{c.sample.gpu.describe()} on {c.sample.node}: {c.reason}" for c in gpus]
             + [f"node {a.node or '?'}{f' (agent {a.agent})' if a.agent else ''}: {a.reason}" for a in evaluation.absent]
         )
         seen = self._left_out.get(evaluation.query)

@@ -41,7 +41,7 @@ def contribution_of(
     if not readable:
         error = sample.error_for(query.metric)
         reason = _reason(query.metric, error)
-        if error is not None and error.kind is not ReadErrorKind.NOT_SUPPORTED:
+        if error is not None and error.kind is not ReadErrorKind.NOT_SUPPORTED and not sample.gpu.unplaced:
             last = "never since its agent started" if error.last_read_at is None else utc_clock(error.last_read_at)
             reason += f"; last read {last}"
         return Contribution(sample, None, 0, reason, error, pod, share=basis)
@@ -69,7 +69,7 @@ def _reason(metric: Metric, error: ReadError | None) -> str:
 
 def unreadable_error(metric: Metric, left_out: Sequence[Contribution]) -> GpuscalerError:
     """The error for GPUs that must be read and cannot: Unsupported when none supports the metric."""
-    details = "; ".join(f"GPU {c.sample.gpu.index} ({c.sample.gpu.uuid}): {c.reason}" for c in left_out)
+    details = "; ".join(f"{c.sample.gpu.describe()}: {c.reason}" for c in left_out)
     message = f"{metric.value} cannot be read on {details}"
     if all(c.error is not None and c.error.kind is ReadErrorKind.NOT_SUPPORTED for c in left_out):
         return Unsupported(message)

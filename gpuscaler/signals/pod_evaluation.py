@@ -1,5 +1,9 @@
 """A query that selects pods: GPUs grouped by the pods that hold them, each pod reduced, then the pods combined.
 
+A device a selected pod holds that its node could not tie to a GPU (``Attribution.unplaced``) counts as one of the
+pod's GPUs that cannot be read: unknown, under the rule for unreadable GPUs, or left out like a GPU without the
+metric when NVML can never see it (a GPU passed through to a VM).
+
 A selection that no pod matches is a true 0 (the workload holds no GPU: scaled to zero), but only when every
 node's attribution is working and no node that cannot be heard may hold one of its pods; otherwise the answer
 fails and says which node and why.
@@ -11,10 +15,14 @@ from gpuscaler.model.aggregation import aggregate
 from gpuscaler.model.errors import GpuscalerError, Unavailable, Unsupported
 from gpuscaler.model.pods import PodDirectory
 from gpuscaler.model.samples import (
+    DEVICE_FIELD,
     Absence,
     AttributionState,
+    GpuIdentity,
     GpuSample,
+    ReadError,
     Snapshot,
+    UnplacedDevice,
 )
 from gpuscaler.query.query import GpuQuery, PodSelection
 from gpuscaler.signals.absences import absences_allowed, judge_unreadable, left_out_by_node, no_gpus
@@ -71,6 +79,17 @@ def evaluate_pods(
                 matched[key] = _pod_matches(pods, key, directory)
             if matched[key]:
                 groups.setdefault(key, []).append(sample)
+    for part in snapshot.nodes:
+        held: set[tuple[str, str, str]] = set()
+        for device in part.attribution.unplaced:
+            key = (device.pod.namespace, device.pod.pod)
+            if (*key, device.device) in held:
+                continue  # two containers of one pod holding one device: it counts once for the pod
+            held.add((*key, device.device))
+            if key not in matched:
+                matched[key] = _pod_matches(pods, key, directory)
+            if matched[key]:
+                groups.setdefault(key, []).append(_unplaced_sample(part.node, device))
 
     contributions: list[Contribution] = []
     values: list[PodValue] = []
@@ -234,6 +253,19 @@ def _attribution_failure(
         if problem is not None:
             return Unavailable(f"{pods.describe()} needs pod labels and owners: {problem}")
     return None
+
+
+def _unplaced_sample(node: str, device: UnplacedDevice) -> GpuSample:
+    """A stand-in sample for a device no GPU carries: nothing read, and the reason as its device-wide error."""
+    pod = f"{device.pod.namespace}/{device.pod.pod}"
+    return GpuSample(
+        gpu=GpuIdentity(index=0, uuid=device.device, name="", unplaced=True),
+        node=node,
+        errors=(
+            ReadError(DEVICE_FIELD, device.kind, f"pod {pod} holds it, and no GPU on {node!r} does: {device.detail}"),
+        ),
+        pods=(device.pod,),
+    )
 
 
 def _pod_matches(pods: PodSelection, key: tuple[str, str], directory: PodDirectory | None) -> bool:

@@ -41,6 +41,7 @@ def test_defaults() -> None:
     assert built.server.drain_timeout_seconds == 5.0
     assert built.node_name == socket.gethostname()
     assert built.processes is False
+    assert built.dra_drivers == ("gpu.nvidia.com",)
 
 
 def field_of(built: ServeSettings, name: str) -> object:
@@ -76,6 +77,13 @@ def field_of(built: ServeSettings, name: str) -> object:
         pytest.param(["--drain-timeout", "300"], "drain_timeout_seconds", 300.0, id="drain-max"),
         pytest.param(["--processes", "true"], "processes", True, id="processes"),
         pytest.param(["--processes", "FALSE"], "processes", False, id="processes-off"),
+        pytest.param(
+            ["--dra-drivers", "gpu.nvidia.com, gpu.example.com"],
+            "dra_drivers",
+            ("gpu.nvidia.com", "gpu.example.com"),
+            id="dra-drivers",
+        ),
+        pytest.param(["--dra-drivers", ""], "dra_drivers", (), id="dra-drivers-none"),
     ],
 )
 def test_each_flag_sets_its_field(flags: list[str], field: str, expected: object) -> None:
@@ -101,6 +109,7 @@ def test_ipv6_address_prints_with_brackets() -> None:
         pytest.param("GPUSCALER_DRAIN_TIMEOUT", "1.5", "drain_timeout_seconds", 1.5, id="drain"),
         pytest.param("NODE_NAME", "gpu-node-7", "node_name", "gpu-node-7", id="node-name"),
         pytest.param("GPUSCALER_PROCESSES", "true", "processes", True, id="processes"),
+        pytest.param("GPUSCALER_DRA_DRIVERS", "gpu.example.com", "dra_drivers", ("gpu.example.com",), id="dra"),
     ],
 )
 def test_environment_variables_set_the_defaults(variable: str, value: str, field: str, expected: object) -> None:
@@ -151,6 +160,11 @@ BAD_FLAGS: list[tuple[list[str], str]] = [
     (["--metrics-listen", "9402"], "--metrics-listen '9402': use HOST:PORT"),
     (["--tls-reload-interval", "0.01"], "--tls-reload-interval '0.01': must be between 0.1 and 3600 seconds"),
     (["--processes", "yes"], "--processes 'yes': use true or false"),
+    (
+        ["--dra-drivers", "gpu.nvidia.com,GPU.example"],
+        "--dra-drivers 'gpu.nvidia.com,GPU.example': 'GPU.example' is not a DRA driver name",
+    ),
+    (["--dra-drivers", "gpu_nvidia"], "--dra-drivers 'gpu_nvidia': 'gpu_nvidia' is not a DRA driver name"),
     (["--collector", "fake", "--processes", "true"], "--processes 'true': needs --collector nvml"),
 ]
 

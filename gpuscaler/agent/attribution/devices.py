@@ -1,90 +1,224 @@
-"""Kubelet device ids to the GPUs the collector enumerates. Pure functions.
+"""Kubelet device names to the GPUs the collector enumerates, by the identities NVML gives. Pure functions.
 
-The NVIDIA device plugin names a device by its UUID (``GPU-<uuid>``, ``MIG-<uuid>``), by its index
-(``0``, with ``DEVICE_ID_STRATEGY=index``), and adds ``::N`` to the replicas of a shared (time-sliced)
-GPU. Other plugins and CDI use ``nvidiaN`` (the ``/dev/nvidiaN`` minor number, which we read as the
-NVML index: both follow PCI bus order unless the GPUs were renumbered). NVIDIA's DRA driver
-(``gpu.nvidia.com``) names whole GPUs ``gpu-N``. What names none of these is not ours, and is ignored.
+Device plugins (resources ``nvidia.com/*``) name a device by its UUID (``GPU-<uuid>``, ``MIG-<uuid>``), by its NVML
+index (``0``, with ``DEVICE_ID_STRATEGY=index``), or by its minor number (``nvidiaN``, ``/dev/nvidiaN``), and add
+``::N`` to the replicas of a shared (time-sliced) GPU. NVIDIA's DRA driver (``gpu.nvidia.com``; names checked
+against kubernetes-sigs/dra-driver-nvidia-gpu v0.4.1) names a GPU ``gpu-<minor>``, a MIG device
+``gpu-<parentMinor>-mig-<profile without dots>-<giProfileId>-<placementStart>`` (whether it made the instance at
+start or on demand) and a GPU bound to vfio-pci for a VM ``gpu-vfio-<index>``.
+
+Names are a driver's convention, not an API, so they are parsed strictly: a name of ours (a listed driver, an
+``nvidia.com/`` resource) that none of these forms matches, or that no enumerated device carries, is an
+``UnplacedDevice`` that makes its pod's share unknown, never absent. Two forms are decided apart:
+
+- ``gpu-vfio-N``: the GPU is passed through to a VM, and NVML on the node never sees it. It is unplaced as
+  NOT_SUPPORTED, so an answer leaves it out as it leaves out a GPU that lacks the metric: a pod that holds only
+  such GPUs is Unsupported (measure inside the guest), never UNAVAILABLE for ever.
+- ``N:M`` (the device plugin's MIG device by index): M is the plugin's own count over the GPU's MIG slots, not an
+  identity NVML gives, so it is unplaced (unknown) with the fix: the plugin's default ``DEVICE_ID_STRATEGY=uuid``.
+
+Other drivers and other resources are not GPUs we read, and are ignored.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from gpuscaler.model.pods import NVIDIA_RESOURCE_PREFIX
-from gpuscaler.model.samples import GpuIdentity, PodRef
+from gpuscaler.model.samples import GpuIdentity, PodRef, ReadErrorKind, UnplacedDevice
 
 NVIDIA_DRA_DRIVER = "gpu.nvidia.com"
+DEFAULT_DRA_DRIVERS = (NVIDIA_DRA_DRIVER,)
 SHARED_SUFFIX = "::"
 
+_NUMBER = r"(0|[1-9][0-9]{0,3})"  # as Go's %d prints it: no sign, no leading zero
 _UUID = re.compile(r"^(GPU|MIG)-[0-9A-Za-z][0-9A-Za-z/_.-]*$")
-_DEV_NODE = re.compile(r"^(?:/dev/)?nvidia(\d{1,4})$")
-_INDEX = re.compile(r"^\d{1,4}$")
-_DRA_GPU = re.compile(r"^gpu-(\d{1,4})$")
+_DEV_NODE = re.compile(rf"^(?:/dev/)?nvidia{_NUMBER}$")
+_INDEX = re.compile(rf"^{_NUMBER}$")
+_MIG_BY_INDEX = re.compile(rf"^{_NUMBER}:{_NUMBER}$")
+_DRA_GPU = re.compile(rf"^gpu-{_NUMBER}$")
+# go-nvlib's profile string (1g.10gb, 1c.2g.10gb, 1g.10gb+me) lower-cased, dots dropped, other signs as '-'.
+_DRA_MIG = re.compile(rf"^gpu-{_NUMBER}-mig-((?:[0-9]+c)?[0-9]+g[0-9]+gb(?:-[a-z][a-z0-9]*)*)-{_NUMBER}-{_NUMBER}$")
+_DRA_VFIO = re.compile(rf"^gpu-vfio-{_NUMBER}$")
+
+INDEX_MIG_HINT = (
+    "the device plugin names a MIG device by its own count of the GPU's MIG slots, which NVML does not give; "
+    "set the plugin's DEVICE_ID_STRATEGY=uuid (its default)"
+)
+VFIO_DETAIL = (
+    "a GPU passed through to a virtual machine (vfio-pci): NVML on the node cannot see it, so it is measured "
+    "inside the guest, not here"
+)
 
 
 @dataclass(frozen=True, slots=True)
 class DeviceKey:
-    """A GPU as a device id names it: by UUID, or by NVML index (whole GPUs only)."""
+    """A device as a name gives it: by UUID, NVML index or minor number (whole GPUs), or a MIG placement."""
 
     uuid: str | None = None
     index: int | None = None
+    minor: int | None = None
+    # (GPU instance profile id, placement start) of a MIG instance on the GPU whose minor number is ``minor``
+    mig: tuple[int, int] | None = None
 
 
-def device_key(resource_name: str, device_id: str) -> DeviceKey | None:
-    """The GPU a device-plugin device id names, or None when it is not an NVIDIA GPU we can place."""
+@dataclass(frozen=True, slots=True)
+class Unplaceable:
+    """A name of ours that no NVML identity can place, and why."""
+
+    detail: str
+    kind: ReadErrorKind = ReadErrorKind.OTHER
+
+
+Named = DeviceKey | Unplaceable
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """One device the kubelet assigned to a container, as named (``source`` is its resource or DRA driver)."""
+
+    pod: PodRef
+    source: str
+    device: str
+    named: Named
+
+    @property
+    def label(self) -> str:
+        return f"{self.source} device {self.device!r}"
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """Each GPU's containers, by UUID, sorted and without repeats; and the devices no GPU carries."""
+
+    pods: Mapping[str, tuple[PodRef, ...]]
+    unplaced: tuple[UnplacedDevice, ...] = ()
+
+
+def device_plugin_name(resource_name: str, device_id: str) -> Named | None:
+    """What a device-plugin device id names; None when the resource is not an NVIDIA GPU's."""
     if not resource_name.startswith(NVIDIA_RESOURCE_PREFIX):
         return None
-    return _key_from_id(device_id)
-
-
-def dra_device_key(driver_name: str, device_name: str) -> DeviceKey | None:
-    """The GPU a DRA claim's device names, or None (another driver, or a MIG slice we cannot place)."""
-    if driver_name != NVIDIA_DRA_DRIVER:
-        return None
-    match = _DRA_GPU.match(device_name)
-    if match:
-        return DeviceKey(index=int(match.group(1)))
-    return _key_from_id(device_name)
-
-
-def _key_from_id(device_id: str) -> DeviceKey | None:
-    text = device_id.strip()
+    text = device_id
     base, sep, replica = text.rpartition(SHARED_SUFFIX)
-    if sep and replica.isdigit() and base:
+    if sep and base and _INDEX.match(replica):
         text = base
     if _UUID.match(text):
         return DeviceKey(uuid=text.lower())
-    match = _DEV_NODE.match(text)
-    if match:
+    if match := _DEV_NODE.match(text):
+        return DeviceKey(minor=int(match.group(1)))
+    if match := _INDEX.match(text):
         return DeviceKey(index=int(match.group(1)))
-    if _INDEX.match(text):
-        return DeviceKey(index=int(text))
-    return None  # "0:1" (a MIG slice by index) and anything else: we cannot tell which instance
+    if _MIG_BY_INDEX.match(text):
+        return Unplaceable(INDEX_MIG_HINT)
+    return Unplaceable(
+        "not a device id the NVIDIA device plugin gives (GPU-<uuid>, MIG-<uuid>, an NVML index, nvidia<minor>, "
+        "each with ::<replica> when shared)"
+    )
 
 
-def pods_by_gpu(
-    devices: Sequence[GpuIdentity], assignments: Iterable[tuple[DeviceKey, PodRef]]
-) -> Mapping[str, tuple[PodRef, ...]]:
-    """For each GPU UUID, the containers assigned to it, sorted and without repeats.
+def dra_name(driver_name: str, device_name: str, drivers: Sequence[str] = DEFAULT_DRA_DRIVERS) -> Named | None:
+    """What a DRA claim's device names; None when its driver is not one the agent reads (``--dra-drivers``)."""
+    if driver_name not in drivers:
+        return None
+    if match := _DRA_GPU.match(device_name):
+        return DeviceKey(minor=int(match.group(1)))
+    if match := _DRA_MIG.match(device_name):
+        return DeviceKey(minor=int(match.group(1)), mig=(int(match.group(3)), int(match.group(4))))
+    if _DRA_VFIO.match(device_name):
+        return Unplaceable(VFIO_DETAIL, ReadErrorKind.NOT_SUPPORTED)
+    if _UUID.match(device_name):  # a driver that names devices by NVML UUID
+        return DeviceKey(uuid=device_name.lower())
+    return Unplaceable(
+        "not a device name of the forms read (gpu-<minor>, gpu-<minor>-mig-<profile>-<profileId>-<placement>, "
+        "gpu-vfio-<index> as dra-driver-nvidia-gpu v0.4.1 gives them, or an NVML UUID)"
+    )
 
-    An index names a whole GPU, never a MIG instance (whose identity carries its parent's index).
-    """
-    by_uuid = {gpu.uuid.lower(): gpu.uuid for gpu in devices}
-    by_index = {gpu.index: gpu.uuid for gpu in devices if gpu.mig_parent_uuid is None}
+
+def place(devices: Sequence[GpuIdentity], assignments: Iterable[Assignment]) -> Placed:
+    """Each assignment's device among ``devices``; what none carries is unplaced, once per container and device."""
+    table = _Table(devices)
     found: dict[str, set[PodRef]] = {}
-    for key, pod in assignments:
+    unplaced: dict[tuple[PodRef, str], UnplacedDevice] = {}
+    for assignment in assignments:
+        named = assignment.named
+        where = table.find(named) if isinstance(named, DeviceKey) else named
+        if isinstance(where, str):
+            found.setdefault(where, set()).add(assignment.pod)
+            continue
+        key = (assignment.pod, assignment.label)
+        unplaced.setdefault(key, UnplacedDevice(assignment.pod, assignment.label, where.kind, where.detail))
+    return Placed(
+        pods={uuid: tuple(sorted(pods, key=_pod_order)) for uuid, pods in found.items()},
+        unplaced=tuple(sorted(unplaced.values(), key=lambda u: (*_pod_order(u.pod), u.device))),
+    )
+
+
+class _Table:
+    """The node's devices by each identity a name can give."""
+
+    def __init__(self, devices: Sequence[GpuIdentity]) -> None:
+        self.by_uuid = {gpu.uuid.lower(): gpu.uuid for gpu in devices}
+        parents = {gpu.mig_parent_uuid for gpu in devices if gpu.mig_parent_uuid is not None}
+        # A MIG-enabled GPU is listed as its instances, each with the GPU's index and minor number.
+        self.partitioned_indices = {gpu.index for gpu in devices if gpu.mig_parent_uuid is not None}
+        self.partitioned_minors = {gpu.minor for gpu in devices if gpu.mig_parent_uuid is not None}
+        whole = [gpu for gpu in devices if gpu.mig_parent_uuid is None and gpu.uuid not in parents]
+        self.by_index = {gpu.index: gpu.uuid for gpu in whole}
+        self.by_minor = {gpu.minor: gpu.uuid for gpu in whole if gpu.minor is not None}
+        self.by_mig: dict[tuple[int, int, int], str] = {
+            (gpu.minor, gpu.gpu_instance_profile_id, gpu.placement_start): gpu.uuid
+            for gpu in devices
+            if gpu.mig_parent_uuid is not None
+            and gpu.minor is not None
+            and gpu.gpu_instance_profile_id is not None
+            and gpu.placement_start is not None
+        }
+        self.minors_known = all(gpu.minor is not None for gpu in devices)
+
+    def find(self, key: DeviceKey) -> str | Unplaceable:
+        """The UUID the key names, or why no device carries it."""
         if key.uuid is not None:
-            uuid = by_uuid.get(key.uuid)
-        elif key.index is not None:
-            uuid = by_index.get(key.index)
-        else:
-            uuid = None
+            uuid = self.by_uuid.get(key.uuid)
+            return uuid if uuid is not None else Unplaceable("no GPU or MIG instance on this node has that UUID")
+        if key.index is not None:
+            return self._whole(self.by_index, self.partitioned_indices, key.index, "NVML index")
+        if key.minor is None:
+            return Unplaceable("the name gives no device")
+        if not self.minors_known:
+            return Unplaceable("NVML did not give this node's GPUs' minor numbers, which the name is in")
+        if key.mig is None:
+            return self._whole(self.by_minor, self.partitioned_minors, key.minor, "minor number")
+        profile, start = key.mig
+        uuid = self.by_mig.get((key.minor, profile, start))
         if uuid is not None:
-            found.setdefault(uuid, set()).add(pod)
-    return {uuid: tuple(sorted(pods, key=_pod_order)) for uuid, pods in found.items()}
+            return uuid
+        return Unplaceable(
+            f"no MIG instance of GPU instance profile {profile} at placement {start} on the GPU with minor number "
+            f"{key.minor} (its instances: {self._instances(key.minor)}); one made since the agent last enumerated "
+            "the GPUs is placed at the next enumeration"
+        )
+
+    @staticmethod
+    def _whole(
+        table: Mapping[int, str], partitioned: AbstractSet[int | None], number: int, what: str
+    ) -> str | Unplaceable:
+        uuid = table.get(number)
+        if uuid is not None:
+            return uuid
+        if number in partitioned:
+            return Unplaceable(
+                f"the GPU with {what} {number} is in MIG mode: a whole-GPU name does not say which instance"
+            )
+        present = ", ".join(map(str, sorted(table))) or "none"
+        return Unplaceable(f"no whole GPU on this node has {what} {number} (theirs: {present})")
+
+    def _instances(self, minor: int) -> str:
+        here = sorted((start, profile) for (m, profile, start) in self.by_mig if m == minor)
+        return ", ".join(f"profile {profile} at {start}" for start, profile in here) or "none"
 
 
 def _pod_order(pod: PodRef) -> tuple[str, str, str]:

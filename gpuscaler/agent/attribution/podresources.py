@@ -6,6 +6,10 @@ read keeps the last good assignment for ``stale_after_seconds``; after that the 
 UNAVAILABLE, and a query that selects pods fails instead of reading a pod as idle. No socket at the
 path is OFF, which is FAILED_PRECONDITION: a missing mount does not fix itself. Whether the last read worked,
 and when one last did, are kept for the agent's series (``gpuscaler_attribution_up`` and its last-success time).
+
+Device-plugin devices and the DRA claims of the drivers in ``dra_drivers`` (``--dra-drivers``) are placed on the
+GPUs each tick (``devices.py``); a device none carries is listed in the tick's attribution (``unplaced``), so that
+its pod's share is unknown rather than absent.
 """
 
 from __future__ import annotations
@@ -21,9 +25,15 @@ import structlog
 from grpclib.client import Channel
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
-from gpuscaler.agent.attribution.devices import DeviceKey, device_key, dra_device_key, pods_by_gpu
+from gpuscaler.agent.attribution.devices import (
+    DEFAULT_DRA_DRIVERS,
+    Assignment,
+    device_plugin_name,
+    dra_name,
+    place,
+)
 from gpuscaler.generated import v1 as kubelet
-from gpuscaler.model.samples import Attribution, AttributionState, GpuSample, PodRef
+from gpuscaler.model.samples import Attribution, AttributionState, GpuSample, PodRef, UnplacedDevice
 from gpuscaler.model.staleness import assignment_stale_after
 
 log = structlog.get_logger(__name__)
@@ -32,23 +42,25 @@ DEFAULT_INTERVAL_SECONDS = 1.0
 LIST_TIMEOUT_SECONDS = 2.0
 
 
-def assignments(response: kubelet.ListPodResourcesResponse) -> list[tuple[DeviceKey, PodRef]]:
-    """Every (GPU, container) pair in a ``List`` answer: device-plugin devices, then DRA claims."""
-    pairs: list[tuple[DeviceKey, PodRef]] = []
+def assignments(
+    response: kubelet.ListPodResourcesResponse, dra_drivers: Sequence[str] = DEFAULT_DRA_DRIVERS
+) -> list[Assignment]:
+    """Every GPU device assigned to a container in a ``List`` answer: device-plugin devices, then DRA claims'."""
+    found: list[Assignment] = []
     for pod in response.pod_resources:
         for container in pod.containers:
             ref = PodRef(namespace=pod.namespace, pod=pod.name, container=container.name)
             for devices in container.devices:
                 for device_id in devices.device_ids:
-                    key = device_key(devices.resource_name, device_id)
-                    if key is not None:
-                        pairs.append((key, ref))
+                    named = device_plugin_name(devices.resource_name, device_id)
+                    if named is not None:
+                        found.append(Assignment(ref, devices.resource_name, device_id, named))
             for claim in container.dynamic_resources:
                 for resource in claim.claim_resources:
-                    key = dra_device_key(resource.driver_name, resource.device_name)
-                    if key is not None:
-                        pairs.append((key, ref))
-    return pairs
+                    named = dra_name(resource.driver_name, resource.device_name, dra_drivers)
+                    if named is not None:
+                        found.append(Assignment(ref, resource.driver_name, resource.device_name, named))
+    return found
 
 
 class PodResourcesWatcher:
@@ -61,17 +73,20 @@ class PodResourcesWatcher:
         interval_seconds: float = DEFAULT_INTERVAL_SECONDS,
         timeout_seconds: float = LIST_TIMEOUT_SECONDS,
         wall_clock: Callable[[], float] = time.time,
+        dra_drivers: Sequence[str] = DEFAULT_DRA_DRIVERS,
     ) -> None:
         self.socket_path = socket_path
+        self.dra_drivers = tuple(dra_drivers)
         self.interval_seconds = interval_seconds
         self.stale_after_seconds = assignment_stale_after(interval_seconds)
         self._timeout = timeout_seconds
         self._channel: Channel | None = None
-        self._pairs: list[tuple[DeviceKey, PodRef]] = []
+        self._pairs: list[Assignment] = []
         self._last_success: float | None = None
         self._state = Attribution(AttributionState.UNAVAILABLE, "the kubelet has not been read yet")
         self._wake = asyncio.Event()
         self._devices: frozenset[str] = frozenset()
+        self._unplaced: tuple[UnplacedDevice, ...] = ()
         self._wall_clock = wall_clock
         # The last read's outcome (None: not read yet; a missing socket is a failed read) and the Unix time of
         # the last good one (None: never), for the series: a kept assignment hides a failing kubelet otherwise.
@@ -90,10 +105,22 @@ class PodResourcesWatcher:
             self.request_refresh()  # GPUs came or went (a MIG change, a GPU lost): read the kubelet now
         if self._state.state is not AttributionState.OK:
             return tuple(samples), self._state
-        found = pods_by_gpu([sample.gpu for sample in samples], self._pairs)
+        placed = place([sample.gpu for sample in samples], self._pairs)
+        found = placed.pods
         attributed = tuple(
             sample._replace(pods=found[sample.gpu.uuid]) if sample.gpu.uuid in found else sample for sample in samples
         )
+        if placed.unplaced != self._unplaced:  # logged when the set changes, not every tick
+            self._unplaced = placed.unplaced
+            if placed.unplaced:
+                log.warning(
+                    "devices_unplaced",
+                    devices=[f"{u.pod.namespace}/{u.pod.pod}: {u.device}: {u.detail}" for u in placed.unplaced],
+                )
+            else:
+                log.info("devices_all_placed")
+        if placed.unplaced:
+            return attributed, Attribution(self._state.state, self._state.detail, placed.unplaced)
         return attributed, self._state
 
     def request_refresh(self) -> None:
@@ -129,7 +156,7 @@ class PodResourcesWatcher:
                 log.warning("pod_resources_list_failed", error=detail, keeping_last_for=self.stale_after_seconds)
                 return self._state
             return self._set(Attribution(AttributionState.UNAVAILABLE, detail), keep_pairs=False)
-        self._pairs = assignments(response)
+        self._pairs = assignments(response, self.dra_drivers)
         self._last_success = now
         self.last_read_ok, self.last_success_unix = True, self._wall_clock()
         return self._set(Attribution(AttributionState.OK), keep_pairs=True)

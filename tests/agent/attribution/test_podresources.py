@@ -8,13 +8,15 @@ import pytest
 from grpclib.const import Status
 
 from gpuscaler.agent.attribution.podresources import PodResourcesWatcher
-from gpuscaler.model.samples import AttributionState, GpuIdentity, GpuSample, PodRef
+from gpuscaler.model.samples import AttributionState, GpuIdentity, GpuSample, PodRef, ReadErrorKind
 from tests.fakes.fake_kubelet import Assignment, DraAssignment, FakeKubelet, short_socket_path
 
 
-def samples(count: int = 3) -> list[GpuSample]:
-    """``count`` untagged samples of node n, with the UUIDs the fake kubelet's assignments name."""
-    return [GpuSample(GpuIdentity(i, f"GPU-fake-n-{i}", "Fake GPU"), "n") for i in range(count)]
+def samples(count: int = 3, *, minors: list[int] | None = None) -> list[GpuSample]:
+    """``count`` untagged samples of node n, with the UUIDs the fake kubelet's assignments name (minor = index
+    unless ``minors`` says otherwise)."""
+    numbers = minors if minors is not None else list(range(count))
+    return [GpuSample(GpuIdentity(i, f"GPU-fake-n-{i}", "Fake GPU", minor=numbers[i]), "n") for i in range(count)]
 
 
 @pytest.fixture
@@ -47,6 +49,46 @@ async def test_list_tags_each_gpu_with_the_containers_holding_it(kubelet: FakeKu
         (PodRef("ml", "infer-0", "server"), PodRef("ml", "infer-1", "main")),
         (PodRef("batch", "job-0", "main"),),
     ]
+    watcher.close()
+
+
+async def test_dra_devices_land_by_minor_number_and_unplaced_ones_are_listed(kubelet: FakeKubelet) -> None:
+    """gpu-<minor> lands on the GPU with that minor number; a name no GPU carries is in the tick's attribution."""
+    kubelet.assign(
+        [
+            DraAssignment("ml", "infer-0", (("gpu.nvidia.com", "gpu-0"),)),
+            DraAssignment("ml", "infer-1", (("gpu.nvidia.com", "gpu-0-mig-1g10gb-19-0"), ("gpu.nvidia.com", "gpu-1"))),
+            DraAssignment("vm", "guest-0", (("gpu.nvidia.com", "gpu-vfio-0"),)),
+            DraAssignment("ml", "other", (("gpu.example.com", "gpu-1"),)),
+        ]
+    )
+    watcher = PodResourcesWatcher(kubelet.socket_path)
+    await watcher.refresh()
+
+    tagged, attribution = watcher.attribute(samples(2, minors=[1, 0]))
+
+    assert attribution.state is AttributionState.OK
+    assert [sample.pods for sample in tagged] == [
+        (PodRef("ml", "infer-1", "main"),),
+        (PodRef("ml", "infer-0", "main"),),
+    ]
+    assert [(u.pod.pod, u.device, u.kind) for u in attribution.unplaced] == [
+        ("infer-1", "gpu.nvidia.com device 'gpu-0-mig-1g10gb-19-0'", ReadErrorKind.OTHER),
+        ("guest-0", "gpu.nvidia.com device 'gpu-vfio-0'", ReadErrorKind.NOT_SUPPORTED),
+    ]
+    assert watcher.state.unplaced == ()  # the kubelet's state is the read's; what is unplaced is per tick
+    watcher.close()
+
+
+async def test_dra_drivers_listed_are_read(kubelet: FakeKubelet) -> None:
+    """A second vendor's driver is read when --dra-drivers lists it, with no code of its own."""
+    kubelet.assign([DraAssignment("ml", "other", (("gpu.example.com", "gpu-1"),))])
+    watcher = PodResourcesWatcher(kubelet.socket_path, dra_drivers=("gpu.nvidia.com", "gpu.example.com"))
+    await watcher.refresh()
+
+    tagged, _ = watcher.attribute(samples(2))
+
+    assert [sample.pods for sample in tagged] == [(), (PodRef("ml", "other", "main"),)]
     watcher.close()
 
 
