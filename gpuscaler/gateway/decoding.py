@@ -25,6 +25,7 @@ from gpuscaler.model.samples import (
     ReadError,
     ReadErrorKind,
     Snapshot,
+    UnplacedDevice,
 )
 from gpuscaler.model.windows import EMPTY_SHARES, Windowed, WindowKey, WindowValues
 from gpuscaler.server.wire import window_key_from_wire, window_key_to_wire
@@ -55,6 +56,23 @@ _ATTRIBUTION_FROM_PB2 = {
     agent_pb2.ATTRIBUTION_STATE_UNAVAILABLE: AttributionState.UNAVAILABLE,
     agent_pb2.ATTRIBUTION_STATE_OK: AttributionState.OK,
 }
+
+
+def _attribution(state: AttributionState, message: agent_pb2.Attribution) -> Attribution:
+    """The node's attribution, with the devices its pods hold that it could not place (a kind this version does
+    not know reads as OTHER: unknown, never left out)."""
+    if not message.unplaced:
+        return Attribution(state, message.detail)
+    unplaced = tuple(
+        UnplacedDevice(
+            PodRef(device.pod.namespace, device.pod.pod, device.pod.container),
+            device.device,
+            _KIND_FROM_PB2.get(device.kind, ReadErrorKind.OTHER),
+            device.detail,
+        )
+        for device in message.unplaced
+    )
+    return Attribution(state, message.detail, unplaced)
 
 
 def _windowed(
@@ -311,7 +329,7 @@ class SnapshotDecoder:
             monotonic=monotonic,
             node=node,
             samples=samples,
-            attribution=Attribution(state, message.attribution.detail),
+            attribution=_attribution(state, message.attribution),
             windows=self._windows(message, samples) if message.windows else {},
         )
 

@@ -33,6 +33,7 @@ __all__ = (
     "SetRequest",
     "SignalPart",
     "Snapshot",
+    "UnplacedDevice",
     "WatchSnapshotsRequest",
     "WindowSpec",
     "WindowedValue",
@@ -205,6 +206,12 @@ class Attribution(betterproto2.Message):
     detail: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
     """
     Why, when the state is not OK.
+    """
+
+    unplaced: "list[UnplacedDevice]" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    The devices the node's pods hold that no GPU the agent enumerates carries (a name it cannot place). A pod
+    query counts each as one of the pod's GPUs that cannot be read; empty from agents before this field.
     """
 
 
@@ -796,6 +803,26 @@ class Snapshot(betterproto2.Message):
 
 
 default_message_pool.register_message("gpuscaler.v1", "Snapshot", Snapshot)
+
+
+@dataclass(eq=False, repr=False)
+class UnplacedDevice(betterproto2.Message):
+    pod: "PodRef | None" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, optional=True)
+
+    device: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    As the kubelet named it: `gpu.nvidia.com device 'gpu-9'`.
+    """
+
+    kind: "ReadErrorKind" = betterproto2.field(3, betterproto2.TYPE_ENUM, default_factory=lambda: ReadErrorKind(0))
+    """
+    NOT_SUPPORTED: a device NVML never sees on the node (a GPU passed through to a VM); OTHER: not placed now.
+    """
+
+    detail: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+
+
+default_message_pool.register_message("gpuscaler.v1", "UnplacedDevice", UnplacedDevice)
 
 
 @dataclass(eq=False, repr=False)

@@ -100,12 +100,26 @@ class ReadError(_message.Message):
     def __init__(self, field: _Optional[str] = ..., kind: _Optional[_Union[ReadErrorKind, str]] = ..., detail: _Optional[str] = ..., last_read_unix_seconds: _Optional[float] = ...) -> None: ...
 
 class Attribution(_message.Message):
-    __slots__ = ("state", "detail")
+    __slots__ = ("state", "detail", "unplaced")
     STATE_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    UNPLACED_FIELD_NUMBER: _ClassVar[int]
     state: AttributionState
     detail: str
-    def __init__(self, state: _Optional[_Union[AttributionState, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+    unplaced: _containers.RepeatedCompositeFieldContainer[UnplacedDevice]
+    def __init__(self, state: _Optional[_Union[AttributionState, str]] = ..., detail: _Optional[str] = ..., unplaced: _Optional[_Iterable[_Union[UnplacedDevice, _Mapping]]] = ...) -> None: ...
+
+class UnplacedDevice(_message.Message):
+    __slots__ = ("pod", "device", "kind", "detail")
+    POD_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    pod: PodRef
+    device: str
+    kind: ReadErrorKind
+    detail: str
+    def __init__(self, pod: _Optional[_Union[PodRef, _Mapping]] = ..., device: _Optional[str] = ..., kind: _Optional[_Union[ReadErrorKind, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class PodRef(_message.Message):
     __slots__ = ("namespace", "pod", "container")
