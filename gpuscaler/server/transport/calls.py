@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -30,6 +31,7 @@ from grpclib.utils import DeadlineWrapper
 from h2.errors import ErrorCodes
 
 from gpuscaler.server.transport.h2 import peer_name
+from gpuscaler.server.transport.lean_streams import LeanStream
 from gpuscaler.server.transport.limits import ConnectionGuard
 from gpuscaler.server.transport.sliced_work import sliced_queue
 
@@ -135,8 +137,7 @@ class RefusingHandler(ConnectionHandler):
             # cancel waits in the turn queue, and grpclib would now build a stream on a connection already gone.
             release_stream()
             return
-        deadline = Deadline.from_headers(headers)
-        if deadline is not None and deadline.time_remaining() < EXPIRED_WITHIN_SECONDS:
+        if _time_left(stream, headers, self._guard) < EXPIRED_WITHIN_SECONDS:
             try:
                 await _answer_deadline_exceeded(stream)
             finally:
@@ -181,6 +182,18 @@ class RefusingHandler(ConnectionHandler):
     def tasks(self) -> int:
         """Request tasks alive on this connection, cancelled ones that have not finished included."""
         return len(self._tasks) + len(self._cancelled)
+
+
+def _time_left(stream: Stream, headers: Any, guard: ConnectionGuard) -> float:
+    """Seconds left of the call's deadline (infinite without one): from the deadline the protocol stamped on its
+    stream when the call's HEADERS were read, so its grpc-timeout is not parsed again here (grpclib parses it too)."""
+    if isinstance(stream, LeanStream) and stream.created is not None:
+        return math.inf if stream.deadline_at is None else stream.deadline_at - guard.clock()
+    try:
+        deadline = Deadline.from_headers(headers)
+    except ValueError:
+        return math.inf  # grpclib answers a bad grpc-timeout itself
+    return math.inf if deadline is None else deadline.time_remaining()
 
 
 class _Once:
