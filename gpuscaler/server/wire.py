@@ -43,7 +43,19 @@ _ATTRIBUTION_TO_WIRE = {
 
 def attribution_to_wire(attribution: Attribution) -> pb.Attribution:
     """A node's attribution state, and why it is not OK, as the message."""
-    return pb.Attribution(state=_ATTRIBUTION_TO_WIRE[attribution.state], detail=attribution.detail)
+    return pb.Attribution(
+        state=_ATTRIBUTION_TO_WIRE[attribution.state],
+        detail=attribution.detail,
+        unplaced=[
+            pb.UnplacedDevice(
+                pod=pb.PodRef(namespace=u.pod.namespace, pod=u.pod.pod, container=u.pod.container),
+                device=u.device,
+                kind=_KIND_TO_WIRE[u.kind],
+                detail=u.detail,
+            )
+            for u in attribution.unplaced
+        ],
+    )
 
 
 def sample_to_wire(sample: GpuSample) -> pb.GpuSample:

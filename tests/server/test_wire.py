@@ -27,6 +27,7 @@ from gpuscaler.model.samples import (
     ReadError,
     ReadErrorKind,
     Snapshot,
+    UnplacedDevice,
 )
 from gpuscaler.model.windows import Windowed, WindowKey, WindowValues
 from gpuscaler.query.metadata import Limits, parse_metadata
@@ -265,6 +266,23 @@ def test_snapshot_round_trips() -> None:
         original.taken_at,
     )
     assert received.samples == original.samples
+
+
+def test_the_devices_no_gpu_carries_reach_the_gateway() -> None:
+    """The devices a node's pods hold that the agent could not place travel with its attribution, each with its pod,
+    name, kind and why: the gateway answers for those pods as unknown, not by leaving them out."""
+    unplaced = (
+        UnplacedDevice(
+            PodRef("ml", "llm-0", "server"), "gpu.nvidia.com/gpu-1-mig-1g10gb-19-0", ReadErrorKind.OTHER, "no such GPU"
+        ),
+        UnplacedDevice(
+            PodRef("vm", "win-0", "compute"), "gpu.nvidia.com/gpu-vfio-0", ReadErrorKind.NOT_SUPPORTED, "vm"
+        ),
+    )
+    original = replace(
+        snapshot(3, 1.0, (gpu_sample(0),)), attribution=Attribution(AttributionState.OK, unplaced=unplaced)
+    )
+    assert through_the_wire(original).attribution.unplaced == unplaced
 
 
 def test_the_decoder_reuses_a_nodes_gpus_and_pods_between_ticks() -> None:
