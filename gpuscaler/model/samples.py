@@ -109,6 +109,8 @@ class GpuIdentity:
     minor: int | None = field(default=None, compare=False)
     gpu_instance_profile_id: int | None = field(default=None, compare=False)
     placement_start: int | None = field(default=None, compare=False)
+    # Why NVML would not give the MIG placement (a refusal such as no permission), for names that need it.
+    placement_problem: str | None = field(default=None, compare=False)
     # A device a pod holds that no enumerated GPU carries (``UnplacedDevice``), stood in for inside a pod query's
     # evaluation so that its share is unknown there; ``uuid`` is then the device as the kubelet named it.
     unplaced: bool = False

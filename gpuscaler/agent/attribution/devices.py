@@ -178,6 +178,12 @@ class _Table:
             and gpu.placement_start is not None
         }
         self.minors_known = all(gpu.minor is not None for gpu in devices)
+        # Why NVML would not give the placements on a GPU (by minor number): a name there is unplaced for that.
+        self.refused = {
+            gpu.minor: gpu.placement_problem
+            for gpu in devices
+            if gpu.mig_parent_uuid is not None and gpu.placement_problem is not None
+        }
 
     def find(self, key: DeviceKey) -> str | Unplaceable:
         """The UUID the key names, or why no device carries it."""
@@ -196,6 +202,9 @@ class _Table:
         uuid = self.by_mig.get((key.minor, profile, start))
         if uuid is not None:
             return uuid
+        refused = self.refused.get(key.minor)
+        if refused is not None:
+            return Unplaceable(f"{refused}, so no MIG instance on the GPU with minor number {key.minor} can be placed")
         return Unplaceable(
             f"no MIG instance of GPU instance profile {profile} at placement {start} on the GPU with minor number "
             f"{key.minor} (its instances: {self._instances(key.minor)}); one made since the agent last enumerated "

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import structlog
+
 from gpuscaler.agent.attribution.processes import ProcReader
 from gpuscaler.agent.collectors.base import CollectorUnavailable
 from gpuscaler.agent.collectors.gpm import GPM_FIELDS, GRAPHICS_PERCENT, GpmReader
@@ -45,6 +47,8 @@ from gpuscaler.model.samples import (
     ReadError,
     ReadErrorKind,
 )
+
+log = structlog.get_logger(__name__)
 
 START_HINT = (
     "run the agent with the NVIDIA container runtime (the chart's agent.runtimeClassName: nvidia), or mount the "
@@ -87,6 +91,7 @@ class NvmlCollector:
         # again gets a new UUID, so a cached fact never outlives its device.
         self._minors: dict[str, int | None] = {}
         self._placements: dict[str, Placement] = {}
+        self._placement_refused = False
         self._lock = threading.Lock()
         self.on_call = on_call
         self._gpm = GpmReader(self._nvml)
@@ -137,9 +142,13 @@ class NvmlCollector:
             for mig_handle in instances:
                 mig_uuid = text(nvml.nvmlDeviceGetUUID(mig_handle))
                 mig_name = text(nvml.nvmlDeviceGetName(mig_handle))
-                placement = placements[mig_uuid] = self._placements.get(mig_uuid) or mig_placement(
-                    nvml, handle, mig_handle
-                )
+                placement = self._placements.get(mig_uuid)
+                if placement is None:
+                    placement = mig_placement(nvml, handle, mig_handle)
+                    if placement.problem is not None and not self._placement_refused:
+                        self._placement_refused = True  # once: every instance on the node is refused alike
+                        log.warning("mig_placement_unreadable", device=mig_uuid, reason=placement.problem)
+                placements[mig_uuid] = placement
                 devices.append(
                     GpuIdentity(
                         index=index,
@@ -149,6 +158,7 @@ class NvmlCollector:
                         minor=minor,
                         gpu_instance_profile_id=placement.profile_id,
                         placement_start=placement.start,
+                        placement_problem=placement.problem,
                     )
                 )
                 handles[mig_uuid] = mig_handle

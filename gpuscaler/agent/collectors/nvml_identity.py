@@ -3,6 +3,8 @@
 
 A driver without the call, or a device it does not apply to, answers NOT_SUPPORTED or FUNCTION_NOT_FOUND: the fact
 is then None, and a name that needs it is not placed (its pod's share is unknown), never guessed from the index.
+Reading a MIG placement needs a privileged user (nvmlDeviceGetGpuInstanceById), which the chart's agent is not: any
+refusal but a device gone leaves the placement unknown with NVML's reason, so discovery still lists every GPU.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gpuscaler.agent.collectors.nvml_calls import FUNCTION_NOT_FOUND, NOT_SUPPORTED
+from gpuscaler.agent.collectors.nvml_calls import DEVICE_GONE, FUNCTION_NOT_FOUND, NOT_SUPPORTED, describe_error
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +21,9 @@ class Placement:
 
     profile_id: int | None = None
     start: int | None = None
+    # Why NVML would not say, where it refused (no permission) rather than lacked the call: names it cannot place
+    # carry this reason.
+    problem: str | None = None
 
 
 UNPLACED = Placement()
@@ -42,5 +47,7 @@ def mig_placement(nvml: Any, parent: Any, instance: Any) -> Placement:
     except nvml.NVMLError as error:
         if error.value in (NOT_SUPPORTED, FUNCTION_NOT_FOUND):
             return UNPLACED
-        raise
+        if error.value in DEVICE_GONE:
+            raise  # the device went: the discovery fails, as a device lost while listed does
+        return Placement(problem=f"NVML refused to read MIG placement: {describe_error(error)}")
     return Placement(profile_id=int(info.profileId), start=int(info.placement.start))

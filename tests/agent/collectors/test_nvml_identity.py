@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from gpuscaler.agent.attribution.devices import Assignment, dra_name, place
 from gpuscaler.agent.collectors.base import CollectorUnavailable
 from gpuscaler.agent.collectors.nvml import NvmlCollector
+from gpuscaler.model.samples import PodRef
 from tests.fakes.fake_nvml import FUNCTION_NOT_FOUND, GPU_IS_LOST, NOT_SUPPORTED, FakeDevice, FakeNvml
+
+NO_PERMISSION = 4  # NVML_ERROR_NO_PERMISSION: reading a GPU instance needs a privileged user
 
 
 def started(nvml: FakeNvml) -> NvmlCollector:
@@ -98,6 +102,42 @@ def test_facts_nvml_does_not_give_are_none(code: int) -> None:
 def test_other_failure_of_a_fact_is_a_failed_discovery() -> None:
     """A GPU lost while its minor number is read fails the discovery, as a lost GPU during enumeration does."""
     collector = started(FakeNvml([FakeDevice("GPU-a", errors={"nvmlDeviceGetMinorNumber": GPU_IS_LOST})]))
+
+    with pytest.raises(CollectorUnavailable, match="GPU is lost"):
+        collector.discover()
+
+
+def test_refused_mig_placement_leaves_gpus_listed_and_names_unplaced_with_the_reason() -> None:
+    """An agent without privilege (NO_PERMISSION on the GPU instance) still lists every GPU; a DRA MIG name says why."""
+    parent = FakeDevice(
+        "GPU-p",
+        minor=3,
+        errors={"nvmlDeviceGetGpuInstanceById": NO_PERMISSION},
+        mig_instances=[mig("MIG-x", 1, 19, 0)],
+    )
+    collector = started(FakeNvml([FakeDevice("GPU-plain", minor=0), parent]))
+
+    devices = list(collector.discover())
+
+    assert [(d.uuid, d.gpu_instance_profile_id, d.placement_start) for d in devices] == [
+        ("GPU-plain", None, None),
+        ("MIG-x", None, None),
+    ]
+    named = dra_name("gpu.nvidia.com", "gpu-3-mig-1g10gb-19-0")
+    assert named is not None
+    placed = place(devices, [Assignment(PodRef("ml", "p", "c"), "gpu.nvidia.com", "gpu-3-mig-1g10gb-19-0", named)])
+    assert placed.pods == {}
+    [unplaced] = placed.unplaced
+    assert "NVML refused to read MIG placement" in unplaced.detail
+    assert "NVML error 4" in unplaced.detail
+
+
+def test_gpu_lost_while_reading_a_mig_placement_fails_the_discovery() -> None:
+    """A GPU gone while its GPU instance is read fails the discovery, as any device lost during enumeration does."""
+    parent = FakeDevice(
+        "GPU-p", errors={"nvmlDeviceGetGpuInstanceById": GPU_IS_LOST}, mig_instances=[mig("MIG-x", 1, 19, 0)]
+    )
+    collector = started(FakeNvml([parent]))
 
     with pytest.raises(CollectorUnavailable, match="GPU is lost"):
         collector.discover()
