@@ -189,11 +189,13 @@ def _pod_absences(
     unplaced: bool | None = None
     for absence in snapshot.absent:
         if absence.last is not None:
+            # A pod whose devices the node could not place held GPUs there too: it is as unknown as the rest.
+            refs = [ref for sample in absence.last.samples for ref in sample.pods]
+            refs += [device.pod for device in absence.last.attribution.unplaced]
             held = sorted(
                 {
                     (ref.namespace, ref.pod)
-                    for sample in absence.last.samples
-                    for ref in sample.pods
+                    for ref in refs
                     if _pod_matches(pods, (ref.namespace, ref.pod), directory)
                     and not _gone(ref.namespace, ref.pod, absence.node, directory)
                 }

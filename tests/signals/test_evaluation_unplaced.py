@@ -16,7 +16,7 @@ from gpuscaler.model.samples import Attribution, AttributionState, PodRef, ReadE
 from gpuscaler.query.metadata import Limits, parse_metadata
 from gpuscaler.signals.evaluation import evaluate
 from gpuscaler.signals.outcome import Evaluation
-from tests.builders import cluster, gpu_sample, gpu_trigger, snapshot, source_of
+from tests.builders import cluster, gpu_sample, gpu_trigger, silent, snapshot, source_of
 from tests.fakes.fake_kubelet import DraAssignment, FakeKubelet, short_socket_path
 from tests.fakes.fake_nvml import FakeDevice, FakeNvml
 from tests.signals.test_evaluation_workloads import Directory
@@ -64,6 +64,20 @@ def test_an_unplaced_device_beside_readable_gpus_is_unavailable_naming_pod_and_d
     assert "pod ml/trainer-b holds it, and no GPU on 'node-a' does" in strict.error.message
     tolerant = run(view, workload="trainer", maxUnreadable="1")
     assert tolerant.value == pytest.approx(40.0 + 30.0)  # trainer-b: avg of its one readable GPU
+
+
+def test_a_silent_node_whose_pod_held_only_an_unplaced_device_keeps_the_answer_unavailable() -> None:
+    """The node last sent a replica's unplaced device, then went quiet: unknown still, not the other replica's 40."""
+    view = cluster(
+        node("node-a", ((40.0, "trainer-a"),)),
+        absent=[silent(node("node-b", (), unplaced("trainer-c", GPU9)))],
+    )
+
+    evaluation = run(view, workload="trainer")
+
+    assert isinstance(evaluation.error, Unavailable), (evaluation.value, evaluation.error)
+    assert "node 'node-b'" in evaluation.error.message
+    assert "ml/trainer-c" in evaluation.error.message
 
 
 def test_a_replica_holding_only_an_unplaced_device_leaves_its_node_unknown() -> None:
