@@ -35,6 +35,10 @@ DEFAULT_POLL_INTERVAL_SECONDS = 0.5
 MIN_POLL_INTERVAL_SECONDS = 0.05
 MAX_POLL_INTERVAL_SECONDS = 60.0
 REDISCOVER_EVERY_SECONDS = 60.0
+# A name the attribution could not place may be a device made since the last enumeration (a DRA driver makes a MIG
+# instance when it prepares the pod's claim): the devices are enumerated again at the next tick, but at most this
+# often, so a name that never places (a device on no GPU here) costs an enumeration every 2 s, not every tick.
+REDISCOVER_SOON_SECONDS = 2.0
 
 
 def read_timeout_for(poll_interval_seconds: float) -> float:
@@ -46,6 +50,10 @@ class Attributor(Protocol):
     """Adds to each tick's samples the pods that hold each GPU (``attribution.PodResourcesWatcher``)."""
 
     def attribute(self, samples: Sequence[GpuSample]) -> tuple[tuple[GpuSample, ...], Attribution]: ...
+
+    def awaiting_devices(self) -> bool:
+        """Whether the last ``attribute`` left a name unplaced that enumerating the devices again may place."""
+        ...
 
 
 TickObserver = Callable[[float, float], None]  # seconds the reads took, seconds the tick started late
@@ -62,6 +70,7 @@ class Poller:
         poll_interval_seconds: float,
         on_tick: TickObserver | None = None,
         attributor: Attributor | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._attributor = attributor
         self._collector = collector
@@ -75,6 +84,8 @@ class Poller:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._sequence = 0
         self._last_discovery = 0.0
+        self._clock = clock  # times the gaps between enumerations only (the event loop's clock by default)
+        self._devices_awaited = False
         self._last_reads = LastReads()
 
     @property
@@ -83,9 +94,8 @@ class Poller:
 
     async def start(self) -> None:
         """Discover the devices; call before ``run`` so that start-up errors surface at once."""
-        loop = asyncio.get_running_loop()
         self._devices = list(await asyncio.to_thread(self._collector.discover))
-        self._last_discovery = loop.time()
+        self._last_discovery = self._clock()
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(4, 2 * len(self._devices)), thread_name_prefix="gpu-read"
         )
@@ -116,7 +126,8 @@ class Poller:
         loop = asyncio.get_running_loop()
         started = loop.time()
         taken_at = time.time()
-        if started - self._last_discovery >= REDISCOVER_EVERY_SECONDS:
+        since = self._clock() - self._last_discovery
+        if since >= REDISCOVER_EVERY_SECONDS or (self._devices_awaited and since >= REDISCOVER_SOON_SECONDS):
             await self.rediscover()
         samples = self._last_reads.stamp(await self._read_all(started), taken_at)
         if self._on_tick is not None:
@@ -124,6 +135,7 @@ class Poller:
         attributed, attribution = (
             self._attributor.attribute(samples) if self._attributor is not None else (tuple(samples), ATTRIBUTION_OFF)
         )
+        self._devices_awaited = self._attributor is not None and self._attributor.awaiting_devices()
         self._sequence += 1
         snapshot = Snapshot(
             sequence=self._sequence,
@@ -174,9 +186,9 @@ class Poller:
         return [samples[gpu] for gpu in self._devices]
 
     async def rediscover(self) -> None:
-        """Enumerate the devices again (every REDISCOVER_EVERY_SECONDS by itself); keeps the old list on failure."""
-        loop = asyncio.get_running_loop()
-        self._last_discovery = loop.time()
+        """Enumerate the devices again (every REDISCOVER_EVERY_SECONDS by itself, or sooner for an unplaced name);
+        keeps the old list on failure."""
+        self._last_discovery = self._clock()
         try:
             async with asyncio.timeout(self._read_timeout):
                 devices = list(await asyncio.to_thread(self._collector.discover))

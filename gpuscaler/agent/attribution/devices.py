@@ -71,6 +71,9 @@ class Unplaceable:
 
     detail: str
     kind: ReadErrorKind = ReadErrorKind.OTHER
+    # A well-formed name no enumerated device carries: one made since (a DRA driver's dynamic MIG instance) is found
+    # by enumerating the devices again.
+    awaits_enumeration: bool = False
 
 
 Named = DeviceKey | Unplaceable
@@ -96,6 +99,8 @@ class Placed:
 
     pods: Mapping[str, tuple[PodRef, ...]]
     unplaced: tuple[UnplacedDevice, ...] = ()
+    # Whether an unplaced name may be a device made since the last enumeration (``Unplaceable.awaits_enumeration``).
+    awaiting: bool = False
 
 
 def device_plugin_name(resource_name: str, device_id: str) -> Named | None:
@@ -143,17 +148,20 @@ def place(devices: Sequence[GpuIdentity], assignments: Iterable[Assignment]) -> 
     table = _Table(devices)
     found: dict[str, set[PodRef]] = {}
     unplaced: dict[tuple[PodRef, str], UnplacedDevice] = {}
+    awaiting = False
     for assignment in assignments:
         named = assignment.named
         where = table.find(named) if isinstance(named, DeviceKey) else named
         if isinstance(where, str):
             found.setdefault(where, set()).add(assignment.pod)
             continue
+        awaiting = awaiting or where.awaits_enumeration
         key = (assignment.pod, assignment.label)
         unplaced.setdefault(key, UnplacedDevice(assignment.pod, assignment.label, where.kind, where.detail))
     return Placed(
         pods={uuid: tuple(sorted(pods, key=_pod_order)) for uuid, pods in found.items()},
         unplaced=tuple(sorted(unplaced.values(), key=lambda u: (*_pod_order(u.pod), u.device))),
+        awaiting=awaiting,
     )
 
 
@@ -189,7 +197,9 @@ class _Table:
         """The UUID the key names, or why no device carries it."""
         if key.uuid is not None:
             uuid = self.by_uuid.get(key.uuid)
-            return uuid if uuid is not None else Unplaceable("no GPU or MIG instance on this node has that UUID")
+            if uuid is not None:
+                return uuid
+            return Unplaceable("no GPU or MIG instance on this node has that UUID", awaits_enumeration=True)
         if key.index is not None:
             return self._whole(self.by_index, self.partitioned_indices, key.index, "NVML index")
         if key.minor is None:
@@ -208,7 +218,8 @@ class _Table:
         return Unplaceable(
             f"no MIG instance of GPU instance profile {profile} at placement {start} on the GPU with minor number "
             f"{key.minor} (its instances: {self._instances(key.minor)}); one made since the agent last enumerated "
-            "the GPUs is placed at the next enumeration"
+            "the GPUs is placed at the next enumeration",
+            awaits_enumeration=True,
         )
 
     @staticmethod
@@ -223,7 +234,9 @@ class _Table:
                 f"the GPU with {what} {number} is in MIG mode: a whole-GPU name does not say which instance"
             )
         present = ", ".join(map(str, sorted(table))) or "none"
-        return Unplaceable(f"no whole GPU on this node has {what} {number} (theirs: {present})")
+        return Unplaceable(
+            f"no whole GPU on this node has {what} {number} (theirs: {present})", awaits_enumeration=True
+        )
 
     def _instances(self, minor: int) -> str:
         here = sorted((start, profile) for (m, profile, start) in self.by_mig if m == minor)

@@ -87,6 +87,7 @@ class PodResourcesWatcher:
         self._wake = asyncio.Event()
         self._devices: frozenset[str] = frozenset()
         self._unplaced: tuple[UnplacedDevice, ...] = ()
+        self._awaiting = False
         self._wall_clock = wall_clock
         # The last read's outcome (None: not read yet; a missing socket is a failed read) and the Unix time of
         # the last good one (None: never), for the series: a kept assignment hides a failing kubelet otherwise.
@@ -104,8 +105,10 @@ class PodResourcesWatcher:
             self._devices = devices
             self.request_refresh()  # GPUs came or went (a MIG change, a GPU lost): read the kubelet now
         if self._state.state is not AttributionState.OK:
+            self._awaiting = False
             return tuple(samples), self._state
         placed = place([sample.gpu for sample in samples], self._pairs)
+        self._awaiting = placed.awaiting
         found = placed.pods
         attributed = tuple(
             sample._replace(pods=found[sample.gpu.uuid]) if sample.gpu.uuid in found else sample for sample in samples
@@ -122,6 +125,10 @@ class PodResourcesWatcher:
         if placed.unplaced:
             return attributed, Attribution(self._state.state, self._state.detail, placed.unplaced)
         return attributed, self._state
+
+    def awaiting_devices(self) -> bool:
+        """Whether the last ``attribute`` left a name unplaced that a device made since enumeration may carry."""
+        return self._awaiting
 
     def request_refresh(self) -> None:
         """Read the kubelet now rather than at the next interval."""

@@ -244,3 +244,22 @@ def test_shared_devices_count_for_each_pod_once() -> None:
     )
     assert result.pods == {"GPU-aaa": (POD, OTHER)}
     assert [u.device for u in result.unplaced] == ["gpu.nvidia.com device 'gpu-5'"]
+
+
+@pytest.mark.parametrize(
+    ("source", "device", "awaiting"),
+    [
+        ("gpu.nvidia.com", "gpu-3-mig-3g40gb-9-4", True),
+        ("gpu.nvidia.com", "gpu-5", True),
+        ("nvidia.com/gpu", "GPU-elsewhere", True),
+        ("gpu.nvidia.com", "gpu-vfio-0", False),
+        ("gpu.nvidia.com", "gpu-3", False),
+        ("gpu.nvidia.com", "not-a-gpu", False),
+        ("nvidia.com/gpu", "0:1", False),
+    ],
+)
+def test_only_names_a_new_device_could_carry_ask_for_enumeration(source: str, device: str, awaiting: bool) -> None:
+    """A well-formed name no device carries may be a device made since; a VM's, a malformed or ambiguous one is not."""
+    named = dra_name(source, device) if "/" not in source else device_plugin_name(source, device)
+    assert named is not None
+    assert place(enumerated(node_nvml()), [Assignment(POD, source, device, named)]).awaiting is awaiting
