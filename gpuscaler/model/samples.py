@@ -111,6 +111,8 @@ class GpuIdentity:
     placement_start: int | None = field(default=None, compare=False)
     # Why NVML would not give the MIG placement (a refusal such as no permission), for names that need it.
     placement_problem: str | None = field(default=None, compare=False)
+    # A MIG instance's slot on its parent (nvmlDeviceGetMigDeviceHandleByIndex), the M of an ``N:M`` device name.
+    mig_slot: int | None = field(default=None, compare=False)
     # A device a pod holds that no enumerated GPU carries (``UnplacedDevice``), stood in for inside a pod query's
     # evaluation so that its share is unknown there; ``uuid`` is then the device as the kubelet named it.
     unplaced: bool = False

@@ -1,8 +1,10 @@
 """Kubelet device names to the GPUs the collector enumerates, by the identities NVML gives. Pure functions.
 
 Device plugins (resources ``nvidia.com/*``) name a device by its UUID (``GPU-<uuid>``, ``MIG-<uuid>``), by its NVML
-index (``0``, with ``DEVICE_ID_STRATEGY=index``), or by its minor number (``nvidiaN``, ``/dev/nvidiaN``), and add
-``::N`` to the replicas of a shared (time-sliced) GPU. NVIDIA's DRA driver (``gpu.nvidia.com``; names checked
+index (``0``; a MIG instance ``N:M``), or by its minor number (``nvidiaN``, ``/dev/nvidiaN``), and add ``::N`` to the
+replicas of a shared (time-sliced) GPU. NVIDIA's k8s-device-plugin gives the kubelet UUIDs whatever its
+``DEVICE_ID_STRATEGY`` (which changes only the container's ``NVIDIA_VISIBLE_DEVICES``); index names come from other
+plugins that follow its index convention. NVIDIA's DRA driver (``gpu.nvidia.com``; names checked
 against kubernetes-sigs/dra-driver-nvidia-gpu v0.4.1) names a GPU ``gpu-<minor>``, a MIG device
 ``gpu-<parentMinor>-mig-<profile without dots>-<giProfileId>-<placementStart>`` (whether it made the instance at
 start or on demand) and a GPU bound to vfio-pci for a VM ``gpu-vfio-<index>``.
@@ -14,8 +16,8 @@ Names are a driver's convention, not an API, so they are parsed strictly: a name
 - ``gpu-vfio-N``: the GPU is passed through to a VM, and NVML on the node never sees it. It is unplaced as
   NOT_SUPPORTED, so an answer leaves it out as it leaves out a GPU that lacks the metric: a pod that holds only
   such GPUs is Unsupported (measure inside the guest), never UNAVAILABLE for ever.
-- ``N:M`` (the device plugin's MIG device by index): M is the plugin's own count over the GPU's MIG slots, not an
-  identity NVML gives, so it is unplaced (unknown) with the fix: the plugin's default ``DEVICE_ID_STRATEGY=uuid``.
+- ``N:M`` (a MIG device by index): N is the parent's NVML index and M the instance's NVML MIG slot
+  (``nvmlDeviceGetMigDeviceHandleByIndex``), as k8s-device-plugin numbers them; placed by both.
 
 Other drivers and other resources are not GPUs we read, and are ignored.
 """
@@ -44,10 +46,6 @@ _DRA_GPU = re.compile(rf"^gpu-{_NUMBER}$")
 _DRA_MIG = re.compile(rf"^gpu-{_NUMBER}-mig-((?:[0-9]+c)?[0-9]+g[0-9]+gb(?:-[a-z][a-z0-9]*)*)-{_NUMBER}-{_NUMBER}$")
 _DRA_VFIO = re.compile(rf"^gpu-vfio-{_NUMBER}$")
 
-INDEX_MIG_HINT = (
-    "the device plugin names a MIG device by its own count of the GPU's MIG slots, which NVML does not give; "
-    "set the plugin's DEVICE_ID_STRATEGY=uuid (its default)"
-)
 VFIO_DETAIL = (
     "a GPU passed through to a virtual machine (vfio-pci): NVML on the node cannot see it, so it is measured "
     "inside the guest, not here"
@@ -63,6 +61,8 @@ class DeviceKey:
     minor: int | None = None
     # (GPU instance profile id, placement start) of a MIG instance on the GPU whose minor number is ``minor``
     mig: tuple[int, int] | None = None
+    # (parent's NVML index, NVML MIG slot) of a MIG instance named ``N:M``
+    mig_slot: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +117,8 @@ def device_plugin_name(resource_name: str, device_id: str) -> Named | None:
         return DeviceKey(minor=int(match.group(1)))
     if match := _INDEX.match(text):
         return DeviceKey(index=int(match.group(1)))
-    if _MIG_BY_INDEX.match(text):
-        return Unplaceable(INDEX_MIG_HINT)
+    if match := _MIG_BY_INDEX.match(text):
+        return DeviceKey(mig_slot=(int(match.group(1)), int(match.group(2))))
     return Unplaceable(
         "not a device id the NVIDIA device plugin gives (GPU-<uuid>, MIG-<uuid>, an NVML index, nvidia<minor>, "
         "each with ::<replica> when shared)"
@@ -185,6 +185,11 @@ class _Table:
             and gpu.gpu_instance_profile_id is not None
             and gpu.placement_start is not None
         }
+        self.by_mig_slot = {
+            (gpu.index, gpu.mig_slot): gpu.uuid
+            for gpu in devices
+            if gpu.mig_parent_uuid is not None and gpu.mig_slot is not None
+        }
         self.minors_known = all(gpu.minor is not None for gpu in devices)
         # Why NVML would not give the placements on a GPU (by minor number): a name there is unplaced for that.
         self.refused = {
@@ -202,6 +207,14 @@ class _Table:
             return Unplaceable("no GPU or MIG instance on this node has that UUID", awaits_enumeration=True)
         if key.index is not None:
             return self._whole(self.by_index, self.partitioned_indices, key.index, "NVML index")
+        if key.mig_slot is not None:
+            uuid = self.by_mig_slot.get(key.mig_slot)
+            if uuid is not None:
+                return uuid
+            index, slot = key.mig_slot
+            return Unplaceable(
+                f"no MIG instance in slot {slot} of the GPU with NVML index {index}", awaits_enumeration=True
+            )
         if key.minor is None:
             return Unplaceable("the name gives no device")
         if not self.minors_known:

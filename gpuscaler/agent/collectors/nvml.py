@@ -139,7 +139,7 @@ class NvmlCollector:
                 devices.append(GpuIdentity(index=index, uuid=uuid, name=name, minor=minor))
                 handles[uuid] = handle
                 continue
-            for mig_handle in instances:
+            for slot, mig_handle in instances:
                 mig_uuid = text(nvml.nvmlDeviceGetUUID(mig_handle))
                 mig_name = text(nvml.nvmlDeviceGetName(mig_handle))
                 placement = self._placements.get(mig_uuid)
@@ -159,6 +159,7 @@ class NvmlCollector:
                         gpu_instance_profile_id=placement.profile_id,
                         placement_start=placement.start,
                         placement_problem=placement.problem,
+                        mig_slot=slot,
                     )
                 )
                 handles[mig_uuid] = mig_handle
@@ -170,8 +171,8 @@ class NvmlCollector:
         self._interconnect.keep_only(set(handles))
         return devices
 
-    def _mig_instances(self, handle: Any) -> list[Any] | None:
-        """The MIG instance handles of a MIG-enabled GPU, or None when MIG is off or unsupported."""
+    def _mig_instances(self, handle: Any) -> list[tuple[int, Any]] | None:
+        """The MIG instance handles of a MIG-enabled GPU by slot, or None when MIG is off or unsupported."""
         nvml = self._nvml
         try:
             current, _pending = nvml.nvmlDeviceGetMigMode(handle)
@@ -184,7 +185,7 @@ class NvmlCollector:
         instances = []
         for slot in range(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
             try:
-                instances.append(nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot))
+                instances.append((slot, nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)))
             except nvml.NVMLError as error:
                 if error.value == NOT_FOUND:  # an empty slot; later slots may be filled
                     continue

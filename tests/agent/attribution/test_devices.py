@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from gpuscaler.agent.attribution.devices import (
-    INDEX_MIG_HINT,
     VFIO_DETAIL,
     Assignment,
     DeviceKey,
@@ -76,7 +75,7 @@ def placed_as(devices: list[GpuIdentity], named: Named | None, *, source: str = 
         ("nvidia.com/gpu", "/dev/nvidia0", DeviceKey(minor=0)),
         ("nvidia.com/gpu", "2", DeviceKey(index=2)),
         ("nvidia.com/gpu", "1::0", DeviceKey(index=1)),
-        ("nvidia.com/gpu", "0:1", Unplaceable(INDEX_MIG_HINT)),
+        ("nvidia.com/gpu", "0:1", DeviceKey(mig_slot=(0, 1))),
         ("amd.com/gpu", "GPU-abc", None),
         ("example.com/fpga", "0", None),
     ],
@@ -163,6 +162,14 @@ def test_mig_names_place_by_parent_minor_profile_and_placement() -> None:
     assert placed_as(devices, device_plugin_name("nvidia.com/mig-1g.10gb", "MIG-x")) == "MIG-x"
 
 
+def test_mig_index_names_place_by_parent_index_and_nvml_mig_slot() -> None:
+    """``N:M`` lands on the instance in NVML MIG slot M of the GPU with NVML index N; an empty slot is skipped."""
+    devices = enumerated(node_nvml())
+    assert placed_as(devices, device_plugin_name("nvidia.com/mig-1g.10gb", "2:0")) == "MIG-x"
+    assert placed_as(devices, device_plugin_name("nvidia.com/mig-2g.20gb", "2:2::1")) == "MIG-y"
+    assert placed_as(devices, device_plugin_name("nvidia.com/mig-1g.10gb", "2:1")) is None
+
+
 def test_dynamic_mig_instance_is_unplaced_until_enumerated_then_placed() -> None:
     """An instance a DRA driver makes on demand is unknown until the agent enumerates it, then placed."""
     nvml = node_nvml()
@@ -189,7 +196,7 @@ def test_dynamic_mig_instance_is_unplaced_until_enumerated_then_placed() -> None
         ("nvidia.com/gpu", "7", "no whole GPU on this node has NVML index 7 (theirs: 0, 1)"),
         ("nvidia.com/gpu", "2", "the GPU with NVML index 2 is in MIG mode"),
         ("nvidia.com/gpu", "GPU-elsewhere", "no GPU or MIG instance on this node has that UUID"),
-        ("nvidia.com/gpu", "0:1", "DEVICE_ID_STRATEGY=uuid"),
+        ("nvidia.com/gpu", "2:1", "no MIG instance in slot 1 of the GPU with NVML index 2"),
     ],
 )
 def test_names_no_device_carries_are_unplaced_with_the_reason(source: str, device: str, detail: str) -> None:
@@ -255,7 +262,7 @@ def test_shared_devices_count_for_each_pod_once() -> None:
         ("gpu.nvidia.com", "gpu-vfio-0", False),
         ("gpu.nvidia.com", "gpu-3", False),
         ("gpu.nvidia.com", "not-a-gpu", False),
-        ("nvidia.com/gpu", "0:1", False),
+        ("nvidia.com/gpu", "2:1", True),
     ],
 )
 def test_only_names_a_new_device_could_carry_ask_for_enumeration(source: str, device: str, awaiting: bool) -> None:
