@@ -7,7 +7,9 @@ replicas of a shared (time-sliced) GPU. NVIDIA's k8s-device-plugin gives the kub
 plugins that follow its index convention. NVIDIA's DRA driver (``gpu.nvidia.com``; names checked
 against kubernetes-sigs/dra-driver-nvidia-gpu v0.4.1) names a GPU ``gpu-<minor>``, a MIG device
 ``gpu-<parentMinor>-mig-<profile without dots>-<giProfileId>-<placementStart>`` (whether it made the instance at
-start or on demand) and a GPU bound to vfio-pci for a VM ``gpu-vfio-<index>``.
+start or on demand) and a GPU bound to vfio-pci for a VM ``gpu-vfio-<index>``. Its earlier releases (NVIDIA's
+k8s-dra-driver-gpu v25.3.x) name a MIG device ``gpu-<parentMinor>-mig-<giProfileId>-<placementStart>-<size>``, all
+numbers, which the current form's profile (letters: ``1g10gb``) keeps apart; the size follows from the profile id.
 
 Names are a driver's convention, not an API, so they are parsed strictly: a name of ours (a listed driver, an
 ``nvidia.com/`` resource) that none of these forms matches, or that no enumerated device carries, is an
@@ -44,6 +46,7 @@ _MIG_BY_INDEX = re.compile(rf"^{_NUMBER}:{_NUMBER}$")
 _DRA_GPU = re.compile(rf"^gpu-{_NUMBER}$")
 # go-nvlib's profile string (1g.10gb, 1c.2g.10gb, 1g.10gb+me) lower-cased, dots dropped, other signs as '-'.
 _DRA_MIG = re.compile(rf"^gpu-{_NUMBER}-mig-((?:[0-9]+c)?[0-9]+g[0-9]+gb(?:-[a-z][a-z0-9]*)*)-{_NUMBER}-{_NUMBER}$")
+_DRA_MIG_NUMBERED = re.compile(rf"^gpu-{_NUMBER}-mig-{_NUMBER}-{_NUMBER}-{_NUMBER}$")  # v25.3.x: ...-<size>
 _DRA_VFIO = re.compile(rf"^gpu-vfio-{_NUMBER}$")
 
 VFIO_DETAIL = (
@@ -133,13 +136,16 @@ def dra_name(driver_name: str, device_name: str, drivers: Sequence[str] = DEFAUL
         return DeviceKey(minor=int(match.group(1)))
     if match := _DRA_MIG.match(device_name):
         return DeviceKey(minor=int(match.group(1)), mig=(int(match.group(3)), int(match.group(4))))
+    if match := _DRA_MIG_NUMBERED.match(device_name):
+        return DeviceKey(minor=int(match.group(1)), mig=(int(match.group(2)), int(match.group(3))))
     if _DRA_VFIO.match(device_name):
         return Unplaceable(VFIO_DETAIL, ReadErrorKind.NOT_SUPPORTED)
     if _UUID.match(device_name):  # a driver that names devices by NVML UUID
         return DeviceKey(uuid=device_name.lower())
     return Unplaceable(
         "not a device name of the forms read (gpu-<minor>, gpu-<minor>-mig-<profile>-<profileId>-<placement>, "
-        "gpu-vfio-<index> as dra-driver-nvidia-gpu v0.4.1 gives them, or an NVML UUID)"
+        "gpu-vfio-<index> as dra-driver-nvidia-gpu v0.4.1 gives them, gpu-<minor>-mig-<profileId>-<placement>-<size> "
+        "as v25.3 did, or an NVML UUID)"
     )
 
 
