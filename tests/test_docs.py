@@ -432,7 +432,7 @@ def test_migration_doc_profiles_match_the_code() -> None:
 def _series_names() -> set[str]:
     """Every series name the agent and the gateway export, as Prometheus shows it (counters with ``_total``)."""
     agent_telemetry = AgentTelemetry(History(history_seconds=60, poll_interval_seconds=0.5))
-    reads = SimpleNamespace(last_read_ok=None, last_success_unix=None)
+    reads = SimpleNamespace(last_read_ok=None, last_success_unix=None, unplaced_now=None)
     agent_telemetry.watch_attribution(cast("AttributionReads", reads))  # an agent with attribution on
     agent = agent_telemetry.registry
     view = ClusterView(history_seconds=60, clock=lambda: 0.0)

@@ -8,7 +8,7 @@ GPU that vanished disappear with it, and a value that could not be read is no se
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 
 from gpuscaler.agent.history import History
 from gpuscaler.model.gpu_metrics import READINGS
-from gpuscaler.model.samples import DEVICE_FIELD, GpuKey, GpuSample
+from gpuscaler.model.samples import DEVICE_FIELD, GpuKey, GpuSample, ReadErrorKind, UnplacedDevice
 from gpuscaler.server.telemetry import ServerTelemetry
 from gpuscaler.signals.energy import IdleEnergy, IdleEnergyCounter, idle_energy, pods_of
 from gpuscaler.signals.source import SnapshotSource
@@ -91,6 +91,9 @@ class AttributionReads(Protocol):
     @property
     def last_success_unix(self) -> float | None: ...
 
+    @property
+    def unplaced_now(self) -> Sequence[UnplacedDevice] | None: ...
+
 
 class _AttributionCollector(Collector):
     """Whether the kubelet's PodResources answered, as every input that can fail says it: up, and when last."""
@@ -107,13 +110,24 @@ class _AttributionCollector(Collector):
             "gpuscaler_attribution_last_success_timestamp_seconds",
             "Unix time of the agent's last good read of the kubelet's PodResources.",
         )
+        unplaced = GaugeMetricFamily(
+            "gpuscaler_attribution_unplaced_devices",
+            "Devices the kubelet assigned to containers that no GPU the agent enumerates carries, at the last tick, "
+            "by the kind of their absence (other: the pod's share is unknown; not_supported: a GPU passed to a VM).",
+            labels=["kind"],
+        )
         ok, when = self._reads.last_read_ok, self._reads.last_success_unix
         if ok is not None:  # not read yet: no series, as a reading not made is never 0
             up.add_metric([], 1.0 if ok else 0.0)
         if when is not None:
             last.add_metric([], when)
+        devices = self._reads.unplaced_now
+        if devices is not None:  # nothing placed yet, or the kubelet's assignments are not known: no series
+            for kind in (ReadErrorKind.OTHER, ReadErrorKind.NOT_SUPPORTED):
+                unplaced.add_metric([kind.value], float(sum(1 for device in devices if device.kind is kind)))
         yield up
         yield last
+        yield unplaced
 
 
 def _labels(sample: GpuSample) -> list[str]:

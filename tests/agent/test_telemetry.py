@@ -1,4 +1,4 @@
-"""The agent's series of its kubelet PodResources reads, up and last good, as Prometheus reads them."""
+"""The agent's series of its kubelet PodResources reads, up and last good, and the devices it could not place."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ from grpclib.const import Status
 from gpuscaler.agent.attribution.podresources import PodResourcesWatcher
 from gpuscaler.agent.history import History
 from gpuscaler.agent.telemetry import AgentTelemetry
-from tests.fakes.fake_kubelet import Assignment, FakeKubelet, short_socket_path
+from tests.builders import gpu_sample
+from tests.fakes.fake_kubelet import Assignment, DraAssignment, FakeKubelet, short_socket_path
 
 UP = "gpuscaler_attribution_up"
 LAST_SUCCESS = "gpuscaler_attribution_last_success_timestamp_seconds"
+UNPLACED = "gpuscaler_attribution_unplaced_devices"
 
 
 @pytest.fixture
@@ -67,3 +69,30 @@ def test_attribution_turned_off_exports_neither_series() -> None:
     names = {family.name for family in telemetry().registry.collect()}
     assert not {UP, LAST_SUCCESS} & names
     assert "gpuscaler_sample_age_seconds" in names  # the registry does export the agent's other series
+
+
+async def test_unplaced_devices_are_counted_by_kind_once_placing_has_run(kubelet: FakeKubelet) -> None:
+    """The devices the last tick could not place count by kind; before any placement there is no series, never 0."""
+    watcher = PodResourcesWatcher(kubelet.socket_path)
+    series = telemetry()
+    series.watch_attribution(watcher)
+    registry = series.registry
+    assert registry.get_sample_value(UNPLACED, {"kind": "other"}) is None
+
+    kubelet.assign(
+        [
+            Assignment("ml", "a", ("GPU-fake-n-0",)),
+            Assignment("ml", "b", ("GPU-elsewhere",)),
+            DraAssignment("vm", "guest", (("gpu.nvidia.com", "gpu-vfio-0"),)),
+        ]
+    )
+    await watcher.refresh()
+    watcher.attribute([gpu_sample(0, node="n", uuid="GPU-fake-n-0")])
+
+    assert registry.get_sample_value(UNPLACED, {"kind": "other"}) == 1.0
+    assert registry.get_sample_value(UNPLACED, {"kind": "not_supported"}) == 1.0
+    kubelet.assign([Assignment("ml", "a", ("GPU-fake-n-0",))])
+    await watcher.refresh()
+    watcher.attribute([gpu_sample(0, node="n", uuid="GPU-fake-n-0")])
+    assert registry.get_sample_value(UNPLACED, {"kind": "other"}) == 0.0
+    watcher.close()

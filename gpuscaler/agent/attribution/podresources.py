@@ -88,6 +88,8 @@ class PodResourcesWatcher:
         self._devices: frozenset[str] = frozenset()
         self._unplaced: tuple[UnplacedDevice, ...] = ()
         self._awaiting = False
+        # The devices the last tick could not place, for the series (None: nothing placed, attribution not OK).
+        self.unplaced_now: tuple[UnplacedDevice, ...] | None = None
         self._wall_clock = wall_clock
         # The last read's outcome (None: not read yet; a missing socket is a failed read) and the Unix time of
         # the last good one (None: never), for the series: a kept assignment hides a failing kubelet otherwise.
@@ -106,9 +108,11 @@ class PodResourcesWatcher:
             self.request_refresh()  # GPUs came or went (a MIG change, a GPU lost): read the kubelet now
         if self._state.state is not AttributionState.OK:
             self._awaiting = False
+            self.unplaced_now = None
             return tuple(samples), self._state
         placed = place([sample.gpu for sample in samples], self._pairs)
         self._awaiting = placed.awaiting
+        self.unplaced_now = placed.unplaced
         found = placed.pods
         attributed = tuple(
             sample._replace(pods=found[sample.gpu.uuid]) if sample.gpu.uuid in found else sample for sample in samples
