@@ -15,12 +15,15 @@ import random
 import socket
 import ssl
 from dataclasses import dataclass
+from typing import cast
 
 import structlog
-from grpclib.client import Channel
+from grpclib.client import Channel, Handler
 from grpclib.config import Configuration
 from grpclib.const import Cardinality
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
+from grpclib.protocol import Connection, EventsProcessor, H2Protocol, _set_nodelay
+from h2.settings import SettingCodes
 
 from gpuscaler.flags import Address
 from gpuscaler.gateway.decoding import MalformedSnapshot, SnapshotDecoder, watch_request
@@ -28,6 +31,7 @@ from gpuscaler.gateway.discovery import lookup_failure
 from gpuscaler.gateway.view import AgentRefused, ClusterView
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
 from gpuscaler.model.staleness import snapshot_stale_after
+from gpuscaler.server.transport.h2 import QuietH2Connection
 
 log = structlog.get_logger(__name__)
 
@@ -35,6 +39,36 @@ WATCH_METHOD = "/gpuscaler.v1.Agent/WatchSnapshots"
 INITIAL_BACKOFF_SECONDS = 0.1
 MAX_BACKOFF_SECONDS = 5.0
 FIRST_MESSAGE_TIMEOUT_SECONDS = 10.0
+
+
+class _QuietProtocol(H2Protocol):
+    """grpclib's client protocol over ``QuietH2Connection``: no frame's repr built, thousands of frames a second."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # grpclib 0.4.9's H2Protocol.connection_made (pinned), with our H2Connection in place of h2's.
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            _set_nodelay(sock)
+        h2_conn = QuietH2Connection(config=self.h2_config)
+        h2_conn.initiate_connection()
+        initial = h2_conn.local_settings.initial_window_size
+        conn_delta = self.config.http2_connection_window_size - initial
+        stream_delta = self.config.http2_stream_window_size - initial
+        if conn_delta:
+            h2_conn.increment_flow_control_window(conn_delta)
+        if stream_delta:
+            h2_conn.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: self.config.http2_stream_window_size})
+        self.connection = Connection(h2_conn, cast(asyncio.Transport, transport), config=self.config)
+        self.connection.flush()
+        self.connection.initialize()
+        self.processor = EventsProcessor(self.handler, self.connection)
+
+
+class _QuietChannel(Channel):
+    """grpclib's channel, its connections ``_QuietProtocol``'s."""
+
+    def _protocol_factory(self) -> H2Protocol:
+        return _QuietProtocol(Handler(), self._config, self._h2_config)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +122,7 @@ class AgentSubscriber:
 
     async def _stream_once(self) -> None:
         config = Configuration(ssl_target_name_override=self._tls.server_name) if self._tls else None
-        channel = Channel(
+        channel = _QuietChannel(
             self.endpoint.host,
             self.endpoint.port,
             ssl=self._tls.context if self._tls else None,

@@ -49,7 +49,42 @@ def peer_name(transport: asyncio.BaseTransport) -> str:
     return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer)
 
 
-class BoundedH2Connection(H2Connection):
+class QuietH2Connection(H2Connection):
+    """h2's connection, less the repr of every frame it takes in, built for a trace log that is off."""
+
+    def _receive_frame(self, frame: Frame) -> list[Event]:
+        # h2 4.4.1's (pinned), without its first line: ``logger.trace("Received frame: %s", repr(frame))`` builds
+        # the frame's repr for a trace log that is off (h2's logger is a no-op unless one is configured), on every
+        # frame received: ~3% of a unary call's CPU, and of the gateway's per snapshot on its agents' connections.
+        events: list[Event]
+        try:
+            frames, events = self._frame_dispatch_table[frame.__class__](frame)
+        except StreamClosedError as e:
+            # Closed by RST_STREAM: a stream error, answered with RST_STREAM; otherwise a connection error.
+            if self._stream_is_closed_by_reset(e.stream_id):
+                f = RstStreamFrame(e.stream_id)
+                f.error_code = e.error_code
+                self._prepare_for_sending([f])
+                events = e._events
+            else:
+                raise
+        except StreamIDTooLowError as e:
+            # A closed (and cleaned up) stream's id, or one below a newer stream's: how it closed decides.
+            if self._stream_is_closed_by_reset(e.stream_id):
+                f = RstStreamFrame(e.stream_id)
+                f.error_code = ErrorCodes.STREAM_CLOSED
+                self._prepare_for_sending([f])
+                events = []
+            elif self._stream_is_closed_by_end(e.stream_id):
+                raise StreamClosedError(e.stream_id) from e
+            else:
+                raise
+        else:
+            self._prepare_for_sending(frames)
+        return events
+
+
+class BoundedH2Connection(QuietH2Connection):
     """h2's connection, without a walk over every stream for each new one, refusing a stream past the limit.
 
     h2 counts the open inbound streams for every HEADERS frame that opens a stream, by walking every
@@ -128,37 +163,6 @@ class BoundedH2Connection(H2Connection):
         except ProtocolError as error:
             self._terminate_connection(error.error_code)  # h2 queues its GOAWAY, as receive_data does
             raise
-
-    def _receive_frame(self, frame: Frame) -> list[Event]:
-        # h2 4.4.1's (pinned), without its first line: ``logger.trace("Received frame: %s", repr(frame))`` builds
-        # the frame's repr for a trace log that is off (h2's logger is a no-op unless one is configured), on every
-        # frame received: ~3% of a unary call's CPU.
-        events: list[Event]
-        try:
-            frames, events = self._frame_dispatch_table[frame.__class__](frame)
-        except StreamClosedError as e:
-            # Closed by RST_STREAM: a stream error, answered with RST_STREAM; otherwise a connection error.
-            if self._stream_is_closed_by_reset(e.stream_id):
-                f = RstStreamFrame(e.stream_id)
-                f.error_code = e.error_code
-                self._prepare_for_sending([f])
-                events = e._events
-            else:
-                raise
-        except StreamIDTooLowError as e:
-            # A closed (and cleaned up) stream's id, or one below a newer stream's: how it closed decides.
-            if self._stream_is_closed_by_reset(e.stream_id):
-                f = RstStreamFrame(e.stream_id)
-                f.error_code = ErrorCodes.STREAM_CLOSED
-                self._prepare_for_sending([f])
-                events = []
-            elif self._stream_is_closed_by_end(e.stream_id):
-                raise StreamClosedError(e.stream_id) from e
-            else:
-                raise
-        else:
-            self._prepare_for_sending(frames)
-        return events
 
     def _receive_headers_frame(self, frame: HeadersFrame) -> tuple[list[Any], list[Any]]:
         try:
