@@ -103,10 +103,12 @@ class GpuIdentity:
     # Facts the agent reads once per device when it enumerates it, to place the kubelet's device names
     # (``agent/attribution/devices.py``); None where NVML did not say. ``minor`` is the ``/dev/nvidiaN`` number of
     # the physical GPU (a MIG instance's: its parent's), which device names use and which need not be the index; a
-    # MIG instance's GPU instance profile id and placement start are the rest of a DRA MIG device's name. They stay
+    # MIG instance's GPU instance profile id and placement start are the rest of a DRA MIG device's name, its GPU
+    # instance id the rest of GKE's device plugin's (``nvidia<minor>/gi<id>``). They stay
     # on the node (the wire does not carry them), so they take no part in equality: a gateway's decoded identity
     # is the same device.
     minor: int | None = field(default=None, compare=False)
+    gpu_instance_id: int | None = field(default=None, compare=False)
     gpu_instance_profile_id: int | None = field(default=None, compare=False)
     placement_start: int | None = field(default=None, compare=False)
     # Why NVML would not give the MIG placement (a refusal such as no permission), for names that need it.

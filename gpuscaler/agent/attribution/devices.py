@@ -2,12 +2,15 @@
 
 Device plugins (resources ``nvidia.com/*``) name a device by its UUID (``GPU-<uuid>``, ``MIG-<uuid>``), by its NVML
 index (``0``; a MIG instance ``N:M``), or by its minor number (``nvidiaN``, ``/dev/nvidiaN``), and add ``::N`` to the
-replicas of a shared (time-sliced) GPU. NVIDIA's k8s-device-plugin gives the kubelet UUIDs whatever its
-``DEVICE_ID_STRATEGY`` (which changes only the container's ``NVIDIA_VISIBLE_DEVICES``); index names come from other
-plugins that follow its index convention. NVIDIA's DRA driver (``gpu.nvidia.com``; names checked
+replicas of a shared (time-sliced) GPU. GKE's device plugin (GoogleCloudPlatform/container-engine-accelerators,
+``pkg/gpu/nvidia``) names a GPU ``nvidia<minor>``, a MIG instance ``nvidia<minor>/gi<id>`` by its GPU instance id on
+that GPU (``nvmlDeviceGetGpuInstanceId``), and adds ``/vgpu<n>`` to the replicas of a time-shared or MPS GPU or
+instance, which count as the GPU or instance they share, as ``::<n>`` replicas do. NVIDIA's k8s-device-plugin gives the
+kubelet UUIDs whatever its ``DEVICE_ID_STRATEGY`` (which changes only the container's ``NVIDIA_VISIBLE_DEVICES``); index
+names come from other plugins that follow its index convention. NVIDIA's DRA driver (``gpu.nvidia.com``; names checked
 against kubernetes-sigs/dra-driver-nvidia-gpu v0.4.1) names a GPU ``gpu-<minor>``, a MIG device
-``gpu-<parentMinor>-mig-<profile without dots>-<giProfileId>-<placementStart>`` (whether it made the instance at
-start or on demand) and a GPU bound to vfio-pci for a VM ``gpu-vfio-<index>``. Its earlier releases (NVIDIA's
+``gpu-<parentMinor>-mig-<profile without dots>-<giProfileId>-<placementStart>`` (whether it made the instance at start
+or on demand) and a GPU bound to vfio-pci for a VM ``gpu-vfio-<index>``. Its earlier releases (NVIDIA's
 k8s-dra-driver-gpu v25.3.x) name a MIG device ``gpu-<parentMinor>-mig-<giProfileId>-<placementStart>-<size>``, all
 numbers, which the current form's profile (letters: ``1g10gb``) keeps apart; the size follows from the profile id.
 
@@ -41,6 +44,8 @@ SHARED_SUFFIX = "::"
 _NUMBER = r"(0|[1-9][0-9]{0,3})"  # as Go's %d prints it: no sign, no leading zero
 _UUID = re.compile(r"^(GPU|MIG)-[0-9A-Za-z][0-9A-Za-z/_.-]*$")
 _DEV_NODE = re.compile(rf"^(?:/dev/)?nvidia{_NUMBER}$")
+# GKE's device plugin: nvidia<minor>/vgpu<n> (gpusharing.go), nvidia<minor>/gi<id> (mig.go), and both.
+_GKE = re.compile(rf"^nvidia{_NUMBER}(?:/gi{_NUMBER})?(?:/vgpu{_NUMBER})?$")
 _INDEX = re.compile(rf"^{_NUMBER}$")
 _MIG_BY_INDEX = re.compile(rf"^{_NUMBER}:{_NUMBER}$")
 _DRA_GPU = re.compile(rf"^gpu-{_NUMBER}$")
@@ -66,6 +71,8 @@ class DeviceKey:
     mig: tuple[int, int] | None = None
     # (parent's NVML index, NVML MIG slot) of a MIG instance named ``N:M``
     mig_slot: tuple[int, int] | None = None
+    # The GPU instance id of a MIG instance on the GPU whose minor number is ``minor`` (GKE's ``nvidia<minor>/gi<id>``)
+    gpu_instance: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,13 +125,17 @@ def device_plugin_name(resource_name: str, device_id: str) -> Named | None:
         return DeviceKey(uuid=text.lower())
     if match := _DEV_NODE.match(text):
         return DeviceKey(minor=int(match.group(1)))
+    if match := _GKE.match(device_id):  # its own replica suffix, never with ``::``
+        instance = match.group(2)
+        return DeviceKey(minor=int(match.group(1)), gpu_instance=None if instance is None else int(instance))
     if match := _INDEX.match(text):
         return DeviceKey(index=int(match.group(1)))
     if match := _MIG_BY_INDEX.match(text):
         return DeviceKey(mig_slot=(int(match.group(1)), int(match.group(2))))
     return Unplaceable(
         "not a device id the NVIDIA device plugin gives (GPU-<uuid>, MIG-<uuid>, an NVML index, nvidia<minor>, "
-        "each with ::<replica> when shared)"
+        "each with ::<replica> when shared) nor one GKE's gives (nvidia<minor>, nvidia<minor>/gi<id>, each with "
+        "/vgpu<replica> when shared)"
     )
 
 
@@ -191,6 +202,15 @@ class _Table:
             and gpu.gpu_instance_profile_id is not None
             and gpu.placement_start is not None
         }
+        self.by_gpu_instance = {
+            (gpu.minor, gpu.gpu_instance_id): gpu.uuid
+            for gpu in devices
+            if gpu.mig_parent_uuid is not None and gpu.minor is not None and gpu.gpu_instance_id is not None
+        }
+        # Minor numbers of the GPUs with a MIG instance whose GPU instance id NVML did not give.
+        self.gpu_instances_unknown = {
+            gpu.minor for gpu in devices if gpu.mig_parent_uuid is not None and gpu.gpu_instance_id is None
+        }
         self.by_mig_slot = {
             (gpu.index, gpu.mig_slot): gpu.uuid
             for gpu in devices
@@ -225,6 +245,8 @@ class _Table:
             return Unplaceable("the name gives no device")
         if not self.minors_known:
             return Unplaceable("NVML did not give this node's GPUs' minor numbers, which the name is in")
+        if key.gpu_instance is not None:
+            return self._gpu_instance(key.minor, key.gpu_instance)
         if key.mig is None:
             return self._whole(self.by_minor, self.partitioned_minors, key.minor, "minor number")
         profile, start = key.mig
@@ -238,6 +260,21 @@ class _Table:
             f"no MIG instance of GPU instance profile {profile} at placement {start} on the GPU with minor number "
             f"{key.minor} (its instances: {self._instances(key.minor)}); one made since the agent last enumerated "
             "the GPUs is placed at the next enumeration",
+            awaits_enumeration=True,
+        )
+
+    def _gpu_instance(self, minor: int, gpu_instance: int) -> str | Unplaceable:
+        uuid = self.by_gpu_instance.get((minor, gpu_instance))
+        if uuid is not None:
+            return uuid
+        if minor in self.gpu_instances_unknown:
+            refused = self.refused.get(minor) or "NVML did not give the GPU instance ids"
+            return Unplaceable(f"{refused}, so no MIG instance on the GPU with minor number {minor} can be placed")
+        here = ", ".join(str(gi) for m, gi in sorted(self.by_gpu_instance) if m == minor) or "none"
+        return Unplaceable(
+            f"no MIG instance with GPU instance id {gpu_instance} on the GPU with minor number {minor} (its GPU "
+            f"instance ids: {here}); one made since the agent last enumerated the GPUs is placed at the next "
+            "enumeration",
             awaits_enumeration=True,
         )
 

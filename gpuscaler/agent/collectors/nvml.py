@@ -156,6 +156,7 @@ class NvmlCollector:
                         name=mig_name,
                         mig_parent_uuid=uuid,
                         minor=minor,
+                        gpu_instance_id=placement.gpu_instance_id,
                         gpu_instance_profile_id=placement.profile_id,
                         placement_start=placement.start,
                         placement_problem=placement.problem,

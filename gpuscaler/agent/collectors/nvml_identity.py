@@ -1,5 +1,6 @@
 """The facts that place a device by the names kubelet device plugins and DRA drivers give it: a GPU's minor number
-(``/dev/nvidiaN``) and a MIG instance's GPU instance profile id and placement start, read from NVML once per device.
+(``/dev/nvidiaN``) and a MIG instance's GPU instance id, profile id and placement start, read from NVML once per
+device.
 
 A driver without the call, or a device it does not apply to, answers NOT_SUPPORTED or FUNCTION_NOT_FOUND: the fact
 is then None, and a name that needs it is not placed (its pod's share is unknown), never guessed from the index.
@@ -17,16 +18,16 @@ from gpuscaler.agent.collectors.nvml_calls import DEVICE_GONE, FUNCTION_NOT_FOUN
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """Where a MIG instance sits on its parent: its GPU instance's profile id and first memory slice."""
+    """Where a MIG instance sits on its parent: its GPU instance's id, profile id and first memory slice."""
 
+    # The GPU instance's id on its parent (GKE's device plugin names an instance ``nvidia<minor>/gi<id>``); read
+    # before the GPU instance itself (which needs privilege), so it is kept where the profile and placement are refused.
+    gpu_instance_id: int | None = None
     profile_id: int | None = None
     start: int | None = None
     # Why NVML would not say, where it refused (no permission) rather than lacked the call: names it cannot place
     # carry this reason.
     problem: str | None = None
-
-
-UNPLACED = Placement()
 
 
 def minor_number(nvml: Any, handle: Any) -> int | None:
@@ -40,14 +41,23 @@ def minor_number(nvml: Any, handle: Any) -> int | None:
 
 
 def mig_placement(nvml: Any, parent: Any, instance: Any) -> Placement:
-    """A MIG instance's GPU instance profile id and placement start, through its GPU instance on ``parent``."""
+    """A MIG instance's GPU instance id, profile id and placement start, through its GPU instance on ``parent``."""
     try:
         gpu_instance_id = int(nvml.nvmlDeviceGetGpuInstanceId(instance))
+    except nvml.NVMLError as error:
+        return _unread(nvml, error, None)
+    try:
         info = nvml.nvmlGpuInstanceGetInfo(nvml.nvmlDeviceGetGpuInstanceById(parent, gpu_instance_id))
     except nvml.NVMLError as error:
-        if error.value in (NOT_SUPPORTED, FUNCTION_NOT_FOUND):
-            return UNPLACED
-        if error.value in DEVICE_GONE:
-            raise  # the device went: the discovery fails, as a device lost while listed does
-        return Placement(problem=f"NVML refused to read MIG placement: {describe_error(error)}")
-    return Placement(profile_id=int(info.profileId), start=int(info.placement.start))
+        return _unread(nvml, error, gpu_instance_id)
+    return Placement(gpu_instance_id=gpu_instance_id, profile_id=int(info.profileId), start=int(info.placement.start))
+
+
+def _unread(nvml: Any, error: Any, gpu_instance_id: int | None) -> Placement:
+    """The placement NVML would not give, keeping the GPU instance id where it was read."""
+    if error.value in (NOT_SUPPORTED, FUNCTION_NOT_FOUND):
+        return Placement(gpu_instance_id=gpu_instance_id)
+    if error.value in DEVICE_GONE:
+        raise error  # the device went: the discovery fails, as a device lost while listed does
+    problem = f"NVML refused to read MIG placement: {describe_error(error)}"
+    return Placement(gpu_instance_id=gpu_instance_id, problem=problem)

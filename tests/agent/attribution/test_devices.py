@@ -76,17 +76,39 @@ def placed_as(devices: list[GpuIdentity], named: Named | None, *, source: str = 
         ("nvidia.com/gpu", "2", DeviceKey(index=2)),
         ("nvidia.com/gpu", "1::0", DeviceKey(index=1)),
         ("nvidia.com/gpu", "0:1", DeviceKey(mig_slot=(0, 1))),
+        ("nvidia.com/gpu", "nvidia2/vgpu3", DeviceKey(minor=2)),  # GKE: a time-shared replica
+        ("nvidia.com/gpu", "nvidia3/gi1", DeviceKey(minor=3, gpu_instance=1)),  # GKE: a MIG instance
+        ("nvidia.com/gpu", "nvidia10/gi12/vgpu0", DeviceKey(minor=10, gpu_instance=12)),
         ("amd.com/gpu", "GPU-abc", None),
         ("example.com/fpga", "0", None),
     ],
 )
 def test_device_plugin_ids(resource: str, device_id: str, expected: Named | None) -> None:
-    """UUIDs, shared replicas, indices and nvidia<minor> name a device; MIG-by-index is unplaced; others not ours."""
+    """UUIDs, shared replicas, indices, nvidia<minor> and GKE's forms name a device; others are not ours."""
     assert device_plugin_name(resource, device_id) == expected
 
 
 @pytest.mark.parametrize(
-    "device_id", ["nvidiactl", "", "01", "nvidia-1", " GPU-abc", "3::", "GPU-abc::x", "0:1:2", "-1"]
+    "device_id",
+    [
+        "nvidiactl",
+        "",
+        "01",
+        "nvidia-1",
+        " GPU-abc",
+        "3::",
+        "GPU-abc::x",
+        "0:1:2",
+        "-1",
+        "nvidia0/gi",
+        "nvidia0/vgpu",
+        "nvidia0/gi01",
+        "nvidia0/vgpu1/gi0",
+        "nvidia0/gi1/vgpu1/vgpu2",
+        "/dev/nvidia0/gi1",
+        "nvidia0/gi1::2",
+        "nvidia0/mig1",
+    ],
 )
 def test_malformed_device_plugin_ids_are_unplaced(device_id: str) -> None:
     """An nvidia.com id of no known form is unplaced (its pod's share unknown), naming the forms read."""
@@ -94,6 +116,7 @@ def test_malformed_device_plugin_ids_are_unplaced(device_id: str) -> None:
     assert isinstance(named, Unplaceable)
     assert named.kind is ReadErrorKind.OTHER
     assert "GPU-<uuid>" in named.detail
+    assert "nvidia<minor>/gi<id>" in named.detail
 
 
 @pytest.mark.parametrize(
@@ -175,6 +198,47 @@ def test_mig_index_names_place_by_parent_index_and_nvml_mig_slot() -> None:
     assert placed_as(devices, device_plugin_name("nvidia.com/mig-1g.10gb", "2:1")) is None
 
 
+def test_gke_names_place_by_minor_number_and_gpu_instance_id() -> None:
+    """GKE's nvidia<minor>/vgpu<n> lands on that GPU, nvidia<minor>/gi<id>[/vgpu<n>] on the instance with that GI id."""
+    devices = enumerated(node_nvml())
+    assert placed_as(devices, device_plugin_name("nvidia.com/gpu", "nvidia1/vgpu0")) == "GPU-aaa"
+    assert placed_as(devices, device_plugin_name("nvidia.com/gpu", "nvidia0/vgpu7")) == "GPU-bbb"
+    assert placed_as(devices, device_plugin_name("nvidia.com/gpu", "nvidia3/gi1")) == "MIG-x"
+    assert placed_as(devices, device_plugin_name("nvidia.com/gpu", "nvidia3/gi2/vgpu4")) == "MIG-y"
+
+
+def test_gke_shared_replicas_count_as_the_gpu_or_instance_they_share() -> None:
+    """Pods on two /vgpu replicas of one GPU or MIG instance each hold it, as ``::`` replicas do."""
+    devices = enumerated(node_nvml())
+    names = ["nvidia3/gi1/vgpu0", "nvidia3/gi1/vgpu1", "nvidia1/vgpu0", "nvidia1/vgpu1"]
+    keys = [device_plugin_name("nvidia.com/gpu", name) for name in names]
+    assert all(isinstance(key, DeviceKey) for key in keys)
+    result = place(
+        devices,
+        [
+            Assignment(pod, "nvidia.com/gpu", name, key)
+            for pod, name, key in zip([POD, OTHER, OTHER, POD], names, keys, strict=True)
+            if isinstance(key, DeviceKey)
+        ],
+    )
+    assert result.pods == {"MIG-x": (POD, OTHER), "GPU-aaa": (POD, OTHER)}
+    assert result.unplaced == ()
+
+
+def test_gke_instance_names_are_unplaced_where_nvml_gives_no_gpu_instance_ids() -> None:
+    """Without NVML's GPU instance ids an nvidia<minor>/gi<id> name is unplaced, saying so, never guessed."""
+    devices = [
+        GpuIdentity(0, "GPU-p", "g", minor=0),
+        GpuIdentity(0, "MIG-a", "g", mig_parent_uuid="GPU-p", minor=0),
+    ]
+    named = device_plugin_name("nvidia.com/gpu", "nvidia0/gi1")
+    assert named is not None
+    result = place(devices, [Assignment(POD, "nvidia.com/gpu", "nvidia0/gi1", named)])
+    [unplaced] = result.unplaced
+    assert "NVML did not give the GPU instance ids" in unplaced.detail
+    assert not result.awaiting
+
+
 def test_dynamic_mig_instance_is_unplaced_until_enumerated_then_placed() -> None:
     """An instance a DRA driver makes on demand is unknown until the agent enumerates it, then placed."""
     nvml = node_nvml()
@@ -202,6 +266,14 @@ def test_dynamic_mig_instance_is_unplaced_until_enumerated_then_placed() -> None
         ("nvidia.com/gpu", "2", "the GPU with NVML index 2 is in MIG mode"),
         ("nvidia.com/gpu", "GPU-elsewhere", "no GPU or MIG instance on this node has that UUID"),
         ("nvidia.com/gpu", "2:1", "no MIG instance in slot 1 of the GPU with NVML index 2"),
+        ("nvidia.com/gpu", "nvidia5/vgpu0", "no whole GPU on this node has minor number 5 (theirs: 0, 1)"),
+        ("nvidia.com/gpu", "nvidia3/vgpu0", "the GPU with minor number 3 is in MIG mode"),
+        (
+            "nvidia.com/gpu",
+            "nvidia3/gi7/vgpu1",
+            "no MIG instance with GPU instance id 7 on the GPU with minor number 3 (its GPU instance ids: 1, 2)",
+        ),
+        ("nvidia.com/gpu", "nvidia1/gi1", "no MIG instance with GPU instance id 1 on the GPU with minor number 1"),
     ],
 )
 def test_names_no_device_carries_are_unplaced_with_the_reason(source: str, device: str, detail: str) -> None:
@@ -268,6 +340,8 @@ def test_shared_devices_count_for_each_pod_once() -> None:
         ("gpu.nvidia.com", "gpu-3", False),
         ("gpu.nvidia.com", "not-a-gpu", False),
         ("nvidia.com/gpu", "2:1", True),
+        ("nvidia.com/gpu", "nvidia3/gi7", True),
+        ("nvidia.com/gpu", "nvidia3/vgpu0", False),
     ],
 )
 def test_only_names_a_new_device_could_carry_ask_for_enumeration(source: str, device: str, awaiting: bool) -> None:

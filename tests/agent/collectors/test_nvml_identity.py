@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpuscaler.agent.attribution.devices import Assignment, dra_name, place
+from gpuscaler.agent.attribution.devices import Assignment, device_plugin_name, dra_name, place
 from gpuscaler.agent.collectors.base import CollectorUnavailable
 from gpuscaler.agent.collectors.nvml import NvmlCollector
 from gpuscaler.model.samples import PodRef
@@ -43,16 +43,18 @@ def test_each_gpu_carries_its_minor_number_not_its_index() -> None:
 
 
 def test_mig_instances_carry_parent_minor_profile_and_placement() -> None:
-    """Each MIG instance has its parent's minor number and its own GPU instance's profile id and placement start."""
+    """Each MIG instance has its parent's minor number and its own GPU instance's id, profile id and placement."""
     parent = FakeDevice("GPU-p", minor=3, mig_instances=[mig("MIG-x", 1, 19, 6), None, mig("MIG-y", 2, 14, 0)])
     collector = started(FakeNvml([FakeDevice("GPU-plain", minor=5), parent]))
 
     devices = collector.discover()
 
-    assert [(d.uuid, d.index, d.minor, d.gpu_instance_profile_id, d.placement_start) for d in devices] == [
-        ("GPU-plain", 0, 5, None, None),
-        ("MIG-x", 1, 3, 19, 6),
-        ("MIG-y", 1, 3, 14, 0),
+    assert [
+        (d.uuid, d.index, d.minor, d.gpu_instance_id, d.gpu_instance_profile_id, d.placement_start) for d in devices
+    ] == [
+        ("GPU-plain", 0, 5, None, None, None),
+        ("MIG-x", 1, 3, 1, 19, 6),
+        ("MIG-y", 1, 3, 2, 14, 0),
     ]
 
 
@@ -130,6 +132,26 @@ def test_refused_mig_placement_leaves_gpus_listed_and_names_unplaced_with_the_re
     [unplaced] = placed.unplaced
     assert "NVML refused to read MIG placement" in unplaced.detail
     assert "NVML error 4" in unplaced.detail
+
+
+def test_refused_mig_placement_keeps_the_gpu_instance_id_that_places_gke_names() -> None:
+    """Without privilege the GPU instance id is still read, so GKE's nvidia<minor>/gi<id> name is placed."""
+    parent = FakeDevice(
+        "GPU-p",
+        minor=3,
+        errors={"nvmlDeviceGetGpuInstanceById": NO_PERMISSION},
+        mig_instances=[mig("MIG-x", 1, 19, 0), mig("MIG-y", 4, 19, 1)],
+    )
+    devices = list(started(FakeNvml([parent])).discover())
+
+    assert [(d.uuid, d.gpu_instance_id, d.gpu_instance_profile_id) for d in devices] == [
+        ("MIG-x", 1, None),
+        ("MIG-y", 4, None),
+    ]
+    named = device_plugin_name("nvidia.com/gpu", "nvidia3/gi4/vgpu0")
+    assert named is not None
+    placed = place(devices, [Assignment(PodRef("ml", "p", "c"), "nvidia.com/gpu", "nvidia3/gi4/vgpu0", named)])
+    assert placed.pods == {"MIG-y": (PodRef("ml", "p", "c"),)}
 
 
 def test_gpu_lost_while_reading_a_mig_placement_fails_the_discovery() -> None:
