@@ -397,7 +397,8 @@ def test_the_downward_api_names_the_node_and_pod(helm: Helm) -> None:
 
 
 def test_default_settings_are_the_documented_ones(helm: Helm) -> None:
-    """The defaults as environment variables: nvml, both listeners, JSON logs, the kubelet's PodResources socket."""
+    """The defaults as environment variables: nvml, both listeners, JSON logs, the kubelet's PodResources socket and
+    NVIDIA's DRA driver."""
     assert env_values(agent_container(daemonset(helm))) == {
         "GPUSCALER_COLLECTOR": "nvml",
         "GPUSCALER_LISTEN": "0.0.0.0:6000",
@@ -408,6 +409,7 @@ def test_default_settings_are_the_documented_ones(helm: Helm) -> None:
         "GPUSCALER_DRAIN_TIMEOUT": "5",
         "GPUSCALER_METRICS_LISTEN": "0.0.0.0:9402",
         "GPUSCALER_POD_RESOURCES_SOCKET": "/var/lib/kubelet/pod-resources/kubelet.sock",
+        "GPUSCALER_DRA_DRIVERS": "gpu.nvidia.com",
         "GPUSCALER_PROCESSES": "false",
         **connection_limit_defaults(),
     }
@@ -433,6 +435,12 @@ SETTABLE = [
     ),
     ("agent.collector=fake,agent.fake.gpus=16", "GPUSCALER_FAKE_GPUS", "16"),
     ("agent.processes.enabled=true", "GPUSCALER_PROCESSES", "true"),
+    (
+        "agent.podResources.draDrivers={gpu.nvidia.com,gpu.example.com}",
+        "GPUSCALER_DRA_DRIVERS",
+        "gpu.nvidia.com,gpu.example.com",
+    ),
+    ("agent.podResources.draDrivers=null", "GPUSCALER_DRA_DRIVERS", ""),
     ("agent.tls.secretName=t", "GPUSCALER_TLS_CERT", "/etc/gpuscaler/tls/tls.crt"),
     ("agent.tls.secretName=t", "GPUSCALER_TLS_KEY", "/etc/gpuscaler/tls/tls.key"),
     ("agent.tls.secretName=t,agent.tls.reloadInterval=30", "GPUSCALER_TLS_RELOAD_INTERVAL", "30"),
