@@ -22,8 +22,7 @@ from grpclib.client import Channel, Handler
 from grpclib.config import Configuration
 from grpclib.const import Cardinality
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
-from grpclib.protocol import Connection, EventsProcessor, H2Protocol, _set_nodelay
-from h2.settings import SettingCodes
+from grpclib.protocol import Connection, EventsProcessor, H2Protocol
 
 from gpuscaler.flags import Address
 from gpuscaler.gateway.decoding import MalformedSnapshot, SnapshotDecoder, watch_request
@@ -31,7 +30,7 @@ from gpuscaler.gateway.discovery import lookup_failure
 from gpuscaler.gateway.view import AgentRefused, ClusterView
 from gpuscaler.generated.pb2.gpuscaler.v1 import agent_pb2
 from gpuscaler.model.staleness import snapshot_stale_after
-from gpuscaler.server.transport.h2 import QuietH2Connection
+from gpuscaler.server.transport.h2 import QuietH2Connection, started_connection
 
 log = structlog.get_logger(__name__)
 
@@ -46,18 +45,7 @@ class _QuietProtocol(H2Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # grpclib 0.4.9's H2Protocol.connection_made (pinned), with our H2Connection in place of h2's.
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            _set_nodelay(sock)
-        h2_conn = QuietH2Connection(config=self.h2_config)
-        h2_conn.initiate_connection()
-        initial = h2_conn.local_settings.initial_window_size
-        conn_delta = self.config.http2_connection_window_size - initial
-        stream_delta = self.config.http2_stream_window_size - initial
-        if conn_delta:
-            h2_conn.increment_flow_control_window(conn_delta)
-        if stream_delta:
-            h2_conn.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: self.config.http2_stream_window_size})
+        h2_conn = started_connection(QuietH2Connection, transport, self.h2_config, self.config)
         self.connection = Connection(h2_conn, cast(asyncio.Transport, transport), config=self.config)
         self.connection.flush()
         self.connection.initialize()

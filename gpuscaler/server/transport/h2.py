@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
-from grpclib.protocol import Connection, Stream
+from grpclib.config import Configuration
+from grpclib.protocol import Connection, Stream, _set_nodelay
+from h2.config import H2Configuration
 from h2.connection import H2Connection, _decode_headers
 from h2.errors import ErrorCodes
 from h2.events import Event
 from h2.exceptions import ProtocolError, StreamClosedError, StreamIDTooLowError, TooManyStreamsError
 from h2.frame_buffer import FrameBuffer
+from h2.settings import SettingCodes
 from h2.stream import StreamClosedBy
 from hyperframe.exceptions import InvalidPaddingError
 from hyperframe.frame import Frame, HeadersFrame, RstStreamFrame
@@ -47,6 +50,29 @@ def peer_name(transport: asyncio.BaseTransport) -> str:
     """The peer's ``host:port`` as logs and the limits' counts name it."""
     peer = transport.get_extra_info("peername")
     return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer)
+
+
+_C = TypeVar("_C", bound=H2Connection)
+
+
+def started_connection(
+    kind: type[_C], transport: asyncio.BaseTransport, h2_config: H2Configuration, config: Configuration
+) -> _C:
+    """grpclib 0.4.9's ``H2Protocol.connection_made`` (pinned) up to its Connection, with ``kind`` in place of h2's
+    connection: TCP_NODELAY, the preface, and the windows ``config`` asks for. Both sides' protocols start here."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        _set_nodelay(sock)
+    h2_conn = kind(config=h2_config)
+    h2_conn.initiate_connection()
+    initial = h2_conn.local_settings.initial_window_size
+    conn_delta = config.http2_connection_window_size - initial
+    stream_delta = config.http2_stream_window_size - initial
+    if conn_delta:
+        h2_conn.increment_flow_control_window(conn_delta)
+    if stream_delta:
+        h2_conn.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: config.http2_stream_window_size})
+    return h2_conn
 
 
 class QuietH2Connection(H2Connection):

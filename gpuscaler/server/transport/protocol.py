@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from grpclib.metadata import decode_timeout
-from grpclib.protocol import EventsProcessor, H2Protocol, _set_nodelay
+from grpclib.protocol import EventsProcessor, H2Protocol
 from grpclib.server import Handler as ConnectionHandler
 from h2.errors import ErrorCodes
 from h2.events import (
@@ -30,6 +30,7 @@ from gpuscaler.server.transport.h2 import (
     CoalescingTransport,
     WindowWaitingConnection,
     peer_name,
+    started_connection,
 )
 from gpuscaler.server.transport.lean_streams import LeanStream
 from gpuscaler.server.transport.limits import CALL_RESERVE, PINGS_PER_CALL, ConnectionGuard
@@ -380,18 +381,7 @@ class ManyStreamsProtocol(H2Protocol):
     def _grpclib_connection_made(self, transport: asyncio.BaseTransport) -> None:
         # grpclib 0.4.9's H2Protocol.connection_made (pinned), with our H2Connection in place of h2's
         # and our transport around the socket's.
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            _set_nodelay(sock)
-        h2_conn = BoundedH2Connection(config=self.h2_config)
-        h2_conn.initiate_connection()
-        initial = h2_conn.local_settings.initial_window_size
-        conn_delta = self.config.http2_connection_window_size - initial
-        stream_delta = self.config.http2_stream_window_size - initial
-        if conn_delta:
-            h2_conn.increment_flow_control_window(conn_delta)
-        if stream_delta:
-            h2_conn.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: self.config.http2_stream_window_size})
+        h2_conn = started_connection(BoundedH2Connection, transport, self.h2_config, self.config)
         self._coalescing = CoalescingTransport(cast(asyncio.Transport, transport))
         self.connection = WindowWaitingConnection(
             h2_conn, cast(asyncio.Transport, self._coalescing), config=self.config
