@@ -33,13 +33,15 @@ class Assignment:
 
 @dataclass(frozen=True, slots=True)
 class DraAssignment:
-    """One container holding a DRA claim's devices, as (driver, device name) pairs."""
+    """One container holding a DRA claim's devices, as (driver, device name) pairs; ``share_id`` is the claim's
+    share of a device with consumable capacity (``ClaimResource.share_id``), None when the claim holds it all."""
 
     namespace: str
     pod: str
     devices: tuple[tuple[str, str], ...]
     container: str = "main"
     claim: str = "gpu-claim"
+    share_id: str | None = None
 
 
 def short_socket_path(name: str = "kubelet.sock") -> Path:
@@ -95,7 +97,9 @@ class FakeKubelet(kubelet.PodResourcesListerBase):
                         claim_name=item.claim,
                         claim_namespace=item.namespace,
                         claim_resources=[
-                            kubelet.ClaimResource(driver_name=driver, pool_name="node", device_name=device)
+                            kubelet.ClaimResource(
+                                driver_name=driver, pool_name="node", device_name=device, share_id=item.share_id
+                            )
                             for driver, device in item.devices
                         ],
                     )

@@ -1,4 +1,5 @@
-"""GPM, energy and per-pod shares through every path: fake NVML -> agent -> wire -> gateway -> KEDA and `query`."""
+"""GPM, energy and per-pod shares (time-sliced or DRA-shared GPUs) through every path: fake NVML -> agent -> wire ->
+gateway -> KEDA and `query`."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from gpuscaler.client.render import idle_energy_line
 from gpuscaler.gateway.process import Gateway
 from gpuscaler.generated.gpuscaler import v1 as pb
 from tests.conftest import serve_settings
-from tests.fakes.fake_kubelet import Assignment, FakeKubelet, short_socket_path
+from tests.fakes.fake_kubelet import Assignment, DraAssignment, FakeKubelet, short_socket_path
 from tests.fakes.fake_nvml import FakeDevice, FakeNvml, FakeProcess
 from tests.gateway.calls import explain, value, view_has
 from tests.gateway.conftest import gateway_settings
@@ -40,7 +41,9 @@ async def start_pair(tmp_path: Path) -> AsyncIterator[StartPair]:
     """Starts one agent over fake NVML (processes read from a fixture /proc) and a gateway over it."""
     started: list[tuple[Agent, Gateway, FakeKubelet]] = []
 
-    async def start(nvml: FakeNvml, *assignments: Assignment, pods: str = "") -> tuple[Agent, Gateway]:
+    async def start(
+        nvml: FakeNvml, *assignments: Assignment | DraAssignment, pods: str = "", processes: bool = True
+    ) -> tuple[Agent, Gateway]:
         kubelet = await FakeKubelet(short_socket_path()).start()
         kubelet.assign(list(assignments))
         proc = tmp_path / "proc"
@@ -50,12 +53,13 @@ async def start_pair(tmp_path: Path) -> AsyncIterator[StartPair]:
         settings = replace(
             serve_settings(
                 *("--collector", "nvml", "--poll-interval", "0.1", "--drain-timeout", "0.5"),
-                *("--pod-resources-socket", str(kubelet.socket_path), "--processes", "true"),
+                *("--pod-resources-socket", str(kubelet.socket_path), "--processes", str(processes).lower()),
             ),
             pod_resources_interval_seconds=0.1,
             proc_root=proc,
         )
-        collector = NvmlCollector(node="node-a", nvml=nvml, processes=ProcReader(settings.proc_root))
+        reader = ProcReader(settings.proc_root) if processes else None
+        collector = NvmlCollector(node="node-a", nvml=nvml, processes=reader)
         agent = await Agent.start(settings, collector)
         directory = tmp_path / "pods.yaml"
         directory.write_text(pods or "pods: []\n")
@@ -174,22 +178,43 @@ async def test_a_window_over_a_shared_gpu_reads_each_pods_own_share(start_pair: 
     assert all(g.share.startswith("own share") for g in explanation.gpus)
 
 
-async def test_pods_sharing_a_gpu_each_count_their_own_share_and_query_says_so(start_pair: StartPair) -> None:
-    """Two pods on one time-sliced GPU: each counts its own process (30 and 50), `gpuscaler query` names the basis."""
-    device = FakeDevice(
-        "GPU-shared", gpu_percent=90, processes=[FakeProcess(101, live=(30, 10)), FakeProcess(201, live=(50, 20))]
-    )
-    pods = (
-        "pods:\n"
-        f"  - {{namespace: ml, pod: vllm-a, workload: vllm, uid: {UID_A}}}\n"
-        f"  - {{namespace: ml, pod: vllm-b, workload: vllm, uid: {UID_B}}}\n"
-    )
-    _, gateway = await start_pair(
-        FakeNvml([device]),
-        Assignment("ml", "vllm-a", ("GPU-shared::0",)),
-        Assignment("ml", "vllm-b", ("GPU-shared::1",)),
-        pods=pods,
-    )
+# The ways two pods come to hold one GPU, each counted alike. The GPU's minor number (3) is not its index (0), so a DRA
+# name placed by index would leave it unplaced.
+SHARINGS = [
+    pytest.param(
+        (Assignment("ml", "vllm-a", ("GPU-shared::0",)), Assignment("ml", "vllm-b", ("GPU-shared::1",))),
+        id="time-sliced-replicas",
+    ),
+    pytest.param(
+        (
+            DraAssignment("ml", "vllm-a", (("gpu.nvidia.com", "gpu-3"),), claim="shared-gpu"),
+            DraAssignment("ml", "vllm-b", (("gpu.nvidia.com", "gpu-3"),), claim="shared-gpu"),
+        ),
+        id="one-dra-claim",
+    ),
+    pytest.param(
+        (
+            DraAssignment("ml", "vllm-a", (("gpu.nvidia.com", "gpu-3"),), claim="vllm-a-gpu", share_id="5c3f-a"),
+            DraAssignment("ml", "vllm-b", (("gpu.nvidia.com", "gpu-3"),), claim="vllm-b-gpu", share_id="5c3f-b"),
+        ),
+        id="dra-share-ids",
+    ),
+]
+
+
+def shared_gpu() -> FakeNvml:
+    """One GPU (index 0, minor number 3), 90% busy: vllm-a's process 30% of it, vllm-b's 50%."""
+    processes = [FakeProcess(101, live=(30, 10)), FakeProcess(201, live=(50, 20))]
+    return FakeNvml([FakeDevice("GPU-shared", gpu_percent=90, minor=3, processes=processes)])
+
+
+@pytest.mark.parametrize("holders", SHARINGS)
+async def test_pods_sharing_a_gpu_each_count_their_own_share_and_query_says_so(
+    start_pair: StartPair, holders: tuple[Assignment | DraAssignment, ...]
+) -> None:
+    """Two pods on one GPU, as time-sliced replicas, through one DRA claim, or by DRA share ids: each counts its own
+    process (30 and 50), `gpuscaler query` names the basis."""
+    _, gateway = await start_pair(shared_gpu(), *holders, pods=SHARED_PODS)
 
     async def answer() -> float:
         return await value(gateway, workload="vllm")
@@ -207,6 +232,24 @@ async def test_pods_sharing_a_gpu_each_count_their_own_share_and_query_says_so(s
     assert report.explanation is not None
     assert {g["share"] for g in report.explanation["gpus"]} == {
         "own share: 1 of its 2 processes, on a GPU shared by 2 pods"
+    }
+
+
+@pytest.mark.parametrize("holders", SHARINGS)
+async def test_without_process_reads_each_pod_sharing_a_gpu_counts_it_whole(
+    start_pair: StartPair, holders: tuple[Assignment | DraAssignment, ...]
+) -> None:
+    """The same sharings with --processes false: each pod counts the whole GPU (90 + 90), and says it is shared."""
+    _, gateway = await start_pair(shared_gpu(), *holders, pods=SHARED_PODS, processes=False)
+
+    async def answer() -> float:
+        return await value(gateway, workload="vllm")
+
+    assert await until_result(answer, lambda v: v == pytest.approx(180.0)) == pytest.approx(180.0)
+    explanation: pb.Explanation = await explain(gateway, workload="vllm")
+    assert {(g.pod, g.value) for g in explanation.gpus} == {("vllm-a", 90.0), ("vllm-b", 90.0)}
+    assert {g.share for g in explanation.gpus} == {
+        "whole GPU, shared by 2 pods: the agent reads no processes (--processes)"
     }
 
 
