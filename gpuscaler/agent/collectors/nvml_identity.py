@@ -5,7 +5,8 @@ device.
 A driver without the call, or a device it does not apply to, answers NOT_SUPPORTED or FUNCTION_NOT_FOUND: the fact
 is then None, and a name that needs it is not placed (its pod's share is unknown), never guessed from the index.
 Reading a MIG placement needs a privileged user (nvmlDeviceGetGpuInstanceById), which the chart's agent is not: any
-refusal but a device gone leaves the placement unknown with NVML's reason, so discovery still lists every GPU.
+refusal but a device gone leaves the placement unknown with NVML's reason, so discovery still lists every GPU; a
+refused minor number is unknown too.
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from gpuscaler.agent.collectors.nvml_calls import DEVICE_GONE, FUNCTION_NOT_FOUND, NOT_SUPPORTED, describe_error
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,13 +36,17 @@ class Placement:
 
 
 def minor_number(nvml: Any, handle: Any) -> int | None:
-    """The physical GPU's ``/dev/nvidiaN`` number, or None where NVML does not give one."""
+    """The physical GPU's ``/dev/nvidiaN`` number, or None where NVML does not give one or refuses it (logged: the
+    GPU is still listed, and only the names that need its number stay unplaced)."""
     try:
         return int(nvml.nvmlDeviceGetMinorNumber(handle))
     except nvml.NVMLError as error:
         if error.value in (NOT_SUPPORTED, FUNCTION_NOT_FOUND):
             return None
-        raise
+        if error.value in DEVICE_GONE:
+            raise  # the device went: the discovery fails, as a device lost while listed does
+        log.warning("minor_number_unreadable", reason=describe_error(error))
+        return None
 
 
 def mig_placement(nvml: Any, parent: Any, instance: Any) -> Placement:

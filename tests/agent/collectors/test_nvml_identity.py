@@ -109,6 +109,26 @@ def test_other_failure_of_a_fact_is_a_failed_discovery() -> None:
         collector.discover()
 
 
+def test_a_refused_minor_number_leaves_the_gpu_listed_and_its_minor_names_unplaced() -> None:
+    """NO_PERMISSION on the minor number lists the GPU with none: a gpu-<minor> name is unplaced, its UUID still
+    places."""
+    refused = FakeDevice("GPU-a", minor=1, errors={"nvmlDeviceGetMinorNumber": NO_PERMISSION})
+    devices = list(started(FakeNvml([FakeDevice("GPU-plain", minor=0), refused])).discover())
+
+    assert [(d.uuid, d.minor) for d in devices] == [("GPU-plain", 0), ("GPU-a", None)]
+    pod = PodRef("ml", "p", "c")
+    by_minor = dra_name("gpu.nvidia.com", "gpu-1")
+    by_uuid = device_plugin_name("nvidia.com/gpu", "GPU-a")
+    assert by_minor is not None
+    assert by_uuid is not None
+    placed = place(
+        devices,
+        [Assignment(pod, "gpu.nvidia.com", "gpu-1", by_minor), Assignment(pod, "nvidia.com/gpu", "GPU-a", by_uuid)],
+    )
+    assert placed.pods == {"GPU-a": (pod,)}
+    assert [u.device for u in placed.unplaced] == ["gpu.nvidia.com device 'gpu-1'"]
+
+
 def test_refused_mig_placement_leaves_gpus_listed_and_names_unplaced_with_the_reason() -> None:
     """An agent without privilege (NO_PERMISSION on the GPU instance) still lists every GPU; a DRA MIG name says why."""
     parent = FakeDevice(
