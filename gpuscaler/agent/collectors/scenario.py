@@ -18,19 +18,38 @@
           sm_active: {shape: sine, min: 10, max: 60, period: 120s}    # GPM metrics, as on Hopper
           tensor_active: 30
           nvlink_tx: {shape: square, low: 0, high: 80000, period: 20s}  # MB/s, as pcie_tx, pcie_rx, nvlink_rx
+      1:
+        minor: 1                   # DRA names its instances gpu-1-mig-1g10gb-19-0 and gpu-1-mig-3g40gb-9-4
+        values: {temperature: 60}  # a GPU in MIG mode: its instances read its temperature
+        mig:                       # MIG mode: the GPU is enumerated as these instances in place of itself
+          - profile: 1g.10gb       # as NVIDIA writes it (<n>g.<m>gb, optionally +me and the like)
+            profile_id: 19         # GPU instance profile id (nvmlGpuInstanceGetInfo's profileId)
+            placement_start: 0     # its first memory slice
+            gpu_instance_id: 7     # default: 1 + its position in the list
+            uuid: MIG-busy-1-0     # default MIG-fake-<node>-<index>-<position>
+            values: {gpu_utilization: 80, memory_used_percent: 50}
+          - {profile: 3g.40gb, profile_id: 9, placement_start: 4}
 
 Shapes take their time from the agent's start. Every error names the path of the bad entry. ``power_average``
 is not set: it is computed from the energy counter, which a fake GPU counts from its power draw.
+
+A GPU with ``mig`` is in MIG mode, as NVML enumerates one: each instance is a device of the GPU's index and minor
+number, ``<name> MIG <profile>``, with ``<m>`` GiB of memory (at most the GPU's). An instance reads what
+docs/mig.md says a MIG instance has: its own ``values`` (over the defaults' and an idle GPU's) of
+``gpu_utilization``, ``memory_used_percent`` and the GPM metrics, and its GPU's temperature; power, energy,
+``memory_utilization`` and PCIe/NVLink traffic are absent. ``mig: []`` is MIG mode with no instance made yet.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
+from gpuscaler.agent.collectors.shapes import Constant, Ramp, Shape, Sine, Square, Triangle
 from gpuscaler.model.durations import parse_duration
 from gpuscaler.model.errors import ConfigError
 from gpuscaler.model.gpu_metrics import METRICS, Metric
@@ -39,6 +58,20 @@ DEFAULT_MEMORY_TOTAL_BYTES = 80 * 1024**3
 DEFAULT_POWER_LIMIT_WATTS = 700.0
 FAKE_GPU_NAME = "Fake GPU"
 MAX_MINOR = 254  # /dev/nvidia255 is nvidiactl
+# A MIG profile as NVIDIA writes it: ``1g.10gb``, ``1c.2g.20gb``, ``1g.10gb+me``, ``1g.24gb+me.all``, ``1g.12gb-me``.
+MIG_PROFILE = re.compile(r"^(?:[0-9]+c\.)?[0-9]+g\.([0-9]+)gb(?:[+-][a-z][a-z0-9]*(?:\.[a-z][a-z0-9]*)*)*$")
+# What a MIG instance reads of its own (docs/mig.md): its temperature is its GPU's, and power, energy, memory
+# controller time and PCIe/NVLink traffic are the physical GPU's alone.
+MIG_METRICS = frozenset(
+    {
+        Metric.GPU_UTILIZATION,
+        Metric.MEMORY_USED_PERCENT,
+        Metric.SM_ACTIVE,
+        Metric.SM_OCCUPANCY,
+        Metric.TENSOR_ACTIVE,
+        Metric.DRAM_BANDWIDTH,
+    }
+)
 
 # An idle GPU: nothing running, a cool die, idle board power (power_percent is computed from power_draw).
 IDLE_VALUES: Mapping[Metric, float] = {
@@ -46,74 +79,23 @@ IDLE_VALUES: Mapping[Metric, float] = {
 }
 
 
-class Shape(Protocol):
-    """A value over time: what a fake GPU reads for one metric, seconds after the agent started."""
-
-    def at(self, seconds: float) -> float:
-        """The value ``seconds`` after the start."""
-
-
 @dataclass(frozen=True, slots=True)
-class Constant:
-    """The same value at every moment (what ``fake set`` and a plain number in a scenario give)."""
+class MigScenario:
+    """One MIG instance of a fake GPU in MIG mode: its profile, placement, GPU instance id and own values."""
 
-    value: float
+    profile: str
+    profile_id: int
+    placement_start: int
+    gpu_instance_id: int
+    uuid: str | None = None
+    values: Mapping[Metric, Shape] = field(default_factory=dict)
 
-    def at(self, seconds: float) -> float:
-        return self.value
-
-
-@dataclass(frozen=True, slots=True)
-class Sine:
-    """A sine wave between ``low`` and ``high`` with a ``period`` in seconds, shifted by ``phase`` seconds."""
-
-    low: float
-    high: float
-    period: float
-    phase: float = 0.0
-
-    def at(self, seconds: float) -> float:
-        middle, amplitude = (self.high + self.low) / 2, (self.high - self.low) / 2
-        return middle + amplitude * math.sin(2 * math.pi * (seconds + self.phase) / self.period)
-
-
-@dataclass(frozen=True, slots=True)
-class Square:
-    """``high`` for the first half of each ``period`` seconds, ``low`` for the second half."""
-
-    low: float
-    high: float
-    period: float
-
-    def at(self, seconds: float) -> float:
-        return self.high if (seconds % self.period) < self.period / 2 else self.low
-
-
-@dataclass(frozen=True, slots=True)
-class Triangle:
-    """A straight rise from ``low`` to ``high`` and back down again, once every ``period`` seconds."""
-
-    low: float
-    high: float
-    period: float
-
-    def at(self, seconds: float) -> float:
-        position = (seconds % self.period) / self.period
-        rise = 2 * position if position < 0.5 else 2 * (1 - position)
-        return self.low + (self.high - self.low) * rise
-
-
-@dataclass(frozen=True, slots=True)
-class Ramp:
-    """A straight line from ``start`` to ``end`` over ``duration`` seconds, then holding at ``end``."""
-
-    start: float
-    end: float
-    duration: float
-
-    def at(self, seconds: float) -> float:
-        progress = min(max(seconds / self.duration, 0.0), 1.0)
-        return self.start + (self.end - self.start) * progress
+    @property
+    def memory_gibibytes(self) -> int:
+        """The ``<m>`` of its profile's ``<n>g.<m>gb``."""
+        match = MIG_PROFILE.match(self.profile)
+        assert match is not None  # checked when parsed
+        return int(match.group(1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +108,8 @@ class GpuScenario:
     memory_total_bytes: int | None = None
     power_limit_watts: float | None = None
     values: Mapping[Metric, Shape] = field(default_factory=dict)
+    # MIG mode's instances, in slot order; None: not in MIG mode (an empty tuple is MIG mode with none made yet).
+    mig: tuple[MigScenario, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +156,23 @@ def parse_scenario(document: Any, *, gpu_count: int) -> Scenario:
                 f"{gpu_count - 1} minus its index); give each GPU its own"
             )
         holders[minor] = index
+    _check_mig_uuids(scenario)
     return scenario
+
+
+def _check_mig_uuids(scenario: Scenario) -> None:
+    """No two devices share a UUID: each MIG instance's set UUID is its own."""
+    owners = {gpu.uuid: f"gpus.{index}.uuid" for index, gpu in scenario.gpus.items() if gpu.uuid is not None}
+    for index, gpu in sorted(scenario.gpus.items()):
+        for slot, instance in enumerate(gpu.mig or ()):
+            if instance.uuid is None:
+                continue
+            path = f"gpus.{index}.mig.{slot}.uuid"
+            if instance.uuid in owners:
+                raise ConfigError(
+                    f"{path} {instance.uuid!r} is {owners[instance.uuid]}'s too; give each device its own"
+                )
+            owners[instance.uuid] = path
 
 
 def fake_minor(scenario: Scenario, index: int, gpu_count: int) -> int:
@@ -190,12 +190,11 @@ def parse_value(metric_name: str, text: str) -> tuple[Metric, float]:
 def _gpu(document: Any, path: str, *, identity: bool) -> GpuScenario:
     if document is None:
         return GpuScenario()
-    allowed = {"memory_total_bytes", "power_limit_watts", "values"} | ({"uuid", "name", "minor"} if identity else set())
+    allowed = {"memory_total_bytes", "power_limit_watts", "values"} | (
+        {"uuid", "name", "minor", "mig"} if identity else set()
+    )
     entry = _mapping(document, path, allowed)
-    values: dict[Metric, Shape] = {}
-    for name, spec in _mapping(entry.get("values", {}), f"{path}.values", None).items():
-        metric = _metric(name, f"{path}.values")
-        values[metric] = _shape(spec, f"{path}.values.{metric.value}", metric)
+    values = _values(entry.get("values", {}), f"{path}.values")
     if Metric.POWER_DRAW in values and Metric.POWER_PERCENT in values:
         raise ConfigError(f"{path}.values sets both power_draw and power_percent; set one")
     return GpuScenario(
@@ -211,7 +210,78 @@ def _gpu(document: Any, path: str, *, identity: bool) -> GpuScenario:
             _positive(entry["power_limit_watts"], f"{path}.power_limit_watts") if "power_limit_watts" in entry else None
         ),
         values=values,
+        mig=_mig(entry["mig"], f"{path}.mig") if "mig" in entry else None,
     )
+
+
+def _values(document: Any, path: str) -> dict[Metric, Shape]:
+    values: dict[Metric, Shape] = {}
+    for name, spec in _mapping(document, path, None).items():
+        metric = _metric(name, path)
+        values[metric] = _shape(spec, f"{path}.{metric.value}", metric)
+    return values
+
+
+def _mig(document: Any, path: str) -> tuple[MigScenario, ...]:
+    if not isinstance(document, list):
+        raise ConfigError(f"{path} must be a list of MIG instances, not {type(document).__name__}")
+    instances: list[MigScenario] = []
+    placements: dict[tuple[int, int], int] = {}
+    instance_ids: dict[int, int] = {}
+    for slot, item in enumerate(document):
+        here = f"{path}.{slot}"
+        entry = _mapping(item, here, {"profile", "profile_id", "placement_start", "gpu_instance_id", "uuid", "values"})
+        missing = [key for key in ("profile", "profile_id", "placement_start") if key not in entry]
+        if missing:
+            raise ConfigError(f"{here} lacks {', '.join(missing)}")
+        profile = entry["profile"]
+        if not isinstance(profile, str) or not MIG_PROFILE.match(profile):
+            raise ConfigError(
+                f"{here}.profile {profile!r} is not a MIG profile; write it as NVIDIA does: <n>g.<m>gb, "
+                "optionally with a suffix such as +me (1g.10gb, 3g.40gb, 1g.10gb+me)"
+            )
+        profile_id = _whole(entry["profile_id"], f"{here}.profile_id")
+        start = _whole(entry["placement_start"], f"{here}.placement_start")
+        if (profile_id, start) in placements:
+            other = f"{path}.{placements[profile_id, start]}"
+            raise ConfigError(
+                f"{here} (profile_id {profile_id}, placement_start {start}) is {other}'s placement too; a GPU holds "
+                "one instance per profile and placement"
+            )
+        placements[profile_id, start] = slot
+        gpu_instance_id = (
+            _whole(entry["gpu_instance_id"], f"{here}.gpu_instance_id") if "gpu_instance_id" in entry else slot + 1
+        )
+        if gpu_instance_id in instance_ids:
+            raise ConfigError(
+                f"{here}.gpu_instance_id {gpu_instance_id} is {path}.{instance_ids[gpu_instance_id]}'s too (unset, it "
+                "is 1 + the position in the list); give each instance on a GPU its own"
+            )
+        instance_ids[gpu_instance_id] = slot
+        uuid = None
+        if "uuid" in entry:
+            uuid = _string(entry["uuid"], f"{here}.uuid")
+            if not uuid.startswith("MIG-"):
+                raise ConfigError(f"{here}.uuid {uuid!r} must start with 'MIG-', as NVML's MIG instance UUIDs do")
+        values = _values(entry.get("values", {}), f"{here}.values")
+        for metric in values:
+            if metric not in MIG_METRICS:
+                raise ConfigError(
+                    f"{here}.values.{metric.value}: a MIG instance has no {metric.value} of its own (docs/mig.md); "
+                    f"set one of: {', '.join(sorted(m.value for m in MIG_METRICS))}"
+                    + ("; its temperature is its GPU's" if metric is Metric.TEMPERATURE else "")
+                )
+        instances.append(
+            MigScenario(
+                profile=profile,
+                profile_id=profile_id,
+                placement_start=start,
+                gpu_instance_id=gpu_instance_id,
+                uuid=uuid,
+                values=values,
+            )
+        )
+    return tuple(instances)
 
 
 _SHAPE_FIELDS = {
@@ -317,6 +387,12 @@ def _gpu_index(key: Any, gpu_count: int) -> int:
     if not 0 <= index < gpu_count:
         raise ConfigError(f"gpus.{index} is out of range; --fake-gpus {gpu_count} gives indices 0-{gpu_count - 1}")
     return index
+
+
+def _whole(value: Any, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{path} {value!r} must be a whole number >= 0")
+    return value
 
 
 def _minor(value: Any, path: str) -> int:

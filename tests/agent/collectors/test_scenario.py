@@ -9,19 +9,8 @@ from typing import Any
 import pytest
 
 from gpuscaler.agent.collectors.fake import FakeCollector
-from gpuscaler.agent.collectors.scenario import (
-    Constant,
-    GpuScenario,
-    Ramp,
-    Scenario,
-    Shape,
-    Sine,
-    Square,
-    Triangle,
-    load_scenario,
-    parse_scenario,
-    parse_value,
-)
+from gpuscaler.agent.collectors.scenario import GpuScenario, Scenario, load_scenario, parse_scenario, parse_value
+from gpuscaler.agent.collectors.shapes import Constant, Ramp, Shape, Sine, Square, Triangle
 from gpuscaler.model.errors import ConfigError
 from gpuscaler.model.gpu_metrics import Metric
 
