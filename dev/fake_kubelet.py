@@ -7,6 +7,13 @@ moves GPUs between pods while the stack runs. The sockets are made as the kubele
 a ``0750`` folder, both the owner's, so only an agent running as the same user can connect (the chart runs the
 agent as uid 0 for that reason; docs/install.md).
 
+The file's ``nodes`` map each node to its pods, ``NAMESPACE/POD``, and each pod to what it holds: a list of GPU
+indices (the NVIDIA device plugin's devices, ``GPU-fake-<node>-<index>``), or a mapping with ``gpus`` (the same list)
+and ``dra`` (DRA devices as NVIDIA's DRA driver names them: ``gpu-<minor>``,
+``gpu-<minor>-mig-<profile>-<profileId>-<placement>``, ``gpu-vfio-<index>``), reported as ``dynamic_resources``: one
+claim ``<pod>-gpu`` in the pod's namespace, driver ``gpu.nvidia.com``, pool the node's name. A fake GPU's minor number
+counts down from the node's last index (gpuscaler/agent/collectors/fake.py), so ``gpu-0`` on a node of 4 is GPU 3.
+
 Usage: ``python dev/fake_kubelet.py --assignments dev/kubelet.yaml --socket-dir DIR``; ``DIR/<node>.sock`` for each
 node in the file.
 """
@@ -26,9 +33,13 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from grpclib.server import Server
 
+from gpuscaler.agent.attribution.devices import NVIDIA_DRA_DRIVER, DeviceKey, dra_name
 from gpuscaler.generated import v1 as kubelet
+from gpuscaler.model.samples import ReadErrorKind
 
 GPU_RESOURCE = "nvidia.com/gpu"
+HELD_KEYS = ("gpus", "dra")
+DRA_FORMS = "gpu-<minor>, gpu-<minor>-mig-<profile>-<profileId>-<placement> or gpu-vfio-<index>"
 SOCKET_MODE = 0o755  # the kubelet's: only its owner may write, and connecting to a unix socket is a write
 FOLDER_MODE = 0o750
 
@@ -42,24 +53,71 @@ def device_id(node: str, index: int) -> str:
     return f"GPU-fake-{node}-{index}"
 
 
-def parse_assignments(text: str, source: str) -> dict[str, dict[tuple[str, str], tuple[int, ...]]]:
-    """node -> (namespace, pod) -> GPU indices, from the file's ``nodes`` mapping of ``NAMESPACE/POD: [INDEX, ...]``."""
+@dataclass(frozen=True, slots=True)
+class Held:
+    """What one pod holds: GPUs by index (device-plugin devices) and DRA devices by the driver's name."""
+
+    gpus: tuple[int, ...] = ()
+    dra: tuple[str, ...] = ()
+
+
+Nodes = dict[str, dict[tuple[str, str], Held]]
+
+
+def parse_assignments(text: str, source: str) -> Nodes:
+    """node -> (namespace, pod) -> what it holds, from the file's ``nodes`` mapping of ``NAMESPACE/POD`` to a list of
+    GPU indices or to ``{gpus: [INDEX, ...], dra: [NAME, ...]}``."""
     document = yaml.safe_load(text) or {}
     if not isinstance(document, dict) or set(document) - {"nodes"} or not isinstance(document.get("nodes"), dict):
         raise AssignmentError(f"{source}: expected a mapping with one key, 'nodes'")
-    nodes: dict[str, dict[tuple[str, str], tuple[int, ...]]] = {}
+    nodes: Nodes = {}
     for node, pods in document["nodes"].items():
         if not isinstance(pods, dict):
-            raise AssignmentError(f"{source}: nodes.{node} must map NAMESPACE/POD to a list of GPU indices")
+            raise AssignmentError(
+                f"{source}: nodes.{node} must map NAMESPACE/POD to a list of GPU indices or to "
+                f"{{gpus: [INDEX, ...], dra: [NAME, ...]}}, got {pods!r}"
+            )
         nodes[str(node)] = {}
-        for key, indices in pods.items():
+        for key, value in pods.items():
             namespace, _, pod = str(key).partition("/")
             if not namespace or not pod:
                 raise AssignmentError(f"{source}: nodes.{node}.{key}: use NAMESPACE/POD")
-            if not isinstance(indices, list) or not all(isinstance(i, int) and i >= 0 for i in indices):
-                raise AssignmentError(f"{source}: nodes.{node}.{key}: expected a list of GPU indices, got {indices!r}")
-            nodes[str(node)][(namespace, pod)] = tuple(indices)
+            nodes[str(node)][(namespace, pod)] = _held(value, f"{source}: nodes.{node}.{key}")
     return nodes
+
+
+def _held(value: object, where: str) -> Held:
+    """One pod's entry: a list of GPU indices, or a mapping of ``gpus`` and ``dra``."""
+    if isinstance(value, list):
+        return Held(gpus=_indices(value, where))
+    if not isinstance(value, dict):
+        raise AssignmentError(
+            f"{where}: expected a list of GPU indices or a mapping with 'gpus' and/or 'dra', got {value!r}"
+        )
+    unknown = sorted(map(str, set(value) - set(HELD_KEYS)))
+    if unknown or not value:
+        raise AssignmentError(
+            f"{where}: expected the keys 'gpus' (GPU indices) and/or 'dra' (DRA device names), got {sorted(value)!r}"
+        )
+    return Held(gpus=_indices(value.get("gpus", []), f"{where}.gpus"), dra=_dra(value.get("dra", []), f"{where}.dra"))
+
+
+def _indices(value: object, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+        raise AssignmentError(f"{where}: expected a list of GPU indices (whole numbers from 0), got {value!r}")
+    return tuple(value)
+
+
+def _dra(value: object, where: str) -> tuple[str, ...]:
+    """DRA device names the agent reads: any it would not place by its form is refused here, not left to the agent."""
+    if not isinstance(value, list):
+        raise AssignmentError(f"{where}: expected a list of DRA device names ({DRA_FORMS}), got {value!r}")
+    for name in value:
+        named = dra_name(NVIDIA_DRA_DRIVER, name) if isinstance(name, str) else None
+        vfio = named is not None and not isinstance(named, DeviceKey) and named.kind is ReadErrorKind.NOT_SUPPORTED
+        if not (isinstance(named, DeviceKey) and named.uuid is None) and not vfio:
+            raise AssignmentError(f"{where}: {name!r} is not a DRA device name: expected {DRA_FORMS}")
+    return tuple(value)
 
 
 @dataclass
@@ -67,10 +125,10 @@ class Assignments:
     """The file, read again when its modification time changes; a broken edit keeps the last good assignments."""
 
     path: Path
-    nodes: dict[str, dict[tuple[str, str], tuple[int, ...]]] = field(default_factory=dict)
+    nodes: Nodes = field(default_factory=dict)
     _mtime: float | None = None
 
-    def current(self) -> dict[str, dict[tuple[str, str], tuple[int, ...]]]:
+    def current(self) -> Nodes:
         mtime = self.path.stat().st_mtime
         if mtime != self._mtime:
             try:
@@ -85,7 +143,7 @@ class Assignments:
 
 @dataclass(eq=False)
 class NodeKubelet(kubelet.PodResourcesListerBase):
-    """One node's PodResources ``List``: each assigned pod as one container holding its GPUs."""
+    """One node's PodResources ``List``: each assigned pod as one container holding its GPUs and DRA devices."""
 
     node: str
     assignments: Assignments
@@ -103,13 +161,29 @@ class NodeKubelet(kubelet.PodResourcesListerBase):
                             devices=[
                                 kubelet.ContainerDevices(
                                     resource_name=GPU_RESOURCE,
-                                    device_ids=[device_id(self.node, index) for index in indices],
+                                    device_ids=[device_id(self.node, index) for index in held.gpus],
                                 )
-                            ],
+                            ]
+                            if held.gpus
+                            else [],
+                            dynamic_resources=[
+                                kubelet.DynamicResource(
+                                    claim_name=f"{pod}-gpu",
+                                    claim_namespace=namespace,
+                                    claim_resources=[
+                                        kubelet.ClaimResource(
+                                            driver_name=NVIDIA_DRA_DRIVER, pool_name=self.node, device_name=name
+                                        )
+                                        for name in held.dra
+                                    ],
+                                )
+                            ]
+                            if held.dra
+                            else [],
                         )
                     ],
                 )
-                for (namespace, pod), indices in sorted(pods.items())
+                for (namespace, pod), held in sorted(pods.items())
             ]
         )
 

@@ -257,15 +257,29 @@ def test_ctrl_c_stops_every_process_it_started_and_exits_0() -> None:
 
 
 # Which pod holds which GPU (dev/kubelet.yaml) and who each pod is (dev/pods.yaml): what pod queries must find.
-ASSIGNED: dict[str, dict[str, list[int]]] = yaml.safe_load((ROOT / "dev" / "kubelet.yaml").read_text())["nodes"]
+KUBELET = dev_scripts.load("fake_kubelet")
+ASSIGNED = KUBELET.parse_assignments((ROOT / "dev" / "kubelet.yaml").read_text(), "dev/kubelet.yaml")
 DIRECTORY: dict[str, Any] = yaml.safe_load((ROOT / "dev" / "pods.yaml").read_text())
+DRA_GPU = re.compile(r"gpu-(?P<minor>[0-9]+)")
+
+
+def _indices(node: str, held: Any) -> list[int]:
+    """The GPU indices a pod holds on ``node``: its device-plugin GPUs and its DRA GPUs (``gpu-<minor>``), whose minor
+    number the fake collector counts down from the node's last index."""
+    dra = [DRA_GPU.fullmatch(name) for name in held.dra]
+    assert all(dra), f"dev/kubelet.yaml names only whole DRA GPUs, which this check places: {held.dra}"
+    return [*held.gpus, *(NODES[node] - 1 - int(match["minor"]) for match in dra if match)]
 
 
 def _held_by(namespace: str, chosen: Callable[[dict[str, Any]], bool]) -> set[tuple[str, int]]:
     """(node, GPU index) of every GPU the kubelet gives the directory's pods of ``namespace`` that ``chosen`` picks."""
-    pods = {f"{namespace}/{pod['pod']}" for pod in DIRECTORY["pods"] if pod["namespace"] == namespace and chosen(pod)}
+    pods = {(namespace, pod["pod"]) for pod in DIRECTORY["pods"] if pod["namespace"] == namespace and chosen(pod)}
     return {
-        (node, index) for node, held in ASSIGNED.items() for pod, gpus in held.items() if pod in pods for index in gpus
+        (node, index)
+        for node, assigned in ASSIGNED.items()
+        for pod, held in assigned.items()
+        if pod in pods
+        for index in _indices(node, held)
     }
 
 
@@ -291,6 +305,7 @@ POD_QUERIES = [
         lambda pod: pod["pod"].startswith("trainer-7c9d8-x"),
     ),
     (("namespace=team-b", "workload=vllm", "metric=gpu_utilization"), "team-b", lambda pod: pod["workload"] == "vllm"),
+    (("namespace=ml", "workload=embedder", "metric=gpu_utilization"), "ml", lambda pod: pod["workload"] == "embedder"),
     (
         ("--scaled-object", "ml/vllm", "scaleTargetPods=true", "profile=vllm-inference"),
         "ml",
@@ -333,16 +348,23 @@ def test_the_vllm_pods_queue_is_read_from_their_fake_engines(dev_stack: Stack) -
 
 
 def test_the_two_pod_files_describe_the_same_pods() -> None:
-    """Every pod that holds a GPU in dev/kubelet.yaml is in dev/pods.yaml on that node and the other way round, and
-    every GPU index exists on its node."""
+    """Every pod that holds a GPU in dev/kubelet.yaml is in dev/pods.yaml on that node and the other way round, every
+    GPU index (and DRA GPU's minor number) exists on its node, no two pods hold one GPU, and some pod holds a DRA GPU
+    whose minor number is not its index."""
     held = {(node, pod) for node, pods in ASSIGNED.items() for pod in pods}
-    known = {(pod["node"], f"{pod['namespace']}/{pod['pod']}") for pod in DIRECTORY["pods"] if pod.get("gpus")}
+    known = {(pod["node"], (pod["namespace"], pod["pod"])) for pod in DIRECTORY["pods"] if pod.get("gpus")}
     assert held == known
     for node, pods in ASSIGNED.items():
-        assert all(0 <= index < NODES[node] for gpus in pods.values() for index in gpus), node
-    for node, pods in ASSIGNED.items():
-        indices = [index for gpus in pods.values() for index in gpus]
+        indices = [index for entry in pods.values() for index in _indices(node, entry)]
+        assert all(0 <= index < NODES[node] for index in indices), node
         assert len(indices) == len(set(indices)), f"two pods hold one GPU of {node}"
+    assert any(
+        _indices(node, KUBELET.Held(dra=entry.dra))
+        != [int(m["minor"]) for name in entry.dra if (m := DRA_GPU.match(name))]
+        for node, pods in ASSIGNED.items()
+        for entry in pods.values()
+        if entry.dra
+    ), "a DRA GPU whose minor number is its index would not show that the agent reads minor numbers"
 
 
 @pytest.mark.timeout(300)
