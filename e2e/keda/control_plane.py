@@ -68,6 +68,10 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     ("apiregistration.k8s.io/v1", "APIService"): ("apiservices", False),
     ("admissionregistration.k8s.io/v1", "ValidatingWebhookConfiguration"): ("validatingwebhookconfigurations", False),
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): ("customresourcedefinitions", False),
+    ("resource.k8s.io/v1", "DeviceClass"): ("deviceclasses", False),
+    ("resource.k8s.io/v1", "ResourceSlice"): ("resourceslices", False),
+    ("resource.k8s.io/v1", "ResourceClaim"): ("resourceclaims", True),
+    ("resource.k8s.io/v1", "ResourceClaimTemplate"): ("resourceclaimtemplates", True),
 }
 
 

@@ -157,6 +157,47 @@ async def pod_resources(socket: Path = POD_RESOURCES_SOCKET) -> list[Holding]:
     ]
 
 
+@dataclass(frozen=True)
+class DraHolding:
+    """One DRA device a container holds through a claim, as the kubelet's PodResources API reports it."""
+
+    namespace: str
+    pod: str
+    container: str
+    claim: str
+    driver: str
+    pool: str
+    device: str
+    share_id: str | None
+
+
+async def dra_holdings(socket: Path = POD_RESOURCES_SOCKET) -> list[DraHolding]:
+    """The kubelet's PodResources ``List``: every container's DRA devices (``dynamic_resources``)."""
+    channel = Channel(path=str(socket))
+    try:
+        answer = await podresources.PodResourcesListerStub(channel).list(
+            podresources.ListPodResourcesRequest(), timeout=10
+        )
+    finally:
+        channel.close()
+    return [
+        DraHolding(
+            pod.namespace,
+            pod.name,
+            container.name,
+            claim.claim_name,
+            resource.driver_name,
+            resource.pool_name,
+            resource.device_name,
+            resource.share_id,
+        )
+        for pod in answer.pod_resources
+        for container in pod.containers
+        for claim in container.dynamic_resources
+        for resource in claim.claim_resources
+    ]
+
+
 @dataclass
 class NodeCluster:
     """The running control plane and node, for the whole session; ``helm`` is the chart tests' helm binary."""

@@ -40,6 +40,10 @@ SHADOWED = (
     "/var/log/containers",
     # libmount's record of the mounts the kubelet makes with mount(8) (utab): the host's file otherwise.
     "/run/mount",
+    # The CDI spec folders a DRA driver writes (/var/run/cdi is this one where /var/run links to /run, as on Debian):
+    # the fake DRA driver writes none, but a real one, or a containerd that applies CDI, must find the run's own.
+    "/etc/cdi",
+    "/run/cdi",
 )
 RESOLV_CONF = Path("/etc/resolv.conf")
 # Debian packages the suite runs, and a program each provides.

@@ -32,7 +32,7 @@ from e2e.keda.control_plane import (
     PlaneSettings,
     free_port,
 )
-from e2e.node import device_plugin
+from e2e.node import device_plugin, dra_driver
 from e2e.node.host import (
     BRIDGE,
     CGROUP_ROOT,
@@ -58,6 +58,8 @@ NODE_SETTINGS = PlaneSettings(
         "disruption-controller",
         # The kubelet registers its node tainted not-ready; this controller lifts the taint once the node is Ready.
         "node-lifecycle-controller",
+        # Makes each pod's ResourceClaims from its ResourceClaimTemplates (DRA), and deletes them with the pod.
+        "resourceclaim-controller",
     ),
     downscale_stabilization="0s",
     pod_stand_in=False,
@@ -164,6 +166,7 @@ class Node:
     daemons: list[Daemon] = field(default_factory=list)
     device_plugin: Daemon | None = None
     device_plugin_starts: int = 0
+    dra_daemon: Daemon | None = None
     containerd_socket: Path = Path()
     kubelet_healthz: int = 0
 
@@ -399,12 +402,54 @@ class Node:
     def stop_device_plugin(self) -> None:
         """Stops the device plugin (the kubelet marks its devices unhealthy, pods keep theirs)."""
         if self.device_plugin is not None:
-            self.device_plugin.stop()
-            # Ended on purpose: not a dead process for check_alive (its log stays in the plane's folder).
-            for daemons in (self.daemons, self.plane.daemons):
-                if self.device_plugin in daemons:
-                    daemons.remove(self.device_plugin)
+            self._end(self.device_plugin)
             self.device_plugin = None
+
+    def _end(self, daemon: Daemon) -> None:
+        daemon.stop()
+        # Ended on purpose: not a dead process for check_alive (its log stays in the plane's folder).
+        for daemons in (self.daemons, self.plane.daemons):
+            if daemon in daemons:
+                daemons.remove(daemon)
+
+    # --- the DRA driver ------------------------------------------------------------------------------
+
+    def start_dra_driver(self, devices: list[dra_driver.FakeDevice]) -> None:
+        """Starts the fake NVIDIA DRA driver publishing ``devices``; returns once the kubelet has registered it and
+        its ResourceSlice is in the API."""
+        self.stop_dra_driver()
+        listing = self.directory / "dra-devices.json"
+        listing.write_text(json.dumps([device.as_json() for device in devices], indent=2))
+        assert self.plane.kubeconfig is not None
+        self.dra_daemon = self._daemon(
+            "dra-driver",
+            [
+                sys.executable,
+                "-m",
+                "e2e.node.dra_driver",
+                "--node",
+                self.name,
+                "--devices",
+                str(listing),
+                "--kubeconfig",
+                str(self.plane.kubeconfig),
+            ],
+            {"PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        )
+        log = self.dra_daemon.log_path
+        self.plane.wait_for(
+            f"the kubelet to register {dra_driver.DRIVER}",
+            lambda: f"registered {dra_driver.DRIVER} " in log.read_text(errors="replace"),
+            [self.dra_daemon],
+        )
+        path = f"{dra_driver.RESOURCE_API}/resourceslices/{dra_driver.slice_name(self.name)}"
+        self.plane.wait_for("the DRA driver's ResourceSlice", lambda: self.plane.kube.get(path) is not None, [])
+
+    def stop_dra_driver(self) -> None:
+        """Stops the DRA driver, which deletes its ResourceSlice (the claims it prepared stay prepared)."""
+        if self.dra_daemon is not None:
+            self._end(self.dra_daemon)
+            self.dra_daemon = None
 
     # --- stop ----------------------------------------------------------------------------------------
 
