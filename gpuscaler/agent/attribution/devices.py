@@ -10,9 +10,11 @@ kubelet UUIDs whatever its ``DEVICE_ID_STRATEGY`` (which changes only the contai
 names come from other plugins that follow its index convention. NVIDIA's DRA driver (``gpu.nvidia.com``; names checked
 against kubernetes-sigs/dra-driver-nvidia-gpu v0.4.1) names a GPU ``gpu-<minor>``, a MIG device
 ``gpu-<parentMinor>-mig-<profile without dots>-<giProfileId>-<placementStart>`` (whether it made the instance at start
-or on demand) and a GPU bound to vfio-pci for a VM ``gpu-vfio-<index>``. Its earlier releases (NVIDIA's
-k8s-dra-driver-gpu v25.3.x) name a MIG device ``gpu-<parentMinor>-mig-<giProfileId>-<placementStart>-<size>``, all
-numbers, which the current form's profile (letters: ``1g10gb``) keeps apart; the size follows from the profile id.
+or on demand) and a GPU bound to vfio-pci for a VM ``gpu-vfio-<index>``, as NVIDIA/k8s-dra-driver-gpu v25.12.0 did.
+Its releases v25.3.0 to v25.8.1 (checked by tag) name a MIG device
+``gpu-<parentMinor>-mig-<giProfileId>-<placementStart>-<size>``, all numbers, which the current form's profile
+(letters: ``1g10gb``) keeps apart; the size follows from the profile id. Release candidates before v25.3.0-rc.5
+numbered both forms by NVML index, which no name says: they are not read correctly where minor and index differ.
 
 Names are a driver's convention, not an API, so they are parsed strictly: a name of ours (a listed driver, an
 ``nvidia.com/`` resource) that none of these forms matches, or that no enumerated device carries, is an
@@ -51,7 +53,7 @@ _MIG_BY_INDEX = re.compile(rf"^{_NUMBER}:{_NUMBER}$")
 _DRA_GPU = re.compile(rf"^gpu-{_NUMBER}$")
 # go-nvlib's profile string (1g.10gb, 1c.2g.10gb, 1g.10gb+me) lower-cased, dots dropped, other signs as '-'.
 _DRA_MIG = re.compile(rf"^gpu-{_NUMBER}-mig-((?:[0-9]+c)?[0-9]+g[0-9]+gb(?:-[a-z][a-z0-9]*)*)-{_NUMBER}-{_NUMBER}$")
-_DRA_MIG_NUMBERED = re.compile(rf"^gpu-{_NUMBER}-mig-{_NUMBER}-{_NUMBER}-{_NUMBER}$")  # v25.3.x: ...-<size>
+_DRA_MIG_NUMBERED = re.compile(rf"^gpu-{_NUMBER}-mig-{_NUMBER}-{_NUMBER}-{_NUMBER}$")  # v25.3.0-v25.8.1: ...-<size>
 _DRA_VFIO = re.compile(rf"^gpu-vfio-{_NUMBER}$")
 
 VFIO_DETAIL = (
@@ -156,7 +158,7 @@ def dra_name(driver_name: str, device_name: str, drivers: Sequence[str] = DEFAUL
     return Unplaceable(
         "not a device name of the forms read (gpu-<minor>, gpu-<minor>-mig-<profile>-<profileId>-<placement>, "
         "gpu-vfio-<index> as dra-driver-nvidia-gpu v0.4.1 gives them, gpu-<minor>-mig-<profileId>-<placement>-<size> "
-        "as v25.3 did, or an NVML UUID)"
+        "as v25.3.0 to v25.8.1 did, or an NVML UUID)"
     )
 
 

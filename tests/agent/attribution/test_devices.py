@@ -128,14 +128,18 @@ def test_malformed_device_plugin_ids_are_unplaced(device_id: str) -> None:
         ("gpu-3-mig-1g10gb-me-19-6", DeviceKey(minor=3, mig=(19, 6))),
         ("gpu-1-mig-1c2g10gb-14-2", DeviceKey(minor=1, mig=(14, 2))),
         ("gpu-7-mig-7g80gb-0-0", DeviceKey(minor=7, mig=(0, 0))),
-        ("gpu-0-mig-19-0-1", DeviceKey(minor=0, mig=(19, 0))),  # v25.3.x: gpu-<minor>-mig-<profileId>-<start>-<size>
+        (
+            "gpu-0-mig-19-0-1",
+            DeviceKey(minor=0, mig=(19, 0)),
+        ),  # v25.3.0-v25.8.1: gpu-<minor>-mig-<profileId>-<start>-<size>
         ("gpu-2-mig-9-4-4", DeviceKey(minor=2, mig=(9, 4))),
         ("GPU-abc", DeviceKey(uuid="gpu-abc")),
         ("gpu-vfio-2", Unplaceable(VFIO_DETAIL, ReadErrorKind.NOT_SUPPORTED)),
     ],
 )
 def test_dra_device_names(device: str, expected: Named) -> None:
-    """The driver's GPU, MIG and vfio names (v0.4.1, and v25.3's all-number MIG form) parse to what places them."""
+    """The driver's GPU, MIG and vfio names (v0.4.1, and the all-number MIG form of v25.3.0 to v25.8.1) parse to
+    what places them."""
     assert dra_name("gpu.nvidia.com", device) == expected
 
 
@@ -186,7 +190,7 @@ def test_mig_names_place_by_parent_minor_profile_and_placement() -> None:
     devices = enumerated(node_nvml())
     assert placed_as(devices, dra_name("gpu.nvidia.com", "gpu-3-mig-1g10gb-19-0")) == "MIG-x"
     assert placed_as(devices, dra_name("gpu.nvidia.com", "gpu-3-mig-2g20gb-14-2")) == "MIG-y"
-    assert placed_as(devices, dra_name("gpu.nvidia.com", "gpu-3-mig-19-0-1")) == "MIG-x"  # v25.3.x form
+    assert placed_as(devices, dra_name("gpu.nvidia.com", "gpu-3-mig-19-0-1")) == "MIG-x"  # v25.3.0 to v25.8.1
     assert placed_as(devices, device_plugin_name("nvidia.com/mig-1g.10gb", "MIG-x")) == "MIG-x"
 
 
