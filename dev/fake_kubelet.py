@@ -172,7 +172,13 @@ class NodeKubelet(kubelet.PodResourcesListerBase):
                                     claim_namespace=namespace,
                                     claim_resources=[
                                         kubelet.ClaimResource(
-                                            driver_name=NVIDIA_DRA_DRIVER, pool_name=self.node, device_name=name
+                                            # As NVIDIA's driver names them (a made-up claim UID here).
+                                            cdi_devices=[
+                                                kubelet.CdiDevice(name=f"k8s.gpu.nvidia.com/claim={pod}-gpu-{name}")
+                                            ],
+                                            driver_name=NVIDIA_DRA_DRIVER,
+                                            pool_name=self.node,
+                                            device_name=name,
                                         )
                                         for name in held.dra
                                     ],

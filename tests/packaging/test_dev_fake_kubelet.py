@@ -120,7 +120,14 @@ async def test_dra_devices_are_a_claim_of_the_nvidia_driver_in_the_node_s_pool(d
         kubelet.DynamicResource(
             claim_name="both-gpu",
             claim_namespace="ml",
-            claim_resources=[kubelet.ClaimResource(driver_name="gpu.nvidia.com", pool_name=NODE, device_name="gpu-0")],
+            claim_resources=[
+                kubelet.ClaimResource(
+                    cdi_devices=[kubelet.CdiDevice(name="k8s.gpu.nvidia.com/claim=both-gpu-gpu-0")],
+                    driver_name="gpu.nvidia.com",
+                    pool_name=NODE,
+                    device_name="gpu-0",
+                )
+            ],
         )
     ]
 
