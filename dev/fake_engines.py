@@ -283,7 +283,8 @@ def main() -> None:
     parser.add_argument("--listen", type=_address, action="append", help="HOST:PORT of one dev-stack pod's vLLM page")
     parser.add_argument("--period", type=float, default=300.0, help="seconds of one rise and fall of the queue")
     parser.add_argument("--peak", type=float, default=40.0, help="requests in each pod at the top of the wave")
-    parser.add_argument("--engine", choices=[engine.value for engine in Engine], help="one pod's engine, on --port")
+    # Model servers only: the EPP holds no requests of its own to make a page of (tests/fakes/fake_engine.py has its).
+    parser.add_argument("--engine", choices=[engine.value for engine in PAGES], help="one pod's engine, on --port")
     parser.add_argument("--port", type=_port, action="append", help="a port the pod's engine serves on; repeat it")
     parser.add_argument("--host", default="0.0.0.0", help="the address the pod's engine serves on (default: all)")
     parser.add_argument("--requests", type=float, default=0.0, help="requests the pod holds until a test sets more")

@@ -8,7 +8,8 @@ docs/hpa.md), wrapped over the lines after it if need be. Its inputs:
   no pod selection, each GPU its own value;
 - ``metric``, ``podAggregation`` (default ``avg``), ``aggregation``, ``target``, ``metricType`` and ``current``
   (the scale target's replicas, all Ready);
-- a combined trigger: ``signals=vllm_queue:8,vllm_kv_cache:80`` and ``pods.<signal>=`` for each signal.
+- a combined trigger: ``signals=vllm_queue:8,vllm_kv_cache:80`` and ``pods.<signal>=`` for each signal;
+- ``inferencePool``: the pool an EPP signal keeps (its pods are the EPP's, ``current`` the model servers').
 
 The rule (docs/hpa.md, "The rule") is implemented here on its own, and each case is checked three ways: the rule
 gives the stated value and replica count; an example's own trigger says the same metric, aggregation, target and
@@ -54,7 +55,8 @@ LIMITS = Limits(history_seconds=600, cluster=True)
 NOW = 100.0
 
 # The rule's own tables, written out here rather than read from the code they check.
-USAGE_SIGNALS = frozenset({"vllm_kv_cache", "sglang_token_usage"})  # a share of a cache: the mean of a pod's engines
+# A share (of a cache, of a pool's capacity): the mean of a pod's label sets.
+USAGE_SIGNALS = frozenset({"vllm_kv_cache", "sglang_token_usage", "epp_saturation"})
 HPA_TOLERANCE = 0.1  # the HPA keeps its count while usage / target is within 10% of 1
 BUILT_GPU_METRICS = frozenset({"gpu_utilization", "sm_active", "nvlink_tx"})  # those ``gpu`` can build
 
@@ -227,7 +229,8 @@ def doc_query(inputs: Mapping[str, str]) -> Query:
     pods."""
     if "signals" in inputs:
         return parse({"signals": inputs["signals"], "workload": "w"}, {"name": "w"})
-    metadata = {key: inputs[key] for key in ("metric", "aggregation", "podAggregation") if key in inputs}
+    keys = ("metric", "aggregation", "podAggregation", "inferencePool")
+    metadata = {key: inputs[key] for key in keys if key in inputs}
     metadata["targetValue"] = inputs["target"]
     if "pods" in inputs:
         metadata["workload"] = "w"
@@ -288,10 +291,13 @@ class Built:
             name = signal.series[0]
             if signal.kind is EngineKind.GAUGE:  # beside the series other signals of a combined trigger read
                 had = self.scrapes.get((info.namespace, info.pod))
+                total = sum(values) / signal.scale
+                pool = self.inputs.get("inferencePool")
                 page = EnginePage(
                     NOW,
-                    {**(had.page.values if had and had.page else {}), name: sum(values) / signal.scale},
+                    {**(had.page.values if had and had.page else {}), name: total},
                     {**(had.page.counts if had and had.page else {}), name: len(values)},
+                    {name: {pool: (total, len(values))}} if signal.pool_label and pool else {},
                 )
                 self.scrapes[(info.namespace, info.pod)] = PodScrape(endpoint.url, page)
             else:  # a counter's increase over 10 s: each label set's value, 10 requests finished
@@ -399,6 +405,8 @@ def test_the_rule_agrees_with_the_hpa_preview_and_the_engine_table() -> None:
     averaged = {metric.value for metric, signal in ENGINE_SIGNALS.items() if signal.label_sets is LabelSets.MEAN}
     assert averaged == USAGE_SIGNALS
     assert all(signal.aggregation is Aggregation.SUM for m, signal in ENGINE_SIGNALS.items() if signal.additive)
+    # A pool's saturation is the pool's, whichever EPP pod reads it: the most any reads, never their sum.
+    assert ENGINE_SIGNALS[EngineMetric.EPP_SATURATION].aggregation is Aggregation.MAX
 
 
 def test_the_cases_cover_multi_gpu_pods_engines_and_combined_signals() -> None:
@@ -416,3 +424,4 @@ def test_the_cases_cover_multi_gpu_pods_engines_and_combined_signals() -> None:
     assert any(i.get("metric") in USAGE_SIGNALS and any(len(p) > 1 for p in groups(i["pods"])) for i in inputs)
     assert any(i.get("metric", "").endswith("_queue") for i in inputs)
     assert any("signals" in i for i in inputs)
+    assert {i.get("metric") for i in inputs if "inferencePool" in i} >= {"epp_queue", "epp_saturation"}

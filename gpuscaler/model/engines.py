@@ -1,10 +1,11 @@
 """Every engine signal, once: what an inference server's own /metrics page says about its queue and its cache.
 
-An *engine* is the inference server a workload's pods run (vLLM, Triton, SGLang, TGI). A *signal* is one value
-per pod computed from the series that engine exposes: a gauge combined over its label sets (one per model or per
-data-parallel engine: a count summed, a usage share averaged), or the ratio of two counters' increases between two
-scrapes of the same pod. The table below is the one place that names the series; the scraper, the evaluation, the
-profiles and docs/engines.md all read it.
+An *engine* is the inference server a workload's pods run (vLLM, Triton, SGLang, TGI), or the inference gateway's
+endpoint picker (EPP) in front of them. A *signal* is one value per pod computed from the series that engine
+exposes: a gauge combined over its label sets (one per model or per data-parallel engine: a count summed, a usage
+share averaged), the ratio of two counters' increases between two scrapes of the same pod, or a histogram's mean
+over the observations made between them. The table below is the one place that names the series; the scraper, the
+evaluation, the profiles and docs/engines.md all read it.
 
 Series names were taken from each engine's own source (docs/engines.md lists the versions).
 """
@@ -16,6 +17,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gpuscaler.model.aggregation import Aggregation
+from gpuscaler.model.epp_series import (
+    EPP_INFO_SERIES,
+    EPP_POOL_LABEL,
+    EPP_QUEUE_SERIES,
+    EPP_QUEUE_WAIT_SERIES,
+    EPP_RUNNING_SERIES,
+    EPP_SATURATION_SERIES,
+    EPP_WAITED_OUTCOMES,
+)
+from gpuscaler.model.series_labels import SeriesLabels
 
 
 class Engine(enum.StrEnum):
@@ -25,6 +36,7 @@ class Engine(enum.StrEnum):
     TRITON = "triton"
     SGLANG = "sglang"
     TGI = "tgi"
+    EPP = "epp"  # the inference gateway's endpoint picker: a pool's demand, which exists at zero replicas
 
 
 class EngineMetric(enum.StrEnum):
@@ -41,6 +53,10 @@ class EngineMetric(enum.StrEnum):
     SGLANG_TOKEN_USAGE = "sglang_token_usage"  # noqa: S105 (a metric name, not a password)
     TGI_QUEUE = "tgi_queue"
     TGI_BATCH = "tgi_batch"
+    EPP_QUEUE = "epp_queue"
+    EPP_QUEUE_WAIT = "epp_queue_wait"
+    EPP_SATURATION = "epp_saturation"
+    EPP_RUNNING = "epp_running"
 
 
 class SignalKind(enum.Enum):
@@ -51,6 +67,9 @@ class SignalKind(enum.Enum):
     RATE = "rate"
     # The increase of ``series`` over the increase of ``per`` between the last two scrapes (two counters).
     RATIO = "ratio"
+    # A histogram's mean over the observations made between the last two scrapes: its ``_sum``'s increase over its
+    # ``_count``'s (``series`` names the histogram).
+    MEAN = "mean"
 
 
 class LabelSets(enum.Enum):
@@ -85,8 +104,23 @@ class EngineSignal:
     label_sets: LabelSets
     scale: float = 1.0  # from the series' unit to the signal's (a 0-1 fraction to %: 100)
     per: str | None = None  # RATIO: the counter it divides by
-    # How an idle pod's RATIO reads when ``per`` did not move: nothing finished, so nothing waited.
+    # How an idle pod's RATIO or MEAN reads when ``per`` (a MEAN's ``_count``) did not move: nothing finished, so
+    # nothing waited.
     idle: float = 0.0
+    # The label naming a label set's pool: a query that names a pool keeps only that pool's label sets.
+    pool_label: str | None = None
+    # A label and the values it may have: a label set with another value is left out (one without it is kept).
+    keep: tuple[tuple[str, frozenset[str]], ...] = ()
+    # No pod that counts is UNAVAILABLE, not 0: the engine exists while the workload is at zero, so a selection
+    # without one has lost the signal (a failover, a killed process), not its demand.
+    absent_unknown: bool = False
+    # Series (of the query's pool) whose presence shows the page would count the signal, which is then 0 where
+    # the page lacks it (a Prometheus vector shows a label set only once it was first set).
+    zero_when_absent_with: tuple[str, ...] = ()
+    # Gauges (of the pool) whose value above 0 makes an idle MEAN or RATIO unknown: requests wait, none left.
+    busy_with: tuple[str, ...] = ()
+    # How the selected pods combine, where neither a sum (``additive``) nor an average says it.
+    pods: Aggregation | None = None
 
     def __post_init__(self) -> None:
         if self.kind is not SignalKind.GAUGE and self.label_sets is not LabelSets.SUM:
@@ -97,15 +131,32 @@ class EngineSignal:
     @property
     def aggregation(self) -> Aggregation:
         """How the selected pods combine by default."""
+        if self.pods is not None:
+            return self.pods
         return Aggregation.SUM if self.additive else Aggregation.AVG
+
+    @property
+    def read(self) -> tuple[str, ...]:
+        """The names the page keeps a value under for this signal's own series: a MEAN's ``_sum`` samples."""
+        return tuple(name + "_sum" for name in self.series) if self.kind is SignalKind.MEAN else self.series
+
+    def per_of(self, name: str) -> str | None:
+        """The counter ``name`` (one of ``read``) is divided by: a MEAN's ``_count``, a RATIO's ``per``."""
+        if self.kind is SignalKind.MEAN:
+            return name.removesuffix("_sum") + "_count"
+        return self.per
 
     @property
     def names(self) -> tuple[str, ...]:
         """Every series name it may read, counters' ``_total`` samples included (as the page spells them)."""
-        counted = (*self.series, *((self.per,) if self.per else ()))
+        if self.kind is SignalKind.MEAN:
+            counted: tuple[str, ...] = tuple(name + end for name in self.series for end in ("_sum", "_count"))
+        else:
+            counted = (*self.series, *((self.per,) if self.per else ()))
+        extra = (*self.zero_when_absent_with, *self.busy_with)
         if self.kind is SignalKind.GAUGE:
-            return counted
-        return counted + tuple(name + "_total" for name in counted if not name.endswith("_total"))
+            return counted + extra
+        return counted + tuple(name + "_total" for name in counted if not name.endswith("_total")) + extra
 
 
 # Bounds (docs/engines.md, "Bounds"): a value past one is no engine's, and the pod is unread rather than believed.
@@ -115,6 +166,10 @@ REQUESTS_BOUND = 1_000_000.0
 PERCENT_BOUND = 100.0  # a share of a cache: each label set's 0-1 fraction, in %
 QUEUE_WAIT_BOUND_MS = 86_400_000.0  # a request's average wait in Triton's queue: a day
 REQUEST_RATE_BOUND = 10_000_000.0  # requests finished a second by one pod, over its models
+# A pool's saturation, in %: each model server's waiting queue over the EPP's queue threshold (an integer, at least
+# 1), or its KV cache over its threshold, averaged over the pool; a queue within REQUESTS_BOUND over a threshold of 1
+# is at most a million times the set point.
+SATURATION_BOUND = REQUESTS_BOUND * 100.0
 
 ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
     EngineMetric.VLLM_QUEUE: EngineSignal(
@@ -254,6 +309,74 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         bound=REQUESTS_BOUND,
         label_sets=LabelSets.SUM,
     ),
+    EngineMetric.EPP_QUEUE: EngineSignal(
+        Engine.EPP,
+        EPP_QUEUE_SERIES,
+        SignalKind.GAUGE,
+        "requests",
+        "requests held in the EPP's flow-control queue for the pool, summed over the EPP's pods",
+        target=8.0,
+        activation_threshold=0.0,
+        additive=True,
+        bound=REQUESTS_BOUND,
+        label_sets=LabelSets.SUM,
+        pool_label=EPP_POOL_LABEL,
+        absent_unknown=True,
+        # Flow control writes the pool's saturation every dispatch cycle (each millisecond), from its start.
+        zero_when_absent_with=EPP_SATURATION_SERIES,
+    ),
+    EngineMetric.EPP_QUEUE_WAIT: EngineSignal(
+        Engine.EPP,
+        EPP_QUEUE_WAIT_SERIES,
+        SignalKind.MEAN,
+        "ms",
+        "average time the requests that left the EPP's queue for the pool between the last two scrapes waited in it",
+        target=1000.0,
+        activation_threshold=0.0,
+        additive=False,
+        bound=QUEUE_WAIT_BOUND_MS,
+        label_sets=LabelSets.SUM,
+        scale=1000.0,
+        pool_label=EPP_POOL_LABEL,
+        keep=(("outcome", EPP_WAITED_OUTCOMES),),
+        absent_unknown=True,
+        zero_when_absent_with=EPP_SATURATION_SERIES,
+        busy_with=EPP_QUEUE_SERIES,
+    ),
+    EngineMetric.EPP_SATURATION: EngineSignal(
+        Engine.EPP,
+        EPP_SATURATION_SERIES,
+        SignalKind.GAUGE,
+        "%",
+        "the pool's saturation as its EPP gates dispatch on it (100% is the set point), the most any EPP pod reads",
+        target=80.0,
+        # Never wakes a pool: a pool with no endpoint reads 100% (fail-closed), requests or none; its queue wakes it.
+        activation_threshold=SATURATION_BOUND,
+        additive=False,
+        bound=SATURATION_BOUND,
+        label_sets=LabelSets.MEAN,
+        scale=100.0,
+        pool_label=EPP_POOL_LABEL,
+        # llm-d writes prefill's and decode's beside the ``effective`` one, the larger of the two, which gates.
+        keep=(("stage", frozenset(("effective",))),),
+        absent_unknown=True,
+        pods=Aggregation.MAX,  # each EPP pod gates on its own reading of the one pool: never summed
+    ),
+    EngineMetric.EPP_RUNNING: EngineSignal(
+        Engine.EPP,
+        EPP_RUNNING_SERIES,
+        SignalKind.GAUGE,
+        "requests",
+        "requests the EPP routed to a model server and that have not finished, summed over the EPP's pods",
+        target=32.0,
+        activation_threshold=0.0,
+        additive=True,
+        bound=REQUESTS_BOUND,
+        label_sets=LabelSets.SUM,
+        # No pool label: an EPP serves the one pool its --pool-name names, so its pods are the pool's.
+        absent_unknown=True,
+        zero_when_absent_with=EPP_INFO_SERIES,
+    ),
 }
 
 # The container port an engine serves /metrics on by default: read only where the pod declares it (see
@@ -263,12 +386,29 @@ DEFAULT_PORTS: Mapping[Engine, int] = {
     Engine.TRITON: 8002,
     Engine.SGLANG: 30000,
     Engine.TGI: 80,
+    Engine.EPP: 9090,  # the EPP's --metrics-port
 }
 
 
 def engine_series(engine: Engine) -> frozenset[str]:
     """Every series name a scrape of ``engine`` keeps: the prefilter drops every other line unparsed."""
     return frozenset(name for signal in ENGINE_SIGNALS.values() if signal.engine is engine for name in signal.names)
+
+
+def series_labels(engine: Engine) -> dict[str, SeriesLabels]:
+    """Each series ``engine``'s signals read whose labels matter, as the page keeps it (a MEAN's ``_sum`` and
+    ``_count``)."""
+    found: dict[str, SeriesLabels] = {}
+    for signal in ENGINE_SIGNALS.values():
+        if signal.engine is not engine or (signal.pool_label is None and not signal.keep):
+            continue
+        for name in signal.read:
+            rule = SeriesLabels(signal.pool_label, signal.keep)
+            found[name] = rule
+            per = signal.per_of(name)
+            if per is not None:
+                found[per] = rule
+    return found
 
 
 def series_bounds(engine: Engine) -> dict[str, float]:
@@ -294,6 +434,9 @@ class EnginePage:
     # Label sets read of each series in ``values``; a page made without them has none, and a signal that averages
     # its label sets is then unread, never divided by a guess.
     counts: Mapping[str, int] = field(default_factory=dict)
+    # A pool-labelled series' value and label sets for each pool it names (``series_labels``): a query that names
+    # a pool reads its pool's alone.
+    pools: Mapping[str, Mapping[str, tuple[float, int]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

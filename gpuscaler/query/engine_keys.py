@@ -1,4 +1,5 @@
-"""The trigger keys of engine signals and combined queries: metric names, ``signals``, ``scrapeInterval``.
+"""The trigger keys of engine signals and combined queries: metric names, ``signals``, ``scrapeInterval``,
+``inferencePool``.
 
 No key takes a URL. The prior art's ``vllmEndpoint`` and ``tritonEndpoint`` are refused with the way to select
 the pods instead: a URL in a ScaledObject lets whoever writes one make the scaler fetch any address, and a
@@ -13,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from gpuscaler.model.durations import format_duration, parse_duration
-from gpuscaler.model.engines import EngineMetric
+from gpuscaler.model.engines import ENGINE_SIGNALS, EngineMetric
 from gpuscaler.model.errors import InvalidMetadata
 from gpuscaler.model.gpu_metrics import Metric
-from gpuscaler.query.key_values import format_number
+from gpuscaler.query.key_values import OBJECT_NAME, format_number, parse_name
 
 # The prior art's metricType values for engine signals, read with our semantics (docs/migration.md).
 PRIOR_ART_METRICS: Mapping[str, EngineMetric] = {
@@ -35,7 +36,8 @@ PRIOR_ART_KILOBYTE_METRICS: Mapping[str, Metric] = {
     "pcie_rx_kbps": Metric.PCIE_RX,
 }
 ENDPOINT_KEYS = ("vllmEndpoint", "tritonEndpoint")
-ENGINE_KEYS = ("signals", "scrapeInterval")
+POOL_KEY = "inferencePool"
+ENGINE_KEYS = ("signals", "scrapeInterval", POOL_KEY)
 # Keys that say how GPUs are read: meaningless for a signal read from an engine's page.
 GPU_ONLY_KEYS = (
     "gpuIndex",
@@ -123,6 +125,51 @@ def parse_scrape_interval(raw: Mapping[str, str], minimum: float = DEFAULT_MIN_S
     return seconds
 
 
+def pooled_signals() -> list[str]:
+    """The signals whose label sets name a pool (``inferencePool`` keeps that pool's)."""
+    return [metric.value for metric, signal in ENGINE_SIGNALS.items() if signal.pool_label is not None]
+
+
+def refuse_pool_key(raw: Mapping[str, str], what: str) -> None:
+    """Refuse ``inferencePool`` on a query that reads no pool-labelled signal, naming what it is."""
+    if POOL_KEY in raw:
+        raise InvalidMetadata(
+            f"key {POOL_KEY!r} does not apply to {what}; it names the InferencePool whose label sets the EPP's "
+            f"{', '.join(pooled_signals())} keep (docs/engines.md): leave it out"
+        )
+
+
+def parse_pool(raw: Mapping[str, str], metric: EngineMetric) -> str | None:
+    """``inferencePool``: the pool whose label sets ``metric`` keeps, required where its series name pools.
+
+    Required because one selection may hold the EPP pods of several pools (``podSelector: app=epp`` in a
+    namespace that serves two models), and each pod's page would then add its own pool's queue to this one's.
+    """
+    signal = ENGINE_SIGNALS[metric]
+    if signal.pool_label is None:
+        if signal.absent_unknown and POOL_KEY in raw:
+            raise InvalidMetadata(
+                f"key {POOL_KEY!r} does not apply to {metric.value}: the EPP counts it without a pool label "
+                f"({signal.series[0]}), so only the selection picks the pool: an EPP serves the one InferencePool "
+                "its --pool-name names, so select that EPP's pods and leave inferencePool out (docs/engines.md)"
+            )
+        refuse_pool_key(raw, f"engine signal {metric.value}")
+        return None
+    if POOL_KEY not in raw:
+        raise InvalidMetadata(
+            f"{metric.value} needs {POOL_KEY}: the name of the InferencePool whose {signal.pool_label} label sets it "
+            "reads (the EPP's --pool-name), so that the EPP pods of another pool in the selection never add to "
+            "it (docs/engines.md)"
+        )
+    text = raw[POOL_KEY]
+    if "/" in text:
+        raise InvalidMetadata(
+            f"{POOL_KEY} {text!r} is not allowed; the EPP's {signal.pool_label} label holds the pool's name alone "
+            "(its --pool-name), and the selection's namespace is the pool's: use the name, like 'vllm-llama3-8b'"
+        )
+    return parse_name(POOL_KEY, text, OBJECT_NAME, "an InferencePool's name like 'vllm-llama3-8b'")
+
+
 def parse_signal_targets(text: str) -> tuple[tuple[AnyMetric, float], ...]:
     """``signals``: comma-separated ``name:target`` pairs, like ``vllm_queue:8,vllm_kv_cache:80``."""
     pairs: list[tuple[AnyMetric, float]] = []
@@ -134,6 +181,12 @@ def parse_signal_targets(text: str) -> tuple[tuple[AnyMetric, float], ...]:
                 "like 'vllm_queue:8,vllm_kv_cache:80'"
             )
         metric = parse_any_metric("signals", name)
+        if isinstance(metric, EngineMetric) and ENGINE_SIGNALS[metric].absent_unknown:
+            raise InvalidMetadata(
+                f"signals {text!r} include {metric.value}, which is read from the EPP's pods, and signals reads "
+                "every signal from one selection of pods: give it a trigger of its own, beside the model servers' "
+                "(the HPA scales to the most any trigger asks for; docs/engines.md)"
+            )
         try:
             target = float(target_text)
         except ValueError:

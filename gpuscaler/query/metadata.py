@@ -20,9 +20,11 @@ from gpuscaler.query.engine_keys import (
     AnyMetric,
     describe_targets,
     parse_any_metric,
+    parse_pool,
     parse_scrape_interval,
     parse_signal_targets,
     refuse_gpu_keys,
+    refuse_pool_key,
 )
 from gpuscaler.query.key_values import (
     format_number,
@@ -97,6 +99,7 @@ def parse_metadata(metadata: Mapping[str, str], limits: Limits, *, namespace: st
             raise _engine_signal_on_an_agent(any_metric)
         return _engine_query(raw, namespace, name, any_metric, signal_profile, limits)
     metric = any_metric
+    refuse_pool_key(raw, f"GPU metric {metric.value}")
     if "scrapeInterval" in raw:
         raise InvalidMetadata(
             f"scrapeInterval is set, but {metric.value} is a GPU metric, read by the agents; it applies to engine "
@@ -225,11 +228,17 @@ def _engine_query(
     aggregation = (
         parse_enum("aggregation", raw["aggregation"], Aggregation) if "aggregation" in raw else signal.aggregation
     )
+    if signal.pods is not None and aggregation is Aggregation.SUM:
+        raise InvalidMetadata(
+            f"aggregation 'sum' is not allowed for {metric.value}: every EPP pod reports the same pool's value, and "
+            f"a sum would count the pool once per pod; use {signal.pods.value} (its default) or avg"
+        )
     value = EngineQuery(
         metric=metric,
         pods=engine_pods(raw, namespace, name, f"engine signal {metric.value}"),
         aggregation=aggregation,
         interval_seconds=parse_scrape_interval(raw, limits.min_scrape_seconds),
+        pool=parse_pool(raw, metric),
     )
     return Query(
         value=value,
@@ -259,6 +268,7 @@ def _combined_query(
                 else "signals names the metrics"
             )
             raise InvalidMetadata(f"keys {key!r} and 'signals' are both set; {reason}: leave {key} out")
+    refuse_pool_key(raw, "signals, which reads no EPP signal")
     pairs = parse_signal_targets(raw["signals"]) if "signals" in raw else profile.signals if profile else ()
     engine_read = [metric for metric, _ in pairs if isinstance(metric, EngineMetric)]
     if engine_read and not limits.reads_engines:

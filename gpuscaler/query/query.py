@@ -171,6 +171,8 @@ class EngineQuery:
     pods: PodSelection
     aggregation: Aggregation
     interval_seconds: float = 1.0  # how often each selected pod is scraped while the query is asked
+    # ``inferencePool``: the pool whose label sets a pool-labelled signal keeps (the EPP's); None for the rest.
+    pool: str | None = None
 
     window_seconds = None  # engine signals are read as of the newest scrape, with no window
     window = None
@@ -180,7 +182,7 @@ class EngineQuery:
         return self.metric.value
 
     def describe_selection(self) -> str:
-        return self.pods.describe()
+        return self.pods.describe() + (f", inferencePool {self.pool}" if self.pool is not None else "")
 
 
 # One metric's query: a GPU or an engine query (a combined query's signals each hold one).
@@ -297,6 +299,8 @@ def digest_name(value: EngineQuery | CombinedQuery) -> str:
     if isinstance(value, EngineQuery):
         parts = ["gpuscaler", value.metric.value, value.aggregation.value]
         described = [value.pods.describe(), _name_duration(value.interval_seconds)]
+        if value.pool is not None:
+            described.append(value.pool)
     else:
         parts = ["gpuscaler", "signals", *(part.query.name for part in value.signals)]
         described = [value.name, value.describe_selection()]

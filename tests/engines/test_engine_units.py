@@ -28,7 +28,8 @@ def test_each_engines_page_gives_every_series_its_signals_read(engine: Engine) -
         name
         for s in ENGINE_SIGNALS.values()
         if s.engine is engine
-        for name in (s.series[0], *((s.per,) if s.per else ()))
+        for name in (s.read[0], s.per_of(s.read[0]))
+        if name is not None
     }
     assert wanted <= set(values), values
     assert not any(name.startswith(("process_", "vllm:e2e")) for name in values)  # the prefilter kept only these

@@ -191,10 +191,14 @@ async def test_no_page_gives_one_turn_more_than_a_batch_of_work(name: str, monke
         feed(self, chunk)
 
     def counted_add_values(
-        text: bytes, values: dict[str, float], counts: dict[str, int], wanted: page_module.Prefilter
+        text: bytes,
+        values: dict[str, float],
+        counts: dict[str, int],
+        wanted: page_module.Prefilter,
+        pools: page_module.Pools | None = None,
     ) -> None:
         parsed.append(len(text))
-        add_values(text, values, counts, wanted)
+        add_values(text, values, counts, wanted, pools)
 
     monkeypatch.setattr(page_module.PageFilter, "feed", counted_feed)
     monkeypatch.setattr(page_reader_module, "add_values", counted_add_values)

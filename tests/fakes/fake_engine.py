@@ -26,6 +26,89 @@ process_cpu_seconds_total 12.5
 """
 
 
+# The EPP's flow-control histogram buckets (pkg/epp/metrics: the same in GIE v1.5.0 and llm-d).
+EPP_QUEUE_BUCKETS = (
+    "0.0001", "0.0005", "0.001", "0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1", "2.5", "5", "10", "30",
+    "60", "+Inf",
+)  # fmt: skip
+# What client_golang writes for each of the EPP's series: HELP ("[ALPHA] " from HelpMsgWithStability) and TYPE.
+EPP_HELP = {
+    "flow_control_queue_size": "[ALPHA] Current number of requests actively held in the Flow Control queue.",
+    "flow_control_request_queue_duration_seconds": "[ALPHA] Distribution of total time requests spend in the Flow "
+    "Control layer (from enqueue to final outcome).",
+    "gie_saturation": "[ALPHA] Current saturation level of the inference pool (0.0 = empty, 1.0 = fully saturated).",
+    "llmd_saturation": "[ALPHA] Pool saturation signal gating Flow Control dispatch. The stage label partitions by "
+    "pipeline role: 'prefill' and 'decode' are per-stage signals, 'effective' is max(prefill, decode) and is the "
+    "value used for gating. 1.0 is the gating set point; values above 1.0 indicate the magnitude of "
+    "oversubscription past it. An empty pool reads as 1.0. With the default utilization detector, endpoints with "
+    "missing or stale metrics score as fully saturated (fail-closed; see flow_control_stale_endpoints).",
+    "running_requests": "[ALPHA] Inference objective number of running requests in each model.",
+    "request_running": "[ALPHA] Current number of active running requests.",
+    "info": "[ALPHA] General information of the current build of Inference Extension.",
+}
+
+
+def epp_page(values: dict[str, float], *, llmd: bool, pool: str = "vllm-llama3-8b-instruct") -> str:
+    """An EPP's page as client_golang writes it (label pairs sorted by name, ``le`` last): GIE v1.5.0's
+    ``inference_extension_*`` names, or current llm-d's, which writes ``llm_d_epp_*`` beside them.
+
+    ``values``: ``waiting`` (queued), ``running``, ``kv`` (saturation, a fraction), ``queue_us`` (the histogram's
+    sum, in seconds) over ``success`` (its count); a key left out leaves its series off, as a vector with no label
+    set yet is. ``saturation_stages`` (llm-d) writes prefill and decode too."""
+    model = {"model_name": "meta-llama/Llama-3.1-8B-Instruct", "target_model_name": "meta-llama/Llama-3.1-8B-Instruct"}
+    flow = _labels(fairness_id="default", inference_pool=pool, priority="0", **model)
+    lines = [
+        "# HELP go_goroutines Number of goroutines that currently exist.",
+        "# TYPE go_goroutines gauge",
+        "go_goroutines 212",
+    ]
+    for prefix in ("llm_d_epp_", "inference_extension_") if llmd else ("inference_extension_",):
+        lines += [f"# HELP {prefix}info {EPP_HELP['info']}", f"# TYPE {prefix}info gauge"]
+        lines.append(f'{prefix}info{{build_ref="v1.5.0",commit="df9f8909"}} 1')
+        if "waiting" in values:
+            name = f"{prefix}flow_control_queue_size"
+            lines += [f"# HELP {name} {EPP_HELP['flow_control_queue_size']}", f"# TYPE {name} gauge"]
+            lines.append(f"{name}{{{flow}}} {values['waiting']:g}")
+        if "success" in values:
+            name = f"{prefix}flow_control_request_queue_duration_seconds"
+            help_text = EPP_HELP["flow_control_request_queue_duration_seconds"]
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+            for outcome, share in (("Dispatched", 1.0), ("RejectedCapacity", 0.0)):
+                labels = _labels(fairness_id="default", inference_pool=pool, outcome=outcome, priority="0", **model)
+                count = values["success"] if share else 7.0  # requests rejected at once: 7 of them, no wait
+                lines += [f'{name}_bucket{{{labels},le="{le}"}} {count:g}' for le in EPP_QUEUE_BUCKETS]
+                lines.append(f"{name}_sum{{{labels}}} {values.get('queue_us', 0.0) * share:g}")
+                lines.append(f"{name}_count{{{labels}}} {count:g}")
+        if "kv" in values:
+            name = f"{prefix}flow_control_pool_saturation"
+            lines += [f"# HELP {name} {EPP_HELP['llmd_saturation' if llmd else 'gie_saturation']}"]
+            lines.append(f"# TYPE {name} gauge")
+            if llmd:
+                stages = (("decode", values["kv"]), ("effective", values["kv"]), ("prefill", values["kv"] / 2))
+                lines += [f'{name}{{inference_pool="{pool}",stage="{s}"}} {v:g}' for s, v in stages]
+            else:
+                lines.append(f'{name}{{inference_pool="{pool}"}} {values["kv"]:g}')
+        if "running" in values:
+            name = "llm_d_epp_request_running" if prefix == "llm_d_epp_" else "inference_objective_running_requests"
+            labels = (
+                _labels(fairness_id="default", priority="0", **model)
+                if prefix == "llm_d_epp_"
+                else _labels(model_name=model["model_name"])
+            )
+            key = "request_running" if prefix == "llm_d_epp_" else "running_requests"
+            lines += [
+                f"# HELP {name} {EPP_HELP[key]}",
+                f"# TYPE {name} gauge",
+                f"{name}{{{labels}}} {values['running']:g}",
+            ]
+    return "\n".join(lines) + "\n"
+
+
+def _labels(**pairs: str) -> str:
+    """Label pairs as client_golang writes them: sorted by name."""
+    return ",".join(f'{name}="{value}"' for name, value in sorted(pairs.items()))
+
+
 @dataclass
 class FakeEngine:
     """One engine's page; set ``values`` (series -> value) and ``mode`` while it serves."""
@@ -33,13 +116,15 @@ class FakeEngine:
     engine: Engine
     values: dict[str, float] = field(default_factory=dict)
     mode: str = "ok"  # ok, hang, slow, huge, malformed, redirect, gzip, status
-    v0: bool = False  # vLLM: the V0 engine's KV-cache name
+    v0: bool = False  # vLLM: the V0 engine's KV-cache name; the EPP: GIE v1.5.0's names alone, not llm-d's
     requests: int = 0
     port: int = 0
     _runner: web.AppRunner | None = None
 
     def page(self) -> str:
         v = self.values
+        if self.engine is Engine.EPP:
+            return epp_page(v, llmd=not self.v0)
         if self.engine is Engine.VLLM:
             cache = "vllm:gpu_cache_usage_perc" if self.v0 else "vllm:kv_cache_usage_perc"
             labels = '{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"}'

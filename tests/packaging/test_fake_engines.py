@@ -54,7 +54,7 @@ def _free_ports(count: int) -> list[int]:
             sock.close()
 
 
-@pytest.fixture(params=list(Engine), ids=str)
+@pytest.fixture(params=list(HEALTH), ids=str)  # the model servers dev/fake_engines.py fakes
 def pod(request: pytest.FixtureRequest) -> Iterator[tuple[Engine, list[int]]]:
     """The fake engine of one pod, on two loopback ports, stopped after the test."""
     engine: Engine = request.param

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuscaler.gateway.engines.limits import DEFAULT_SCRAPE_LIMITS
 from gpuscaler.model.engines import EnginePage
+from gpuscaler.model.series_labels import SeriesLabels
 
 COUNTER_SUFFIX = "_total"
 DEFAULT_MAX_LABEL_SETS = DEFAULT_SCRAPE_LIMITS.max_label_sets
@@ -50,11 +51,18 @@ NAME_ENDS = frozenset((b"{", b" ", b"\t"))
 
 
 class Prefilter:
-    """The series names one engine's signals read, with the most one label set of each may say (``bounds``)."""
+    """The series names one engine's signals read, with the most one label set of each may say (``bounds``) and
+    what their labels mean (``labels``: which label sets count, and which label names a pool)."""
 
-    def __init__(self, names: Iterable[str], bounds: Mapping[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        names: Iterable[str],
+        bounds: Mapping[str, float] | None = None,
+        labels: Mapping[str, SeriesLabels] | None = None,
+    ) -> None:
         self._names = tuple(sorted({name.encode() for name in names}))
         self.bounds = dict(bounds or {})
+        self.labels = dict(labels or {})
         # Every way a kept line can start; a partial line shorter than the longest cannot be told yet.
         self.starts = tuple(
             prefix + name + end for name in self._names for prefix in (b"", TYPE_PREFIX) for end in NAME_ENDS
@@ -171,9 +179,11 @@ def _long_line(head: bytes) -> MalformedPage:
     return MalformedPage(f"a line of {head!r}... is over {MAX_LINE_BYTES} bytes")
 
 
-def prefilter(names: Iterable[str], bounds: Mapping[str, float] | None = None) -> Prefilter:
+def prefilter(
+    names: Iterable[str], bounds: Mapping[str, float] | None = None, labels: Mapping[str, SeriesLabels] | None = None
+) -> Prefilter:
     """The prefilter of ``names``: build it once per engine, use it for every page."""
-    return Prefilter(names, bounds)
+    return Prefilter(names, bounds, labels)
 
 
 def batches(kept: Mapping[bytes, Kept]) -> Iterator[bytes]:
@@ -193,9 +203,15 @@ def batches(kept: Mapping[bytes, Kept]) -> Iterator[bytes]:
             yield b"\n".join((*head, *batch, b""))
 
 
-def add_values(text: bytes, values: dict[str, float], counts: dict[str, int], wanted: Prefilter) -> None:
+Pools = dict[str, dict[str, tuple[float, int]]]
+
+
+def add_values(
+    text: bytes, values: dict[str, float], counts: dict[str, int], wanted: Prefilter, pools: Pools | None = None
+) -> None:
     """Add the samples of ``text`` (one batch) to ``values``, counters under their family's name, and count each
-    series' label sets in ``counts`` (what a signal that averages them divides by)."""
+    series' label sets in ``counts`` (what a signal that averages them divides by); a label set its series' rule
+    leaves out is not read, and a pool-labelled series' label sets are added to their pool's in ``pools`` too."""
     try:
         families = list(text_string_to_metric_families(text.decode("utf-8")))
     except (UnicodeDecodeError, ValueError, IndexError) as error:
@@ -215,17 +231,26 @@ def add_values(text: bytes, values: dict[str, float], counts: dict[str, int], wa
                 raise MalformedPage(
                     f"{sample.name} is {value:g}, past the {bound:g} one label set can honestly read (docs/engines.md)"
                 )
+            rule = wanted.labels.get(name)
+            if rule is not None and not rule.kept(sample.labels):
+                continue
             values[name] = values.get(name, 0.0) + value
             counts[name] = counts.get(name, 0) + 1
+            if rule is not None and rule.pool is not None and pools is not None:
+                # At most --engine-max-label-sets pools a series, as the prefilter kept at most that many lines.
+                of_series = pools.setdefault(name, {})
+                pool = sample.labels.get(rule.pool, "")
+                total, sets = of_series.get(pool, (0.0, 0))
+                of_series[pool] = (total + value, sets + 1)
 
 
-def page_of(values: dict[str, float], counts: dict[str, int], *, at: float) -> EnginePage:
+def page_of(values: dict[str, float], counts: dict[str, int], *, at: float, pools: Pools | None = None) -> EnginePage:
     """The page of summed ``values`` over ``counts`` label sets; ``MalformedPage`` where a sum is no longer a number
     (two label sets of 1.7e308 add up to infinity)."""
     for name, value in values.items():
         if not math.isfinite(value):
             raise MalformedPage(f"{name} sums to {value} over its label sets, which no engine reports")
-    return EnginePage(at=at, values=values, counts=counts)
+    return EnginePage(at=at, values=values, counts=counts, pools=pools or {})
 
 
 def read_whole_page(
@@ -237,6 +262,7 @@ def read_whole_page(
     page.feed(body)
     values: dict[str, float] = {}
     counts: dict[str, int] = {}
+    pools: Pools = {}
     for text in batches(page.finish()):
-        add_values(text, values, counts, wanted)
-    return page_of(values, counts, at=at)
+        add_values(text, values, counts, wanted, pools)
+    return page_of(values, counts, at=at, pools=pools)

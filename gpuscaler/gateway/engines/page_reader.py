@@ -36,8 +36,16 @@ from collections.abc import Callable
 import aiohttp
 
 from gpuscaler.gateway.engines.limits import ScrapeLimits
-from gpuscaler.gateway.engines.page import Prefilter, TooManyLabelSets, add_values, batches, page_of, prefilter
-from gpuscaler.model.engines import Engine, EnginePage, engine_series, series_bounds
+from gpuscaler.gateway.engines.page import (
+    Pools,
+    Prefilter,
+    TooManyLabelSets,
+    add_values,
+    batches,
+    page_of,
+    prefilter,
+)
+from gpuscaler.model.engines import Engine, EnginePage, engine_series, series_bounds, series_labels
 from gpuscaler.signals.engines.pods import Endpoint
 
 PageBody = list[bytes]  # the chunks of a page as they arrived
@@ -77,7 +85,9 @@ class PageReader:
     def __init__(self, limits: ScrapeLimits) -> None:
         self.limits = limits
         self._session: aiohttp.ClientSession | None = None
-        self._prefilters = {engine: prefilter(engine_series(engine), series_bounds(engine)) for engine in Engine}
+        self._prefilters = {
+            engine: prefilter(engine_series(engine), series_bounds(engine), series_labels(engine)) for engine in Engine
+        }
         self._parsing = asyncio.Lock()  # one page parsed at a time: a loop turn runs one batch of one page
         self._trim: asyncio.TimerHandle | None = None
 
@@ -166,7 +176,8 @@ async def read_page(body: PageBody, wanted: Prefilter, *, at: float, max_label_s
         chunks.clear()
     values: dict[str, float] = {}
     counts: dict[str, int] = {}
+    pools: Pools = {}
     for text in batches(page.finish()):
-        add_values(text, values, counts, wanted)
+        add_values(text, values, counts, wanted, pools)
         await asyncio.sleep(0)
-    return page_of(values, counts, at=at)
+    return page_of(values, counts, at=at, pools=pools)

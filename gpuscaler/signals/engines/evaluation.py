@@ -2,7 +2,9 @@
 
 ``pods.py`` says which pods count and where each page is. A pod that counts and cannot be read makes the
 answer UNAVAILABLE naming it, never a 0 for its queue; pods left out are listed with why. No pod that counts
-(a workload at zero replicas, or all starting) is a true 0: no engine, no queue.
+(a workload at zero replicas, or all starting) is a true 0: no engine, no queue; except for a signal whose engine
+exists at zero (``EngineSignal.absent_unknown``: the EPP holds a pool's demand while the pool has no replica), where
+no pod that counts has lost the signal, and the answer is UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -113,7 +115,9 @@ def evaluate_engine(
                 scrape = scrapes.get(key)
             if scrape is not None and scrape.endpoint != endpoint.url:
                 scrape = None  # a page of the address the pod had before: not this pod's now
-            read = signal_value(signal, scrape, now=now, stale_after=stale_after(query.interval_seconds, timeout))
+            read = signal_value(
+                signal, scrape, now=now, stale_after=stale_after(query.interval_seconds, timeout), pool=query.pool
+            )
             age = now - scrape.page.at if scrape is not None and scrape.page is not None else None
             row = _row(info, None if isinstance(read, str) else read, read if isinstance(read, str) else None, age)
         values.append(row)
@@ -128,6 +132,14 @@ def evaluate_engine(
         error = Unavailable(
             f"{name} of {pods.describe()} is unknown: {len(unread)} of the Ready pods cannot be read "
             f"({named}{more}); an unread pod never counts as 0"
+        )
+    elif signal.absent_unknown and not any(counts for _, _, counts in selection.rows):
+        left_out = "; ".join(f"pod {p.namespace}/{p.pod}: {p.reason}" for p in values[:NAMED_PODS])
+        more = f"; and {len(values) - NAMED_PODS} more" if len(values) > NAMED_PODS else ""
+        error = Unavailable(
+            f"{name} of {query.describe_selection()} is unknown: no Ready {signal.engine.value} pod is selected "
+            f"({left_out + more if values else 'no pod at all'}); the {signal.engine.value} holds this demand while "
+            "the workload is at zero, so without one (a failover, a killed or NotReady pod) it is unknown, never 0"
         )
     else:
         included = [p.value for p in values if p.value is not None]
