@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 from dataclasses import dataclass, field
+from decimal import Decimal
 
 from aiohttp import web
 
@@ -68,7 +69,7 @@ def epp_page(values: dict[str, float], *, llmd: bool, pool: str = "vllm-llama3-8
         if "waiting" in values:
             name = f"{prefix}flow_control_queue_size"
             lines += [f"# HELP {name} {EPP_HELP['flow_control_queue_size']}", f"# TYPE {name} gauge"]
-            lines.append(f"{name}{{{flow}}} {values['waiting']:g}")
+            lines.append(f"{name}{{{flow}}} {go_float(values['waiting'])}")
         if "success" in values:
             name = f"{prefix}flow_control_request_queue_duration_seconds"
             help_text = EPP_HELP["flow_control_request_queue_duration_seconds"]
@@ -76,18 +77,18 @@ def epp_page(values: dict[str, float], *, llmd: bool, pool: str = "vllm-llama3-8
             for outcome, share in (("Dispatched", 1.0), ("RejectedCapacity", 0.0)):
                 labels = _labels(fairness_id="default", inference_pool=pool, outcome=outcome, priority="0", **model)
                 count = values["success"] if share else 7.0  # requests rejected at once: 7 of them, no wait
-                lines += [f'{name}_bucket{{{labels},le="{le}"}} {count:g}' for le in EPP_QUEUE_BUCKETS]
-                lines.append(f"{name}_sum{{{labels}}} {values.get('queue_us', 0.0) * share:g}")
-                lines.append(f"{name}_count{{{labels}}} {count:g}")
+                lines += [f'{name}_bucket{{{labels},le="{le}"}} {go_float(count)}' for le in EPP_QUEUE_BUCKETS]
+                lines.append(f"{name}_sum{{{labels}}} {go_float(values.get('queue_us', 0.0) * share)}")
+                lines.append(f"{name}_count{{{labels}}} {go_float(count)}")
         if "kv" in values:
             name = f"{prefix}flow_control_pool_saturation"
             lines += [f"# HELP {name} {EPP_HELP['llmd_saturation' if llmd else 'gie_saturation']}"]
             lines.append(f"# TYPE {name} gauge")
             if llmd:
                 stages = (("decode", values["kv"]), ("effective", values["kv"]), ("prefill", values["kv"] / 2))
-                lines += [f'{name}{{inference_pool="{pool}",stage="{s}"}} {v:g}' for s, v in stages]
+                lines += [f'{name}{{inference_pool="{pool}",stage="{s}"}} {go_float(v)}' for s, v in stages]
             else:
-                lines.append(f'{name}{{inference_pool="{pool}"}} {values["kv"]:g}')
+                lines.append(f'{name}{{inference_pool="{pool}"}} {go_float(values["kv"])}')
         if "running" in values:
             name = "llm_d_epp_request_running" if prefix == "llm_d_epp_" else "inference_objective_running_requests"
             labels = (
@@ -99,9 +100,24 @@ def epp_page(values: dict[str, float], *, llmd: bool, pool: str = "vllm-llama3-8
             lines += [
                 f"# HELP {name} {EPP_HELP[key]}",
                 f"# TYPE {name} gauge",
-                f"{name}{{{labels}}} {values['running']:g}",
+                f"{name}{{{labels}}} {go_float(values['running'])}",
             ]
     return "\n".join(lines) + "\n"
+
+
+def go_float(value: float) -> str:
+    """``value`` as client_golang writes a sample (Go's ``strconv.FormatFloat(v, 'g', -1, 64)``): the shortest digits
+    that read back the same, in exponent form from 1e+06 up and below 1e-04."""
+    sign, digits, exponent = Decimal(repr(float(value))).normalize().as_tuple()
+    assert isinstance(exponent, int)
+    if not any(digits):
+        return "0"
+    point = len(digits) + exponent - 1  # the decimal exponent of the first digit
+    text = "".join(map(str, digits))
+    if point < -4 or point >= 6:
+        mantissa = text[0] + ("." + text[1:] if len(text) > 1 else "")
+        return f"{'-' if sign else ''}{mantissa}e{'-' if point < 0 else '+'}{abs(point):02d}"
+    return f"{'-' if sign else ''}{format(Decimal(repr(float(value))).normalize(), 'f')}"
 
 
 def _labels(**pairs: str) -> str:
