@@ -110,6 +110,9 @@ class PageReader:
         """The page's body as its chunks, or ``ScrapeFailed`` for a status, an encoding or a size that cannot be
         used; an oversized page is refused at its Content-Length, or at its first byte past the limit."""
         assert self._session is not None, "start() first"
+        # No credentials are sent: the EPP's /metrics asks for a bearer token by default (--metrics-endpoint-auth).
+        # A token would be attached here, to the EPP pods an InferencePool's endpointPickerRef names alone, never
+        # to a pod a selection merely matches (docs/engines.md).
         async with self._session.get(endpoint.url, allow_redirects=False) as response:
             _smaller_reads(response)
             if response.status != 200:
