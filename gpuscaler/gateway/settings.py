@@ -8,6 +8,7 @@ one) and what is allowed.
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,8 @@ class GatewaySettings:
     agent_tls_key: Path | None
     agent_tls_server_name: str | None
     engine_scrapes: ScrapeLimits = DEFAULT_SCRAPE_LIMITS
+    # (namespace, name) of the ServiceAccount whose short-lived token the EPP pods alone receive; None: no token.
+    epp_metrics_token_service_account: tuple[str, str] | None = None
 
 
 GATEWAY_FLAGS: FlagTable = {
@@ -118,8 +121,17 @@ GATEWAY_FLAGS: FlagTable = {
         "the most label sets an engine page may give one series the signals read, 16 to 1000000; more is an error "
         "for that pod",
     ),
+    "--epp-metrics-token-service-account": (
+        "EPP_METRICS_TOKEN_SERVICE_ACCOUNT",
+        None,
+        "NAMESPACE/NAME of a ServiceAccount allowed only 'get' on /metrics: its short-lived token is sent to the "
+        "pods of the EPP an InferencePool's endpointPickerRef names, and to no other pod (off when unset)",
+    ),
     **SERVER_FLAGS,
 }
+
+# A Kubernetes object name (RFC 1123 subdomain), as namespaces and ServiceAccounts are named.
+_OBJECT_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 
 
 def add_gateway_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
@@ -175,6 +187,22 @@ def gateway_settings_from_args(args: argparse.Namespace, environ: Mapping[str, s
     if agent_cert is not None and agent_ca is None:
         raise ConfigError("--agent-tls-cert needs --agent-tls-ca (the CA that signed the agents' certificates)")
 
+    epp_token_account = None
+    if args.epp_metrics_token_service_account:
+        namespace, _, name = args.epp_metrics_token_service_account.partition("/")
+        if not (_OBJECT_NAME.fullmatch(namespace) and _OBJECT_NAME.fullmatch(name)):
+            raise fail(
+                "--epp-metrics-token-service-account",
+                args.epp_metrics_token_service_account,
+                "use NAMESPACE/NAME of a ServiceAccount, e.g. gpuscaler/gpuscaler-epp-metrics",
+            )
+        if pod_directory != POD_DIRECTORY_KUBERNETES:
+            raise ConfigError(
+                "--epp-metrics-token-service-account needs --pod-directory kubernetes: the token goes only to pods "
+                "the Kubernetes API says an InferencePool's endpointPickerRef names"
+            )
+        epp_token_account = (namespace, name)
+
     return GatewaySettings(
         server=server,
         agents=agents,
@@ -206,4 +234,5 @@ def gateway_settings_from_args(args: argparse.Namespace, environ: Mapping[str, s
             ),
             max_label_sets=count_flag(args.engine_max_label_sets, "--engine-max-label-sets", fail, 16, 1_000_000),
         ),
+        epp_metrics_token_service_account=epp_token_account,
     )

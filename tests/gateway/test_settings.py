@@ -93,3 +93,15 @@ def test_an_agents_file_is_read_at_start(tmp_path: Path) -> None:
         settings("--agents-file", str(path))
     with pytest.raises(ConfigError, match="cannot read"):
         settings("--agents-file", str(tmp_path / "missing.txt"))
+
+
+def test_the_epp_metrics_token_is_off_by_default_and_names_a_service_account() -> None:
+    """No ServiceAccount is named by default; a value that is not NAMESPACE/NAME, or one without the pod watch,
+    is refused naming the flag."""
+    assert settings("--agents", "a:1").epp_metrics_token_service_account is None
+    on = settings("--agents", "a:1", "--pod-directory", "kubernetes", "--epp-metrics-token-service-account", "gs/epp")
+    assert on.epp_metrics_token_service_account == ("gs", "epp")
+    with pytest.raises(ConfigError, match=r"--epp-metrics-token-service-account 'epp': use NAMESPACE/NAME"):
+        settings("--agents", "a:1", "--pod-directory", "kubernetes", "--epp-metrics-token-service-account", "epp")
+    with pytest.raises(ConfigError, match="needs --pod-directory kubernetes"):
+        settings("--agents", "a:1", "--epp-metrics-token-service-account", "gs/epp")
