@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from gpuscaler.model.aggregation import Aggregation
 from gpuscaler.model.durations import format_duration, parse_duration
 from gpuscaler.model.engines import ENGINE_SIGNALS, EngineMetric
 from gpuscaler.model.errors import InvalidMetadata
@@ -181,12 +182,6 @@ def parse_signal_targets(text: str) -> tuple[tuple[AnyMetric, float], ...]:
                 "like 'vllm_queue:8,vllm_kv_cache:80'"
             )
         metric = parse_any_metric("signals", name)
-        if isinstance(metric, EngineMetric) and ENGINE_SIGNALS[metric].absent_unknown:
-            raise InvalidMetadata(
-                f"signals {text!r} include {metric.value}, which is read from the EPP's pods, and signals reads "
-                "every signal from one selection of pods: give it a trigger of its own, beside the model servers' "
-                "(the HPA scales to the most any trigger asks for; docs/engines.md)"
-            )
         try:
             target = float(target_text)
         except ValueError:
@@ -204,7 +199,31 @@ def parse_signal_targets(text: str) -> tuple[tuple[AnyMetric, float], ...]:
             f"signals {text!r} names {len(pairs)} signal(s); combine 2 to {MAX_SIGNALS}, or use metric and "
             "targetValue for one"
         )
+    _refuse_mixed_pods(text, pairs)
     return tuple(pairs)
+
+
+def _refuse_mixed_pods(text: str, pairs: list[tuple[AnyMetric, float]]) -> None:
+    """``signals`` reads one selection of pods: the EPP's (its summed signals alone), or the model servers'."""
+    epp = [m for m, _ in pairs if isinstance(m, EngineMetric) and ENGINE_SIGNALS[m].absent_unknown]
+    if not epp:
+        return
+    if len(epp) < len(pairs):
+        other = next(m for m, _ in pairs if m not in epp)
+        raise InvalidMetadata(
+            f"signals {text!r} include {epp[0].value}, which is read from the EPP's pods, and {other.value}, "
+            "which is not; signals reads every signal from one selection of pods: give it a trigger of its own, "
+            "beside the model servers' (the HPA scales to the most any trigger asks for; docs/engines.md)"
+        )
+    summed = [m.value for m, s in ENGINE_SIGNALS.items() if s.absent_unknown and s.aggregation is Aggregation.SUM]
+    for metric in epp:
+        if ENGINE_SIGNALS[metric].aggregation is not Aggregation.SUM:
+            raise InvalidMetadata(
+                f"signals {text!r} include {metric.value}, which is one value for the whole pool, not a sum over "
+                "the EPP's pods; signals combines requests that one replica carries: of the EPP's signals it takes "
+                f"{', '.join(summed)} "
+                "(give this one a trigger of its own; docs/engines.md)"
+            )
 
 
 def describe_targets(pairs: tuple[tuple[AnyMetric, float], ...]) -> str:

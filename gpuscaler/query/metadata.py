@@ -268,8 +268,10 @@ def _combined_query(
                 else "signals names the metrics"
             )
             raise InvalidMetadata(f"keys {key!r} and 'signals' are both set; {reason}: leave {key} out")
-    refuse_pool_key(raw, "signals, which reads no EPP signal")
     pairs = parse_signal_targets(raw["signals"]) if "signals" in raw else profile.signals if profile else ()
+    pooled = [m for m, _ in pairs if isinstance(m, EngineMetric) and ENGINE_SIGNALS[m].pool_label is not None]
+    if not pooled:
+        refuse_pool_key(raw, "signals " + describe_targets(pairs) + ", which reads no pool-labelled signal")
     engine_read = [metric for metric, _ in pairs if isinstance(metric, EngineMetric)]
     if engine_read and not limits.reads_engines:
         raise _engine_signal_on_an_agent(engine_read[0], f"signals {describe_targets(pairs)!r} include it")
@@ -282,7 +284,11 @@ def _combined_query(
         part: GpuQuery | EngineQuery
         if isinstance(metric, EngineMetric):
             assert pods is not None
-            part = EngineQuery(metric=metric, pods=pods, aggregation=Aggregation.SUM, interval_seconds=interval)
+            # inferencePool applies to the EPP's pool-labelled signals; its running requests have no pool label.
+            pool = parse_pool(raw, metric) if metric in pooled else None
+            part = EngineQuery(
+                metric=metric, pods=pods, aggregation=Aggregation.SUM, interval_seconds=interval, pool=pool
+            )
         else:
             # Summed over the pods (or GPUs): ready pods x average, the HPA's utilisation rule (docs/hpa.md).
             part = GpuQuery(

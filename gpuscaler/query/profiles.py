@@ -243,6 +243,16 @@ SIGNAL_PROFILES: Mapping[str, SignalProfile] = {
             0.0,
             "requests in SGLang's waiting queue, as vllm-queue for vLLM",
         ),
+        # Waking from zero: read at the EPP, which exists while the pool has no replica. Active while any request
+        # is queued or running there, so that KEDA's cooldown cannot take the pool to zero mid-request.
+        SignalProfile(
+            "epp-wake",
+            ((EngineMetric.EPP_QUEUE, 8.0), (EngineMetric.EPP_RUNNING, 32.0)),
+            0.0,
+            0.0,
+            "the pool's demand at its EPP: the first request queued wakes it, and a request still queued or "
+            "running keeps it awake",
+        ),
     )
 }
 # The prior art's profile names that mean one of ours.
