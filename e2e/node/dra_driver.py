@@ -175,7 +175,6 @@ class Registration(pluginregistration.RegistrationBase):
 
     def __init__(self, endpoint: Path) -> None:
         self.endpoint = endpoint
-        self.registered = asyncio.Event()
 
     async def get_info(self, message: pluginregistration.InfoRequest) -> pluginregistration.PluginInfo:
         return pluginregistration.PluginInfo(
@@ -186,8 +185,7 @@ class Registration(pluginregistration.RegistrationBase):
         self, message: pluginregistration.RegistrationStatus
     ) -> pluginregistration.RegistrationStatusResponse:
         if message.plugin_registered:
-            print(f"registered {DRIVER} with the kubelet", flush=True)
-            self.registered.set()
+            print(f"registered {DRIVER} with the kubelet", flush=True)  # what the suite waits for
         else:
             print(f"the kubelet refused the registration: {message.error}", flush=True)
         return pluginregistration.RegistrationStatusResponse()
@@ -231,6 +229,8 @@ async def serve(node: str, devices: list[FakeDevice], kube: Kube) -> None:
                 await _close(watcher, registry)
         finally:
             await _close(plugin, endpoint)
+            with contextlib.suppress(OSError):  # made here and empty again; else the suite's shadow holds it
+                PLUGIN_FOLDER.rmdir()
     finally:
         await asyncio.to_thread(kube.delete, document)
 

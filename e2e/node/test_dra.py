@@ -4,11 +4,14 @@ ResourceClaims, and the agent placing the kubelet's device names on its GPUs by 
 The agent fakes 12 GPUs. GPUs 0-7 are the session's device plugin's; the DRA driver publishes the other four, named
 as NVIDIA's driver (v0.4.1) names them from minor numbers, which count down from the last index here, so no name's
 number is its GPU's index: ``gpu-3`` is GPU 8 and ``gpu-2`` GPU 9 (read as indices they would be GPUs 3 and 2, which
-other tenants' pods hold); GPUs 10 and 11 are in MIG mode with one instance each, published as
-``gpu-1-mig-1g10gb-19-0`` with its UUID and ``gpu-0-mig-3g40gb-9-4`` without one, as DynamicMIG leaves a device the
-driver makes on demand. A claim takes one whole GPU and one MIG device. Debian's containerd 1.6 does not apply CDI
-devices, so the containers see none; the pods still start, and attribution comes from the kubelet's PodResources
-API, which reports what the driver prepared.
+another tenant's pod holds through the device plugin for the whole module); GPUs 10 and 11 are in MIG mode with one
+instance each, published as ``gpu-1-mig-1g10gb-19-0`` with its UUID and ``gpu-0-mig-3g40gb-9-4`` without one, as
+DynamicMIG leaves a device the driver makes on demand. The fake instance exists from the agent's start: an instance
+made after the agent enumerated its GPUs is placed at the next enumeration, which the unit tests drive
+(``tests/agent/collectors/test_nvml_identity.py``). A claim takes one whole GPU and one MIG device. Debian's
+containerd 1.6 does not apply CDI devices, so the containers see none; the pods still start, and attribution comes
+from the kubelet's PodResources API, which reports what the driver prepared. Devices shared by ``share_id``
+(consumable capacity, a feature gate this cluster leaves off) are tested in-process (``tests/gateway/test_signals.py``).
 """
 
 from __future__ import annotations
@@ -129,27 +132,35 @@ def dra_deployment(name: str, ns: str, *, replicas: int, claim: Json) -> Json:
     return deployment
 
 
+OTHER_TENANT = gpu_deployment("other-tenant", "dra-other-tenant", replicas=1, gpus=8)
+
+
 @pytest.fixture(scope="module")
 def dra(chart_cluster: NodeCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Release]:
-    """The DRA driver and its DeviceClasses, and the chart with the agent on 12 fake GPUs (two in MIG mode) and
-    PodResources on; the chart sets nothing else for DRA (``agent.podResources.draDrivers`` defaults to the driver)."""
+    """The DRA driver and its DeviceClasses, another tenant's pod holding the device plugin's 8 GPUs, and the chart
+    with the agent on 12 fake GPUs (two in MIG mode); nothing is set for DRA (``agent.podResources`` is on, and its
+    ``draDrivers`` is the driver, by default)."""
     cluster = chart_cluster
     cluster.node.start_dra_driver([gpu.device for gpu in LAYOUT.values()])
     values = tmp_path_factory.mktemp("dra") / "values.yaml"
     values.write_text(yaml.safe_dump({"agent": {"fake": {"gpus": AGENT_GPUS, "scenario": SCENARIO}}}))
+    other = namespace(OTHER_TENANT["metadata"]["namespace"])
     try:
-        for document in DEVICE_CLASSES:
+        for document in [*DEVICE_CLASSES, other, OTHER_TENANT]:
             cluster.apply(document)
+        cluster.wait_running(other["metadata"]["name"], "app=other-tenant", 1)
         release_namespace = namespace(NAMESPACE)
         release_namespace["metadata"]["labels"] = {"pod-security.kubernetes.io/enforce": "privileged"}
         cluster.apply(release_namespace)
-        release = install(cluster, values=[values], sets={"agent.podResources.enabled": "true"})
+        release = install(cluster, values=[values])
         try:
             release.wait_ready()
             yield release
         finally:
             release.uninstall()
     finally:
+        cluster.delete(other)
+        cluster.wait_gone(other)
         for document in DEVICE_CLASSES:
             cluster.delete(document)
         cluster.node.stop_dra_driver()
@@ -169,26 +180,38 @@ def _allocated(cluster: NodeCluster, ns: str, claim: str) -> list[str]:
 
 
 async def _counted(address: str, asked: dict[str, str]) -> tuple[Json, list[tuple[str, str]]]:
-    """The gateway's answer and the (GPU UUID, ns/pod) pairs it counted, one per pod a GPU was counted for."""
+    """A server's answer and the (GPU UUID, ns/pod) pairs it counted, one per pod a GPU was counted for."""
     answer = await query(address, asked)
     gpus = (answer.get("explanation") or {}).get("gpus", [])
     return answer, sorted((g["uuid"], f"{g.get('namespace')}/{g.get('pod')}") for g in gpus if g.get("included"))
 
 
 async def _wait_counted(address: str, asked: dict[str, str], expected: list[tuple[str, str]]) -> Json:
+    """Waits until the server at ``address`` answers GetMetrics (not an error: an error counts nothing too) and counts
+    exactly ``expected``; returns the answer."""
     answer, _ = await eventually(
-        f"the gateway to count exactly {expected} for {asked}",
+        f"{address} to answer and count exactly {expected} for {asked}",
         60,
         lambda: _counted(address, asked),
-        lambda found: found[1] == sorted(expected),
+        lambda found: bool(found[0]["get_metrics"]["ok"]) and found[1] == sorted(expected),
     )
     return answer
 
 
+def _pairs(ns: str, holdings: list[DraHolding]) -> list[tuple[str, str]]:
+    """The (NVML UUID, ns/pod) pairs a server should count for ``holdings``."""
+    return sorted({(LAYOUT[h.device].nvml_uuid, f"{ns}/{h.pod}") for h in holdings})
+
+
 def _describe(holdings: list[DraHolding]) -> str:
+    """Each pod's claim and devices, and the GPU each device is, once each."""
     return ", ".join(
-        f"{h.pod} ({h.claim}: {h.device} = GPU {LAYOUT[h.device].index} {LAYOUT[h.device].nvml_uuid})"
-        for h in sorted(holdings, key=lambda h: (h.pod, h.device))
+        sorted(
+            {
+                f"{h.pod} ({h.claim}: {h.device} = GPU {LAYOUT[h.device].index} {LAYOUT[h.device].nvml_uuid})"
+                for h in holdings
+            }
+        )
     )
 
 
@@ -197,7 +220,9 @@ async def test_keda_scales_a_dra_workload_on_exactly_the_devices_its_claims_hold
     query counts exactly the NVML devices those names are (``gpu-<minor>`` by minor number, MIG names by profile and
     placement, the one published without a UUID included), the real KEDA and HPA scale 1 -> 2 on them (AverageValue,
     target 60: the first pod's devices at 90, so ceil(90 / 60) = 2, and 90 / (2 x 60) outside the tolerance keeps 2),
-    and once the pods are deleted their devices leave the count and the claims go."""
+    and back to 1 when they idle. The agent itself, asked for the pods by name, lets go of a deleted pod's devices:
+    after the scale-in only the survivor's are counted, a pod deleted by hand is replaced by one with a claim of its
+    own, and with the Deployment gone nothing is counted and the claims are deleted."""
     cluster = dra.cluster
     ns, app = "dra", "dra-trainer"
     template = claim_template("gpu-and-mig", ns, {"gpu": WHOLE_CLASS, "mig": MIG_CLASS})
@@ -205,6 +230,8 @@ async def test_keda_scales_a_dra_workload_on_exactly_the_devices_its_claims_hold
     address, agent = await in_thread(dra.service_address), await in_thread(dra.agent_address)
     metadata = {"scalerAddress": address, "workload": app, "metric": "gpu_utilization", "targetValue": f"{TARGET:g}"}
     asked = {**metadata, "namespace": ns}
+    # The agent has no pod directory: it selects by pod name, from the kubelet's PodResources alone.
+    asked_agent = {"pod": f"{app}-*", "namespace": ns, "metric": "gpu_utilization", "targetValue": f"{TARGET:g}"}
     manifest = scaled_object(
         app, trigger="external", metadata=metadata, metric_type=MetricType.AVERAGE_VALUE, min_replicas=1, max_replicas=3
     )
@@ -223,8 +250,7 @@ async def test_keda_scales_a_dra_workload_on_exactly_the_devices_its_claims_hold
         assert await in_thread(_allocated, cluster, ns, claim) == sorted(h.device for h in holdings)
         for holding in holdings:
             await fake_set(agent, LAYOUT[holding.device].index, gpu_utilization=BUSY)
-        pod = f"{ns}/{first[0]['metadata']['name']}"
-        answer = await _wait_counted(address, asked, [(LAYOUT[h.device].nvml_uuid, pod) for h in holdings])
+        answer = await _wait_counted(address, asked, _pairs(ns, holdings))
         assert metric_value(answer) == pytest.approx(BUSY), answer["get_metrics"]
 
         await in_thread(cluster.apply, manifest)
@@ -234,8 +260,9 @@ async def test_keda_scales_a_dra_workload_on_exactly_the_devices_its_claims_hold
         holdings = await _held(ns, pods)
         # Both pods run: every device the driver publishes is held, the one without a UUID too.
         assert sorted(h.device for h in holdings) == sorted(LAYOUT), holdings
-        answer = await _wait_counted(address, asked, [(LAYOUT[h.device].nvml_uuid, f"{ns}/{h.pod}") for h in holdings])
+        answer = await _wait_counted(address, asked, _pairs(ns, holdings))
         assert metric_value(answer) == pytest.approx(BUSY), answer["get_metrics"]  # the second pod's devices read 0
+        await _wait_counted(agent, asked_agent, _pairs(ns, holdings))
         await history.hold(2, SETTLE_SECONDS)
         assert history.steps == [1, 2], history.describe()
         hpa = await in_thread(
@@ -243,27 +270,70 @@ async def test_keda_scales_a_dra_workload_on_exactly_the_devices_its_claims_hold
         )
         assert hpa is not None
         assert hpa["status"]["desiredReplicas"] == 2, hpa["status"]
+        scaled_out = _describe(holdings)
+
+        # Idle: back to minReplicaCount; the deleted pod's devices leave the agent's count, not just the gateway's.
+        await fake_set(agent, "all", gpu_utilization=0)
+        await history.wait_equal(1, STEP_TIMEOUT_SECONDS)
+        (survivor,) = await in_thread(cluster.wait_running, ns, f"app={app}", 1)
+        remaining = await _held(ns, [survivor])
+        assert len(remaining) == 2, remaining
+        await _wait_counted(address, asked, _pairs(ns, remaining))
+        await _wait_counted(agent, asked_agent, _pairs(ns, remaining))
+
+        # KEDA lets go; a pod deleted by hand is replaced by one with a claim of its own, counted in its place.
+        await in_thread(cluster.delete, manifest)
+        await in_thread(cluster.wait_gone, manifest)
+        await in_thread(cluster.kube.delete, {"apiVersion": "v1", "kind": "Pod", "metadata": survivor["metadata"]})
+        replacement = await in_thread(_wait_replacement, cluster, ns, app, survivor["metadata"]["name"])
+        replaced = await _held(ns, [replacement])
+        assert {h.claim for h in replaced}.isdisjoint({h.claim for h in remaining}), (remaining, replaced)
+        await _wait_counted(address, asked, _pairs(ns, replaced))
+        await _wait_counted(agent, asked_agent, _pairs(ns, replaced))
         line = (
-            f"DRA workload ({ns}/{app}, AverageValue, target {TARGET:g}, max 3): {_describe(holdings)}; the gateway "
-            f"counts those {len(holdings)} devices, value {metric_value(answer):g}; replicas by the real HPA "
-            f"{history.describe()} (desiredReplicas {hpa['status']['desiredReplicas']})"
+            f"DRA workload ({ns}/{app}, AverageValue, target {TARGET:g}, max 3): {scaled_out}; the gateway counts "
+            f"those 4 devices, value {metric_value(answer):g}; replicas by the real HPA {history.describe()} "
+            f"(desiredReplicas {hpa['status']['desiredReplicas']} at 2); after the scale-in and a replacement the "
+            f"gateway and the agent count only {_describe(replaced)}"
         )
         print(line)
         record(line)
         history.stop()
 
-        await in_thread(cluster.delete, manifest)
-        await in_thread(cluster.wait_gone, manifest)
         await in_thread(cluster.delete, deployment)
         await in_thread(cluster.wait_running, ns, f"app={app}", 0)
-        await _wait_counted(address, asked, [])
-        assert await _held(ns, pods) == []
+        answer = await _wait_counted(address, asked, [])  # the workload has no pod: a true 0
+        assert metric_value(answer) == 0.0, answer["get_metrics"]
+        # The agent holds no device for any of them: on one node it cannot tell "none here" from "elsewhere", so it
+        # says so rather than 0.
+        await eventually(
+            "the agent to see no pod of the workload holding a GPU",
+            60,
+            lambda: query(agent, asked_agent),
+            lambda found: (
+                found["get_metrics"]["code"] == "FAILED_PRECONDITION"
+                and "holds a GPU on node" in found["get_metrics"]["message"]
+            ),
+        )
+        assert await _held(ns, [replacement]) == []
         await in_thread(_wait_no_claims, cluster, ns)
     finally:
         await in_thread(cluster.delete, manifest)
         await in_thread(cluster.delete, deployment)
         await in_thread(cluster.wait_running, ns, f"app={app}", 0)
         await in_thread(cluster.delete, template)
+        await in_thread(cluster.delete, namespace(ns))
+        await in_thread(cluster.wait_gone, namespace(ns))
+
+
+def _wait_replacement(cluster: NodeCluster, ns: str, app: str, deleted: str) -> Json:
+    """The Running pod that replaced ``deleted``."""
+    pods = Deadline(f"{app}'s replacement for {deleted}", STEP_TIMEOUT_SECONDS).until(
+        lambda: cluster.running_pods(ns, f"app={app}"),
+        lambda found: len(found) == 1 and found[0]["metadata"]["name"] != deleted,
+        cluster.check_alive,
+    )
+    return pods[0]
 
 
 async def test_pods_sharing_one_claim_count_the_gpu_they_share(dra: Release) -> None:
@@ -296,7 +366,7 @@ async def test_pods_sharing_one_claim_count_the_gpu_they_share(dra: Release) -> 
         gpu = LAYOUT[device]
         assert gpu.device.kind == "gpu", holdings
         await fake_set(agent, gpu.index, gpu_utilization=70)
-        pairs = [(gpu.nvml_uuid, f"{ns}/{pod['metadata']['name']}") for pod in pods]
+        pairs = [(gpu.nvml_uuid, f"{ns}/{pod['metadata']['name']}") for pod in pods]  # once for each pod
         answer = await _wait_counted(address, asked, pairs)
         assert metric_value(answer) == pytest.approx(140.0), answer["get_metrics"]
         record(f"DRA sharing: {_describe(holdings)}; the gateway counts {gpu.nvml_uuid} for each, value 140")
@@ -304,6 +374,8 @@ async def test_pods_sharing_one_claim_count_the_gpu_they_share(dra: Release) -> 
         await in_thread(cluster.delete, deployment)
         await in_thread(cluster.wait_running, ns, f"app={app}", 0)
         await in_thread(cluster.delete, claim)
+        await in_thread(cluster.delete, namespace(ns))
+        await in_thread(cluster.wait_gone, namespace(ns))
 
 
 def _wait_no_claims(cluster: NodeCluster, ns: str) -> None:
