@@ -20,6 +20,7 @@ from gpuscaler import __version__
 from gpuscaler.flags import Address
 from gpuscaler.gateway.directory.pod_file import ManagedDirectory, StaticPodDirectory
 from gpuscaler.gateway.discovery import DnsAgents, EndpointsListener, FileAgents, StaticAgents
+from gpuscaler.gateway.engines.page_reader import PageReader
 from gpuscaler.gateway.engines.scraper import EngineScraper
 from gpuscaler.gateway.settings import POD_DIRECTORY_KUBERNETES, GatewaySettings
 from gpuscaler.gateway.subscriber import AgentSubscriber, AgentTLS
@@ -56,6 +57,24 @@ async def build_directory(settings: GatewaySettings) -> PodDirectory | None:
         return StaticPodDirectory(Path(settings.pod_directory))
     except ConfigError as error:
         raise ConfigError(f"--pod-directory: {error}") from None
+
+
+def _page_reader(settings: GatewaySettings, directory: PodDirectory | None) -> PageReader:
+    """The engine page reader; with ``--epp-metrics-token-service-account``, one that sends the EPP pods an
+    InferencePool's endpointPickerRef names, and no other pod, that ServiceAccount's token."""
+    account = settings.epp_metrics_token_service_account
+    from gpuscaler.gateway.directory.kubernetes import KubernetesDirectory
+
+    if account is None or not isinstance(directory, KubernetesDirectory):
+        return PageReader(settings.engine_scrapes)
+    from gpuscaler.gateway.directory.endpoint_pickers import EndpointPickers
+    from gpuscaler.gateway.engines.epp_token import EppCredentials, EppToken, token_requester
+
+    factory = directory.pod_watch.api_client_factory
+    pickers = EndpointPickers(factory)
+    directory.also_watch(pickers)
+    token = EppToken(token_requester(factory, *account))
+    return PageReader(settings.engine_scrapes, authorize=EppCredentials(token, directory, pickers))
 
 
 def build_discovery(settings: GatewaySettings) -> Discovery:
@@ -111,7 +130,7 @@ class Gateway:
         to_agents = agent_tls(settings)
         directory = directory if directory is not None else await build_directory(settings)
         view = ClusterView(history_seconds=settings.history_seconds)
-        engines = EngineScraper(settings.engine_scrapes)
+        engines = EngineScraper(settings.engine_scrapes, reader=_page_reader(settings, directory))
         evaluator = Evaluator(view, directory=directory, engines=engines)
         view.add_listener(evaluator.on_snapshot)
         subscribers: dict[Address, tuple[AgentSubscriber, asyncio.Task[None]]] = {}

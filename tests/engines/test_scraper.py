@@ -44,7 +44,7 @@ class FakeReader(PageReader):
         self.failing = False
         self.began: list[float] = []
 
-    async def fetch(self, endpoint: Endpoint) -> PageBody:
+    async def fetch(self, endpoint: Endpoint, **_: object) -> PageBody:
         self.began.append(self.clock())
         if self.failing:
             raise ScrapeFailed("status", "HTTP 503 Service Unavailable")

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from gpuscaler.gateway.directory.names import SeenNames
 from gpuscaler.gateway.directory.pod_watch import KubernetesPodDirectory
 from gpuscaler.gateway.directory.scaled_objects import KubernetesScaledObjects
 from gpuscaler.model.pods import PodInfo, ScaleTarget
+
+
+class Watched(Protocol):
+    """A watch started and stopped with the directory."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 class KubernetesDirectory:
@@ -18,6 +28,11 @@ class KubernetesDirectory:
         self.pod_watch = pods
         self.scaled_objects = scaled_objects
         self.seen_names = seen if seen is not None else SeenNames()
+        self._also: list[Watched] = []
+
+    def also_watch(self, watched: Watched) -> None:
+        """Start and stop ``watched`` with this directory (the InferencePool and Service watches)."""
+        self._also.append(watched)
 
     @classmethod
     async def connect(cls) -> KubernetesDirectory:
@@ -48,7 +63,11 @@ class KubernetesDirectory:
     async def start(self) -> None:
         await self.pod_watch.start()
         await self.scaled_objects.start()
+        for watched in self._also:
+            await watched.start()
 
     async def stop(self) -> None:
+        for watched in self._also:
+            await watched.stop()
         await self.scaled_objects.stop()
         await self.pod_watch.stop()

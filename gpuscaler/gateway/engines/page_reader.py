@@ -31,7 +31,7 @@ import contextlib
 import ctypes
 import ctypes.util
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 
@@ -47,6 +47,7 @@ from gpuscaler.gateway.engines.page import (
 )
 from gpuscaler.model.engines import Engine, EnginePage, engine_series, series_bounds, series_labels
 from gpuscaler.signals.engines.pods import Endpoint
+from gpuscaler.signals.engines.source import PodKey
 
 PageBody = list[bytes]  # the chunks of a page as they arrived
 # What one turn of the event loop takes in from one page's socket. asyncio's own is 256 KiB, and reading it costs
@@ -69,6 +70,14 @@ def _malloc_trim() -> Callable[[], object] | None:
 
 MALLOC_TRIM = _malloc_trim()
 
+# The bearer token for an EPP pod's read: the token when the pod is an InferencePool's endpoint picker, None when
+# it is not (it is sent none); raises ScrapeFailed when it is one and no token can be had (epp_token.py).
+Authorize = Callable[[PodKey, Endpoint], Awaitable[str | None]]
+NOT_A_PICKER = (
+    "the pod is not the endpoint picker an InferencePool's endpointPickerRef names, so it is sent no token "
+    "(docs/engines.md)"
+)
+
 
 class ScrapeFailed(Exception):
     """A page that could not be used, with the outcome /metrics counts it under."""
@@ -82,8 +91,10 @@ class PageReader:
     """Reads engine pages over one HTTP session; ``read`` raises ``ScrapeFailed``, ``page.MalformedPage``,
     ``TimeoutError`` or ``aiohttp.ClientError`` for a page it cannot use."""
 
-    def __init__(self, limits: ScrapeLimits) -> None:
+    def __init__(self, limits: ScrapeLimits, *, authorize: Authorize | None = None) -> None:
+        """``authorize``: who gets the EPP's bearer token (``--epp-metrics-token-service-account``); None: nobody."""
         self.limits = limits
+        self._authorize = authorize
         self._session: aiohttp.ClientSession | None = None
         self._prefilters = {
             engine: prefilter(engine_series(engine), series_bounds(engine), series_labels(engine)) for engine in Engine
@@ -106,17 +117,24 @@ class PageReader:
         if self._session is not None:
             await self._session.close()
 
-    async def fetch(self, endpoint: Endpoint) -> PageBody:
+    async def fetch(self, endpoint: Endpoint, *, pod: PodKey | None = None, engine: Engine | None = None) -> PageBody:
         """The page's body as its chunks, or ``ScrapeFailed`` for a status, an encoding or a size that cannot be
         used; an oversized page is refused at its Content-Length, or at its first byte past the limit."""
         assert self._session is not None, "start() first"
-        # No credentials are sent: the EPP's /metrics asks for a bearer token by default (--metrics-endpoint-auth).
-        # A token would be attached here, to the EPP pods an InferencePool's endpointPickerRef names alone, never
-        # to a pod a selection merely matches (docs/engines.md).
-        async with self._session.get(endpoint.url, allow_redirects=False) as response:
+        # The EPP's /metrics asks for a bearer token by default (--metrics-endpoint-auth). Only an EPP read of a pod
+        # ``authorize`` says an InferencePool's endpointPickerRef names carries one; any other read carries none,
+        # whatever its selection, labels or annotations say (docs/engines.md).
+        token = None
+        if self._authorize is not None and engine is Engine.EPP and pod is not None:
+            token = await self._authorize(pod, endpoint)
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else None
+        async with self._session.get(endpoint.url, allow_redirects=False, headers=headers) as response:
             _smaller_reads(response)
             if response.status != 200:
-                raise ScrapeFailed("status", f"HTTP {response.status} {response.reason or ''}".rstrip())
+                status = f"HTTP {response.status} {response.reason or ''}".rstrip()
+                if engine is Engine.EPP and token is None and response.status in (401, 403):
+                    status += f": {NOT_A_PICKER if self._authorize is not None else 'no token is sent'}"
+                raise ScrapeFailed("status", status)
             if response.headers.get("Content-Encoding", "identity") != "identity":
                 raise ScrapeFailed("malformed", f"a {response.headers['Content-Encoding']} body; it was not asked for")
             limit = self.limits.max_page_bytes

@@ -194,7 +194,7 @@ class EngineScraper:
             return {pod: PodScrape(endpoint.url, error=_NO_TIME) for pod, (_, endpoint) in once.items()}
         loop = asyncio.get_running_loop()
         tasks = {
-            pod: loop.create_task(self._read_once(*read), name=f"read once {pod[0]}/{pod[1]}")
+            pod: loop.create_task(self._read_once(pod, *read), name=f"read once {pod[0]}/{pod[1]}")
             for pod, read in once.items()
         }
         _, pending = await asyncio.wait(tasks.values(), timeout=within_seconds)
@@ -208,10 +208,10 @@ class EngineScraper:
             for pod, task in tasks.items()
         }
 
-    async def _read_once(self, engine: Engine, endpoint: Endpoint) -> PodScrape:
+    async def _read_once(self, pod: PodKey, engine: Engine, endpoint: Endpoint) -> PodScrape:
         async with self._once:
             try:
-                body = await self._reader.fetch(endpoint)
+                body = await self._reader.fetch(endpoint, pod=pod, engine=engine)
                 return PodScrape(endpoint.url, await self._reader.parse(body, engine, at=self._clock()))
             except (ScrapeFailed, MalformedPage) as error:
                 return PodScrape(endpoint.url, error=str(error))
@@ -335,7 +335,7 @@ class EngineScraper:
 
     async def _scrape(self, pod: PodKey, wanted: WantedPod, queued_at: float) -> None:
         try:
-            body = await self._reader.fetch(wanted.endpoint)
+            body = await self._reader.fetch(wanted.endpoint, pod=pod, engine=wanted.engine)
             page = await self._reader.parse(body, wanted.engine, at=self._clock())
             previous = wanted.scrape.page if wanted.scrape is not None else None
             wanted.scrape = PodScrape(wanted.endpoint.url, page, previous)
