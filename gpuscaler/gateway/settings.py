@@ -56,6 +56,8 @@ class GatewaySettings:
     engine_scrapes: ScrapeLimits = DEFAULT_SCRAPE_LIMITS
     # (namespace, name) of the ServiceAccount whose short-lived token the EPP pods alone receive; None: no token.
     epp_metrics_token_service_account: tuple[str, str] | None = None
+    # The namespaces whose InferencePools are trusted to name who receives that token; empty: none.
+    epp_namespaces: tuple[str, ...] = ()
 
 
 GATEWAY_FLAGS: FlagTable = {
@@ -127,11 +129,19 @@ GATEWAY_FLAGS: FlagTable = {
         "NAMESPACE/NAME of a ServiceAccount allowed only 'get' on /metrics: its short-lived token is sent to the "
         "pods of the EPP an InferencePool's endpointPickerRef names, and to no other pod (off when unset)",
     ),
+    "--epp-namespaces": (
+        "EPP_NAMESPACES",
+        None,
+        "NS1,NS2: the namespaces whose InferencePools may name the pods that receive the EPP's token (needed with "
+        "--epp-metrics-token-service-account); an InferencePool elsewhere gets its EPP read without one",
+    ),
     **SERVER_FLAGS,
 }
 
 # A Kubernetes object name (RFC 1123 subdomain), as namespaces and ServiceAccounts are named.
 _OBJECT_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+# A namespace's name (RFC 1123 label).
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 def add_gateway_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
@@ -202,6 +212,28 @@ def gateway_settings_from_args(args: argparse.Namespace, environ: Mapping[str, s
                 "the Kubernetes API says an InferencePool's endpointPickerRef names"
             )
         epp_token_account = (namespace, name)
+    epp_namespaces: tuple[str, ...] = ()
+    if args.epp_namespaces:
+        items = [item.strip() for item in args.epp_namespaces.split(",")]
+        bad = next((item for item in items if not _NAMESPACE.fullmatch(item)), None)
+        if bad is not None:
+            raise fail(
+                "--epp-namespaces",
+                args.epp_namespaces,
+                f"{bad!r} is not a namespace name; use NS1,NS2 (lowercase letters, digits and '-', at most 63)",
+            )
+        epp_namespaces = tuple(dict.fromkeys(items))
+        if epp_token_account is None:
+            raise ConfigError(
+                "--epp-namespaces needs --epp-metrics-token-service-account: it says whose InferencePools may "
+                "name the pods that receive that token"
+            )
+    elif epp_token_account is not None:
+        raise ConfigError(
+            "--epp-metrics-token-service-account needs --epp-namespaces NS1,NS2: the namespaces whose InferencePools "
+            "are trusted to name the pods that receive the token (anyone who can create an InferencePool, a Service "
+            "and a pod elsewhere could otherwise aim it at their own pod)"
+        )
 
     return GatewaySettings(
         server=server,
@@ -235,4 +267,5 @@ def gateway_settings_from_args(args: argparse.Namespace, environ: Mapping[str, s
             max_label_sets=count_flag(args.engine_max_label_sets, "--engine-max-label-sets", fail, 16, 1_000_000),
         ),
         epp_metrics_token_service_account=epp_token_account,
+        epp_namespaces=epp_namespaces,
     )

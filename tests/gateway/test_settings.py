@@ -99,9 +99,27 @@ def test_the_epp_metrics_token_is_off_by_default_and_names_a_service_account() -
     """No ServiceAccount is named by default; a value that is not NAMESPACE/NAME, or one without the pod watch,
     is refused naming the flag."""
     assert settings("--agents", "a:1").epp_metrics_token_service_account is None
-    on = settings("--agents", "a:1", "--pod-directory", "kubernetes", "--epp-metrics-token-service-account", "gs/epp")
+    on = settings(
+        "--agents", "a:1", "--pod-directory", "kubernetes", "--epp-metrics-token-service-account", "gs/epp",
+        "--epp-namespaces", "serving, ml,serving",
+    )  # fmt: skip
     assert on.epp_metrics_token_service_account == ("gs", "epp")
+    assert on.epp_namespaces == ("serving", "ml")
     with pytest.raises(ConfigError, match=r"--epp-metrics-token-service-account 'epp': use NAMESPACE/NAME"):
         settings("--agents", "a:1", "--pod-directory", "kubernetes", "--epp-metrics-token-service-account", "epp")
     with pytest.raises(ConfigError, match="needs --pod-directory kubernetes"):
         settings("--agents", "a:1", "--epp-metrics-token-service-account", "gs/epp")
+
+
+def test_the_epp_token_needs_a_namespace_allowlist_of_valid_names() -> None:
+    """The token flag without --epp-namespaces is refused saying why; a bad namespace is refused naming the flag,
+    the value and what is allowed; --epp-namespaces alone is refused."""
+    token = ("--agents", "a:1", "--pod-directory", "kubernetes", "--epp-metrics-token-service-account", "gs/epp")
+    with pytest.raises(ConfigError, match="needs --epp-namespaces NS1,NS2: the namespaces whose InferencePools"):
+        settings(*token)
+    with pytest.raises(ConfigError, match=r"--epp-namespaces 'ml,Bad_NS': 'Bad_NS' is not a namespace name; use"):
+        settings(*token, "--epp-namespaces", "ml,Bad_NS")
+    with pytest.raises(ConfigError, match=r"--epp-namespaces 'ml,': '' is not a namespace name"):
+        settings(*token, "--epp-namespaces", "ml,")
+    with pytest.raises(ConfigError, match="--epp-namespaces needs --epp-metrics-token-service-account"):
+        settings("--agents", "a:1", "--epp-namespaces", "ml")
