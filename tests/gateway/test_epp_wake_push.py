@@ -65,7 +65,7 @@ async def test_the_first_queued_request_is_pushed_after_the_one_scrape_that_sees
         assert [q for q in epp.served if q > 0] == [1]
 
 
-async def test_running_requests_keep_the_pool_active_and_no_epp_is_unavailable(
+async def test_running_requests_keep_the_pool_active_until_none_is_left(
     start_node: StartNode, start_gateway: StartGateway, engines: list[FakeEngine], tmp_path: Path
 ) -> None:
     """Queued 1 -> active; the request dispatched (queue 0, 3 running) -> still active, no push of inactive; all
