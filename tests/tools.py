@@ -70,7 +70,7 @@ SUITES: dict[str, tuple[Pinned, ...]] = {
         image_tools.COMPOSECHECK,
         image_tools.HADOLINT,
     ),
-    "keda": (*keda_tools.TOOLS, keda_tools.KEDA_SOURCE, chart_tools.HELM),
+    "keda": (*keda_tools.TOOLS, keda_tools.KEDA_SOURCE, chart_tools.HELM, keda_tools.EPP, keda_tools.GIE_SOURCE),
     # The node suite reads the monitoring CRDs too; KEDA's source is one of the CRDs' modules.
     "node": tuple(
         dict.fromkeys(
@@ -80,6 +80,8 @@ SUITES: dict[str, tuple[Pinned, ...]] = {
                 keda_tools.KEDA_SOURCE,
                 chart_tools.HELM,
                 *chart_tools.CRD_SOURCES,
+                keda_tools.EPP,
+                keda_tools.GIE_SOURCE,
             )
         )
     ),

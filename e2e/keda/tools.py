@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -154,6 +155,23 @@ KEDA = Tool(
     (f"{KEDA_MODULE}/version.Version={KEDA_VERSION}",),
     keeps_directives=True,
 )
+# The Gateway API Inference Extension's endpoint picker (EPP): the last GIE release whose EPP has flow control (v1.6
+# ships one without it); its go.mod has no replace directives, so the module proxy's copy builds as released.
+GIE_MODULE = "sigs.k8s.io/gateway-api-inference-extension"
+GIE_VERSION = "v1.5.0"
+# With it, a client of our own (e2e/keda/eppclient) that sends one request over Envoy's ext_proc protocol, built from
+# the go-control-plane and grpc versions the EPP's own go.mod requires. The client's hash is in the tool's name, so an
+# edit to it rebuilds this tool alone.
+_EPP_CLIENT = (Path(__file__).parent / "eppclient" / "main.go").read_text()
+EPP = Tool(
+    f"epp-{hashlib.sha256(_EPP_CLIENT.encode()).hexdigest()[:12]}",
+    GIE_MODULE,
+    GIE_VERSION,
+    (("epp", f"{GIE_MODULE}/cmd/epp"), ("eppclient", "./eppclient")),
+    sources=(("eppclient/main.go", _EPP_CLIENT),),
+)
+# Its source: the InferencePool CRD and the others the EPP watches.
+GIE_SOURCE = ModuleSource(GIE_MODULE, GIE_VERSION)
 TOOLS = (ETCD, KUBERNETES, KEDA)
 # What `make e2e-node` adds to them.
 NODE_TOOLS = (KUBERNETES_NODE, COREDNS)
