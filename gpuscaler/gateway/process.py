@@ -61,20 +61,21 @@ async def build_directory(settings: GatewaySettings) -> PodDirectory | None:
 
 def _page_reader(settings: GatewaySettings, directory: PodDirectory | None) -> PageReader:
     """The engine page reader; with ``--epp-metrics-token-service-account``, one that sends the EPP pods an
-    InferencePool's endpointPickerRef names, and no other pod, that ServiceAccount's token."""
+    InferencePool of one of ``--epp-namespaces`` names, and no other pod, that ServiceAccount's token."""
     account = settings.epp_metrics_token_service_account
     from gpuscaler.gateway.directory.kubernetes import KubernetesDirectory
 
     if account is None or not isinstance(directory, KubernetesDirectory):
         return PageReader(settings.engine_scrapes)
     from gpuscaler.gateway.directory.endpoint_pickers import EndpointPickers
-    from gpuscaler.gateway.engines.epp_token import EppCredentials, EppToken, token_requester
+    from gpuscaler.gateway.engines.epp_token import EppCredentials, EppToken, bound_to, token_requester
 
     factory = directory.pod_watch.api_client_factory
     pickers = EndpointPickers(factory)
     directory.also_watch(pickers)
-    token = EppToken(token_requester(factory, *account))
-    return PageReader(settings.engine_scrapes, authorize=EppCredentials(token, directory, pickers))
+    token = EppToken(token_requester(factory, *account, bound_pod=bound_to(settings.own_pod, account[0])))
+    credentials = EppCredentials(token, directory, pickers, settings.epp_namespaces)
+    return PageReader(settings.engine_scrapes, authorize=credentials)
 
 
 def build_discovery(settings: GatewaySettings) -> Discovery:

@@ -58,6 +58,9 @@ class GatewaySettings:
     epp_metrics_token_service_account: tuple[str, str] | None = None
     # The namespaces whose InferencePools are trusted to name who receives that token; empty: none.
     epp_namespaces: tuple[str, ...] = ()
+    # (namespace, name, uid) of the gateway's own pod, from the downward API (the chart sets POD_NAMESPACE, POD_NAME
+    # and POD_UID): the EPP's token is bound to it, so it dies with the pod; None outside a cluster.
+    own_pod: tuple[str, str, str] | None = None
 
 
 GATEWAY_FLAGS: FlagTable = {
@@ -268,4 +271,11 @@ def gateway_settings_from_args(args: argparse.Namespace, environ: Mapping[str, s
         ),
         epp_metrics_token_service_account=epp_token_account,
         epp_namespaces=epp_namespaces,
+        own_pod=_own_pod(environ),
     )
+
+
+def _own_pod(environ: Mapping[str, str]) -> tuple[str, str, str] | None:
+    """The gateway's pod (namespace, name, uid) from the downward API's variables; None unless all three are set."""
+    own = (environ.get("POD_NAMESPACE", ""), environ.get("POD_NAME", ""), environ.get("POD_UID", ""))
+    return (own[0], own[1], own[2]) if all(own) else None

@@ -123,3 +123,11 @@ def test_the_epp_token_needs_a_namespace_allowlist_of_valid_names() -> None:
         settings(*token, "--epp-namespaces", "ml,")
     with pytest.raises(ConfigError, match="--epp-namespaces needs --epp-metrics-token-service-account"):
         settings("--agents", "a:1", "--epp-namespaces", "ml")
+
+
+def test_the_gateways_own_pod_comes_from_the_downward_api_all_or_nothing() -> None:
+    """POD_NAMESPACE, POD_NAME and POD_UID give the pod the EPP's token is bound to; without any one, none."""
+    pod = {"POD_NAMESPACE": "gs", "POD_NAME": "gw-0", "POD_UID": "u-1"}
+    assert settings("--agents", "a:1", environ=pod).own_pod == ("gs", "gw-0", "u-1")
+    assert settings("--agents", "a:1", environ={**pod, "POD_UID": ""}).own_pod is None
+    assert settings("--agents", "a:1").own_pod is None

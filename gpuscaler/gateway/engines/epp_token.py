@@ -12,20 +12,28 @@ token is asked for only when an EPP read needs one, and by one request at a time
 retried in a loop of ours: the scraper's next read of an EPP asks again, no sooner than ``RETRY_AFTER_SECONDS``
 later; meanwhile a token that has not expired is still used, and without one every EPP read fails naming the
 failure (the signal is UNAVAILABLE, never 0). The token is never logged.
+
+Bound: with the gateway's own pod known (POD_NAME and POD_UID from the downward API), the TokenRequest names it as
+``boundObjectRef``, so the API server stops accepting the token once that pod is gone; without (not in a cluster)
+the token is asked for unbound, and the log says so once.
+
+Trusted: only a pod in one of ``--epp-namespaces`` can receive it. Anyone who can create an InferencePool, a
+Service and a pod in a namespace could otherwise aim an endpointPickerRef at their own pod; the namespaces listed
+are the ones whose InferencePools the operator trusts to say which pods are EPPs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Protocol
 
 import structlog
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from gpuscaler.gateway.engines.page_reader import ScrapeFailed
+from gpuscaler.gateway.engines.page_reader import NOT_A_PICKER, ScrapeFailed, Withheld
 from gpuscaler.model.pods import PodInfo
 from gpuscaler.signals.engines.pods import Endpoint
 from gpuscaler.signals.engines.source import PodKey
@@ -34,6 +42,9 @@ log = structlog.get_logger(__name__)
 
 TOKEN_SECONDS = 600
 RETRY_AFTER_SECONDS = 5.0
+REQUEST_OUTCOMES = ("ok", "failed")
+# Why an EPP read went without the token (gpuscaler_gateway_epp_token_withheld_total{reason}).
+WITHHELD_REASONS = ("address", "namespace", "not_a_picker", "watch", "no_token")
 
 # Asks the API for a token: (the token, its lifetime in seconds); raises TokenUnavailable naming why not.
 RequestToken = Callable[[], Awaitable[tuple[str, float]]]
@@ -43,13 +54,49 @@ class TokenUnavailable(Exception):
     """No token could be had: the message says why (RBAC, a missing ServiceAccount, the API unreachable)."""
 
 
-def token_requester(api_client_factory: Callable[[], client.ApiClient], namespace: str, name: str) -> RequestToken:
-    """TokenRequest for ServiceAccount ``namespace/name`` through the Kubernetes API client."""
+def bound_to(own_pod: tuple[str, str, str] | None, namespace: str) -> tuple[str, str] | None:
+    """The pod (name, uid) to bind the token to: the gateway's own, when it is in the ServiceAccount's namespace
+    (the API server looks the bound pod up there); None, logged once, when it cannot be bound."""
+    if own_pod is None:
+        log.warning(
+            "epp_token_unbound",
+            detail="POD_NAMESPACE, POD_NAME and POD_UID are not all set (not in a cluster?): the EPP's token is not "
+            "bound to the gateway's pod, so it stays valid for its 600 s after this gateway is gone",
+        )
+        return None
+    if own_pod[0] != namespace:
+        log.warning(
+            "epp_token_unbound",
+            detail=f"the gateway's pod is in namespace {own_pod[0]}, the ServiceAccount in {namespace}: a token is "
+            "bound only to a pod of its ServiceAccount's namespace, so it is not bound and stays valid for its "
+            "600 s after this gateway is gone",
+        )
+        return None
+    return own_pod[1], own_pod[2]
+
+
+def token_request_body(bound_pod: tuple[str, str] | None) -> client.AuthenticationV1TokenRequest:
+    """The TokenRequest: no audience, ``TOKEN_SECONDS``, bound to pod (name, uid) ``bound_pod`` when known."""
+    bound = None
+    if bound_pod is not None:
+        bound = client.V1BoundObjectReference(api_version="v1", kind="Pod", name=bound_pod[0], uid=bound_pod[1])
+    return client.AuthenticationV1TokenRequest(
+        spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=TOKEN_SECONDS, bound_object_ref=bound)
+    )
+
+
+def token_requester(
+    api_client_factory: Callable[[], client.ApiClient],
+    namespace: str,
+    name: str,
+    *,
+    bound_pod: tuple[str, str] | None = None,
+) -> RequestToken:
+    """TokenRequest for ServiceAccount ``namespace/name`` through the Kubernetes API client, bound to pod (name,
+    uid) ``bound_pod`` of ``namespace`` when given (``bound_to``)."""
 
     async def request() -> tuple[str, float]:
-        body = client.AuthenticationV1TokenRequest(
-            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=TOKEN_SECONDS)
-        )
+        body = token_request_body(bound_pod)
         api = api_client_factory()
         try:
             answer = await client.CoreV1Api(api).create_namespaced_service_account_token(name, namespace, body)
@@ -82,7 +129,8 @@ class EppToken:
         self._failed: str | None = None
         self._retry_at = 0.0
         self._asking: asyncio.Task[None] | None = None
-        self.requests = 0  # TokenRequests made, for tests and /metrics
+        # TokenRequests made, by outcome (gpuscaler_gateway_epp_token_requests_total).
+        self.requests = dict.fromkeys(REQUEST_OUTCOMES, 0)
 
     async def bearer(self) -> str:
         """The token to send; TokenUnavailable when none is valid now."""
@@ -99,13 +147,14 @@ class EppToken:
 
     async def _ask(self) -> None:
         try:
-            self.requests += 1
             asked_at = self._clock()
             token, lifetime = await self._request()
+            self.requests["ok"] += 1
             self._token, self._failed = token, None
             self._expires_at = asked_at + lifetime
             self._refresh_at = asked_at + lifetime / 2
         except TokenUnavailable as error:
+            self.requests["failed"] += 1
             if self._failed != str(error):
                 log.warning("epp_token_failed", error=str(error), retry_after=RETRY_AFTER_SECONDS)
             self._failed = str(error)
@@ -129,25 +178,40 @@ class Pickers(Protocol):
 
 
 class EppCredentials:
-    """``page_reader.Authorize``: the token for a pod an InferencePool's endpointPickerRef names, else none."""
+    """``page_reader.Authorize``: the token for a pod an InferencePool of a trusted namespace names, else none."""
 
-    def __init__(self, token: EppToken, pods: Pods, pickers: Pickers) -> None:
+    def __init__(self, token: EppToken, pods: Pods, pickers: Pickers, namespaces: Collection[str]) -> None:
         self.token = token
         self._pods = pods
         self._pickers = pickers
+        self._namespaces = frozenset(namespaces)
+        # EPP reads sent no token, by reason (WITHHELD_REASONS).
+        self.withheld = dict.fromkeys(WITHHELD_REASONS, 0)
 
-    async def __call__(self, pod: PodKey, endpoint: Endpoint) -> str | None:
+    def _withhold(self, reason: str, why: str) -> Withheld:
+        self.withheld[reason] += 1
+        return Withheld(reason, why)
+
+    async def __call__(self, pod: PodKey, endpoint: Endpoint) -> str | Withheld:
         info = self._pods.lookup(*pod)
         # The address read must be the one the API gives this very pod now, on the pod network: never a stale
         # address, nor a node's.
         if info is None or info.host_network or info.ip != endpoint.host:
-            return None
+            return self._withhold("address", "the address read is not the pod's own now, so it is sent no token")
+        if info.namespace not in self._namespaces:
+            return self._withhold(
+                "namespace",
+                f"namespace {info.namespace} is not one of --epp-namespaces (the namespaces whose InferencePools "
+                "are trusted to name the EPP), so the pod is sent no token (docs/engines.md)",
+            )
         problem = self._pickers.problem()
         if problem is not None:
+            self.withheld["watch"] += 1
             raise ScrapeFailed("error", f"cannot tell whether the pod is an InferencePool's endpoint picker: {problem}")
         if self._pickers.pool_of(info) is None:
-            return None
+            return self._withhold("not_a_picker", NOT_A_PICKER)
         try:
             return await self.token.bearer()
         except TokenUnavailable as error:
+            self.withheld["no_token"] += 1
             raise ScrapeFailed("error", f"no bearer token for the endpoint picker: {error}") from None

@@ -32,6 +32,7 @@ import ctypes
 import ctypes.util
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import aiohttp
 
@@ -70,9 +71,19 @@ def _malloc_trim() -> Callable[[], object] | None:
 
 MALLOC_TRIM = _malloc_trim()
 
-# The bearer token for an EPP pod's read: the token when the pod is an InferencePool's endpoint picker, None when
-# it is not (it is sent none); raises ScrapeFailed when it is one and no token can be had (epp_token.py).
-Authorize = Callable[[PodKey, Endpoint], Awaitable[str | None]]
+
+@dataclass(frozen=True, slots=True)
+class Withheld:
+    """An EPP read sent no token: ``reason`` (a metric label) and ``why`` (what a 401 or 403 from it says)."""
+
+    reason: str
+    why: str
+
+
+# The bearer token for an EPP pod's read: the token when the pod is the endpoint picker of an InferencePool of a
+# trusted namespace, Withheld when it is not (it is sent none); raises ScrapeFailed when it is one and no token
+# can be had (epp_token.py).
+Authorize = Callable[[PodKey, Endpoint], Awaitable[str | Withheld]]
 NOT_A_PICKER = (
     "the pod is not the endpoint picker an InferencePool's endpointPickerRef names, so it is sent no token "
     "(docs/engines.md)"
@@ -94,7 +105,7 @@ class PageReader:
     def __init__(self, limits: ScrapeLimits, *, authorize: Authorize | None = None) -> None:
         """``authorize``: who gets the EPP's bearer token (``--epp-metrics-token-service-account``); None: nobody."""
         self.limits = limits
-        self._authorize = authorize
+        self.authorize = authorize
         self._session: aiohttp.ClientSession | None = None
         self._prefilters = {
             engine: prefilter(engine_series(engine), series_bounds(engine), series_labels(engine)) for engine in Engine
@@ -124,16 +135,20 @@ class PageReader:
         # The EPP's /metrics asks for a bearer token by default (--metrics-endpoint-auth). Only an EPP read of a pod
         # ``authorize`` says an InferencePool's endpointPickerRef names carries one; any other read carries none,
         # whatever its selection, labels or annotations say (docs/engines.md).
-        token = None
-        if self._authorize is not None and engine is Engine.EPP and pod is not None:
-            token = await self._authorize(pod, endpoint)
+        token, why = None, "no token is sent"
+        if self.authorize is not None and engine is Engine.EPP and pod is not None:
+            granted = await self.authorize(pod, endpoint)
+            if isinstance(granted, Withheld):
+                why = granted.why
+            else:
+                token = granted
         headers = {"Authorization": f"Bearer {token}"} if token is not None else None
         async with self._session.get(endpoint.url, allow_redirects=False, headers=headers) as response:
             _smaller_reads(response)
             if response.status != 200:
                 status = f"HTTP {response.status} {response.reason or ''}".rstrip()
                 if engine is Engine.EPP and token is None and response.status in (401, 403):
-                    status += f": {NOT_A_PICKER if self._authorize is not None else 'no token is sent'}"
+                    status += f": {why}"
                 raise ScrapeFailed("status", status)
             if response.headers.get("Content-Encoding", "identity") != "identity":
                 raise ScrapeFailed("malformed", f"a {response.headers['Content-Encoding']} body; it was not asked for")

@@ -98,6 +98,11 @@ class EngineScraper:
         self.on_scrape: list[Callable[[float, str], None]] = []  # (seconds, outcome)
 
     @property
+    def reader(self) -> PageReader:
+        """The page reader (its ``authorize`` holds the EPP token's counts for /metrics)."""
+        return self._reader
+
+    @property
     def timeout_seconds(self) -> float:
         return self.limits.timeout_seconds
 

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gpuscaler.gateway.engines.epp_token import REQUEST_OUTCOMES, WITHHELD_REASONS, EppCredentials
 from gpuscaler.gateway.engines.scraper import LIMITS, EngineScraper
 
 SCRAPE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -65,6 +66,29 @@ class _EngineCollector(Collector):
         for limit in LIMITS:
             limited.add_metric([limit], self._scraper.limited[limit])
         yield from (series, age, up, scrapes, limited)
+        credentials = self._scraper.reader.authorize
+        if isinstance(credentials, EppCredentials):  # --epp-metrics-token-service-account: its series, else none
+            yield from _epp_token_families(credentials)
+
+
+def _epp_token_families(credentials: EppCredentials) -> Iterator[Metric]:
+    requests = CounterMetricFamily(
+        "gpuscaler_gateway_epp_token_requests",
+        "TokenRequests for the EPP's bearer token by outcome: ok, failed (RBAC, a missing ServiceAccount, the API).",
+        labels=["outcome"],
+    )
+    for outcome in REQUEST_OUTCOMES:
+        requests.add_metric([outcome], credentials.token.requests[outcome])
+    withheld = CounterMetricFamily(
+        "gpuscaler_gateway_epp_token_withheld",
+        "EPP reads sent no token, by reason: address (not the pod's own address now), namespace (not one of "
+        "--epp-namespaces), not_a_picker (no InferencePool's endpointPickerRef selects it), watch (the InferencePool "
+        "or Service watch not ready: the read fails), no_token (none could be had: the read fails).",
+        labels=["reason"],
+    )
+    for reason in WITHHELD_REASONS:
+        withheld.add_metric([reason], credentials.withheld[reason])
+    yield from (requests, withheld)
 
 
 def register(scraper: EngineScraper, registry: CollectorRegistry) -> None:
