@@ -19,6 +19,9 @@ from gpuscaler.agent.history import History
 from gpuscaler.agent.settings import settings_from_args
 from gpuscaler.agent.telemetry import AgentTelemetry, AttributionReads
 from gpuscaler.flags import DEFAULT_LIMITS
+from gpuscaler.gateway.engines.epp_token import EppCredentials, EppToken, Pickers, Pods
+from gpuscaler.gateway.engines.limits import DEFAULT_SCRAPE_LIMITS
+from gpuscaler.gateway.engines.page_reader import PageReader
 from gpuscaler.gateway.engines.scraper import EngineScraper
 from gpuscaler.gateway.telemetry import GatewayTelemetry
 from gpuscaler.gateway.view import ClusterView
@@ -436,7 +439,11 @@ def _series_names() -> set[str]:
     agent_telemetry.watch_attribution(cast("AttributionReads", reads))  # an agent with attribution on
     agent = agent_telemetry.registry
     view = ClusterView(history_seconds=60, clock=lambda: 0.0)
-    gateway = GatewayTelemetry(view, dict, lambda: (0, 0, 0), engines=EngineScraper()).registry
+    # A gateway with the EPP's token on (--epp-metrics-token-service-account), which adds its series.
+    token = EppToken(cast("Any", None))
+    epp = EppCredentials(token, cast("Pods", SimpleNamespace()), cast("Pickers", SimpleNamespace()), ())
+    engines = EngineScraper(reader=PageReader(DEFAULT_SCRAPE_LIMITS, authorize=epp))
+    gateway = GatewayTelemetry(view, dict, lambda: (0, 0, 0), engines=engines).registry
     server = SimpleNamespace(guard=ConnectionGuard(DEFAULT_LIMITS), open_streams=0, handler_tasks=0)
     transport = TransportCollector(cast("ManyStreamsServer", server)).collect()
     tls = TlsCollector(cast("ReloadingServerTLS", SimpleNamespace(expiry=0.0))).collect()  # with TLS on

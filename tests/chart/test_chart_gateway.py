@@ -17,6 +17,7 @@ from tests.chart.rendering import (
     Manifest,
     connection_limit_defaults,
     connection_limit_settings,
+    env_field_refs,
     env_values,
     find,
     of_kind,
@@ -97,6 +98,16 @@ SETTABLE = [
     ("gateway.engineScrapes.minScrapeInterval=250ms", "GPUSCALER_ENGINE_MIN_SCRAPE_INTERVAL", "250ms"),
     ("gateway.engineScrapes.maxPodsPerSelection=2000", "GPUSCALER_ENGINE_MAX_PODS_PER_SELECTION", "2000"),
     ("gateway.engineScrapes.maxLabelSets=20000", "GPUSCALER_ENGINE_MAX_LABEL_SETS", "20000"),
+    (
+        "gateway.epp.metricsToken.enabled=true,gateway.epp.metricsToken.namespaces={ml}",
+        "GPUSCALER_EPP_METRICS_TOKEN_SERVICE_ACCOUNT",
+        f"{NAMESPACE}/{GATEWAY}-epp-metrics",
+    ),
+    (
+        "gateway.epp.metricsToken.enabled=true,gateway.epp.metricsToken.namespaces={ml,serving}",
+        "GPUSCALER_EPP_NAMESPACES",
+        "ml,serving",
+    ),
     ("gateway.log.format=console", "GPUSCALER_LOG_FORMAT", "console"),
     ("gateway.log.level=debug", "GPUSCALER_LOG_LEVEL", "debug"),
     ("gateway.drainTimeout=2", "GPUSCALER_DRAIN_TIMEOUT", "2"),
@@ -179,6 +190,79 @@ def test_without_a_pod_watch_there_is_no_rbac_and_no_token(helm: Helm) -> None:
     assert find(manifests, "Deployment", GATEWAY)["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
 
 
+EPP_METRICS = f"{GATEWAY}-epp-metrics"
+EPP_TOKEN_ON = ("gateway.epp.metricsToken.enabled=true", "gateway.epp.metricsToken.namespaces={ml,serving}")
+
+
+def test_the_epp_token_is_off_by_default_and_renders_none_of_its_rbac(helm: Helm) -> None:
+    """Off: no ServiceAccount for the EPP, no Role, no rule on InferencePools, Services or /metrics, no flag."""
+    manifests = helm.template(CI["defaults"])
+    assert [m for m in manifests if m["metadata"]["name"] == EPP_METRICS] == []
+    assert not of_kind(manifests, "Role")
+    assert not of_kind(manifests, "RoleBinding")
+    rules = [rule for role in of_kind(manifests, "ClusterRole") for rule in role["rules"]]
+    assert not [r for r in rules if "nonResourceURLs" in r or {"inferencepools", "services"} & set(r["resources"])]
+    env = container(deployment(helm))["env"]
+    assert not [e for e in env if e["name"].startswith(("GPUSCALER_EPP_", "POD_"))]
+
+
+def test_the_epp_token_on_renders_exactly_its_rules(helm: Helm) -> None:
+    """On: a ServiceAccount that may only get /metrics; the gateway may list/watch InferencePools and Services and
+    create that one account's tokens in its namespace; it is given the flags and its own pod's identity."""
+    manifests = helm.template(CI["defaults"], sets=EPP_TOKEN_ON)
+    account = find(manifests, "ServiceAccount", EPP_METRICS)
+    assert account["metadata"]["namespace"] == NAMESPACE
+    assert account["automountServiceAccountToken"] is False
+    assert find(manifests, "ClusterRole", EPP_METRICS)["rules"] == [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]
+    metrics_binding = find(manifests, "ClusterRoleBinding", EPP_METRICS)
+    assert metrics_binding["roleRef"]["name"] == EPP_METRICS
+    assert metrics_binding["subjects"] == [{"kind": "ServiceAccount", "name": EPP_METRICS, "namespace": NAMESPACE}]
+    assert find(manifests, "ClusterRole", GATEWAY)["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["keda.sh"], "resources": ["scaledobjects"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"], "verbs": ["list", "watch"]},
+        {"apiGroups": [""], "resources": ["services"], "verbs": ["list", "watch"]},
+    ]
+    (role,) = of_kind(manifests, "Role")
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == [
+        {
+            "apiGroups": [""],
+            "resources": ["serviceaccounts/token"],
+            "resourceNames": [EPP_METRICS],
+            "verbs": ["create"],
+        }
+    ]
+    (binding,) = of_kind(manifests, "RoleBinding")
+    assert binding["metadata"]["namespace"] == NAMESPACE
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": EPP_METRICS}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": GATEWAY, "namespace": NAMESPACE}]
+    gateway = container(find(manifests, "Deployment", GATEWAY))
+    assert env_values(gateway)["GPUSCALER_EPP_METRICS_TOKEN_SERVICE_ACCOUNT"] == f"{NAMESPACE}/{EPP_METRICS}"
+    assert env_values(gateway)["GPUSCALER_EPP_NAMESPACES"] == "ml,serving"
+    refs = env_field_refs(gateway)
+    assert {key: refs[key] for key in ("POD_NAMESPACE", "POD_NAME", "POD_UID")} == {
+        "POD_NAMESPACE": "metadata.namespace",
+        "POD_NAME": "metadata.name",
+        "POD_UID": "metadata.uid",
+    }
+    environ = env_values(gateway)
+    settings = gateway_settings_from_args(build_parser(environ).parse_args(["gateway"]), environ)
+    assert settings.epp_namespaces == ("ml", "serving")
+
+
+def test_the_epp_token_without_namespaces_or_the_pod_watch_fails_the_render(helm: Helm) -> None:
+    """On without a namespace to trust, or without the pod watch, the render fails saying what is missing; a
+    namespace that is not a namespace's name is refused by the schema."""
+    error = helm.template_error(CI["defaults"], sets=("gateway.epp.metricsToken.enabled=true",))
+    assert "gateway.epp.metricsToken.enabled needs gateway.epp.metricsToken.namespaces" in error
+    error = helm.template_error(CI["defaults"], sets=(*EPP_TOKEN_ON, "gateway.podDirectory="))
+    assert 'gateway.epp.metricsToken.enabled needs gateway.podDirectory "kubernetes"' in error
+    bad = (EPP_TOKEN_ON[0], "gateway.epp.metricsToken.namespaces={Bad_NS}")
+    error = helm.template_error(CI["defaults"], sets=bad)
+    assert "'/gateway/epp/metricsToken/namespaces/0': 'Bad_NS' does not match pattern" in error
+
+
 def test_the_pdb_keeps_one_gateway(helm: Helm) -> None:
     """The PodDisruptionBudget keeps minAvailable 1 of the gateway's pods; it can be turned off."""
     manifests = helm.template(CI["defaults"])
@@ -237,7 +321,7 @@ def test_gateway_egress_reaches_dns_the_api_the_agents_and_the_engines_metrics_p
     assert selects(agents["to"][0]["podSelector"]["matchLabels"], agent_labels)
     assert agents["ports"] == [{"protocol": "TCP", "port": 7100}]
     assert engines["to"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "llm"}}}]
-    assert [p["port"] for p in engines["ports"]] == [8000, 8002, 30000, 80]
+    assert [p["port"] for p in engines["ports"]] == [8000, 8002, 30000, 80, 9090]
 
 
 def test_the_grace_period_must_outlast_the_drain(helm: Helm) -> None:

@@ -146,6 +146,28 @@ app.kubernetes.io/part-of: gpuscaler
 {{- if and .Values.gateway.enabled (eq .Values.gateway.podDirectory "kubernetes") }}true{{ end }}
 {{- end }}
 
+{{/*
+"true" when the gateway sends the EPP a bearer token (gateway.epp.metricsToken.enabled); fails the render when that
+is on without the pod watch or without a namespace to trust.
+*/}}
+{{- define "gpuscaler.eppMetricsToken" -}}
+{{- $token := .Values.gateway.epp.metricsToken }}
+{{- if and .Values.gateway.enabled $token.enabled }}
+{{- if ne .Values.gateway.podDirectory "kubernetes" }}
+{{- fail "gateway.epp.metricsToken.enabled needs gateway.podDirectory \"kubernetes\": the token goes only to pods the Kubernetes API says an InferencePool's endpointPickerRef names" }}
+{{- end }}
+{{- if not $token.namespaces }}
+{{- fail "gateway.epp.metricsToken.enabled needs gateway.epp.metricsToken.namespaces: the namespaces whose InferencePools are trusted to name the pods that receive the token (anyone who can create an InferencePool, a Service and a pod elsewhere could otherwise aim it at their own pod; docs/engines.md)" }}
+{{- end }}
+{{- print "true" }}
+{{- end }}
+{{- end }}
+
+{{/* The ServiceAccount whose token the EPP receives: it may only "get" /metrics. */}}
+{{- define "gpuscaler.eppMetricsName" -}}
+{{- printf "%s-epp-metrics" (include "gpuscaler.gatewayName" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
 {{/* The GPUSCALER_* variables of a process's connectionLimits (docs/security.md). */}}
 {{- define "gpuscaler.connectionLimitsEnv" -}}
 - name: GPUSCALER_HANDSHAKE_TIMEOUT
