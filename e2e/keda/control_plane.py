@@ -65,6 +65,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     ("node.k8s.io/v1", "RuntimeClass"): ("runtimeclasses", False),
     ("keda.sh/v1alpha1", "ScaledObject"): ("scaledobjects", True),
     ("keda.sh/v1alpha1", "TriggerAuthentication"): ("triggerauthentications", True),
+    ("inference.networking.k8s.io/v1", "InferencePool"): ("inferencepools", True),
     ("apiregistration.k8s.io/v1", "APIService"): ("apiservices", False),
     ("admissionregistration.k8s.io/v1", "ValidatingWebhookConfiguration"): ("validatingwebhookconfigurations", False),
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): ("customresourcedefinitions", False),
