@@ -69,7 +69,11 @@ def inference_pool(name: str, namespace: str, *, app: str, target_port: int, epp
 
 @dataclass
 class Epp:
-    """One EPP process for one pool, its gRPC (ext_proc) and /metrics on loopback ports of their own."""
+    """One EPP process for one pool, its gRPC (ext_proc), gRPC health and /metrics on free ports of their own.
+
+    GIE v1.5.0 has no flag for the address: it listens on every address (``:<port>``, cmd/epp/runner/runner.go:275
+    and internal/runnable/grpc.go:38), so these ports are reachable from wherever this machine is, for the test's
+    length; the test talks to them on 127.0.0.1 only."""
 
     pool: str
     namespace: str
