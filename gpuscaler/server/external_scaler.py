@@ -7,6 +7,8 @@ it is evaluated by ``Evaluator.read``, not prepared, so it wants no engine pod.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -31,6 +33,7 @@ from gpuscaler.server.preview import PREVIEW_HEADER, PREVIEW_VALUE
 from gpuscaler.server.push_streams import QueuedEvent, StreamLines
 from gpuscaler.server.status import grpc_errors, time_left_of
 from gpuscaler.server.telemetry import ScalerAnswers
+from gpuscaler.server.transport.sliced_work import sliced_queue
 from gpuscaler.signals.evaluator import Evaluator
 
 log = structlog.get_logger(__name__)
@@ -49,7 +52,7 @@ def round_half_up(value: float) -> int:
 
 
 class ExternalScalerService(ExternalScalerBase):
-    """KEDA's four calls. Requests are only read: calls with the same request bytes share one message.
+    """KEDA's five calls. Requests are only read: calls with the same request bytes share one message.
 
     ``answers``, when given, learns each ScaledObject's target, value and failed GetMetrics for /metrics. A call
     whose metadata marks it as a preview (``preview=True`` below) is answered the same, from the state as it is:
@@ -63,6 +66,9 @@ class ExternalScalerService(ExternalScalerBase):
         self._responses: dict[tuple[str, str], GetMetricsResponse] = {}
         self._opened_lines = StreamLines("stream_opened")
         self._closed_lines = StreamLines("stream_closed")
+        # Each open StreamMetricSpec's end, set when the server closes (``evaluator.on_close``).
+        self._spec_streams: set[asyncio.Future[None]] = set()
+        evaluator.on_close.append(self._end_spec_streams)
 
     def _query(self, ref: ScaledObjectRef | None) -> Query:
         if ref is None:
@@ -77,6 +83,7 @@ class ExternalScalerService(ExternalScalerBase):
             "/externalscaler.ExternalScaler/StreamIsActive": self._serve_stream_is_active,
             "/externalscaler.ExternalScaler/GetMetricSpec": self._serve_get_metric_spec,
             "/externalscaler.ExternalScaler/GetMetrics": self._serve_get_metrics,
+            "/externalscaler.ExternalScaler/StreamMetricSpec": self._serve_stream_metric_spec,
         }
         return {path: handler._replace(func=served[path]) for path, handler in mapping.items()}
 
@@ -99,6 +106,14 @@ class ExternalScalerService(ExternalScalerBase):
         request = await stream.recv_message()
         assert request is not None
         await stream.send_message(await self.get_metric_spec(request, preview=_preview(stream)))
+
+    async def _serve_stream_metric_spec(
+        self, stream: grpclib.server.Stream[ScaledObjectRef, GetMetricSpecResponse]
+    ) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        async for response in self.stream_metric_spec(request, preview=_preview(stream)):
+            await stream.send_message(response)
 
     async def _serve_get_metrics(self, stream: grpclib.server.Stream[GetMetricsRequest, GetMetricsResponse]) -> None:
         request = await stream.recv_message()
@@ -129,6 +144,39 @@ class ExternalScalerService(ExternalScalerBase):
             target_size_float=query.target,
         )
         return GetMetricSpecResponse(metric_specs=[spec])
+
+    async def stream_metric_spec(
+        self, message: ScaledObjectRef, *, preview: bool = False
+    ) -> AsyncIterator[GetMetricSpecResponse]:
+        """KEDA 2.21's spec stream, which it opens only for ``external-push`` triggers: GetMetricSpec's answer at
+        once (the same errors, the same record), then held open until the client goes or the server closes.
+
+        A trigger's spec is its metadata's metric name and target, and a stream's metadata never changes, so the
+        first message is the only one: the stream holds no timer, task or subscription, only the future the close
+        sets, and reads and changes nothing else (no interest, no activation state). KEDA keeps a streamed spec in
+        its scalers cache, so with every gateway unreachable an ``external-push`` trigger with failureThreshold 0
+        gets its fallback (docs/gateway.md). A preview sends the one message and ends.
+        """
+        yield await self.get_metric_spec(message, preview=preview)
+        if preview or self._evaluator.closing:
+            return
+        ended = asyncio.get_running_loop().create_future()
+        self._spec_streams.add(ended)
+        try:
+            await ended  # ends OK at the close; a client that goes cancels this
+        finally:
+            self._spec_streams.discard(ended)
+
+    @property
+    def open_spec_streams(self) -> int:
+        """StreamMetricSpec streams held open now (past their one message)."""
+        return len(self._spec_streams)
+
+    def _end_spec_streams(self) -> None:
+        """End every spec stream OK, a slice a turn as the push streams are woken (push_streams.py)."""
+        queue = sliced_queue()
+        for ended in self._spec_streams:
+            queue.add(functools.partial(_end, ended))
 
     async def get_metrics(
         self, message: GetMetricsRequest, *, preview: bool = False, time_left: float | None = None
@@ -213,6 +261,11 @@ class ExternalScalerService(ExternalScalerBase):
             if self._answers is not None:
                 self._answers.stream_closed(message.namespace, message.name, query)
             self._closed_lines(scaled_object=scaled_object, metric_name=query.metric_name, reason=reason)
+
+
+def _end(ended: asyncio.Future[None]) -> None:
+    if not ended.done():  # its stream may have gone since the close queued this
+        ended.set_result(None)
 
 
 def _preview(stream: grpclib.server.Stream[Any, Any]) -> bool:

@@ -94,6 +94,8 @@ class Evaluator:
         # Each node's part of a cluster's evaluations, kept between compositions (most nodes send nothing new).
         self.memo = NodeMemo() if source.cluster else None
         self.closing = False
+        # Called once by close_streams: streams that hold no subscription (StreamMetricSpec's) end on it too.
+        self.on_close: list[Callable[[], None]] = []
         self.on_transition: list[Callable[[bool], None]] = []
         # Called with every answer that left out GPUs or nodes (lost GPUs within maxUnreadable, minNodes).
         self.on_partial: list[Callable[[Evaluation], None]] = []
@@ -416,3 +418,5 @@ class Evaluator:
         """Wake every push stream with ``closing`` set, so each handler returns and its stream ends OK."""
         self.closing = True
         self._streams.close()
+        for listener in self.on_close:
+            listener()

@@ -186,6 +186,29 @@ class ExternalScalerStub(betterproto2_grpclib.ServiceStub):
             metadata=metadata,
         )
 
+    async def stream_metric_spec(
+        self,
+        message: "ScaledObjectRef",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "AsyncIterator[GetMetricSpecResponse]":
+        """
+        KEDA 2.21: opened only for external-push triggers; the server sends the current specs at once, and again
+        whenever they change, and GetMetricSpec answers the same.
+        """
+
+        async for response in self._unary_stream(
+            "/externalscaler.ExternalScaler/StreamMetricSpec",
+            message,
+            GetMetricSpecResponse,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        ):
+            yield response
+
 
 class ExternalScalerBase(betterproto2_grpclib.ServiceBase):
     async def is_active(self, message: "ScaledObjectRef") -> "IsActiveResponse":
@@ -204,6 +227,15 @@ class ExternalScalerBase(betterproto2_grpclib.ServiceBase):
     async def get_metrics(self, message: "GetMetricsRequest") -> "GetMetricsResponse":
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+
+    async def stream_metric_spec(self, message: "ScaledObjectRef") -> "AsyncIterator[GetMetricSpecResponse]":
+        """
+        KEDA 2.21: opened only for external-push triggers; the server sends the current specs at once, and again
+        whenever they change, and GetMetricSpec answers the same.
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+        yield GetMetricSpecResponse()
 
     async def __rpc_is_active(self, stream: "grpclib.server.Stream[ScaledObjectRef, IsActiveResponse]") -> None:
         request = await stream.recv_message()
@@ -234,6 +266,17 @@ class ExternalScalerBase(betterproto2_grpclib.ServiceBase):
         response = await self.get_metrics(request)
         await stream.send_message(response)
 
+    async def __rpc_stream_metric_spec(
+        self, stream: "grpclib.server.Stream[ScaledObjectRef, GetMetricSpecResponse]"
+    ) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        await self._call_rpc_handler_server_stream(
+            self.stream_metric_spec,
+            stream,
+            request,
+        )
+
     def __mapping__(self) -> "dict[str, grpclib.const.Handler]":
         return {
             "/externalscaler.ExternalScaler/IsActive": grpclib.const.Handler(
@@ -259,5 +302,11 @@ class ExternalScalerBase(betterproto2_grpclib.ServiceBase):
                 grpclib.const.Cardinality.UNARY_UNARY,
                 GetMetricsRequest,
                 GetMetricsResponse,
+            ),
+            "/externalscaler.ExternalScaler/StreamMetricSpec": grpclib.const.Handler(
+                self.__rpc_stream_metric_spec,
+                grpclib.const.Cardinality.UNARY_STREAM,
+                ScaledObjectRef,
+                GetMetricSpecResponse,
             ),
         }

@@ -304,9 +304,10 @@ async def _unimplemented(method_name: str, stream: ServerStream[Any, Any]) -> No
 class AnswerUnknownMethods(dict[str, Handler]):
     """The method table, answering a method it lacks with a handler that says UNIMPLEMENTED.
 
-    grpclib answers an unknown method itself, but without a content-type, which grpc-go clients (KEDA,
-    which opens StreamMetricSpec on every external scaler since 2.21) read as UNKNOWN "malformed header".
-    Through a handler the answer is a proper gRPC one. The request is never read.
+    grpclib answers an unknown method itself, but without a content-type, which grpc-go clients such as KEDA
+    read as UNKNOWN "malformed header"; KEDA gives up on an optional method only on UNIMPLEMENTED (2.21's
+    StreamMetricSpec, which it opens for ``external-push`` triggers only, and which we now serve). Through a
+    handler the answer is a proper gRPC one. The request is never read.
     """
 
     def __init__(self, mapping: dict[str, Handler]) -> None:

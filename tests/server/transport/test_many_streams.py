@@ -250,14 +250,14 @@ async def test_get_metrics_answers_follow_the_value(start_agent: StartAgent) -> 
 
 
 async def test_an_unknown_method_is_answered_unimplemented_as_grpc_go_expects(start_agent: StartAgent) -> None:
-    """KEDA 2.21 opens StreamMetricSpec: the answer carries a gRPC content-type, so grpc-go reads UNIMPLEMENTED.
+    """A method we lack is answered with a gRPC content-type, so grpc-go (KEDA) reads UNIMPLEMENTED.
 
     grpclib's own answer lacks the content-type, which grpc-go reports as UNKNOWN "malformed header".
     """
     agent: Agent = await start_agent()
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
     client.initiate_connection()
-    client.send_headers(1, request_headers("/externalscaler.ExternalScaler/StreamMetricSpec"))
+    client.send_headers(1, request_headers("/externalscaler.ExternalScaler/StreamSomethingNew"))
     client.send_data(1, struct.pack(">?I", False, 0), end_stream=True)
     reader, writer = await asyncio.open_connection("127.0.0.1", agent.port)
     headers: dict[str, str] = {}
@@ -275,5 +275,5 @@ async def test_an_unknown_method_is_answered_unimplemented_as_grpc_go_expects(st
         writer.close()
     assert headers["content-type"].startswith("application/grpc")
     assert headers["grpc-status"] == str(grpclib.const.Status.UNIMPLEMENTED.value)
-    assert "StreamMetricSpec" in headers["grpc-message"]
+    assert "StreamSomethingNew" in headers["grpc-message"]
     assert agent.frontend.tracker.finished[("unknown", "UNIMPLEMENTED")] == 1  # one label for any unknown path
