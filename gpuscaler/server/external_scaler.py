@@ -68,6 +68,8 @@ class ExternalScalerService(ExternalScalerBase):
         self._closed_lines = StreamLines("stream_closed")
         # Each open StreamMetricSpec's end, set when the server closes (``evaluator.on_close``).
         self._spec_streams: set[asyncio.Future[None]] = set()
+        self._spec_opened_lines = StreamLines("spec_stream_opened")
+        self._spec_closed_lines = StreamLines("spec_stream_closed")
         evaluator.on_close.append(self._end_spec_streams)
 
     def _query(self, ref: ScaledObjectRef | None) -> Query:
@@ -162,10 +164,15 @@ class ExternalScalerService(ExternalScalerBase):
             return
         ended = asyncio.get_running_loop().create_future()
         self._spec_streams.add(ended)
+        scaled_object = f"{message.namespace}/{message.name}"
+        self._spec_opened_lines(scaled_object=scaled_object)
+        reason = "client_gone"
         try:
             await ended  # ends OK at the close; a client that goes cancels this
+            reason = "shutdown"
         finally:
             self._spec_streams.discard(ended)
+            self._spec_closed_lines(scaled_object=scaled_object, reason=reason)
 
     @property
     def open_spec_streams(self) -> int:
