@@ -322,8 +322,8 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         label_sets=LabelSets.SUM,
         pool_label=EPP_POOL_LABEL,
         absent_unknown=True,
-        # Flow control writes the pool's saturation every dispatch cycle (each millisecond), from its start.
-        zero_when_absent_with=EPP_SATURATION_SERIES,
+        # Info is set at start, flow control's series at the first request (docs/engines.md): a fresh EPP is idle.
+        zero_when_absent_with=EPP_INFO_SERIES,
     ),
     EngineMetric.EPP_QUEUE_WAIT: EngineSignal(
         Engine.EPP,
@@ -340,7 +340,7 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         pool_label=EPP_POOL_LABEL,
         keep=(("outcome", EPP_WAITED_OUTCOMES),),
         absent_unknown=True,
-        zero_when_absent_with=EPP_SATURATION_SERIES,
+        zero_when_absent_with=EPP_INFO_SERIES,
         busy_with=EPP_QUEUE_SERIES,
     ),
     EngineMetric.EPP_SATURATION: EngineSignal(
@@ -359,6 +359,7 @@ ENGINE_SIGNALS: Mapping[EngineMetric, EngineSignal] = {
         pool_label=EPP_POOL_LABEL,
         # llm-d writes prefill's and decode's beside the ``effective`` one, the larger of the two, which gates.
         keep=(("stage", frozenset(("effective",))),),
+        # Unknown until flow control first measures it: the pool's state may be anything (100% with no endpoint).
         absent_unknown=True,
         pods=Aggregation.MAX,  # each EPP pod gates on its own reading of the one pool: never summed
     ),

@@ -83,26 +83,25 @@ def test_a_queue_wait_with_nothing_left_is_zero_when_nothing_waits_and_unknown_w
 
 
 @GENERATIONS
-def test_an_epp_that_never_queued_reads_zero_where_flow_control_runs_for_the_pool(llmd: bool) -> None:
-    """A vector shows a label set only once it is set: an EPP that queued nothing yet has no queue series, and its
-    pool's saturation (written each dispatch cycle) shows flow control would count it: 0, and its wait 0."""
-    fresh = epp_page({"kv": 1.0}, llmd=llmd)
+def test_an_epp_that_never_queued_reads_zero_from_its_start(llmd: bool) -> None:
+    """A vector shows a label set only once it is set, and flow control writes nothing before its first request: a
+    fresh EPP's page has its info series alone, which shows it is an EPP, so its queue, its wait and its running
+    requests are 0; the pool's saturation, not measured yet, is unknown, never 0."""
+    fresh = epp_page({}, llmd=llmd)
     assert read(EngineMetric.EPP_QUEUE, fresh) == 0.0
     assert read(EngineMetric.EPP_QUEUE_WAIT, fresh, fresh) == 0.0
-    assert read(EngineMetric.EPP_RUNNING, fresh, pool=None) == 0.0  # the info series shows it is an EPP
+    assert read(EngineMetric.EPP_RUNNING, fresh, pool=None) == 0.0
+    answer = read(EngineMetric.EPP_SATURATION, fresh)
+    assert isinstance(answer, str)
+    assert "flow_control_pool_saturation" in answer
 
 
-def test_a_page_without_flow_control_or_not_an_epps_is_unread_never_zero() -> None:
-    """Without the pool's saturation (flow control off) the queue is unread, and a page with no EPP series at all
-    is no EPP's: each says what it lacks."""
-    no_flow_control = epp_page({}, llmd=True)
-    answer = read(EngineMetric.EPP_QUEUE, no_flow_control)
-    assert isinstance(answer, str)
-    assert "has no llm_d_epp_flow_control_queue_size or inference_extension_flow_control_queue_size" in answer
-    assert f"inference_pool {POOL!r}" in answer
-    answer = read(EngineMetric.EPP_RUNNING, "# TYPE other gauge\nother 1\n", pool=None)
-    assert isinstance(answer, str)
-    assert "is it a epp pod?" in answer
+def test_a_page_that_is_not_an_epps_is_unread_never_zero() -> None:
+    """A page with no EPP series at all (no info series) is no EPP's: each signal says what it lacks."""
+    for metric, pool in ((EngineMetric.EPP_QUEUE, POOL), (EngineMetric.EPP_RUNNING, None)):
+        answer = read(metric, "# TYPE other gauge\nother 1\n", pool=pool)
+        assert isinstance(answer, str)
+        assert "is it a epp pod?" in answer
 
 
 def test_only_the_named_pools_label_sets_count() -> None:
