@@ -1,12 +1,13 @@
 """What KEDA 2.21's StreamMetricSpec changes when every gateway is unreachable: measured for both trigger types.
 
-Our gateway answers StreamMetricSpec UNIMPLEMENTED. Each test scales a Deployment to a known count through a real
-gateway, either directly ("unimplemented") or behind a test-only scaler that streams the gateway's own metric spec
-("streamed", e2e/support/stream_metric_spec.py), then makes every scaler unreachable and watches the Deployment's
-replicas and the ScaledObject's fallback condition and failure count over a bounded window, with the failureThreshold
-of test_fallback.py (2) and with 0. The outcomes are the same in every case but one: external-push, streamed,
+Our gateway serves StreamMetricSpec. Each test scales a Deployment to a known count through a real gateway, either
+directly ("streamed": KEDA opens the gateway's own StreamMetricSpec) or behind a test-only scaler that passes the
+other calls through and answers StreamMetricSpec UNIMPLEMENTED, as the gateway did before ("unimplemented",
+e2e/support/stream_metric_spec.py), then makes every scaler unreachable and watches the Deployment's replicas and
+the ScaledObject's fallback condition and failure count over a bounded window, with the failureThreshold of
+test_fallback.py (2) and with 0. The outcomes are the same in every case but one: external-push, streamed,
 failureThreshold 0, where the fallback applies. docs/gateway.md gives the table; these tests fail if a KEDA release
-changes any of the eight.
+(or the gateway) changes any of the eight.
 """
 
 from __future__ import annotations
@@ -77,28 +78,30 @@ async def test_unreachable_scalers_with_and_without_stream_metric_spec(
     """Every scaler unreachable: the HPA keeps its count, but for external-push, streamed, failureThreshold 0."""
     agent = await scenario.agent("node-1")
     gateway = await scenario.gateway([agent])
-    streaming = await streaming_scaler(scenario, gateway) if streamed else None
-    port = (streaming or gateway).port
+    refusing = None if streamed else await unimplemented_scaler(scenario, gateway)
+    port = (refusing or gateway).port
     metadata = {"scalerAddress": f"127.0.0.1:{port}", "metric": "gpu_utilization", "targetValue": f"{TARGET:g}"}
     await scenario.fake_set(agent, "all", gpu_utilization=90)
     held = await scale_up(scenario, gateway, trigger, metadata, threshold)
-    if streaming is not None and trigger == "external-push":
-        await wait_streamed(streaming)
+    if trigger == "external-push":
+        # KEDA has the spec (streamed) or has given the stream up (UNIMPLEMENTED) before the scalers die.
+        await wait_event(gateway if streamed else refusing, "spec_stream_opened" if streamed else "stream_refused")
     # Every scaler KEDA can reach dies at once, as in test_fallback.py's killed agent.
     lost = time.monotonic()
     scenario.kill(gateway)
-    if streaming is not None:
-        scenario.kill(streaming)
+    if refusing is not None:
+        scenario.kill(refusing)
     seen = await observe(scenario, "trainer", WINDOW_SECONDS)
-    opened = len(streaming.events("stream_opened")) if streaming is not None else 0
+    opened = len(gateway.events("spec_stream_opened")) + (
+        0 if refusing is None else len(refusing.events("stream_refused"))
+    )
     scenario.record(
         f"{trigger}, failureThreshold {threshold}, StreamMetricSpec {'streamed' if streamed else 'unimplemented'} "
         f"({opened} streams opened): "
         f"{time.monotonic() - lost:.1f} s unreachable: {seen.describe()}; {scenario.histories[0].describe()}"
     )
     # KEDA opens the stream only for external-push (pkg/scalers/external_scaler.go: only externalPushScaler runs it).
-    if streaming is not None:
-        assert (opened > 0) == (trigger == "external-push"), f"{trigger}: {opened} StreamMetricSpec streams"
+    assert (opened > 0) == (trigger == "external-push"), f"{trigger}: {opened} StreamMetricSpec streams"
     if trigger == "external-push" and streamed and threshold == 0:
         # The one outcome StreamMetricSpec changes: KEDA still holds the streamed spec, so it asks for the metric,
         # counts the failure, and with failureThreshold 0 applies the fallback at once; a fallback is no error, so
@@ -140,19 +143,22 @@ async def scale_up(scenario: Scenario, gateway: Process, trigger: str, metadata:
     return expected
 
 
-async def streaming_scaler(scenario: Scenario, gateway: Process) -> Process:
-    """The test-only scaler that streams ``gateway``'s metric spec, as a process of this scenario."""
+async def unimplemented_scaler(scenario: Scenario, gateway: Process) -> Process:
+    """The test-only scaler in front of ``gateway`` that answers StreamMetricSpec UNIMPLEMENTED, as a process of
+    this scenario."""
     argv = [sys.executable, "-m", "e2e.support.stream_metric_spec", "--upstream-port", str(gateway.port)]
-    process = Process(argv, scenario.directory / "streaming-scaler.log", dict(os.environ), "stream_metric_spec_started")
+    process = Process(
+        argv, scenario.directory / "unimplemented-scaler.log", dict(os.environ), "unimplemented_spec_scaler_started"
+    )
     await asyncio.to_thread(process.start)
     scenario.processes.append(process)
     return process
 
 
-async def wait_streamed(streaming: Process) -> None:
-    """Waits until KEDA has been sent the spec twice on its stream (its cache holds it), within 30 s."""
+async def wait_event(process: Process | None, event: str) -> None:
+    """Waits until ``process`` has logged ``event`` (KEDA's StreamMetricSpec opened or refused), within 30 s."""
+    assert process is not None
     deadline = time.monotonic() + 30
-    while len(streaming.events("spec_sent")) < 2:
-        opened = len(streaming.events("stream_opened"))
-        assert time.monotonic() < deadline, f"KEDA opened {opened} StreamMetricSpec streams and was sent < 2 specs"
+    while not process.events(event):
+        assert time.monotonic() < deadline, f"KEDA's StreamMetricSpec: no {event} within 30 s"
         await asyncio.sleep(0.1)

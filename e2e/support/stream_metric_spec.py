@@ -1,12 +1,11 @@
-"""A test-only external scaler that implements StreamMetricSpec in front of a real gpuscaler gateway.
+"""A test-only external scaler in front of a real gpuscaler gateway that answers StreamMetricSpec UNIMPLEMENTED.
 
-KEDA 2.21's ``StreamMetricSpec`` is left UNIMPLEMENTED by our gateway; to measure what implementing it would change,
-this scaler serves KEDA's ``ExternalScaler`` service on loopback, passes IsActive, StreamIsActive, GetMetricSpec and
-GetMetrics through to the gateway unchanged, and answers StreamMetricSpec with the gateway's own GetMetricSpec answer,
-sent again every ``resend_seconds``: a new ScalersCache that KEDA builds after a scaler error gets the spec too, the
-most an implementation could do for the fallback. It runs as its own process (``python -m``), so that a test can
-SIGKILL it as a gateway dies; it logs one JSON line per event (started with its port, each stream opened, each spec
-sent) for ``e2e.support.process.Process``.
+The gateway serves KEDA 2.21's ``StreamMetricSpec``; to measure what serving it changes, this scaler serves KEDA's
+``ExternalScaler`` service on loopback, passes IsActive, StreamIsActive, GetMetricSpec and GetMetrics through to the
+gateway unchanged, and answers StreamMetricSpec UNIMPLEMENTED, as the gateway did before and as a scaler without it
+does (KEDA then gives it up for good). It runs as its own process (``python -m``), so that a test can SIGKILL it as
+a gateway dies; it logs one JSON line per event (started with its port, each StreamMetricSpec refused) for
+``e2e.support.process.Process``.
 """
 
 from __future__ import annotations
@@ -19,8 +18,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpclib.const
-import grpclib.server
 from grpclib.client import Channel
+from grpclib.exceptions import GRPCError
 from grpclib.server import Server
 
 from gpuscaler.generated.externalscaler import (
@@ -33,21 +32,18 @@ from gpuscaler.generated.externalscaler import (
     ScaledObjectRef,
 )
 
-STREAM_METRIC_SPEC = "/externalscaler.ExternalScaler/StreamMetricSpec"
-
 
 @dataclass
-class StreamingScaler(ExternalScalerBase):
-    """The gateway at ``upstream_port`` behind a loopback server that also streams its metric spec."""
+class UnimplementedSpecScaler(ExternalScalerBase):
+    """The gateway at ``upstream_port`` behind a loopback server that refuses StreamMetricSpec UNIMPLEMENTED."""
 
     upstream_port: int
-    resend_seconds: float = 1.0
     port: int = 0
     _server: Server | None = None
     _channel: Channel | None = None
     _upstream: ExternalScalerStub | None = field(default=None, repr=False)
 
-    async def start(self) -> StreamingScaler:
+    async def start(self) -> UnimplementedSpecScaler:
         self._channel = Channel("127.0.0.1", self.upstream_port)
         self._upstream = ExternalScalerStub(self._channel)
         self._server = Server([self])
@@ -76,21 +72,12 @@ class StreamingScaler(ExternalScalerBase):
     async def get_metrics(self, message: GetMetricsRequest) -> GetMetricsResponse:
         return await self.upstream.get_metrics(message)
 
-    async def _stream_metric_spec(self, stream: grpclib.server.Stream[ScaledObjectRef, GetMetricSpecResponse]) -> None:
-        request = await stream.recv_message()
-        assert request is not None
-        log("stream_opened")
-        while True:
-            await stream.send_message(await self.upstream.get_metric_spec(request))
-            log("spec_sent")
-            await asyncio.sleep(self.resend_seconds)
-
-    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
-        mapping = super().__mapping__()
-        mapping[STREAM_METRIC_SPEC] = grpclib.const.Handler(
-            self._stream_metric_spec, grpclib.const.Cardinality.UNARY_STREAM, ScaledObjectRef, GetMetricSpecResponse
-        )
-        return mapping
+    async def stream_metric_spec(self, message: ScaledObjectRef) -> AsyncIterator[GetMetricSpecResponse]:
+        log("stream_refused")
+        none: tuple[GetMetricSpecResponse, ...] = ()
+        for response in none:  # none: a yield makes this the async generator the generated base's handler iterates
+            yield response
+        raise GRPCError(grpclib.const.Status.UNIMPLEMENTED, "StreamMetricSpec is not served here")
 
 
 def log(event: str, **fields: object) -> None:
@@ -100,8 +87,8 @@ def log(event: str, **fields: object) -> None:
 
 async def serve(upstream_port: int) -> None:
     """Serves until killed."""
-    scaler = await StreamingScaler(upstream_port).start()
-    log("stream_metric_spec_started", port=scaler.port)
+    scaler = await UnimplementedSpecScaler(upstream_port).start()
+    log("unimplemented_spec_scaler_started", port=scaler.port)
     await asyncio.Event().wait()
 
 
