@@ -1,8 +1,9 @@
 """grpclib's per-stream objects, without the memory that a stream which never waits does not need.
 
-KEDA holds one push stream per ``external-push`` ScaledObject, all open for as long as the ScaledObject
-lives, so what one stream costs times ``--max-streams`` must fit the chart's memory limit. grpclib's
-stream made three ``asyncio.Event``s and a ``Buffer`` over an ``asyncio.Queue``: nine ``collections.deque``
+KEDA holds two push streams per ``external-push`` ScaledObject (StreamIsActive and, since 2.21, StreamMetricSpec),
+all open for as long as the ScaledObject lives, so what one stream costs times ``--max-streams`` must fit the
+chart's memory limit; every stream the server takes, whatever its method, is a ``LeanStream``. grpclib's stream made
+three ``asyncio.Event``s and a ``Buffer`` over an ``asyncio.Queue``: nine ``collections.deque``
 (each allocates a 520-byte block up front) and another Event, about 4 KB of a stream's 19 KB (measured with
 tracemalloc, 2,000 streams). Here an event makes its deque only when something waits on it, and the buffer
 keeps its chunks in a list with one future for its one reader. Behaviour is grpclib's: the same methods,
