@@ -73,7 +73,9 @@ def _page_reader(settings: GatewaySettings, directory: PodDirectory | None) -> P
     factory = directory.pod_watch.api_client_factory
     pickers = EndpointPickers(factory)
     directory.also_watch(pickers)
-    token = EppToken(token_requester(factory, *account, bound_pod=bound_to(settings.own_pod, account[0])))
+    bound_pod = bound_to(settings.own_pod, account[0])
+    timeout = settings.engine_scrapes.timeout_seconds  # the EPP read that waits for the token is a scrape
+    token = EppToken(token_requester(factory, *account, bound_pod=bound_pod, timeout_seconds=timeout))
     credentials = EppCredentials(token, directory, pickers, settings.epp_namespaces)
     return PageReader(settings.engine_scrapes, authorize=credentials)
 

@@ -11,11 +11,19 @@ Lifetime: ``TOKEN_SECONDS`` (600 s, the least the API server issues), asked agai
 token is asked for only when an EPP read needs one, and by one request at a time. A failed request is not
 retried in a loop of ours: the scraper's next read of an EPP asks again, no sooner than ``RETRY_AFTER_SECONDS``
 later; meanwhile a token that has not expired is still used, and without one every EPP read fails naming the
-failure (the signal is UNAVAILABLE, never 0). The token is never logged.
+failure (the signal is UNAVAILABLE, never 0). A TokenRequest that takes longer than the scrape timeout
+(``--engine-scrape-timeout``: the EPP read waiting for it is a scrape) fails. The token is never logged.
+
+A read path (Explain, a preview of KEDA's calls) changes nothing: it asks for no token (a TokenRequest is an API
+write) and counts nothing; it sends a token already held, or reads without one and says there is none yet.
 
 Bound: with the gateway's own pod known (POD_NAME and POD_UID from the downward API), the TokenRequest names it as
 ``boundObjectRef``, so the API server stops accepting the token once that pod is gone; without (not in a cluster)
 the token is asked for unbound, and the log says so once.
+
+Its address: only a pod that is Running and not being deleted, read at the address the API gives it now, off its
+node's network. A Failed or Succeeded pod keeps its podIP in the API while the CNI may give that IP to another pod,
+and the scraper reads a wanted pod for up to two minutes after it stops being asked.
 
 Trusted: only a pod in one of ``--epp-namespaces`` can receive it. Anyone who can create an InferencePool, a
 Service and a pod in a namespace could otherwise aim an endpointPickerRef at their own pod; the namespaces listed
@@ -29,6 +37,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection
 from typing import Protocol
 
+import aiohttp
 import structlog
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -91,21 +100,24 @@ def token_requester(
     name: str,
     *,
     bound_pod: tuple[str, str] | None = None,
+    timeout_seconds: float,
 ) -> RequestToken:
     """TokenRequest for ServiceAccount ``namespace/name`` through the Kubernetes API client, bound to pod (name,
-    uid) ``bound_pod`` of ``namespace`` when given (``bound_to``)."""
+    uid) ``bound_pod`` of ``namespace`` when given (``bound_to``), failing after ``timeout_seconds``."""
 
     async def request() -> tuple[str, float]:
         body = token_request_body(bound_pod)
         api = api_client_factory()
         try:
-            answer = await client.CoreV1Api(api).create_namespaced_service_account_token(name, namespace, body)
+            answer = await client.CoreV1Api(api).create_namespaced_service_account_token(
+                name, namespace, body, _request_timeout=timeout_seconds
+            )
         except ApiException as error:
             raise TokenUnavailable(
                 f"TokenRequest for ServiceAccount {namespace}/{name}: HTTP {error.status} {error.reason}"
                 + (" (the gateway needs 'create' on serviceaccounts/token for it)" if error.status == 403 else "")
             ) from None
-        except (OSError, TimeoutError, ValueError) as error:
+        except (OSError, TimeoutError, ValueError, aiohttp.ClientError) as error:
             raise TokenUnavailable(f"TokenRequest for ServiceAccount {namespace}/{name}: {error!r}") from None
         finally:
             await api.close()
@@ -141,9 +153,16 @@ class EppToken:
             asking = self._asking
             if self._token is None or now >= self._expires_at:
                 await asyncio.shield(asking)
+        held = self.held()
+        if held is not None:
+            return held
+        raise TokenUnavailable(self._failed or "no token yet")
+
+    def held(self) -> str | None:
+        """The token held now, if it has not expired; asks for none (a read path's)."""
         if self._token is not None and self._clock() < self._expires_at:
             return self._token
-        raise TokenUnavailable(self._failed or "no token yet")
+        return None
 
     async def _ask(self) -> None:
         try:
@@ -154,13 +173,19 @@ class EppToken:
             self._expires_at = asked_at + lifetime
             self._refresh_at = asked_at + lifetime / 2
         except TokenUnavailable as error:
-            self.requests["failed"] += 1
-            if self._failed != str(error):
-                log.warning("epp_token_failed", error=str(error), retry_after=RETRY_AFTER_SECONDS)
-            self._failed = str(error)
-            self._retry_at = self._clock() + RETRY_AFTER_SECONDS
+            self._fail(str(error))
+        except Exception as error:  # a bug of ours or the client's: failed alike, never a task's lost exception
+            log.exception("epp_token_request_error")
+            self._fail(f"TokenRequest: {error!r}")
         finally:
             self._asking = None
+
+    def _fail(self, failure: str) -> None:
+        self.requests["failed"] += 1
+        if self._failed != failure:
+            log.warning("epp_token_failed", error=failure, retry_after=RETRY_AFTER_SECONDS)
+        self._failed = failure
+        self._retry_at = self._clock() + RETRY_AFTER_SECONDS
 
 
 class Pods(Protocol):
@@ -188,28 +213,42 @@ class EppCredentials:
         # EPP reads sent no token, by reason (WITHHELD_REASONS).
         self.withheld = dict.fromkeys(WITHHELD_REASONS, 0)
 
-    def _withhold(self, reason: str, why: str) -> Withheld:
-        self.withheld[reason] += 1
+    def _withhold(self, reason: str, why: str, count: bool) -> Withheld:
+        if count:
+            self.withheld[reason] += 1
         return Withheld(reason, why)
 
-    async def __call__(self, pod: PodKey, endpoint: Endpoint) -> str | Withheld:
+    async def __call__(self, pod: PodKey, endpoint: Endpoint, *, ask: bool = True) -> str | Withheld:
+        """The token for ``pod`` read at ``endpoint``, or why it is sent none. ``ask`` False (a read path): ask for
+        no token and count nothing."""
         info = self._pods.lookup(*pod)
-        # The address read must be the one the API gives this very pod now, on the pod network: never a stale
-        # address, nor a node's.
+        # The address read must be the one the API gives this very pod now, on the pod network, while it runs: never
+        # a stale address, a node's, or one a Failed, Succeeded or terminating pod may have handed on.
         if info is None or info.host_network or info.ip != endpoint.host:
-            return self._withhold("address", "the address read is not the pod's own now, so it is sent no token")
+            return self._withhold("address", "the address read is not the pod's own now, so it is sent no token", ask)
+        if info.phase != "Running" or info.deleting:
+            state = "being deleted" if info.deleting else f"in phase {info.phase or 'unknown'}, not Running"
+            why = f"the pod is {state}, so its address may be another pod's now and it is sent no token"
+            return self._withhold("address", why, ask)
         if info.namespace not in self._namespaces:
             return self._withhold(
                 "namespace",
                 f"namespace {info.namespace} is not one of --epp-namespaces (the namespaces whose InferencePools "
                 "are trusted to name the EPP), so the pod is sent no token (docs/engines.md)",
+                ask,
             )
         problem = self._pickers.problem()
         if problem is not None:
-            self.withheld["watch"] += 1
+            if ask:
+                self.withheld["watch"] += 1
             raise ScrapeFailed("error", f"cannot tell whether the pod is an InferencePool's endpoint picker: {problem}")
         if self._pickers.pool_of(info) is None:
-            return self._withhold("not_a_picker", NOT_A_PICKER)
+            return self._withhold("not_a_picker", NOT_A_PICKER, ask)
+        if not ask:
+            held = self.token.held()
+            if held is not None:
+                return held
+            return Withheld("no_token", "no token yet (a read asks for none; the first scrape of a query asks)")
         try:
             return await self.token.bearer()
         except TokenUnavailable as error:

@@ -33,6 +33,7 @@ import ctypes.util
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 
@@ -83,7 +84,11 @@ class Withheld:
 # The bearer token for an EPP pod's read: the token when the pod is the endpoint picker of an InferencePool of a
 # trusted namespace, Withheld when it is not (it is sent none); raises ScrapeFailed when it is one and no token
 # can be had (epp_token.py).
-Authorize = Callable[[PodKey, Endpoint], Awaitable[str | Withheld]]
+class Authorize(Protocol):
+    """``ask`` False: a read path's read, which asks the API for nothing and counts nothing."""
+
+    def __call__(self, pod: PodKey, endpoint: Endpoint, *, ask: bool = True) -> Awaitable[str | Withheld]: ...
+
 NOT_A_PICKER = (
     "the pod is not the endpoint picker an InferencePool's endpointPickerRef names, so it is sent no token "
     "(docs/engines.md)"
@@ -128,16 +133,19 @@ class PageReader:
         if self._session is not None:
             await self._session.close()
 
-    async def fetch(self, endpoint: Endpoint, *, pod: PodKey | None = None, engine: Engine | None = None) -> PageBody:
+    async def fetch(
+        self, endpoint: Endpoint, *, pod: PodKey | None = None, engine: Engine | None = None, ask: bool = True
+    ) -> PageBody:
         """The page's body as its chunks, or ``ScrapeFailed`` for a status, an encoding or a size that cannot be
-        used; an oversized page is refused at its Content-Length, or at its first byte past the limit."""
+        used; an oversized page is refused at its Content-Length, or at its first byte past the limit. ``ask``
+        False (a read path): no token is asked for and nothing counted (``Authorize``)."""
         assert self._session is not None, "start() first"
         # The EPP's /metrics asks for a bearer token by default (--metrics-endpoint-auth). Only an EPP read of a pod
         # ``authorize`` says an InferencePool's endpointPickerRef names carries one; any other read carries none,
         # whatever its selection, labels or annotations say (docs/engines.md).
         token, why = None, "no token is sent"
         if self.authorize is not None and engine is Engine.EPP and pod is not None:
-            granted = await self.authorize(pod, endpoint)
+            granted = await self.authorize(pod, endpoint, ask=ask)
             if isinstance(granted, Withheld):
                 why = granted.why
             else:

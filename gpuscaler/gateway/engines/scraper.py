@@ -216,7 +216,8 @@ class EngineScraper:
     async def _read_once(self, pod: PodKey, engine: Engine, endpoint: Endpoint) -> PodScrape:
         async with self._once:
             try:
-                body = await self._reader.fetch(endpoint, pod=pod, engine=engine)
+                # A read path's read: it asks the API for no token and counts none (epp_token.py).
+                body = await self._reader.fetch(endpoint, pod=pod, engine=engine, ask=False)
                 return PodScrape(endpoint.url, await self._reader.parse(body, engine, at=self._clock()))
             except (ScrapeFailed, MalformedPage) as error:
                 return PodScrape(endpoint.url, error=str(error))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import functools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,6 +22,7 @@ from gpuscaler.gateway.engines.epp_token import (
     TokenUnavailable,
     bound_to,
     token_request_body,
+    token_requester,
 )
 from gpuscaler.gateway.engines.limits import DEFAULT_SCRAPE_LIMITS
 from gpuscaler.gateway.engines.page_reader import PageReader, ScrapeFailed
@@ -268,3 +272,177 @@ async def test_the_token_is_bound_to_the_gateways_pod_or_says_once_why_not() -> 
     assert "POD_NAMESPACE, POD_NAME and POD_UID are not all set" in logged[0]["detail"]
     assert "the gateway's pod is in namespace other, the ServiceAccount in gs" in logged[1]["detail"]
     assert "boundObjectRef" not in unbound["spec"]
+
+
+async def test_a_pod_that_is_not_running_or_is_being_deleted_gets_no_token(
+    pickers: EndpointPickers, pages: Recorder
+) -> None:
+    """A Failed or Succeeded EPP pod keeps its podIP in the API while the CNI may give it to another pod: a tenant's
+    pod now serving that address receives no token from a read of the old EPP, nor from one of an EPP pod that is
+    being deleted or still Pending; each read says why and counts as ``address``."""
+    running = pod("serving", "epp", EPP_LABELS)
+    gone = (
+        dataclasses.replace(running, pod="failed", phase="Failed", ready=False),
+        dataclasses.replace(running, pod="succeeded", phase="Succeeded", ready=False),
+        dataclasses.replace(running, pod="terminating", deleting=True),
+        dataclasses.replace(running, pod="pending", phase="Pending", ready=False),
+    )
+    pods = Pods(*gone)
+    calls, request = tokens("secret-1")
+    credentials = EppCredentials(EppToken(request), pods, pickers, TRUSTED)
+    reader = PageReader(DEFAULT_SCRAPE_LIMITS, authorize=credentials)
+    await reader.start()
+    try:
+        errors = {p.pod: await read(reader, pods, p.pod, Engine.EPP, pages.port) for p in gone}
+    finally:
+        await reader.close()
+    assert errors["failed"] == (
+        "HTTP 401 Unauthorized: the pod is in phase Failed, not Running, so its address may be another pod's now "
+        "and it is sent no token"
+    )
+    assert errors["terminating"] is not None
+    assert "being deleted" in errors["terminating"]
+    assert pages.seen == {f"/{p.pod}": [None] for p in gone}
+    assert credentials.withheld["address"] == 4
+    assert calls[0] == 0
+
+
+async def test_a_node_network_pod_or_another_address_gets_no_token(pickers: EndpointPickers, pages: Recorder) -> None:
+    """An EPP pod on its node's network, and one whose address in the API is not the address read (a stale
+    address), receive no token, each counted as ``address``."""
+    host = dataclasses.replace(pod("serving", "host-epp", EPP_LABELS), host_network=True)
+    moved = dataclasses.replace(pod("serving", "moved-epp", EPP_LABELS), ip="10.0.0.9")
+    pods = Pods(host, moved)
+    calls, request = tokens("secret-1")
+    credentials = EppCredentials(EppToken(request), pods, pickers, TRUSTED)
+    reader = PageReader(DEFAULT_SCRAPE_LIMITS, authorize=credentials)
+    await reader.start()
+    try:
+        for name in ("host-epp", "moved-epp"):
+            error = await read(reader, pods, name, Engine.EPP, pages.port)
+            assert error == "HTTP 401 Unauthorized: the address read is not the pod's own now, so it is sent no token"
+    finally:
+        await reader.close()
+    assert pages.seen == {"/host-epp": [None], "/moved-epp": [None]}
+    assert credentials.withheld["address"] == 2
+    assert calls[0] == 0
+
+
+class Unsynced:
+    """An InferencePool watch that cannot answer: not synced yet, or stale."""
+
+    def __init__(self, problem: str) -> None:
+        self._problem = problem
+
+    def problem(self) -> str | None:
+        return self._problem
+
+    def pool_of(self, info: PodInfo) -> str | None:
+        return "llm"  # what it last knew: never to be believed while it cannot answer
+
+
+@pytest.mark.parametrize("problem", ["the InferencePool watch has not synced", "the Service watch is stale"])
+async def test_a_watch_that_cannot_answer_sends_no_token_and_fails_the_read(problem: str, pages: Recorder) -> None:
+    """While the InferencePool or Service watch is unsynced or stale the EPP's read fails naming it, and nothing
+    is sent: the token is not even asked for."""
+    pods = Pods(pod("serving", "epp", EPP_LABELS))
+    calls, request = tokens("secret-1")
+    credentials = EppCredentials(EppToken(request), pods, Unsynced(problem), TRUSTED)
+    reader = PageReader(DEFAULT_SCRAPE_LIMITS, authorize=credentials)
+    await reader.start()
+    try:
+        error = await read(reader, pods, "epp", Engine.EPP, pages.port)
+    finally:
+        await reader.close()
+    assert error == f"cannot tell whether the pod is an InferencePool's endpoint picker: {problem}"
+    assert pages.seen == {}
+    assert credentials.withheld["watch"] == 1
+    assert calls[0] == 0
+
+
+async def test_a_read_path_asks_for_no_token_and_counts_nothing(pickers: EndpointPickers, pages: Recorder) -> None:
+    """A read path's read (``read_once``: Explain, a preview) makes no TokenRequest and counts nothing: before any
+    token it reads without one and says there is none yet; once a scrape got one, it sends that one."""
+    pods = Pods(pod("serving", "epp", EPP_LABELS), pod("tenant", "fake-epp", EPP_LABELS))
+    calls, request = tokens("secret-1")
+    credentials = EppCredentials(EppToken(request), pods, pickers, TRUSTED)
+    reader = PageReader(DEFAULT_SCRAPE_LIMITS, authorize=credentials)
+    scraper = EngineScraper(DEFAULT_SCRAPE_LIMITS, reader=reader)
+    reads = [
+        (("serving", "epp"), Engine.EPP, Endpoint("127.0.0.1", pages.port, "/epp")),
+        (("tenant", "fake-epp"), Engine.EPP, Endpoint("127.0.0.1", pages.port, "/fake-epp")),
+    ]
+    await scraper.start()
+    try:
+        first = await scraper.read_once(reads, 5.0)
+        assert first[("serving", "epp")].error == (
+            "HTTP 401 Unauthorized: no token yet (a read asks for none; the first scrape of a query asks)"
+        )
+        assert calls[0] == 0
+        assert credentials.token.requests == {"ok": 0, "failed": 0}
+        assert set(credentials.withheld.values()) == {0}
+        assert await read(reader, pods, "epp", Engine.EPP, pages.port) is None  # a scrape asks
+        second = await scraper.read_once(reads, 5.0)
+        assert second[("serving", "epp")].error is None
+    finally:
+        await scraper.stop()
+    assert calls[0] == 1
+    assert credentials.token.requests == {"ok": 1, "failed": 0}
+    assert set(credentials.withheld.values()) == {0}
+    assert pages.seen["/epp"] == [None, "Bearer secret-1", "Bearer secret-1"]
+    assert pages.seen["/fake-epp"] == [None, None]
+
+
+async def test_a_refresh_that_raises_is_counted_and_backs_off(pickers: EndpointPickers, pages: Recorder) -> None:
+    """A refresh beside a valid token that raises what no TokenRequest should (a bug) is counted as failed, backs
+    off and leaves no task exception unretrieved; the valid token is still sent."""
+    pods = Pods(pod("serving", "epp", EPP_LABELS))
+    clock = Clock()
+    calls, request = tokens("secret-1", RuntimeError("boom"))
+    token = EppToken(request, clock=clock)
+    reader = PageReader(DEFAULT_SCRAPE_LIMITS, authorize=EppCredentials(token, pods, pickers, TRUSTED))
+    await reader.start()
+    try:
+        assert await read(reader, pods, "epp", Engine.EPP, pages.port) is None
+        clock.now = 301.0
+        assert await read(reader, pods, "epp", Engine.EPP, pages.port) is None
+        await until(lambda: token.requests["failed"] == 1)
+        clock.now = 302.0  # within the 5 s back-off: not asked again
+        assert await read(reader, pods, "epp", Engine.EPP, pages.port) is None
+    finally:
+        await reader.close()
+    assert calls[0] == 2
+    assert pages.seen["/epp"] == ["Bearer secret-1"] * 3
+
+
+async def _disconnect(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.close()
+
+
+async def test_a_token_request_whose_connection_drops_or_hangs_fails_counted() -> None:
+    """A TokenRequest whose connection the API server drops (an aiohttp.ClientError that is no OSError) or that
+    gets no answer within its timeout fails as TokenUnavailable naming it, counted, and is not asked again within
+    the back-off."""
+    hung: list[asyncio.StreamWriter] = []
+
+    async def hang(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        hung.append(writer)
+
+    for handler, said in ((_disconnect, "ServerDisconnectedError"), (hang, "TimeoutError")):
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        configuration = client.Configuration(host=f"http://127.0.0.1:{port}")
+        factory = functools.partial(client.ApiClient, configuration)
+        request = token_requester(factory, "gs", "epp-metrics", timeout_seconds=0.5)
+        token = EppToken(request)
+        try:
+            with pytest.raises(TokenUnavailable, match=said):
+                await token.bearer()
+            with pytest.raises(TokenUnavailable, match=said):
+                await token.bearer()  # within the back-off: the same failure, not asked again
+        finally:
+            for writer in hung:
+                writer.close()
+            server.close()
+            await server.wait_closed()
+        assert token.requests == {"ok": 0, "failed": 1}
