@@ -5,7 +5,8 @@ port}: a Service of the pool's own namespace (kind defaults to Service, group to
 ``api/v1/inferencepool_types.go``). A pod is that EPP's when it is in that namespace and carries every label of
 the Service's selector, as the Service's own EndpointSlices would list it; the selector is read rather than the
 EndpointSlices because the pod watch already holds every pod's labels, and EndpointSlices drop a pod that is not
-Ready, while a pod is judged here whatever its state (its read is left out elsewhere). A Service without a
+Ready, while a pod is judged here whatever its state (a pod not Ready is not read for signals, and one not Running
+or being deleted gets no token: ``engines.epp_token.EppCredentials``). A Service without a
 selector, or an ``endpointPickerRef`` of another kind (ExternalName is refused by GIE itself), names no pod.
 
 RBAC: list/watch on ``inferencepools.inference.networking.k8s.io`` and on services. Memory: per pool its
