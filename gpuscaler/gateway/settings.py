@@ -141,7 +141,7 @@ GATEWAY_FLAGS: FlagTable = {
     **SERVER_FLAGS,
 }
 
-# A Kubernetes object name (RFC 1123 subdomain), as namespaces and ServiceAccounts are named.
+# A Kubernetes object name (RFC 1123 subdomain), as ServiceAccounts are named.
 _OBJECT_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 # A namespace's name (RFC 1123 label).
 _NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
@@ -203,7 +203,7 @@ def gateway_settings_from_args(args: argparse.Namespace, environ: Mapping[str, s
     epp_token_account = None
     if args.epp_metrics_token_service_account:
         namespace, _, name = args.epp_metrics_token_service_account.partition("/")
-        if not (_OBJECT_NAME.fullmatch(namespace) and _OBJECT_NAME.fullmatch(name)):
+        if not (_NAMESPACE.fullmatch(namespace) and _OBJECT_NAME.fullmatch(name)):
             raise fail(
                 "--epp-metrics-token-service-account",
                 args.epp_metrics_token_service_account,

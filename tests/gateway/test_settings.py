@@ -96,8 +96,8 @@ def test_an_agents_file_is_read_at_start(tmp_path: Path) -> None:
 
 
 def test_the_epp_metrics_token_is_off_by_default_and_names_a_service_account() -> None:
-    """No ServiceAccount is named by default; a value that is not NAMESPACE/NAME, or one without the pod watch,
-    is refused naming the flag."""
+    """No ServiceAccount is named by default; a value that is not NAMESPACE/NAME (the namespace a DNS label, the
+    name a DNS subdomain), or one without the pod watch, is refused naming the flag."""
     assert settings("--agents", "a:1").epp_metrics_token_service_account is None
     on = settings(
         "--agents", "a:1", "--pod-directory", "kubernetes", "--epp-metrics-token-service-account", "gs/epp",
@@ -105,8 +105,14 @@ def test_the_epp_metrics_token_is_off_by_default_and_names_a_service_account() -
     )  # fmt: skip
     assert on.epp_metrics_token_service_account == ("gs", "epp")
     assert on.epp_namespaces == ("serving", "ml")
-    with pytest.raises(ConfigError, match=r"--epp-metrics-token-service-account 'epp': use NAMESPACE/NAME"):
-        settings("--agents", "a:1", "--pod-directory", "kubernetes", "--epp-metrics-token-service-account", "epp")
+    for bad in ("epp", "g.s/epp"):  # a namespace is a DNS label: no dot, unlike a ServiceAccount's name
+        with pytest.raises(ConfigError, match=rf"--epp-metrics-token-service-account '{bad}': use NAMESPACE/NAME"):
+            settings("--agents", "a:1", "--pod-directory", "kubernetes", "--epp-metrics-token-service-account", bad)
+    dotted = settings(
+        "--agents", "a:1", "--pod-directory", "kubernetes", "--epp-metrics-token-service-account", "gs/epp.metrics",
+        "--epp-namespaces", "serving",
+    )  # fmt: skip
+    assert dotted.epp_metrics_token_service_account == ("gs", "epp.metrics")
     with pytest.raises(ConfigError, match="needs --pod-directory kubernetes"):
         settings("--agents", "a:1", "--epp-metrics-token-service-account", "gs/epp")
 
