@@ -20,7 +20,9 @@ EPP_INFO_SERIES = ("llm_d_epp_info", "inference_extension_info")
 EPP_POOL_LABEL = "inference_pool"
 # The outcomes of a request that waited in the queue: dispatched, or evicted after waiting (its TTL, its client
 # gone, no endpoint). A rejected request never waited (the queue was full at once), and would pull the mean down
-# exactly when the pool is overloaded.
+# exactly when the pool is overloaded. GIE v1.5.0 writes Dispatched, EvictedTTL, EvictedContextCancelled and
+# EvictedOther (pkg/epp/flowcontrol/types/outcomes.go:71-87); EvictedNoEndpoints is llm-d's alone (llm-d/llm-d-router
+# docs/metrics.md, QueueOutcomeEvictedNoEndpoints: its no-endpoint wait budget ran out with the pool empty).
 EPP_WAITED_OUTCOMES = frozenset(
     ("Dispatched", "EvictedTTL", "EvictedNoEndpoints", "EvictedContextCancelled", "EvictedOther")
 )
