@@ -71,7 +71,7 @@ def _page_reader(settings: GatewaySettings, directory: PodDirectory | None) -> P
     from gpuscaler.gateway.engines.epp_token import EppCredentials, EppToken, bound_to, token_requester
 
     factory = directory.pod_watch.api_client_factory
-    pickers = EndpointPickers(factory)
+    pickers = EndpointPickers(factory, settings.epp_namespaces)
     directory.also_watch(pickers)
     bound_pod = bound_to(settings.own_pod, account[0])
     timeout = settings.engine_scrapes.timeout_seconds  # the EPP read that waits for the token is a scrape

@@ -207,8 +207,9 @@ def test_the_epp_token_is_off_by_default_and_renders_none_of_its_rbac(helm: Helm
 
 
 def test_the_epp_token_on_renders_exactly_its_rules(helm: Helm) -> None:
-    """On: a ServiceAccount that may only get /metrics; the gateway may list/watch InferencePools and Services and
-    create that one account's tokens in its namespace; it is given the flags and its own pod's identity."""
+    """On: a ServiceAccount that may only get /metrics; the gateway may list/watch InferencePools and Services in
+    each of the trusted namespaces alone (a Role in each, none cluster-wide) and create that one account's tokens in
+    its namespace; it is given the flags and its own pod's identity."""
     manifests = helm.template(CI["defaults"], sets=EPP_TOKEN_ON)
     account = find(manifests, "ServiceAccount", EPP_METRICS)
     assert account["metadata"]["namespace"] == NAMESPACE
@@ -220,10 +221,23 @@ def test_the_epp_token_on_renders_exactly_its_rules(helm: Helm) -> None:
     assert find(manifests, "ClusterRole", GATEWAY)["rules"] == [
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
         {"apiGroups": ["keda.sh"], "resources": ["scaledobjects"], "verbs": ["get", "list", "watch"]},
-        {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"], "verbs": ["list", "watch"]},
-        {"apiGroups": [""], "resources": ["services"], "verbs": ["list", "watch"]},
     ]
-    (role,) = of_kind(manifests, "Role")
+    pickers = {
+        r["metadata"]["namespace"]: r for r in of_kind(manifests, "Role") if r["metadata"]["name"] != EPP_METRICS
+    }
+    assert sorted(pickers) == ["ml", "serving"]
+    for namespace, picker_role in pickers.items():
+        assert picker_role["rules"] == [
+            {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"], "verbs": ["list", "watch"]},
+            {"apiGroups": [""], "resources": ["services"], "verbs": ["list", "watch"]},
+        ]
+        (bound,) = [
+            b
+            for b in of_kind(manifests, "RoleBinding")
+            if b["metadata"]["namespace"] == namespace and b["roleRef"]["name"] == picker_role["metadata"]["name"]
+        ]
+        assert bound["subjects"] == [{"kind": "ServiceAccount", "name": GATEWAY, "namespace": NAMESPACE}]
+    (role,) = [r for r in of_kind(manifests, "Role") if r["metadata"]["name"] == EPP_METRICS]
     assert role["metadata"]["namespace"] == NAMESPACE
     assert role["rules"] == [
         {
@@ -233,7 +247,7 @@ def test_the_epp_token_on_renders_exactly_its_rules(helm: Helm) -> None:
             "verbs": ["create"],
         }
     ]
-    (binding,) = of_kind(manifests, "RoleBinding")
+    (binding,) = [b for b in of_kind(manifests, "RoleBinding") if b["metadata"]["name"] == EPP_METRICS]
     assert binding["metadata"]["namespace"] == NAMESPACE
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": EPP_METRICS}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": GATEWAY, "namespace": NAMESPACE}]

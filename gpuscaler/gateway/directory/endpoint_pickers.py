@@ -9,13 +9,16 @@ Ready, while a pod is judged here whatever its state (a pod not Ready is not rea
 or being deleted gets no token: ``engines.epp_token.EppCredentials``). A Service without a
 selector, or an ``endpointPickerRef`` of another kind (ExternalName is refused by GIE itself), names no pod.
 
-RBAC: list/watch on ``inferencepools.inference.networking.k8s.io`` and on services. Memory: per pool its
-namespace, name and the Service's name; per Service its selector alone.
+Only the ``--epp-namespaces`` are watched, each on its own (a namespaced list and watch of each kind): a pod
+elsewhere gets no token whatever its pools say, so the gateway neither holds nor may read other namespaces' pools
+and Services. RBAC: list/watch on ``inferencepools.inference.networking.k8s.io`` and on services, in those
+namespaces alone (a Role in each). Memory: per pool of those namespaces its namespace, name and the Service's
+name; per Service its selector alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,59 +88,85 @@ def _describe(what: str) -> Callable[[ApiException], str]:
     return describe
 
 
-POOLS: Collection[PickerRef] = Collection(
-    name="InferencePool watch",
-    items="InferencePools",
-    event_prefix="inferencepool_watch",
-    lister=lambda api: (client.CustomObjectsApi(api).list_cluster_custom_object, (GROUP, VERSION, PLURAL)),
-    parse=picker_ref,
-    key=lambda ref: (ref.namespace, ref.pool),
-    namespace=lambda ref: ref.namespace,
-    describe=_describe("inferencepools"),
-)
+def pools_in(namespace: str) -> Collection[PickerRef]:
+    """The InferencePools of ``namespace``, listed and watched there alone."""
+    return Collection(
+        name=f"InferencePool watch of namespace {namespace}",
+        items="InferencePools",
+        event_prefix="inferencepool_watch",
+        lister=lambda api: (
+            client.CustomObjectsApi(api).list_namespaced_custom_object,
+            (GROUP, VERSION, namespace, PLURAL),
+        ),
+        parse=picker_ref,
+        key=lambda ref: (ref.namespace, ref.pool),
+        namespace=lambda ref: ref.namespace,
+        describe=_describe("inferencepools"),
+    )
 
-SERVICES: Collection[ServiceSelector] = Collection(
-    name="Service watch",
-    items="Services",
-    event_prefix="service_watch",
-    lister=lambda api: (client.CoreV1Api(api).list_service_for_all_namespaces, ()),
-    parse=service_selector,
-    key=lambda service: (service.namespace, service.name),
-    namespace=lambda service: service.namespace,
-    describe=_describe("services"),
-)
+
+def services_in(namespace: str) -> Collection[ServiceSelector]:
+    """The Services of ``namespace``, listed and watched there alone."""
+    return Collection(
+        name=f"Service watch of namespace {namespace}",
+        items="Services",
+        event_prefix="service_watch",
+        lister=lambda api: (client.CoreV1Api(api).list_namespaced_service, (namespace,)),
+        parse=service_selector,
+        key=lambda service: (service.namespace, service.name),
+        namespace=lambda service: service.namespace,
+        describe=_describe("services"),
+    )
 
 
 class EndpointPickers:
-    """Whether a pod is the EPP an InferencePool's endpointPickerRef names, from two watches."""
+    """Whether a pod is the EPP an InferencePool's endpointPickerRef names, from two watches in each of
+    ``namespaces`` (the trusted ones, ``--epp-namespaces``)."""
 
     def __init__(
         self,
         api_client_factory: Callable[[], client.ApiClient],
+        namespaces: Iterable[str],
         *,
         stale_after_seconds: float = DEFAULT_STALE_AFTER_SECONDS,
     ) -> None:
-        self.pools = ListWatch(POOLS, api_client_factory, stale_after_seconds=stale_after_seconds)
-        self.services = ListWatch(SERVICES, api_client_factory, stale_after_seconds=stale_after_seconds)
+        self.watches = {
+            namespace: (
+                ListWatch(pools_in(namespace), api_client_factory, stale_after_seconds=stale_after_seconds),
+                ListWatch(services_in(namespace), api_client_factory, stale_after_seconds=stale_after_seconds),
+            )
+            for namespace in namespaces
+        }
 
     async def start(self) -> None:
-        await self.pools.start()
-        await self.services.start()
+        for pools, services in self.watches.values():
+            await pools.start()
+            await services.start()
 
     async def stop(self) -> None:
-        await self.services.stop()
-        await self.pools.stop()
+        for pools, services in self.watches.values():
+            await services.stop()
+            await pools.stop()
 
     def problem(self) -> str | None:
         """Why no pod can be judged now (a watch not listed yet, or the API silent), or None."""
-        return self.pools.problem() or self.services.problem()
+        for pools, services in self.watches.values():
+            problem = pools.problem() or services.problem()
+            if problem is not None:
+                return problem
+        return None
 
     def pool_of(self, info: PodInfo) -> str | None:
-        """The InferencePool whose endpointPickerRef's Service selects ``info``, or None: no pool names it."""
-        for ref in self.pools.items.in_namespace(info.namespace):
+        """The InferencePool whose endpointPickerRef's Service selects ``info``, or None: no pool names it (a pod
+        outside the watched namespaces is named by none)."""
+        watched = self.watches.get(info.namespace)
+        if watched is None:
+            return None
+        pools, services = watched
+        for ref in pools.items.in_namespace(info.namespace):
             if ref.service is None:
                 continue
-            service = self.services.items.get((info.namespace, ref.service))
+            service = services.items.get((info.namespace, ref.service))
             if service is None or not service.selector:
                 continue
             if all(info.labels.get(key) == value for key, value in service.selector):

@@ -77,27 +77,49 @@ async def pages() -> AsyncIterator[Recorder]:
     await runner.cleanup()
 
 
+def collections(namespace: str) -> tuple[FakeCollection, FakeCollection]:
+    """The InferencePools and the Services of ``namespace``, at their namespaced paths."""
+    return (
+        FakeCollection(
+            f"/apis/inference.networking.k8s.io/v1/namespaces/{namespace}/inferencepools", "InferencePoolList"
+        ),
+        FakeCollection(f"/api/v1/namespaces/{namespace}/services", "ServiceList"),
+    )
+
+
+class Api:
+    """The fake API's collections: ``serving`` (trusted) and ``tenant``'s."""
+
+    def __init__(self) -> None:
+        self.serving = collections("serving")
+        self.tenant = collections("tenant")
+
+
 @pytest.fixture
-async def pickers() -> AsyncIterator[EndpointPickers]:
+async def api() -> AsyncIterator[tuple[Api, int]]:
     """InferencePool ``llm`` in ``serving`` names Service ``llm-epp``; pool ``other`` names a Service not there; a
     tenant's own pool in ``tenant`` names a Service of its own that selects its pods."""
-    pools = FakeCollection("/apis/inference.networking.k8s.io/v1/inferencepools", "InferencePoolList")
-    services = FakeCollection("/api/v1/services", "ServiceList")
-    pools.items = [pool("serving", "llm", "llm-epp"), pool("serving", "other", "gone"), pool("tenant", "own", "own")]
-    services.items = [
-        service("serving", "llm-epp", EPP_LABELS),
-        service("serving", "decoy", {"app": "decoy"}),
-        service("tenant", "own", EPP_LABELS),
-    ]
-    api = FakeKubeApi(pools, services)
-    await api.start()
-    configuration = client.Configuration(host=f"http://127.0.0.1:{api.port}")
-    watched = EndpointPickers(lambda: client.ApiClient(configuration))
+    kube = Api()
+    pools, services = kube.serving
+    pools.items = [pool("serving", "llm", "llm-epp"), pool("serving", "other", "gone")]
+    services.items = [service("serving", "llm-epp", EPP_LABELS), service("serving", "decoy", {"app": "decoy"})]
+    kube.tenant[0].items = [pool("tenant", "own", "own")]
+    kube.tenant[1].items = [service("tenant", "own", EPP_LABELS)]
+    fake = FakeKubeApi(*kube.serving, *kube.tenant)
+    await fake.start()
+    yield kube, fake.port
+    await fake.stop()
+
+
+@pytest.fixture
+async def pickers(api: tuple[Api, int]) -> AsyncIterator[EndpointPickers]:
+    """The InferencePools and Services of the trusted namespaces (``TRUSTED``), watched."""
+    configuration = client.Configuration(host=f"http://127.0.0.1:{api[1]}")
+    watched = EndpointPickers(lambda: client.ApiClient(configuration), TRUSTED)
     await watched.start()
     await until(lambda: watched.problem() is None)
     yield watched
     await watched.stop()
-    await api.stop()
 
 
 class Pods:
@@ -165,7 +187,7 @@ async def test_only_the_endpoint_picker_pod_ever_receives_the_token(pickers: End
     await reader.start()
     try:
         assert await read(reader, pods, "epp", Engine.EPP, pages.port) is None
-        assert pickers.pool_of(pods.by_key[("tenant", "fake-epp")]) == "own"  # its own pool does name it
+        assert pickers.pool_of(pods.by_key[("tenant", "fake-epp")]) is None  # its own pool is never even read
         error = await read(reader, pods, "fake-epp", Engine.EPP, pages.port)
         assert error == (
             "HTTP 401 Unauthorized: namespace tenant is not one of --epp-namespaces (the namespaces whose "
@@ -446,3 +468,16 @@ async def test_a_token_request_whose_connection_drops_or_hangs_fails_counted() -
             server.close()
             await server.wait_closed()
         assert token.requests == {"ok": 0, "failed": 1}
+
+
+async def test_only_the_trusted_namespaces_pools_and_services_are_listed_and_watched(
+    api: tuple[Api, int], pickers: EndpointPickers
+) -> None:
+    """The InferencePools and Services of --epp-namespaces are listed and watched in each namespace alone; another
+    namespace's are never asked for, so the gateway holds none of them and needs no right to read them."""
+    kube, _ = api
+    assert [c.lists for c in kube.serving] == [1, 1]
+    await until(lambda: all(c.watches for c in kube.serving))
+    assert [c.lists for c in kube.tenant] == [0, 0]
+    assert [c.watches for c in kube.tenant] == [[], []]
+    assert pickers.pool_of(pod("serving", "epp", EPP_LABELS)) == "llm"
