@@ -89,6 +89,7 @@ class Authorize(Protocol):
 
     def __call__(self, pod: PodKey, endpoint: Endpoint, *, ask: bool = True) -> Awaitable[str | Withheld]: ...
 
+
 NOT_A_PICKER = (
     "the pod is not the endpoint picker an InferencePool's endpointPickerRef names, so it is sent no token "
     "(docs/engines.md)"
