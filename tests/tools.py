@@ -82,6 +82,8 @@ SUITES: dict[str, tuple[Pinned, ...]] = {
                 *chart_tools.CRD_SOURCES,
                 keda_tools.EPP,
                 keda_tools.GIE_SOURCE,
+                # The serving-from-zero journey's Prometheus, beside the push path.
+                chart_tools.PROMETHEUS,
             )
         )
     ),

@@ -55,6 +55,7 @@ from e2e.node.engines import (
     with_fake_engine,
 )
 from e2e.node.product_image import chart_version
+from e2e.node.serving import SERVING_FROM_ZERO
 from gpuscaler.client.hpa import MetricType
 from gpuscaler.query.keys import asks_in_scaled_object_namespace
 from tests.test_docs import EXTERNAL_TRIGGERS, YAML_SOURCES
@@ -151,10 +152,13 @@ def _wait_replacement(cluster: NodeCluster, ns: str, app: str, deleted: str) -> 
 
 def documented() -> list[Any]:
     """Every ScaledObject on GPU signals of README.md and the chart's examples, read from the files when collected
-    (the engine examples have a journey of their own, below)."""
+    (the engine examples have a journey of their own, below, and serving-from-zero's, whose pool needs the EPP,
+    is applied by test_serving_from_zero.py)."""
     cases = []
     for source in YAML_SOURCES:
         if source.path != REPOSITORY_ROOT / "README.md" and not source.path.is_relative_to(EXAMPLES):
+            continue
+        if source.path.is_relative_to(SERVING_FROM_ZERO):
             continue
         for document in yaml.safe_load_all(source.text):
             if isinstance(document, dict) and document.get("kind") == "ScaledObject" and not engine_query(document):

@@ -173,9 +173,13 @@ class EppRequest:
 
     def send(self, epp: Epp, model: str) -> EppRequest:
         """Sends the request headers and a JSON completion body naming ``model``; waits until both are written."""
+        return self.send_to(f"127.0.0.1:{epp.grpc_port}", model)
+
+    def send_to(self, address: str, model: str) -> EppRequest:
+        """Sends the request to the EPP's ext_proc port at ``address`` (host:port), as ``send`` does."""
         binary = locate(tools.EPP) / "eppclient"
         self.process = subprocess.Popen(
-            [str(binary), f"127.0.0.1:{epp.grpc_port}", model],
+            [str(binary), address, model],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

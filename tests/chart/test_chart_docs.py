@@ -227,17 +227,20 @@ def test_an_engine_example_gives_the_hpa_a_value_it_counts_replicas_from(example
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[f"{p.parent.name}/{p.name}" for p in EXAMPLES])
 def test_examples_use_metadata_the_agent_accepts_and_the_chart_service(helm: Helm, example: Path) -> None:
-    """Each example's trigger metadata parses with the agent's own parser (given the ScaledObject's namespace and
-    name, as KEDA sends them), and its address is the chart's Service."""
+    """Each example trigger's metadata parses with the agent's own parser (given the ScaledObject's namespace and
+    name, as KEDA sends them), and its address is the chart's Service (serving-from-zero has two triggers: the EPP's
+    wake and the model servers' queue)."""
     scaled_object = find(list(yaml_documents(example)), "ScaledObject")
-    (trigger,) = scaled_object["spec"]["triggers"]
+    triggers = scaled_object["spec"]["triggers"]
+    assert triggers
     metadata = scaled_object["metadata"]
-    parse_metadata(
-        trigger["metadata"], Limits(history_seconds=600), namespace=metadata["namespace"], name=metadata["name"]
-    )
     service = find(helm.template(CI_VALUES[0]), "Service", RELEASE)
     port = service["spec"]["ports"][0]["port"]
-    assert trigger["metadata"]["scalerAddress"] == f"{RELEASE}.{NAMESPACE}.svc.cluster.local:{port}"
+    for trigger in triggers:
+        parse_metadata(
+            trigger["metadata"], Limits(history_seconds=600), namespace=metadata["namespace"], name=metadata["name"]
+        )
+        assert trigger["metadata"]["scalerAddress"] == f"{RELEASE}.{NAMESPACE}.svc.cluster.local:{port}"
 
 
 def test_examples_are_not_rendered_by_the_chart(helm: Helm) -> None:
