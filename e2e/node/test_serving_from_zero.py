@@ -28,7 +28,7 @@ from e2e.monitoring import prometheus as prometheus_process
 from e2e.node.chart import Release, query, wait_scaled_object_ready
 from e2e.node.cluster import CHART_IMAGE, Deadline, NodeCluster, in_thread
 from e2e.node.conftest import record
-from e2e.node.engines import config_map, with_fake_engine
+from e2e.node.engines import config_map, set_requests, with_fake_engine
 from e2e.node.product_image import chart_version
 from e2e.node.serving import (
     EPP_GRPC_PORT,
@@ -50,6 +50,8 @@ from tests.tools import locate
 NS = "serving-from-zero"
 MODEL = "m"
 COOLDOWN_SECONDS = 15
+SATURATED_MAX = 4
+BUSY_REQUESTS = 36.0  # 16 run and 20 wait in the fake vLLM
 SERVER_PORT = 8000  # the example InferencePool's targetPorts
 FALLBACK_REPLICAS = 2
 STEP_TIMEOUT_SECONDS = 180.0
@@ -143,7 +145,8 @@ async def test_the_first_request_wakes_the_pool_from_zero_by_push_and_by_prometh
     pod (in this order). While the request's stream is open the pool stays at 1 through the cooldown; once it
     closes, the pool goes back to 0. With the EPP's pod gone the wake trigger is UNAVAILABLE and KEDA applies the
     fallback, never scaling in. The same request through KEDA's prometheus trigger, at the shipped and at the
-    fastest settings, wakes the pool too; every step's time is recorded beside the push path's."""
+    fastest settings, wakes the pool too; every step's time is recorded beside the push path's. Last, a saturated
+    pool (one server's queue full) scales out on ``epp_saturation`` and back once its requests are gone."""
     cluster = installed.cluster
     address = await in_thread(installed.service_address)
     deployment, pool, example = _example()
@@ -306,6 +309,51 @@ async def test_the_first_request_wakes_the_pool_from_zero_by_push_and_by_prometh
             await _reset(cluster, history, polled, selector)
             prometheus.stop()
             prometheus = None
+
+        # --- saturation ---------------------------------------------------------------------------------------
+        # The EPP gates on the pool's saturation, which it computes from the model servers' pages (GIE v1.5.0's
+        # utilization detector: each server's waiting requests over 5, or its KV cache over 80%, the larger, averaged
+        # over the pool). One server whose fake vLLM holds 36 requests (20 waiting) saturates the pool; the HPA
+        # scales out on it (Value: Ready servers x saturation / 100%) and back once the requests are gone.
+        saturated = copy.deepcopy(example)
+        saturated["spec"].pop("fallback")
+        saturated["spec"]["cooldownPeriod"] = COOLDOWN_SECONDS
+        saturated["spec"]["minReplicaCount"] = 1
+        saturated["spec"]["maxReplicaCount"] = SATURATED_MAX
+        saturation = {
+            "scalerAddress": address,
+            "metric": "epp_saturation",
+            "inferencePool": pool_name,
+            "podSelector": wake["metadata"]["podSelector"],
+            "targetValue": "100",
+        }
+        saturated["spec"]["triggers"] = [
+            wake,
+            {"type": "external-push", "metricType": "Value", "metadata": saturation},
+        ]
+        await in_thread(cluster.apply, saturated)
+        await in_thread(wait_scaled_object_ready, cluster, NS, name)
+        await history.wait_equal(1, STEP_TIMEOUT_SECONDS)
+        (pod,) = await in_thread(cluster.wait_running, NS, selector, 1)
+        busy_at = time.monotonic()
+        await set_requests(pod, BUSY_REQUESTS)
+        at, reached = await history.wait_for(
+            lambda replicas: replicas > 1, STEP_TIMEOUT_SECONDS, "more than 1", after=busy_at
+        )
+        answer = await query(address, {**saturation, "namespace": NS}, scaled_object=f"{NS}/{name}")
+        read = (
+            answer["get_metrics"]["fields"]["metricValues"][0]["metricValueFloat"]
+            if answer["get_metrics"]["ok"]
+            else answer["get_metrics"]
+        )
+        await set_requests(pod, 0)
+        idle_at = time.monotonic()
+        back = await history.wait_equal(1, STEP_TIMEOUT_SECONDS, after=idle_at)
+        record(
+            f"serving from zero, saturation: one server with {BUSY_REQUESTS:g} requests -> 1 -> {reached} "
+            f"{at - busy_at:.1f} s later (epp_saturation {read}); back to 1 {back - idle_at:.1f} s after they ended"
+        )
+        await _reset(cluster, history, saturated, selector)
         record(f"serving from zero: replicas {history.describe()}")
     finally:
         history.stop()
