@@ -73,6 +73,10 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     ("resource.k8s.io/v1", "ResourceSlice"): ("resourceslices", False),
     ("resource.k8s.io/v1", "ResourceClaim"): ("resourceclaims", True),
     ("resource.k8s.io/v1", "ResourceClaimTemplate"): ("resourceclaimtemplates", True),
+    ("rbac.authorization.k8s.io/v1", "ClusterRole"): ("clusterroles", False),
+    ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"): ("clusterrolebindings", False),
+    ("rbac.authorization.k8s.io/v1", "Role"): ("roles", True),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): ("rolebindings", True),
 }
 
 

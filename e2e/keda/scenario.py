@@ -178,9 +178,11 @@ class Scenario:
         self.processes.append(process)
         return process
 
-    async def gateway(self, agents: Sequence[Process], *, pod_directory: Path | str | None = None) -> Process:
+    async def gateway(
+        self, agents: Sequence[Process], *, pod_directory: Path | str | None = None, flags: Sequence[str] = ()
+    ) -> Process:
         """``gpuscaler gateway --agents ...`` on an ephemeral loopback port; ``pod_directory`` "kubernetes" watches
-        this control plane's pods (through its kubeconfig)."""
+        this control plane's pods (through its kubeconfig); ``flags`` are added as given."""
         argv = [
             str(CONSOLE_SCRIPT),
             "gateway",
@@ -197,6 +199,7 @@ class Scenario:
         ]
         if pod_directory is not None:
             argv += ["--pod-directory", str(pod_directory)]
+        argv += flags
         environ = environment()
         if pod_directory == "kubernetes":
             assert self.plane.kubeconfig is not None

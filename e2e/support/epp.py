@@ -82,6 +82,10 @@ class Epp:
     grpc_port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
     health_port: int = field(default_factory=free_port)
+    # --metrics-endpoint-auth: /metrics answers only a bearer token the API server's TokenReview and
+    # SubjectAccessReview accept; ``bearer`` is the one this test's own reads send.
+    auth: bool = False
+    bearer: str | None = None
     process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Epp:
@@ -94,11 +98,11 @@ class Epp:
             f"--grpc-port={self.grpc_port}",
             f"--grpc-health-port={self.health_port}",
             f"--metrics-port={self.metrics_port}",
-            # Plain gRPC (its default serves TLS with a self-signed certificate), no OTLP exporter to dial, and an
-            # open /metrics: the bearer token is another test's subject.
+            # Plain gRPC (its default serves TLS with a self-signed certificate), no OTLP exporter to dial, and
+            # /metrics open unless this test is about its bearer token.
             "--secure-serving=false",
             "--tracing=false",
-            "--metrics-endpoint-auth=false",
+            f"--metrics-endpoint-auth={str(self.auth).lower()}",
             "--enable-pprof=false",
             f"--config-text={FLOW_CONTROL_CONFIG}",
             "--v=2",
@@ -125,7 +129,9 @@ class Epp:
 
     def metrics_text(self) -> str:
         """Its /metrics page as served."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as response:
+        headers = {"Authorization": f"Bearer {self.bearer}"} if self.bearer is not None else {}
+        request = urllib.request.Request(f"http://127.0.0.1:{self.metrics_port}/metrics", headers=headers)
+        with urllib.request.urlopen(request, timeout=5) as response:
             text: str = response.read().decode()
             return text
 
