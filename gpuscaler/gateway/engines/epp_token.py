@@ -140,6 +140,7 @@ class EppToken:
         self._refresh_at = 0.0
         self._failed: str | None = None
         self._retry_at = 0.0
+        self._refused_at = -RETRY_AFTER_SECONDS
         self._asking: asyncio.Task[None] | None = None
         # TokenRequests made, by outcome (gpuscaler_gateway_epp_token_requests_total).
         self.requests = dict.fromkeys(REQUEST_OUTCOMES, 0)
@@ -157,6 +158,14 @@ class EppToken:
         if held is not None:
             return held
         raise TokenUnavailable(self._failed or "no token yet")
+
+    def refused(self, token: str) -> None:
+        """The EPP refused ``token``: if it is the one held, ask for another at the next read, at most once every
+        RETRY_AFTER_SECONDS (a refusal that a new token does not cure must not make every read a TokenRequest)."""
+        now = self._clock()
+        if token == self._token and now >= self._refused_at + RETRY_AFTER_SECONDS:
+            self._refused_at = now
+            self._token, self._expires_at, self._refresh_at = None, 0.0, now
 
     def held(self) -> str | None:
         """The token held now, if it has not expired; asks for none (a read path's)."""
@@ -212,6 +221,10 @@ class EppCredentials:
         self._namespaces = frozenset(namespaces)
         # EPP reads sent no token, by reason (WITHHELD_REASONS).
         self.withheld = dict.fromkeys(WITHHELD_REASONS, 0)
+
+    def refused(self, token: str) -> None:
+        """``page_reader.Authorize.refused``: the token is dropped and another asked for."""
+        self.token.refused(token)
 
     def _withhold(self, reason: str, why: str, count: bool) -> Withheld:
         if count:

@@ -73,6 +73,11 @@ def _malloc_trim() -> Callable[[], object] | None:
 MALLOC_TRIM = _malloc_trim()
 
 
+# What the EPP answers a bearer token it does not accept: 401 or 403 from its authorizer, 500 when the API server's
+# TokenReview rejected the token (controller-runtime v0.23.3's metrics filter, filters.go:86-90).
+REFUSED_TOKEN_STATUSES = (401, 403, 500)
+
+
 @dataclass(frozen=True, slots=True)
 class Withheld:
     """An EPP read sent no token: ``reason`` (a metric label) and ``why`` (what a 401 or 403 from it says)."""
@@ -88,6 +93,9 @@ class Authorize(Protocol):
     """``ask`` False: a read path's read, which asks the API for nothing and counts nothing."""
 
     def __call__(self, pod: PodKey, endpoint: Endpoint, *, ask: bool = True) -> Awaitable[str | Withheld]: ...
+
+    def refused(self, token: str) -> None:
+        """The EPP refused ``token``: ask for another instead of sending it again."""
 
 
 NOT_A_PICKER = (
@@ -158,6 +166,12 @@ class PageReader:
                 status = f"HTTP {response.status} {response.reason or ''}".rstrip()
                 if engine is Engine.EPP and token is None and response.status in (401, 403):
                     status += f": {why}"
+                elif engine is Engine.EPP and token is not None and response.status in REFUSED_TOKEN_STATUSES:
+                    # A token the API server's TokenReview rejects (expired, its bound pod gone) comes back as a 500
+                    # from the EPP (controller-runtime's filter), not a 401: either way, ask for another.
+                    assert self.authorize is not None
+                    self.authorize.refused(token)
+                    status += ": the EPP refused the token sent; a new one is asked for"
                 raise ScrapeFailed("status", status)
             if response.headers.get("Content-Encoding", "identity") != "identity":
                 raise ScrapeFailed("malformed", f"a {response.headers['Content-Encoding']} body; it was not asked for")

@@ -53,12 +53,15 @@ class Recorder:
 
     def __init__(self) -> None:
         self.seen: dict[str, list[str | None]] = {}
+        self.rejected: set[str] = set()  # Authorization headers answered as the EPP answers a rejected token
         self.port = 0
 
     async def handle(self, request: web.Request) -> web.Response:
         self.seen.setdefault(request.path, []).append(request.headers.get("Authorization"))
         if request.headers.get("Authorization") is None:
             return web.Response(status=401, text="Unauthorized")
+        if request.headers.get("Authorization") in self.rejected:  # the API server's TokenReview said no
+            return web.Response(status=500, text="Authentication failed")
         return web.Response(text="# nothing\n")
 
 
@@ -481,3 +484,35 @@ async def test_only_the_trusted_namespaces_pools_and_services_are_listed_and_wat
     assert [c.lists for c in kube.tenant] == [0, 0]
     assert [c.watches for c in kube.tenant] == [[], []]
     assert pickers.pool_of(pod("serving", "epp", EPP_LABELS)) == "llm"
+
+
+async def test_a_refused_token_is_dropped_and_another_asked_for(pickers: EndpointPickers, pages: Recorder) -> None:
+    """A token the EPP refuses (a 500 from its TokenReview: expired, its bound pod gone) fails that read saying so,
+    and the next read sends a new token instead of the refused one until its half-life; a refusal the new token does
+    not cure asks again at most every 5 s."""
+    pods = Pods(pod("serving", "epp", EPP_LABELS))
+    clock = Clock()
+    calls, request = tokens("secret-1", "secret-2", "secret-3")
+    reader = PageReader(
+        DEFAULT_SCRAPE_LIMITS, authorize=EppCredentials(EppToken(request, clock=clock), pods, pickers, TRUSTED)
+    )
+    pages.rejected = {"Bearer secret-1", "Bearer secret-2"}
+    await reader.start()
+    try:
+        error = await read(reader, pods, "epp", Engine.EPP, pages.port)
+        assert error is not None
+        assert "HTTP 500" in error
+        assert "the EPP refused the token sent" in error
+        clock.now = 1.0
+        assert await read(reader, pods, "epp", Engine.EPP, pages.port) is not None  # secret-2, refused too
+        clock.now = 2.0
+        assert await read(reader, pods, "epp", Engine.EPP, pages.port) is not None  # within 5 s: secret-2 again
+        assert calls[0] == 2
+        clock.now = 7.0  # 5 s after secret-1's refusal: secret-2's refusal now drops it
+        assert await read(reader, pods, "epp", Engine.EPP, pages.port) is not None
+        clock.now = 7.5
+        assert await read(reader, pods, "epp", Engine.EPP, pages.port) is None  # secret-3
+        assert calls[0] == 3
+    finally:
+        await reader.close()
+    assert pages.seen["/epp"] == ["Bearer secret-1"] + ["Bearer secret-2"] * 3 + ["Bearer secret-3"]
