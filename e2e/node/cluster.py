@@ -140,15 +140,20 @@ class Holding:
     device_ids: tuple[str, ...]
 
 
-async def pod_resources(socket: Path = POD_RESOURCES_SOCKET) -> list[Holding]:
-    """The kubelet's PodResources ``List``: every container's devices (what the agent reads)."""
+async def _list(socket: Path) -> podresources.ListPodResourcesResponse:
+    """The kubelet's PodResources ``List`` answer, as the agent reads it."""
     channel = Channel(path=str(socket))
     try:
-        answer = await podresources.PodResourcesListerStub(channel).list(
+        return await podresources.PodResourcesListerStub(channel).list(
             podresources.ListPodResourcesRequest(), timeout=10
         )
     finally:
         channel.close()
+
+
+async def pod_resources(socket: Path = POD_RESOURCES_SOCKET) -> list[Holding]:
+    """The kubelet's PodResources ``List``: every container's devices (what the agent reads)."""
+    answer = await _list(socket)
     return [
         Holding(pod.namespace, pod.name, container.name, devices.resource_name, tuple(devices.device_ids))
         for pod in answer.pod_resources
@@ -173,13 +178,7 @@ class DraHolding:
 
 async def dra_holdings(socket: Path = POD_RESOURCES_SOCKET) -> list[DraHolding]:
     """The kubelet's PodResources ``List``: every container's DRA devices (``dynamic_resources``)."""
-    channel = Channel(path=str(socket))
-    try:
-        answer = await podresources.PodResourcesListerStub(channel).list(
-            podresources.ListPodResourcesRequest(), timeout=10
-        )
-    finally:
-        channel.close()
+    answer = await _list(socket)
     return [
         DraHolding(
             pod.namespace,
