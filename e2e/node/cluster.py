@@ -288,6 +288,15 @@ class NodeCluster:
         lines += [f"event {e['involvedObject']['name']}: {e['reason']}: {e.get('message')}" for e in events[-20:]]
         return "\n".join(lines)
 
+    def wait_replacement(self, namespace: str, app: str, deleted: str, timeout: float = 180) -> Json:
+        """The one Running pod of Deployment ``app`` (label ``app=<app>``) that replaced the deleted pod ``deleted``."""
+        pods = Deadline(f"{app}'s replacement for {deleted}", timeout).until(
+            lambda: self.running_pods(namespace, f"app={app}"),
+            lambda found: len(found) == 1 and found[0]["metadata"]["name"] != deleted,
+            self.check_alive,
+        )
+        return pods[0]
+
     def log(self, namespace: str, pod: str, container: str | None = None) -> str:
         """A container's log through the API server (which fetches it from the kubelet)."""
         query = f"?container={container}" if container else ""

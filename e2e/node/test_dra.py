@@ -285,7 +285,9 @@ async def test_keda_scales_a_dra_workload_on_exactly_the_devices_its_claims_hold
         await in_thread(cluster.delete, manifest)
         await in_thread(cluster.wait_gone, manifest)
         await in_thread(cluster.kube.delete, {"apiVersion": "v1", "kind": "Pod", "metadata": survivor["metadata"]})
-        replacement = await in_thread(_wait_replacement, cluster, ns, app, survivor["metadata"]["name"])
+        replacement = await in_thread(
+            cluster.wait_replacement, ns, app, survivor["metadata"]["name"], STEP_TIMEOUT_SECONDS
+        )
         replaced = await _held(ns, [replacement])
         assert {h.claim for h in replaced}.isdisjoint({h.claim for h in remaining}), (remaining, replaced)
         await _wait_counted(address, asked, _pairs(ns, replaced))
@@ -324,16 +326,6 @@ async def test_keda_scales_a_dra_workload_on_exactly_the_devices_its_claims_hold
         await in_thread(cluster.delete, template)
         await in_thread(cluster.delete, namespace(ns))
         await in_thread(cluster.wait_gone, namespace(ns))
-
-
-def _wait_replacement(cluster: NodeCluster, ns: str, app: str, deleted: str) -> Json:
-    """The Running pod that replaced ``deleted``."""
-    pods = Deadline(f"{app}'s replacement for {deleted}", STEP_TIMEOUT_SECONDS).until(
-        lambda: cluster.running_pods(ns, f"app={app}"),
-        lambda found: len(found) == 1 and found[0]["metadata"]["name"] != deleted,
-        cluster.check_alive,
-    )
-    return pods[0]
 
 
 async def test_pods_sharing_one_claim_count_the_gpu_they_share(dra: Release) -> None:

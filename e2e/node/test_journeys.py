@@ -36,7 +36,6 @@ from e2e.node.cluster import (
     GPU_RESOURCE,
     REPOSITORY_ROOT,
     Deadline,
-    NodeCluster,
     eventually,
     gpu_deployment,
     in_thread,
@@ -129,22 +128,13 @@ async def test_keda_scales_a_gpu_workload_on_exactly_its_own_gpus(installed: Rel
     await in_thread(cluster.delete, manifest)
     await in_thread(cluster.wait_gone, manifest)
     await in_thread(cluster.kube.delete, {"apiVersion": "v1", "kind": "Pod", "metadata": survivor["metadata"]})
-    replacement = await in_thread(_wait_replacement, cluster, ns, app, survivor["metadata"]["name"])
+    replacement = await in_thread(cluster.wait_replacement, ns, app, survivor["metadata"]["name"], STEP_TIMEOUT_SECONDS)
     await wait_counted(cluster, address, asked, await held(cluster, ns, app, [replacement]))
     record(f"workload journey ({ns}/{app}, external, target 60): replicas {history.describe()}")
     history.stop()
     await in_thread(cluster.delete, gpu_deployment(app, ns, replicas=0))
     await in_thread(cluster.wait_running, ns, f"app={app}", 0)
     await wait_counted(cluster, address, asked, {})
-
-
-def _wait_replacement(cluster: NodeCluster, ns: str, app: str, deleted: str) -> Json:
-    pods = Deadline(f"{app}'s replacement for {deleted}", STEP_TIMEOUT_SECONDS).until(
-        lambda: cluster.running_pods(ns, f"app={app}"),
-        lambda found: len(found) == 1 and found[0]["metadata"]["name"] != deleted,
-        cluster.check_alive,
-    )
-    return pods[0]
 
 
 # --- the documented ScaledObjects ------------------------------------------------------------------------
