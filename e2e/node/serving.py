@@ -34,10 +34,21 @@ EPP_METRICS_PORT = 9090
 POLL_SECONDS = 0.1
 
 
+def epp_labels(name: str) -> dict[str, str]:
+    """The labels GIE v1.5.0's chart gives EPP ``name``'s pods and selects them by (its epplib ``selectorLabels``):
+    the example's ``podSelector`` names them."""
+    return {"inferencepool": name}
+
+
+def epp_selector(name: str) -> str:
+    """``epp_labels(name)`` as a label selector."""
+    return ",".join(f"{key}={value}" for key, value in epp_labels(name).items())
+
+
 def epp_deployment(name: str, namespace: str, pool: str) -> Json:
     """The EPP for ``pool``: one busybox pod running the tool cache's ``epp`` binary, flow control on, Ready when its
     gRPC health says the ext_proc service serves (GIE's own chart probes the same service)."""
-    labels = {"app": name}
+    labels = epp_labels(name)
     argv = [
         "/epp/epp",
         f"--pool-name={pool}",
@@ -97,7 +108,7 @@ def epp_service(name: str, namespace: str) -> Json:
         "kind": "Service",
         "metadata": {"name": name, "namespace": namespace},
         "spec": {
-            "selector": {"app": name},
+            "selector": epp_labels(name),
             "ports": [{"name": "grpc", "port": EPP_GRPC_PORT, "targetPort": EPP_GRPC_PORT}],
         },
     }

@@ -7,14 +7,16 @@ The objects are the chart's example ``examples/serving-from-zero/vllm-from-zero.
 container replaced by the dev stack's fake vLLM, as the engine journey does), its InferencePool and its
 ScaledObject, with a 15 s cooldown and a fallback of 2 replicas so that each is seen in minutes. The EPP is this
 suite's (``e2e/node/serving.py``). A request reaches the EPP over Envoy's ext_proc protocol from the host
-(``e2e/keda/eppclient``), which prints the endpoint the EPP picks. The timings are recorded, never asserted; the
-order of the events is.
+(``e2e/keda/eppclient``), which prints the endpoint the EPP picks. The timings are recorded, never asserted; of
+their order, the test asserts that KEDA's step to 1 comes after the request and the EPP's dispatch after that step.
+Each record ends with the host's load average.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import os
 import time
 from collections.abc import Callable
 from functools import partial
@@ -37,6 +39,7 @@ from e2e.node.serving import (
     active_stream,
     epp_deployment,
     epp_page,
+    epp_selector,
     epp_service,
     first_true,
     scaled_object_active,
@@ -55,10 +58,28 @@ BUSY_REQUESTS = 36.0  # 16 run and 20 wait in the fake vLLM
 SERVER_PORT = 8000  # the example InferencePool's targetPorts
 FALLBACK_REPLICAS = 2
 STEP_TIMEOUT_SECONDS = 180.0
-# The chart's ServiceMonitor interval (charts/gpuscaler/values.yaml serviceMonitor.interval) and KEDA's default
-# pollingInterval; then the fastest either side sanely runs.
-SHIPPED = {"scrape": "15s", "polling": 30}
+# The interval of the ServiceMonitor GIE v1.5.0's inferencepool chart ships for the EPP (its values'
+# inferenceExtension.monitoring.interval: what scrapes the EPP) and KEDA's default pollingInterval; then the fastest
+# either side sanely runs.
+SHIPPED = {"scrape": "10s", "polling": 30}
 FASTEST = {"scrape": "1s", "polling": 1}
+
+
+def _load() -> str:
+    """The host's 1, 5 and 15 minute load averages, for a record."""
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f}"
+
+
+async def _unavailable(address: str, asked: dict[str, str], scaled_object: str) -> Json:
+    """Asks the gateway until its answer to ``asked`` is UNAVAILABLE (the pods it reads change as it watches them)."""
+    deadline = time.monotonic() + STEP_TIMEOUT_SECONDS
+    while True:
+        answer = await query(address, asked, scaled_object=scaled_object)
+        if not answer["get_metrics"]["ok"] and answer["get_metrics"]["code"] == "UNAVAILABLE":
+            return answer
+        assert time.monotonic() < deadline, f"not UNAVAILABLE within {STEP_TIMEOUT_SECONDS:g} s: {answer}"
+        await asyncio.sleep(0.5)
 
 
 def _example() -> tuple[Json, Json, Json]:
@@ -140,13 +161,14 @@ async def _wake(
 async def test_the_first_request_wakes_the_pool_from_zero_by_push_and_by_prometheus(
     installed: Release, tmp_path: Path
 ) -> None:
-    """With the model server at 0 and the EPP holding nothing, KEDA leaves it at 0. One request: the EPP queues it,
-    the gateway pushes active, KEDA scales 0 -> 1, the pod becomes Ready, and the EPP dispatches the request to that
-    pod (in this order). While the request's stream is open the pool stays at 1 through the cooldown; once it
-    closes, the pool goes back to 0. With the EPP's pod gone the wake trigger is UNAVAILABLE and KEDA applies the
-    fallback, never scaling in. The same request through KEDA's prometheus trigger, at the shipped and at the
-    fastest settings, wakes the pool too; every step's time is recorded beside the push path's. Last, a saturated
-    pool (one server's queue full) scales out on ``epp_saturation`` and back once its requests are gone."""
+    """With the model server at 0 and the EPP holding nothing, KEDA leaves it at 0 and the gateway pushes only
+    inactive. One request: the gateway pushes active, KEDA scales 0 -> 1 after the request was sent, and the EPP
+    dispatches the request after that step, to the pod KEDA started. While the request's stream is open the pool
+    stays at 1 through the cooldown; once it closes, the pool goes back to 0. With the EPP's pod gone the wake
+    trigger becomes UNAVAILABLE and KEDA applies the fallback and keeps it past the cooldown, never scaling in. The
+    same request through KEDA's prometheus trigger, at the shipped and at the fastest settings, wakes the pool too;
+    every step's time is recorded beside the push path's. Last, a saturated pool (one server's queue full) scales
+    out on ``epp_saturation`` and back once its requests are gone."""
     cluster = installed.cluster
     address = await in_thread(installed.service_address)
     deployment, pool, example = _example()
@@ -156,9 +178,9 @@ async def test_the_first_request_wakes_the_pool_from_zero_by_push_and_by_prometh
     epp_name = pool["spec"]["endpointPickerRef"]["name"]
     pool_name = pool["metadata"]["name"]
     assert pool["spec"]["endpointPickerRef"]["port"]["number"] == EPP_GRPC_PORT
-    document = namespace(NS)
-    document["metadata"]["labels"] = {"pod-security.kubernetes.io/enforce": "privileged"}  # the EPP's hostPath
-    await in_thread(cluster.apply, document)
+    space = namespace(NS)
+    space["metadata"]["labels"] = {"pod-security.kubernetes.io/enforce": "privileged"}  # the EPP's hostPath
+    await in_thread(cluster.apply, space)
     await in_thread(
         install_crds, cluster.kube, lambda what, ready: Deadline(what, 60).until(ready, bool, cluster.check_alive)
     )
@@ -172,7 +194,7 @@ async def test_the_first_request_wakes_the_pool_from_zero_by_push_and_by_prometh
     history = ReplicaHistory(cluster.plane, NS, target)
     prometheus: prometheus_process.Prometheus | None = None
     try:
-        (epp_pod,) = await in_thread(cluster.wait_running, NS, f"app={epp_name}", 1)
+        (epp_pod,) = await in_thread(cluster.wait_running, NS, epp_selector(epp_name), 1)
         epp_ip = epp_pod["status"]["podIP"]
         epp_address = f"{epp_ip}:{EPP_GRPC_PORT}"
         page = await in_thread(epp_page, epp_ip)
@@ -202,7 +224,7 @@ async def test_the_first_request_wakes_the_pool_from_zero_by_push_and_by_prometh
                 lambda moments: [asyncio.create_task(first_true(received, moments, "gateway pushed active", 300))],
             )
         try:
-            record(f"serving from zero, push (epp-wake, real kubelet, real EPP): {moments.describe()}")
+            record(f"serving from zero, push (epp-wake, real kubelet, real EPP): {moments.describe()}; {_load()}")
 
             # Running, not queued: the wake trigger stays active through the cooldown while the stream is open.
             answer = await query(address, asked, scaled_object=f"{NS}/{name}")
@@ -217,12 +239,14 @@ async def test_the_first_request_wakes_the_pool_from_zero_by_push_and_by_prometh
         at = await history.wait_equal(0, STEP_TIMEOUT_SECONDS, after=closed)
         record(
             f"serving from zero, push: held at 1 for {COOLDOWN_SECONDS + 10} s while the request ran "
-            f"(cooldown {COOLDOWN_SECONDS} s); back to 0 {at - closed:.1f} s after its stream ended"
+            f"(cooldown {COOLDOWN_SECONDS} s); back to 0 {at - closed:.1f} s after its stream ended; {_load()}"
         )
 
         # --- the EPP gone -----------------------------------------------------------------------------------------
         # Wake the pool again, then take the EPP away (its Deployment to 0: no Ready EPP pod, the state between a
-        # killed pod and its Ready replacement, held open): UNAVAILABLE, and KEDA's fallback, never a scale-in.
+        # killed pod and its Ready replacement, held open): UNAVAILABLE, and KEDA's fallback, never a scale-in. The
+        # fallback count is held for the cooldown and 10 s more from the moment the EPP's pod was gone (the request
+        # closed before), the last moment the wake trigger could have read active: a scale-in would show there.
         await in_thread(cluster.wait_running, NS, selector, 0)
         moments, request = await _wake(cluster, history, name, selector, epp_address)
         request.close()
@@ -231,22 +255,24 @@ async def test_the_first_request_wakes_the_pool_from_zero_by_push_and_by_prometh
         assert at_death >= 1, history.describe()
         died = time.monotonic()
         await in_thread(_scale, cluster, epp_name, 0)
-        await in_thread(cluster.wait_running, NS, f"app={epp_name}", 0)
-        answer = await query(address, asked, scaled_object=f"{NS}/{name}")
-        assert not answer["get_metrics"]["ok"], answer
-        assert answer["get_metrics"]["code"] == "UNAVAILABLE", answer
+        await in_thread(cluster.wait_running, NS, epp_selector(epp_name), 0)
+        gone = time.monotonic()
+        await _unavailable(address, asked, f"{NS}/{name}")
         fallback_at, reached = await history.wait_for(
             lambda replicas: replicas == FALLBACK_REPLICAS, STEP_TIMEOUT_SECONDS, f"{FALLBACK_REPLICAS}", after=died
         )
-        await history.hold(FALLBACK_REPLICAS, 10)
+        # ``during`` below covers any time already past; the hold covers the rest (at least a second).
+        await history.hold(FALLBACK_REPLICAS, max(gone + COOLDOWN_SECONDS + 10 - time.monotonic(), 1.0))
         during = [replicas for at, replicas in history.changes if at >= died]
         assert min(during) >= at_death, history.describe()
         record(
             f"serving from zero, EPP gone: gateway UNAVAILABLE; KEDA fallback {at_death} -> {reached} "
-            f"{fallback_at - died:.1f} s after the EPP was taken away; never below {at_death}"
+            f"{fallback_at - died:.1f} s after the EPP was taken away; held at {reached} until "
+            f"{COOLDOWN_SECONDS + 10} s after its pod was gone (cooldown {COOLDOWN_SECONDS} s), never below "
+            f"{at_death}; {_load()}"
         )
         await in_thread(_scale, cluster, epp_name, 1)
-        (epp_pod,) = await in_thread(cluster.wait_running, NS, f"app={epp_name}", 1)
+        (epp_pod,) = await in_thread(cluster.wait_running, NS, epp_selector(epp_name), 1)
         epp_ip = epp_pod["status"]["podIP"]
         epp_address = f"{epp_ip}:{EPP_GRPC_PORT}"
         await _reset(cluster, history, manifest, selector)
@@ -304,7 +330,7 @@ async def test_the_first_request_wakes_the_pool_from_zero_by_push_and_by_prometh
             request.close()
             record(
                 f"serving from zero, prometheus trigger ({label}: scrape {settings['scrape']}, pollingInterval "
-                f"{settings['polling']} s): {moments.describe()}"
+                f"{settings['polling']} s): {moments.describe()}; {_load()}"
             )
             await _reset(cluster, history, polled, selector)
             prometheus.stop()
@@ -331,9 +357,10 @@ async def test_the_first_request_wakes_the_pool_from_zero_by_push_and_by_prometh
             wake,
             {"type": "external-push", "metricType": "Value", "metadata": saturation},
         ]
+        applied = time.monotonic()
         await in_thread(cluster.apply, saturated)
         await in_thread(wait_scaled_object_ready, cluster, NS, name)
-        await history.wait_equal(1, STEP_TIMEOUT_SECONDS)
+        await history.wait_equal(1, STEP_TIMEOUT_SECONDS, after=applied)
         (pod,) = await in_thread(cluster.wait_running, NS, selector, 1)
         busy_at = time.monotonic()
         await set_requests(pod, BUSY_REQUESTS)
@@ -351,7 +378,8 @@ async def test_the_first_request_wakes_the_pool_from_zero_by_push_and_by_prometh
         back = await history.wait_equal(1, STEP_TIMEOUT_SECONDS, after=idle_at)
         record(
             f"serving from zero, saturation: one server with {BUSY_REQUESTS:g} requests -> 1 -> {reached} "
-            f"{at - busy_at:.1f} s later (epp_saturation {read}); back to 1 {back - idle_at:.1f} s after they ended"
+            f"{at - busy_at:.1f} s later (epp_saturation {read}); back to 1 {back - idle_at:.1f} s after they ended; "
+            f"{_load()}"
         )
         await _reset(cluster, history, saturated, selector)
         record(f"serving from zero: replicas {history.describe()}")
@@ -365,5 +393,8 @@ async def test_the_first_request_wakes_the_pool_from_zero_by_push_and_by_prometh
         for document in (server, epp_deployment(epp_name, NS, pool_name), epp_service(epp_name, NS), pool):
             await in_thread(cluster.delete, document)
         await in_thread(cluster.wait_running, NS, selector, 0)
-        await in_thread(cluster.wait_running, NS, f"app={epp_name}", 0)
+        await in_thread(cluster.wait_running, NS, epp_selector(epp_name), 0)
         await in_thread(cluster.delete, config_map(NS))
+        # The namespace too, waited for: the next journey finds none of this one's objects.
+        await in_thread(cluster.delete, space)
+        await in_thread(cluster.wait_gone, space)
