@@ -261,9 +261,10 @@ def resolved(single: SingleQuery, workload: str) -> SingleQuery:
 class Built:
     """The pods of one case, in-process: their GPUs in a node's snapshot and their engines' pages."""
 
-    def __init__(self, inputs: Mapping[str, str], workload: str) -> None:
+    def __init__(self, inputs: Mapping[str, str], workload: str, labels: Mapping[str, str] | None = None) -> None:
         self.inputs = inputs
         self.workload = workload
+        self.labels = {"app": workload, **(labels or {})}
         self.directory = Directory()
         self.samples: list[GpuSample] = []
         self.scrapes: dict[tuple[str, str], PodScrape] = {}
@@ -297,7 +298,10 @@ class Built:
                     NOW,
                     {**(had.page.values if had and had.page else {}), name: total},
                     {**(had.page.counts if had and had.page else {}), name: len(values)},
-                    {name: {pool: (total, len(values))}} if signal.pool_label and pool else {},
+                    {
+                        **(had.page.pools if had and had.page else {}),
+                        **({name: {pool: (total, len(values))}} if signal.pool_label and pool else {}),
+                    },
                 )
                 self.scrapes[(info.namespace, info.pod)] = PodScrape(endpoint.url, page)
             else:  # a counter's increase over 10 s: each label set's value, 10 requests finished
@@ -316,7 +320,7 @@ class Built:
         info = PodInfo(
             "default",
             self.pod(number),
-            {"app": self.workload},
+            self.labels,
             self.workload,
             "Deployment",
             node="node-a",
@@ -342,10 +346,12 @@ class Built:
         return evaluate(single, source_of(self.view()), now=NOW, stale_after=5.0, directory=self.directory)
 
 
-def evaluated(query: Query, inputs: Mapping[str, str], workload: str) -> float | None:
-    """The real evaluator's value for ``query`` over pods built from ``inputs``; None where a GPU metric has no
-    builder here (the rule's check still holds for it)."""
-    built = Built(inputs, workload)
+def evaluated(
+    query: Query, inputs: Mapping[str, str], workload: str, labels: Mapping[str, str] | None = None
+) -> float | None:
+    """The real evaluator's value for ``query`` over pods built from ``inputs`` (labelled ``labels`` too); None where
+    a GPU metric has no builder here (the rule's check still holds for it)."""
+    built = Built(inputs, workload, labels)
     value = query.value
     if isinstance(value, CombinedQuery):
         parts = []
@@ -389,7 +395,10 @@ def test_the_evaluator_answers_each_examples_value(path: Path, scaled: Mapping[s
     """Over pods built from an example's worked line, its own trigger evaluates to the value the line states."""
     trigger = scaled["spec"]["triggers"][0]["metadata"]
     workload = trigger.get("workload", scaled["spec"]["scaleTargetRef"]["name"])
-    answer = evaluated(parse(trigger, scaled["metadata"]), case.inputs, workload)
+    # Pods a podSelector of key=value pairs selects (the EPP's pods of the serving-from-zero example).
+    selector = [pair.split("=", 1) for pair in trigger.get("podSelector", "").split(",") if "=" in pair]
+    labels = {key.strip(): value.strip() for key, value in selector}
+    answer = evaluated(parse(trigger, scaled["metadata"]), case.inputs, workload, labels)
     if answer is not None:
         assert answer == pytest.approx(case.value), case.where
 
