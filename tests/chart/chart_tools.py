@@ -40,8 +40,8 @@ PROMETHEUS_TAGS = ("remove_all_sd",)
 # The Kubernetes release whose OpenAPI document (api/openapi-spec/swagger.json) the manifests must satisfy.
 KUBERNETES_MODULE = "k8s.io/kubernetes"
 KUBERNETES_VERSION = "v1.37.2"
-# CRDs: (module, version, CRD file in it). ServiceMonitor and PrometheusRule for the chart; ScaledObject for
-# examples/.
+# CRDs: (module, version, CRD file in it). ServiceMonitor and PrometheusRule for the chart; ScaledObject and the
+# serving-from-zero example's InferencePool (GIE v1.5.0, the release the EPP journeys run) for examples/.
 CRDS = (
     (
         "github.com/prometheus-operator/prometheus-operator",
@@ -54,6 +54,11 @@ CRDS = (
         "example/prometheus-operator-crd/monitoring.coreos.com_prometheusrules.yaml",
     ),
     ("github.com/kedacore/keda/v2", "v2.21.0", "config/crd/bases/keda.sh_scaledobjects.yaml"),
+    (
+        "sigs.k8s.io/gateway-api-inference-extension",
+        "v1.5.0",
+        "config/crd/bases/inference.networking.k8s.io_inferencepools.yaml",
+    ),
 )
 
 Json = dict[str, Any]
