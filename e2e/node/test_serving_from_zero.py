@@ -214,7 +214,7 @@ async def test_the_first_request_wakes_the_pool_from_zero_by_push_and_by_prometh
             await history.hold(0, 5)  # an idle EPP: 0, and KEDA leaves the pool at 0
             idle = [received.get_nowait()[1] for _ in range(received.qsize())]
             assert idle, "the gateway's stream sent nothing while the EPP was idle"
-            assert True not in idle, idle
+            assert all(state is False for state in idle), f"the stream went active while the EPP was idle: {idle}"
             moments, request = await _wake(
                 cluster,
                 history,
